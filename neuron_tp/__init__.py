@@ -1,0 +1,27 @@
+"""neuron_tp: tensor parallelism for AWS Trainium and Inferentia on torch-xla collectives.
+
+Public API::
+
+    import neuron_tp as ntp
+    mesh = ntp.init_mesh(tp=2)                 # world = dp x tp, becomes the default mesh
+    vmesh = ntp.Mesh.virtual(world_size=32, rank=5, tp=8)   # trace-only
+    from neuron_tp.layers import ColumnParallelLinear, RowParallelLinear, ...
+"""
+from . import blocks, comm, layers, regions
+from ._xla import device as xla_device
+from .grads import (allreduce_data_parallel_grads, clip_grad_norm_, global_grad_norm,
+                    sync_sequence_parallel_grads)
+from .layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+                     parallel_cross_entropy)
+from .mesh import Group, Mesh, get_mesh, init_mesh, set_default_mesh
+from .sharding import gather_full, get_sharding, mark_sequence_parallel
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Mesh", "Group", "init_mesh", "get_mesh", "set_default_mesh", "xla_device",
+    "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
+    "parallel_cross_entropy", "allreduce_data_parallel_grads", "sync_sequence_parallel_grads",
+    "clip_grad_norm_", "global_grad_norm", "gather_full", "get_sharding",
+    "mark_sequence_parallel", "blocks", "comm", "layers", "regions",
+]

@@ -1,0 +1,88 @@
+"""Transformer building blocks made of 1D tensor-parallel layers (optionally sequence-parallel).
+
+Activations are batch-first ``[batch, seq, hidden]``. With ``sequence_parallel`` the residual
+stream between blocks is sharded on the sequence (``[batch, seq/tp, hidden]``) and the norms
+run on shards; otherwise it is replicated over tp.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .layers import ColumnParallelLinear, RowParallelLinear
+from .layers.common import divisors
+from .mesh import Mesh, get_mesh
+from .sharding import mark_sequence_parallel
+
+
+def _norm(hidden: int, sequence_parallel: bool, dtype) -> nn.LayerNorm:
+    norm = nn.LayerNorm(hidden, dtype=dtype)
+    if sequence_parallel:
+        for p in norm.parameters():
+            mark_sequence_parallel(p)
+    return norm
+
+
+class ParallelMLP(nn.Module):
+    """``down(gelu(up(x)))``: column-parallel up, row-parallel down; one all-reduce (or
+    all-gather + reduce-scatter under SP) forward, the same backward."""
+
+    def __init__(self, hidden: int, ffn: int, mesh: Mesh | None = None,
+                 sequence_parallel: bool = False, bias: bool = True, dtype=None):
+        super().__init__()
+        mesh = get_mesh(mesh)
+        self.up = ColumnParallelLinear(hidden, ffn, bias=bias, sequence_parallel=sequence_parallel,
+                                       mesh=mesh, dtype=dtype)
+        self.down = RowParallelLinear(ffn, hidden, bias=bias, sequence_parallel=sequence_parallel,
+                                      mesh=mesh, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.up(x)))
+
+
+class ParallelSelfAttention(nn.Module):
+    """Causal multi-head self-attention with heads split over tp (fused, head-sharded QKV)."""
+
+    def __init__(self, hidden: int, num_heads: int, mesh: Mesh | None = None,
+                 sequence_parallel: bool = False, bias: bool = True, dtype=None):
+        super().__init__()
+        mesh = get_mesh(mesh)
+        if hidden % num_heads:
+            raise ValueError(f"hidden={hidden} is not divisible by num_heads={num_heads}")
+        if num_heads % mesh.tp_size:
+            ok = [d for d in divisors(mesh.world_size) if num_heads % d == 0]
+            raise ValueError(f"num_heads={num_heads} is not divisible by tp={mesh.tp_size}; "
+                             f"tp degrees that work: {ok}")
+        self.local_heads = num_heads // mesh.tp_size
+        self.head_dim = hidden // num_heads
+        self.qkv = ColumnParallelLinear(hidden, 3 * hidden, bias=bias, segments=(hidden,) * 3,
+                                        sequence_parallel=sequence_parallel, mesh=mesh,
+                                        dtype=dtype)
+        self.out = RowParallelLinear(hidden, hidden, bias=bias,
+                                     sequence_parallel=sequence_parallel, mesh=mesh, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s = x.shape[0], -1
+        q, k, v = (t.reshape(b, s, self.local_heads, self.head_dim).transpose(1, 2)
+                   for t in self.qkv(x).chunk(3, dim=-1))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(b, y.shape[2], -1))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: ``x + attn(ln1(x))`` then ``x + mlp(ln2(x))``."""
+
+    def __init__(self, hidden: int, num_heads: int, ffn: int | None = None,
+                 mesh: Mesh | None = None, sequence_parallel: bool = False, bias: bool = True,
+                 dtype=None):
+        super().__init__()
+        mesh = get_mesh(mesh)
+        self.ln1 = _norm(hidden, sequence_parallel, dtype)
+        self.attn = ParallelSelfAttention(hidden, num_heads, mesh, sequence_parallel, bias, dtype)
+        self.ln2 = _norm(hidden, sequence_parallel, dtype)
+        self.mlp = ParallelMLP(hidden, ffn or 4 * hidden, mesh, sequence_parallel, bias, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))

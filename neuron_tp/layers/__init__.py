@@ -1,0 +1,7 @@
+"""1D tensor-parallel layers (Megatron-style) and the vocab-parallel loss."""
+from .embedding import VocabParallelEmbedding
+from .linear import ColumnParallelLinear, RowParallelLinear
+from .loss import parallel_cross_entropy
+
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
+           "parallel_cross_entropy"]

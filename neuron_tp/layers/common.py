@@ -1,0 +1,84 @@
+"""Shared pieces of the layers: TP-invariant parameter creation and input checks."""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ..mesh import Group, Mesh
+from ..sharding import (Sharding, get_sharding, is_sequence_parallel, mark_sequence_parallel,
+                        set_sharding, shard_of)
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def require_divisible(size: int, group: Group, what: str, world_size: int) -> None:
+    """Raise a clear error when ``group`` cannot split ``size`` evenly."""
+    if size % group.size:
+        ok = [d for d in divisors(world_size) if size % d == 0]
+        raise ValueError(f"{what}={size} is not divisible by {group.name} size {group.size}; "
+                         f"degrees that divide both it and the world size {world_size}: {ok}")
+
+
+def make_parameter(full_shape: tuple[int, ...], splits: tuple[tuple[str, int], ...], mesh: Mesh,
+                   init_fn: Callable[[torch.Tensor], object] | None,
+                   device=None, dtype=None, segments=None) -> nn.Parameter:
+    """This rank's shard of a parameter whose *full* tensor is initialised by ``init_fn``.
+
+    The full tensor is drawn on the CPU from the global RNG and then sliced, so the same seed
+    gives the same full weights at every TP degree. ``init_fn=None`` or ``device='meta'``
+    skips initialisation (the caller loads weights).
+    """
+    sharding = Sharding(tuple(splits), tuple(full_shape), tuple(segments) if segments else None)
+    dtype = dtype or torch.get_default_dtype()
+    if init_fn is None or torch.device(device or "cpu").type == "meta":
+        shape = shard_of(torch.empty(full_shape, device="meta"), sharding, mesh).shape
+        p = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
+    else:
+        full = torch.empty(full_shape, dtype=torch.float32)
+        init_fn(full)
+        p = nn.Parameter(shard_of(full, sharding, mesh).to(device=device, dtype=dtype))
+    if splits:
+        set_sharding(p, sharding)
+    return p
+
+
+def linear_weight_init(w: torch.Tensor) -> None:
+    """nn.Linear's default initialisation of a full ``[out, in]`` weight."""
+    nn.init.kaiming_uniform_(w, a=math.sqrt(5))
+
+
+def linear_bias_init(fan_in: int) -> Callable[[torch.Tensor], object]:
+    bound = 1 / math.sqrt(fan_in) if fan_in > 0 else 0
+    return lambda b: nn.init.uniform_(b, -bound, bound)
+
+
+def check_input(x: torch.Tensor, weight: torch.Tensor, features: int, dim: int,
+                layer: str) -> None:
+    """Shape and dtype checks made before any collective runs."""
+    if x.shape[dim] != features:
+        raise ValueError(f"{layer}: expected {features} features on dim {dim} of the input, got "
+                         f"shape {tuple(x.shape)}")
+    if x.dtype != weight.dtype:
+        raise TypeError(f"{layer}: input dtype {x.dtype} does not match weight dtype "
+                        f"{weight.dtype}; cast the input or the module")
+
+
+def load_shards_from(layer: nn.Module, full: nn.Module) -> nn.Module:
+    """Give ``layer`` (built on meta) this rank's slices of the same-named parameters of the
+    unsharded module ``full``; the sharding records of ``layer`` say how to slice."""
+    for name, p in list(layer.named_parameters(recurse=False)):
+        src = getattr(full, name)
+        sh = get_sharding(p) or Sharding((), tuple(src.shape))
+        new = nn.Parameter(shard_of(src.detach(), sh, layer.mesh).clone(),
+                           requires_grad=src.requires_grad)
+        if sh.splits:
+            set_sharding(new, sh)
+        if is_sequence_parallel(p):
+            mark_sequence_parallel(new)
+        setattr(layer, name, new)
+    return layer

@@ -1,0 +1,146 @@
+"""Column- and row-parallel linear layers (1D, Megatron-style), with optional sequence parallelism."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import regions
+from ..mesh import Mesh, get_mesh
+from ..sharding import mark_sequence_parallel
+from .common import (check_input, linear_bias_init, linear_weight_init, load_shards_from,
+                     make_parameter, require_divisible)
+
+
+class ColumnParallelLinear(nn.Module):
+    """``Y = X A^T + b`` with ``A`` split by output rows over tp.
+
+    Input: replicated ``[..., in]`` (or sequence-sharded when ``sequence_parallel``).
+    Output: ``[..., out/tp]`` sharded on the last dim, or the full ``[..., out]`` when
+    ``gather_output``. ``segments`` packs several projections in one (fused QKV: sizes
+    ``(q, k, v)``; gate_up: ``(ffn, ffn)``): each piece is split over tp separately, so a rank
+    holds its heads of q, k and v, not a block of rows. ``pad_output`` allows an ``out_features`` that tp does not divide
+    (a vocabulary): the weight is zero-padded to a multiple of tp and a gathered output is
+    trimmed back to ``out_features``.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 gather_output: bool = False, sequence_parallel: bool = False,
+                 sequence_dim: int = 1, skip_bias_add: bool = False, pad_output: bool = False,
+                 segments: tuple[int, ...] | None = None,
+                 mesh: Mesh | None = None, device=None, dtype=None, init_method=None):
+        super().__init__()
+        self.mesh = get_mesh(mesh)
+        tp = self.mesh.tp
+        if segments is not None:
+            if sum(segments) != out_features or pad_output:
+                raise ValueError(f"segments {segments} must sum to out_features={out_features} "
+                                 "and cannot be combined with pad_output")
+            for size in segments:
+                require_divisible(size, tp, "ColumnParallelLinear segment", self.mesh.world_size)
+        elif not pad_output:
+            require_divisible(out_features, tp, "ColumnParallelLinear out_features",
+                              self.mesh.world_size)
+        if gather_output and segments is not None:
+            raise ValueError("gather_output is not supported for a packed (segments) projection")
+        self.in_features, self.out_features = in_features, out_features
+        self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
+        self.sequence_dim, self.skip_bias_add = sequence_dim, skip_bias_add
+        init = linear_weight_init if init_method is None else init_method
+        self.weight = make_parameter((out_features, in_features), (("tp", 0),), self.mesh, init,
+                                     device, dtype, segments)
+        self.bias = (make_parameter((out_features,), (("tp", 0),), self.mesh,
+                                    linear_bias_init(in_features), device, dtype, segments)
+                     if bias else None)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, mesh: Mesh | None = None, **kwargs) -> "ColumnParallelLinear":
+        """Shard an existing ``nn.Linear`` (every rank holds the same full module)."""
+        layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                    mesh=mesh, device="meta", dtype=linear.weight.dtype, **kwargs)
+        return load_shards_from(layer, linear)
+
+    def forward(self, x: torch.Tensor):
+        check_input(x, self.weight, self.in_features, -1, type(self).__name__)
+        tp = self.mesh.tp
+        if self.sequence_parallel:
+            x = regions.gather_from_sequence_parallel(x, tp, self.sequence_dim)
+        else:
+            x = regions.copy_to_tensor_parallel(x, tp)
+        bias = None if self.skip_bias_add else self.bias
+        y = F.linear(x, self.weight, bias)
+        if self.gather_output:
+            y = regions.gather_from_tensor_parallel(y, tp, -1)
+            if y.shape[-1] != self.out_features:
+                y = y[..., :self.out_features]
+        return (y, self.bias) if self.skip_bias_add else y
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"tp={self.mesh.tp_size}, gather_output={self.gather_output}, "
+                f"sequence_parallel={self.sequence_parallel}")
+
+
+class RowParallelLinear(nn.Module):
+    """``Y = X A^T + b`` with ``A`` split by input columns over tp; partial sums are reduced.
+
+    Input: ``[..., in/tp]`` sharded on the last dim (``input_is_parallel``) or the full
+    ``[..., in]``, which is then split. Output: replicated ``[..., out]``, or sequence-sharded
+    (reduce-scatter along ``sequence_dim``) when ``sequence_parallel``. The bias is added after
+    the reduction.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 input_is_parallel: bool = True, sequence_parallel: bool = False,
+                 sequence_dim: int = 1, skip_bias_add: bool = False,
+                 mesh: Mesh | None = None, device=None, dtype=None, init_method=None):
+        super().__init__()
+        self.mesh = get_mesh(mesh)
+        require_divisible(in_features, self.mesh.tp, "RowParallelLinear in_features",
+                          self.mesh.world_size)
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError("RowParallelLinear: sequence_parallel needs input_is_parallel=True")
+        self.in_features, self.out_features = in_features, out_features
+        self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
+        self.sequence_dim, self.skip_bias_add = sequence_dim, skip_bias_add
+        init = linear_weight_init if init_method is None else init_method
+        self.weight = make_parameter((out_features, in_features), (("tp", 1),), self.mesh, init,
+                                     device, dtype)
+        self.bias = (make_parameter((out_features,), (), self.mesh,
+                                    linear_bias_init(in_features), device, dtype)
+                     if bias else None)
+        if self.bias is not None and sequence_parallel:
+            mark_sequence_parallel(self.bias)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, mesh: Mesh | None = None, **kwargs) -> "RowParallelLinear":
+        """Shard an existing ``nn.Linear`` (every rank holds the same full module)."""
+        layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                    mesh=mesh, device="meta", dtype=linear.weight.dtype, **kwargs)
+        return load_shards_from(layer, linear)
+
+    def forward(self, x: torch.Tensor):
+        tp = self.mesh.tp
+        local_in = self.in_features // tp.size if self.input_is_parallel else self.in_features
+        check_input(x, self.weight, local_in, -1, type(self).__name__)
+        if not self.input_is_parallel:
+            x = regions.scatter_to_tensor_parallel(x, tp, -1)
+        y = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            if x.shape[self.sequence_dim] % tp.size:
+                raise ValueError(
+                    f"RowParallelLinear: sequence length {x.shape[self.sequence_dim]} (dim "
+                    f"{self.sequence_dim}) is not divisible by tp={tp.size} under sequence "
+                    f"parallelism; pad the sequence to a multiple of {tp.size}")
+            y = regions.reduce_scatter_to_sequence_parallel(y, tp, self.sequence_dim)
+        else:
+            y = regions.reduce_from_tensor_parallel(y, tp)
+        if self.skip_bias_add:
+            return y, self.bias
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"tp={self.mesh.tp_size}, input_is_parallel={self.input_is_parallel}, "
+                f"sequence_parallel={self.sequence_parallel}")
+

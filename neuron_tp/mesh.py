@@ -1,0 +1,229 @@
+"""The device mesh: which ranks talk to which, computed once, as plain rank lists.
+
+World ranks are laid out ``rank = dp_rank * tp + tp_rank`` so that a tensor-parallel group is
+a block of contiguous ranks (the NeuronCores of one node). In 2D mode the tp group is a
+``q x q`` grid (``tp_rank = row * q + col``); in 3D mode a ``q x q x q`` cube
+(``tp_rank = (i * q + j) * q + l``). Every group of every axis is listed, so the same lists give
+XLA replica groups and torch.distributed process groups.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from . import _xla
+
+TP_MODES = ("1d", "2d", "3d")
+
+
+@dataclass(eq=False)
+class Group:
+    """One axis of the mesh as seen from this rank."""
+
+    name: str
+    ranks: tuple[int, ...]  # world ranks of this rank's group, in group order
+    all_groups: tuple[tuple[int, ...], ...]  # every group of the axis (XLA replica groups)
+    rank: int  # this rank's index inside ``ranks``
+    virtual: bool = False  # trace-only: XLA tensors only, nothing executes
+    process_group: Any = field(default=None, repr=False)
+    _rank_tensors: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def rank_tensor(self, device: torch.device | str) -> torch.Tensor:
+        """This rank's index in the group as a 0-d int64 tensor on ``device`` (cached).
+
+        Rank-dependent values must enter XLA graphs as data, never as Python constants, so
+        every rank traces the same graph (one Neuron compile, not one per rank).
+        """
+        key = str(device)
+        if key not in self._rank_tensors:
+            self._rank_tensors[key] = torch.tensor(self.rank, device=device)
+        return self._rank_tensors[key]
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _tp_axes(tp_mode: str, tp: int) -> dict[str, list[list[int]]]:
+    """tp-local rank lists of each axis of the tensor-parallel group."""
+    axes = {"tp": [list(range(tp))]}
+    if tp_mode == "2d":
+        q = math.isqrt(tp)
+        # row group: same row, varying column; col group: same column, varying row.
+        axes["row"] = [[r * q + c for c in range(q)] for r in range(q)]
+        axes["col"] = [[r * q + c for r in range(q)] for c in range(q)]
+    elif tp_mode == "3d":
+        q = round(tp ** (1 / 3))
+
+        def idx(i: int, j: int, l: int) -> int:
+            return (i * q + j) * q + l
+
+        r = range(q)
+        axes["input"] = [[idx(i, j, l) for i in r] for j in r for l in r]  # vary i
+        axes["weight"] = [[idx(i, j, l) for j in r] for i in r for l in r]  # vary j
+        axes["output"] = [[idx(i, j, l) for l in r] for i in r for j in r]  # vary l
+        axes["input_weight"] = [[idx(i, j, l) for i in r for j in r] for l in r]  # vary i, j
+    return axes
+
+
+def _check_tp(world_size: int, tp: int, tp_mode: str) -> None:
+    if tp_mode not in TP_MODES:
+        raise ValueError(f"tp_mode must be one of {TP_MODES}, got {tp_mode!r}")
+    if tp < 1 or world_size % tp:
+        raise ValueError(
+            f"tp={tp} does not divide the world size {world_size}; valid tp degrees: "
+            f"{_divisors(world_size)}"
+        )
+    if tp_mode == "2d" and math.isqrt(tp) ** 2 != tp:
+        valid = [d for d in _divisors(world_size) if math.isqrt(d) ** 2 == d]
+        raise ValueError(f"tp_mode='2d' needs tp = q*q, got tp={tp}; valid: {valid}")
+    if tp_mode == "3d" and round(tp ** (1 / 3)) ** 3 != tp:
+        valid = [d for d in _divisors(world_size) if round(d ** (1 / 3)) ** 3 == d]
+        raise ValueError(f"tp_mode='3d' needs tp = q*q*q, got tp={tp}; valid: {valid}")
+
+
+class Mesh:
+    """dp x tp mesh (tp optionally a 2D grid or 3D cube) with one :class:`Group` per axis.
+
+    Use :func:`init_mesh` in a real job and :meth:`Mesh.virtual` to trace what one rank of a
+    large job would run, on a single XLA device, without executing it.
+    """
+
+    def __init__(self, world_size: int, rank: int, tp: int = 1, tp_mode: str = "1d",
+                 virtual: bool = False, create_process_groups: bool = False):
+        _check_tp(world_size, tp, tp_mode)
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside the world of size {world_size}")
+        self.world_size, self.rank, self.tp_mode, self.virtual = world_size, rank, tp_mode, virtual
+        dp = world_size // tp
+        dp_rank, tp_rank = divmod(rank, tp)
+        lists: dict[str, list[list[int]]] = {
+            "dp": [[d * tp + t for d in range(dp)] for t in range(tp)],
+            "world": [list(range(world_size))],
+        }
+        for name, local_groups in _tp_axes(tp_mode, tp).items():
+            lists[name] = [[d * tp + t for t in g] for d in range(dp) for g in local_groups]
+        self.groups: dict[str, Group] = {}
+        for name, groups in lists.items():
+            mine = next(g for g in groups if rank in g)
+            pg = None
+            if create_process_groups:
+                # Every rank must create every group, in the same order.
+                import torch.distributed as dist
+                for g in groups:
+                    if len(g) == world_size:
+                        created = dist.group.WORLD
+                    elif len(g) == 1:
+                        created = None
+                    else:
+                        created = dist.new_group(g)
+                    if g == mine:
+                        pg = created
+            self.groups[name] = Group(name, tuple(mine), tuple(map(tuple, groups)),
+                                      mine.index(rank), virtual, pg)
+
+    @classmethod
+    def virtual(cls, world_size: int, rank: int, tp: int, tp_mode: str = "1d") -> "Mesh":
+        """A trace-only mesh: layers emit XLA collectives for rank ``rank`` of ``world_size``.
+
+        Only XLA tensors may be fed to its layers; the graph is traced, not executed.
+        """
+        return cls(world_size, rank, tp=tp, tp_mode=tp_mode, virtual=True)
+
+    def group(self, name: str) -> Group:
+        try:
+            return self.groups[name]
+        except KeyError:
+            raise ValueError(f"mesh ({self.tp_mode}) has no axis {name!r}; axes: "
+                             f"{sorted(self.groups)}") from None
+
+    @property
+    def tp(self) -> Group:
+        return self.groups["tp"]
+
+    @property
+    def dp(self) -> Group:
+        return self.groups["dp"]
+
+    @property
+    def tp_size(self) -> int:
+        return self.tp.size
+
+    @property
+    def tp_rank(self) -> int:
+        return self.tp.rank
+
+    @property
+    def dp_size(self) -> int:
+        return self.dp.size
+
+    @property
+    def dp_rank(self) -> int:
+        return self.dp.rank
+
+    def __repr__(self) -> str:
+        kind = "virtual " if self.virtual else ""
+        return (f"{kind}Mesh(world={self.world_size}, rank={self.rank}, dp={self.dp_size}, "
+                f"tp={self.tp_size}, tp_mode={self.tp_mode!r})")
+
+
+_default_mesh: Mesh | None = None
+
+
+def set_default_mesh(mesh: Mesh | None) -> None:
+    """Make ``mesh`` the one layers use when they are given ``mesh=None``."""
+    global _default_mesh
+    _default_mesh = mesh
+
+
+def get_mesh(mesh: Mesh | None = None) -> Mesh:
+    """``mesh`` itself, or the default mesh; a clear error when neither exists."""
+    if mesh is not None:
+        return mesh
+    if _default_mesh is None:
+        raise RuntimeError("no mesh: call neuron_tp.init_mesh(tp=...) first or pass mesh=")
+    return _default_mesh
+
+
+def _init_process_group(backend: str | None) -> None:
+    import torch.distributed as dist
+    if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return
+    if backend is None:
+        backend = "xla" if _xla.on_neuron() else "gloo"
+    if backend == "xla":
+        import torch_xla.distributed.xla_backend  # noqa: F401  (registers the backend)
+        dist.init_process_group("xla", init_method="xla://")
+    else:
+        dist.init_process_group(backend)
+
+
+def init_mesh(tp: int = 1, tp_mode: str = "1d", backend: str | None = None) -> Mesh:
+    """Build the mesh of this job (world = dp x tp) and make it the default.
+
+    Uses the existing torch.distributed process group (``xla``, gloo or NCCL); when none
+    exists and torchrun's environment says the world is larger than one, creates it
+    (``xla`` on Neuron, gloo otherwise, or ``backend``).
+    """
+    import torch.distributed as dist
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if not dist.is_initialized():
+        # Validate before any rendezvous so a bad tp never leaves ranks waiting.
+        _check_tp(world, tp, tp_mode)
+    _init_process_group(backend)
+    if dist.is_available() and dist.is_initialized():
+        world, rank = dist.get_world_size(), dist.get_rank()
+        needs_groups = dist.get_backend() != "xla"
+    else:
+        world, rank, needs_groups = 1, 0, False
+    mesh = Mesh(world, rank, tp=tp, tp_mode=tp_mode, create_process_groups=needs_groups)
+    set_default_mesh(mesh)
+    return mesh
