@@ -62,9 +62,12 @@ def num_shards(param: torch.Tensor, mesh: Mesh) -> int:
     return n
 
 
-def gather_full(param: torch.Tensor, mesh: Mesh) -> torch.Tensor:
-    """The unsharded tensor, assembled on every rank (collective over the split axes)."""
-    sh = get_sharding(param)
+def gather_full(param: torch.Tensor, mesh: Mesh, sharding: Sharding | None = None) -> torch.Tensor:
+    """The unsharded tensor, assembled on every rank (collective over the split axes).
+
+    ``sharding`` defaults to the record on ``param``; pass it for tensors laid out like a
+    parameter (its gradient, optimizer states)."""
+    sh = sharding or get_sharding(param)
     t = param.detach()
     if sh is None:
         return t
