@@ -31,7 +31,11 @@ def xm():
 
 
 def device() -> torch.device:
-    """The XLA device of this process (a NeuronCore on Neuron, the CPU PJRT device elsewhere)."""
+    """The XLA device of this process (a NeuronCore on Neuron, the CPU PJRT device elsewhere).
+
+    Call it before the first ``backward()`` of the process: PyTorch's autograd engine sizes its
+    per-device queues once, and a device type registered later makes backward fail.
+    """
     if not os.environ.get("PJRT_DEVICE"):
         os.environ["PJRT_DEVICE"] = "NEURON" if on_neuron() else "CPU"
     import torch_xla

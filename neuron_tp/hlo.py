@@ -76,3 +76,24 @@ def trace_hlo(tensors: list[torch.Tensor]) -> str:
     """HLO text of the pending XLA graph that produces ``tensors`` (nothing is executed)."""
     import torch_xla
     return torch_xla._XLAC._get_xla_tensors_hlo(list(tensors))
+
+
+def collectives_in_fresh_process(code: str, timeout: float = 300) -> list[Collective]:
+    """Run ``code`` in a new Python process on the XLA CPU device and parse the HLO it prints.
+
+    ``code`` must ``print(neuron_tp.hlo.trace_hlo([...]))``. A fresh process is needed because
+    torch-xla threads an ordering token through collectives until the next ``mark_step``: a
+    second trace in the same process would contain the first one's collectives, and a graph
+    traced on a virtual mesh cannot be executed to clear them.
+    """
+    import os
+    import subprocess
+    import sys
+    env = {**os.environ, "PJRT_DEVICE": "CPU"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=timeout)
+    if out.returncode:
+        raise RuntimeError(f"trace failed:\n{out.stderr[-3000:]}")
+    return parse_collectives(out.stdout)
