@@ -57,9 +57,17 @@ def linear_bias_init(fan_in: int) -> Callable[[torch.Tensor], object]:
     return lambda b: nn.init.uniform_(b, -bound, bound)
 
 
+def check_device(x: torch.Tensor, mesh: Mesh, layer: str) -> None:
+    """A virtual (trace-only) mesh only makes sense on XLA tensors."""
+    if mesh.virtual and x.device.type != "xla":
+        raise RuntimeError(f"{layer}: {mesh} is virtual (trace-only) and needs XLA tensors, got "
+                           f"a {x.device} tensor; move module and input to ntp.xla_device()")
+
+
 def check_input(x: torch.Tensor, weight: torch.Tensor, features: int, dim: int,
-                layer: str) -> None:
-    """Shape and dtype checks made before any collective runs."""
+                layer: str, mesh: Mesh) -> None:
+    """Device, shape and dtype checks made before any collective runs."""
+    check_device(x, mesh, layer)
     if x.shape[dim] != features:
         raise ValueError(f"{layer}: expected {features} features on dim {dim} of the input, got "
                          f"shape {tuple(x.shape)}")

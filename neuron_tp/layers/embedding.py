@@ -7,7 +7,7 @@ from torch import nn
 
 from .. import regions
 from ..mesh import Mesh, get_mesh
-from .common import load_shards_from, make_parameter
+from .common import check_device, load_shards_from, make_parameter
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -55,6 +55,7 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if ids.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"VocabParallelEmbedding: ids must be int64/int32, got {ids.dtype}")
+        check_device(ids, self.mesh, type(self).__name__)
         tp = self.mesh.tp
         if tp.size == 1:
             out = F.embedding(ids, self.weight)

@@ -61,7 +61,7 @@ class ColumnParallelLinear(nn.Module):
         return load_shards_from(layer, linear)
 
     def forward(self, x: torch.Tensor):
-        check_input(x, self.weight, self.in_features, -1, type(self).__name__)
+        check_input(x, self.weight, self.in_features, -1, type(self).__name__, self.mesh)
         tp = self.mesh.tp
         if self.sequence_parallel:
             x = regions.gather_from_sequence_parallel(x, tp, self.sequence_dim)
@@ -122,16 +122,16 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor):
         tp = self.mesh.tp
         local_in = self.in_features // tp.size if self.input_is_parallel else self.in_features
-        check_input(x, self.weight, local_in, -1, type(self).__name__)
+        check_input(x, self.weight, local_in, -1, type(self).__name__, self.mesh)
+        if self.sequence_parallel and x.shape[self.sequence_dim] % tp.size:
+            raise ValueError(
+                f"RowParallelLinear: sequence length {x.shape[self.sequence_dim]} (dim "
+                f"{self.sequence_dim}) is not divisible by tp={tp.size} under sequence "
+                f"parallelism; pad the sequence to a multiple of {tp.size}")
         if not self.input_is_parallel:
             x = regions.scatter_to_tensor_parallel(x, tp, -1)
         y = F.linear(x, self.weight)
         if self.sequence_parallel:
-            if x.shape[self.sequence_dim] % tp.size:
-                raise ValueError(
-                    f"RowParallelLinear: sequence length {x.shape[self.sequence_dim]} (dim "
-                    f"{self.sequence_dim}) is not divisible by tp={tp.size} under sequence "
-                    f"parallelism; pad the sequence to a multiple of {tp.size}")
             y = regions.reduce_scatter_to_sequence_parallel(y, tp, self.sequence_dim)
         else:
             y = regions.reduce_from_tensor_parallel(y, tp)
