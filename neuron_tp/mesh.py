@@ -37,14 +37,15 @@ class Group:
         return len(self.ranks)
 
     def rank_tensor(self, device: torch.device | str) -> torch.Tensor:
-        """This rank's index in the group as a 0-d int64 tensor on ``device`` (cached).
+        """This rank's index in the group as a ``[1]`` int64 tensor on ``device`` (cached).
 
         Rank-dependent values must enter XLA graphs as data, never as Python constants, so
-        every rank traces the same graph (one Neuron compile, not one per rank).
+        every rank traces the same graph (one Neuron compile, not one per rank). Not 0-d:
+        torch-xla turns 0-d tensors holding 0 or 1 into graph constants.
         """
         key = str(device)
         if key not in self._rank_tensors:
-            self._rank_tensors[key] = torch.tensor(self.rank, device=device)
+            self._rank_tensors[key] = torch.tensor([self.rank], device=device)
         return self._rank_tensors[key]
 
 

@@ -74,3 +74,35 @@ print("ok", y.device)
                          timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "ok xla" in out.stdout
+
+
+RANK_GRAPH = """
+import torch, neuron_tp as ntp
+from neuron_tp import regions
+from neuron_tp.hlo import trace_hlo
+mesh = ntp.Mesh.virtual(world_size=8, rank={rank}, tp=4)
+dev = ntp.xla_device()
+torch.manual_seed(0)
+emb = ntp.VocabParallelEmbedding(50, 32, mesh=mesh).to(dev)
+block = ntp.blocks.TransformerBlock(32, 4, mesh=mesh, sequence_parallel=True).to(dev)
+head = ntp.ColumnParallelLinear(32, 50, bias=False, pad_output=True, sequence_parallel=True,
+                                mesh=mesh).to(dev)
+ids = torch.randint(0, 50, (2, 8)).to(dev)
+x = regions.scatter_to_sequence_parallel(emb(ids), mesh.tp, 1)
+loss = ntp.parallel_cross_entropy(head(block(x)), ids, mesh=mesh, vocab_size=50)
+loss.backward()
+print(trace_hlo([loss] + [p.grad for p in (*emb.parameters(), *block.parameters(), *head.parameters())]))
+"""
+
+
+def test_every_rank_traces_the_same_graph():
+    """Rank-dependent values (vocab slice starts, sequence chunk index) enter the graph as data,
+    so all ranks share one graph: one Neuron compile instead of one per rank."""
+    hlo = []
+    for rank in (1, 6):
+        out = subprocess.run([sys.executable, "-c", RANK_GRAPH.format(rank=rank)],
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        hlo.append(out.stdout)
+    assert "all-gather" in hlo[0] and "reduce-scatter" in hlo[0]
+    assert hlo[0] == hlo[1]
