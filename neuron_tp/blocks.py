@@ -12,6 +12,7 @@ from torch import nn
 
 from .layers import ColumnParallelLinear, RowParallelLinear
 from .layers.common import divisors
+from .layers.dropout import sharded_dropout
 from .mesh import Mesh, get_mesh
 from .sharding import mark_sequence_parallel
 
@@ -71,18 +72,27 @@ class ParallelSelfAttention(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm block: ``x + attn(ln1(x))`` then ``x + mlp(ln2(x))``."""
+    """Pre-norm block: ``x + drop(attn(ln1(x)))`` then ``x + drop(mlp(ln2(x)))``.
+
+    Dropout masks equal the unsharded block's for the same RNG state (see
+    :func:`neuron_tp.layers.dropout.sharded_dropout`), with or without sequence parallelism.
+    """
 
     def __init__(self, hidden: int, num_heads: int, ffn: int | None = None,
                  mesh: Mesh | None = None, sequence_parallel: bool = False, bias: bool = True,
-                 dtype=None):
+                 dropout: float = 0.0, dtype=None):
         super().__init__()
         mesh = get_mesh(mesh)
+        self.mesh, self.dropout, self.sequence_parallel = mesh, dropout, sequence_parallel
         self.ln1 = _norm(hidden, sequence_parallel, dtype)
         self.attn = ParallelSelfAttention(hidden, num_heads, mesh, sequence_parallel, bias, dtype)
         self.ln2 = _norm(hidden, sequence_parallel, dtype)
         self.mlp = ParallelMLP(hidden, ffn or 4 * hidden, mesh, sequence_parallel, bias, dtype)
 
+    def _drop(self, x: torch.Tensor) -> torch.Tensor:
+        group = self.mesh.tp if self.sequence_parallel else None  # else replicated over tp
+        return sharded_dropout(x, self.dropout, group, 1, self.training)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
+        x = x + self._drop(self.attn(self.ln1(x)))
+        return x + self._drop(self.mlp(self.ln2(x)))

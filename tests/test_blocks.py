@@ -9,9 +9,15 @@ from neuron_tp import regions
 from reference import assert_close
 
 HID, HEADS, FFN, B, S = 12, 4, 20, 2, 4
+P_DROP = 0.25
 
 
-def _ref_block(p, x):
+def _dropout(x):
+    """Dropout by definition, drawing the mask for the whole (global-batch) tensor."""
+    return x * (torch.rand(x.shape) >= P_DROP) / (1 - P_DROP)
+
+
+def _ref_block(p, x, drop=lambda t: t):
     """The block computed from full weights with plain torch ops (independent reference)."""
     h = F.layer_norm(x, (HID,), p["ln1.weight"], p["ln1.bias"])
     qkv = F.linear(h, p["attn.qkv.weight"], p["attn.qkv.bias"])
@@ -20,18 +26,20 @@ def _ref_block(p, x):
     scores = (q @ k.transpose(-1, -2)) / (HID // HEADS) ** 0.5
     mask = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).tril()
     att = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v
-    x = x + F.linear(att.transpose(1, 2).reshape(x.shape), p["attn.out.weight"],
-                     p["attn.out.bias"])
+    x = x + drop(F.linear(att.transpose(1, 2).reshape(x.shape), p["attn.out.weight"],
+                          p["attn.out.bias"]))
     h = F.layer_norm(x, (HID,), p["ln2.weight"], p["ln2.bias"])
     h = F.linear(F.gelu(F.linear(h, p["mlp.up.weight"], p["mlp.up.bias"])),
                  p["mlp.down.weight"], p["mlp.down.bias"])
-    return x + h
+    return x + drop(h)
 
 
-def _block(tp, sp):
+def _block(tp, sp, dropout=False):
     mesh = ntp.init_mesh(tp=tp)
+    assert not (dropout and mesh.dp_size > 1), "the reference draws one mask for one batch"
     torch.manual_seed(0)
-    block = ntp.blocks.TransformerBlock(HID, HEADS, FFN, sequence_parallel=sp)
+    block = ntp.blocks.TransformerBlock(HID, HEADS, FFN, sequence_parallel=sp,
+                                        dropout=P_DROP if dropout else 0.0)
     with torch.no_grad():  # non-trivial norm parameters
         for ln in (block.ln1, block.ln2):
             ln.weight.uniform_(0.5, 1.5)
@@ -41,7 +49,8 @@ def _block(tp, sp):
     # every dp replica sees its own batch; the reference sees the concatenation
     torch.manual_seed(1)
     x_all = torch.randn(mesh.dp_size * B, S, HID, requires_grad=True)
-    y_ref = _ref_block(full, x_all)
+    torch.manual_seed(99)  # dropout: both sides draw from the same RNG state
+    y_ref = _ref_block(full, x_all, _dropout if dropout else (lambda t: t))
     g_all = torch.randn_like(y_ref)
     ((y_ref * g_all).sum() / mesh.dp_size).backward()
 
@@ -52,6 +61,7 @@ def _block(tp, sp):
         x = regions.scatter_to_sequence_parallel(x, mesh.tp, 1)
         g = g.chunk(tp, 1)[mesh.tp_rank]
     x = x.clone().requires_grad_(True)
+    torch.manual_seed(99)
     y = block(x)
     expect = y_ref[rows].chunk(tp, 1)[mesh.tp_rank] if sp else y_ref[rows]
     assert_close(y, expect.detach(), f"block out tp={tp} sp={sp}", atol=2e-5)
@@ -99,11 +109,14 @@ def _mlp_two_layers(tp):
 def _blocks_2ranks():
     _block(2, sp=False)
     _block(2, sp=True)
+    _block(2, sp=True, dropout=True)
+    _block(2, sp=False, dropout=True)
     _mlp_two_layers(2)
 
 
 def _blocks_4ranks():
     _block(4, sp=True)   # tp=4
+    _block(4, sp=True, dropout=True)
     _block(2, sp=True)   # tp=2 x dp=2
     _block(2, sp=False)
     _block(1, sp=False)  # dp=4, no tensor parallelism
