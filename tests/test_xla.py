@@ -106,3 +106,26 @@ def test_every_rank_traces_the_same_graph():
         hlo.append(out.stdout)
     assert "all-gather" in hlo[0] and "reduce-scatter" in hlo[0]
     assert hlo[0] == hlo[1]
+
+
+def test_init_mesh_adopts_xla_process_group():
+    """On Neuron the job runs init_process_group("xla"); init_mesh must adopt it (world 1 here)."""
+    code = """
+import torch, torch.distributed as dist
+import torch_xla.distributed.xla_backend
+import neuron_tp as ntp
+dev = ntp.xla_device()
+dist.init_process_group("xla", init_method="xla://")
+mesh = ntp.init_mesh(tp=1)
+assert ntp.get_mesh() is mesh and dist.get_backend() == "xla"
+torch.manual_seed(0)
+ref = torch.nn.Linear(4, 6)
+col = ntp.ColumnParallelLinear.from_linear(ref).to(dev)
+x = torch.randn(2, 4)
+torch.testing.assert_close(col(x.to(dev)).cpu(), ref(x), atol=1e-5, rtol=1e-5)
+print("ok", mesh)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "ok Mesh(world=1" in out.stdout
