@@ -1,0 +1,172 @@
+"""Attention heads under tensor parallelism: per-rank head counts, GQA/MQA key/value heads that
+tp does not divide (replicated on as few ranks as needed), and norms over sharded features."""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import comm, regions
+from ..layers import ColumnParallelLinear
+from ..layers.common import divisors
+from ..mesh import Group, Mesh
+
+SUPPORTED_ATTN = ("eager", "sdpa", None)
+
+
+@dataclass(frozen=True)
+class Heads:
+    """Head layout of one model: ``q`` query heads, ``kv`` key/value heads of size ``dim``."""
+
+    q: int
+    kv: int
+    dim: int
+
+
+def model_heads(config) -> Heads | None:
+    """Query/key-value head counts and head size from a transformers config (None if absent)."""
+    q = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None)
+    if not q:
+        return None
+    kv = (getattr(config, "num_key_value_heads", None) or getattr(config, "num_kv_heads", None))
+    if getattr(config, "multi_query", False) and not getattr(config, "new_decoder_architecture", False):
+        kv = 1
+    hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
+    dim = getattr(config, "head_dim", None) or hidden // q
+    return Heads(q, kv or q, dim)
+
+
+def valid_tp_degrees(heads: Heads, world_size: int) -> list[int]:
+    return [d for d in divisors(world_size) if heads.q % d == 0]
+
+
+def check_heads(heads: Heads, tp: int, world_size: int, where: str) -> None:
+    """Refuse query heads that tp does not split evenly (before any collective)."""
+    if heads.q % tp:
+        raise ValueError(
+            f"{where}: num_attention_heads={heads.q} cannot be split over tp={tp} (each rank "
+            f"must own whole query heads); tp degrees that work with world size {world_size}: "
+            f"{valid_tp_degrees(heads, world_size)}")
+
+
+def kv_slots(heads: Heads, tp: int) -> list[list[int]]:
+    """For each tp rank, the key/value heads it holds, in the order its query heads use them.
+
+    Rank r owns query heads ``[r*q/tp, (r+1)*q/tp)``; query head ``i`` reads kv head
+    ``i // (q/kv)``. A rank holds the fewest kv heads (``L`` per rank, the same on every rank)
+    such that its local query heads map onto them uniformly (local group size ``q/tp/L``).
+    With tp dividing kv this is the plain contiguous split; with tp > kv each kv head is
+    replicated on the ``tp/kv`` ranks that need it.
+    """
+    local_q, group = heads.q // tp, heads.q // heads.kv
+    for slots in divisors(local_q):
+        block = local_q // slots
+        ok = all(len({(r * local_q + j * block + i) // group for i in range(block)}) == 1
+                 for r in range(tp) for j in range(slots))
+        if ok:
+            return [[(r * local_q + j * block) // group for j in range(slots)] for r in range(tp)]
+    raise AssertionError("unreachable: one slot per query head always works")
+
+
+def is_plain_split(slots: list[list[int]], kv: int) -> bool:
+    """True when the slots are the contiguous split of the kv heads (no replication)."""
+    return [h for s in slots for h in s] == list(range(kv))
+
+
+class _SyncReplicatedRows(torch.autograd.Function):
+    """Identity forward. Backward: rows that are copies of the same kv head (on this and other
+    ranks) get the sum of all copies' gradients (the gradient of the one unsharded head)."""
+
+    @staticmethod
+    def forward(ctx, w, rows, uid, n_unique, group):
+        ctx.rows, ctx.uid, ctx.n_unique, ctx.group = rows, uid, n_unique, group
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, g):
+        part = g.index_select(0, ctx.rows)
+        full = g.new_zeros((ctx.n_unique, *g.shape[1:])).index_add(0, ctx.uid, part)
+        full = comm.all_reduce(full, ctx.group)
+        g = g.index_copy(0, ctx.rows, full.index_select(0, ctx.uid))
+        return g, None, None, None, None
+
+
+class KVReplicatedColumnLinear(ColumnParallelLinear):
+    """Column-parallel projection whose rows ``rows`` hold kv heads replicated over ranks.
+
+    ``uid_table[r]`` names, for each such row on rank r, its row in the unsharded tensor;
+    gradients of copies are summed across ranks in backward so every copy stays identical.
+    """
+
+    def set_replicas(self, rows: list[int], uid_table: list[list[int]], n_unique: int) -> None:
+        self.register_buffer("_rows", torch.tensor(rows, dtype=torch.long), persistent=False)
+        self.register_buffer("_uid_table", torch.tensor(uid_table, dtype=torch.long),
+                             persistent=False)
+        self.n_unique = n_unique
+
+    def _uid(self, device) -> torch.Tensor:
+        tp = self.mesh.tp
+        table = self._uid_table.to(device)
+        if tp.size == 1:
+            return table[0]
+        return table.index_select(0, tp.rank_tensor(device).view(1)).squeeze(0)
+
+    def forward(self, x: torch.Tensor):
+        tp = self.mesh.tp
+        if self.sequence_parallel:
+            x = regions.gather_from_sequence_parallel(x, tp, self.sequence_dim)
+        else:
+            x = regions.copy_to_tensor_parallel(x, tp)
+        rows, uid = self._rows.to(x.device), self._uid(x.device)
+        w = _SyncReplicatedRows.apply(self.weight, rows, uid, self.n_unique, tp)
+        b = (None if self.bias is None else
+             _SyncReplicatedRows.apply(self.bias, rows, uid, self.n_unique, tp))
+        return F.linear(x, w, b)
+
+
+def _sq_sum_allreduce(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Sum over the group, forward and backward (every rank's result feeds its own outputs)."""
+    return regions.copy_to_tensor_parallel(regions.reduce_from_tensor_parallel(x, group), group)
+
+
+class ShardedRMSNorm(nn.Module):
+    """RMSNorm over a feature dim that is sharded over tp (OLMo-2's q/k norm over all heads):
+    the mean of squares is all-reduced; the weight is sharded like the features."""
+
+    def __init__(self, norm: nn.Module, mesh: Mesh, full_features: int):
+        super().__init__()
+        self.mesh, self.full_features = mesh, full_features
+        self.eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
+        self.weight = norm.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        ssq = _sq_sum_allreduce(h.pow(2).sum(-1, keepdim=True), self.mesh.tp)
+        h = h * torch.rsqrt(ssq / self.full_features + self.eps)
+        return self.weight * h.to(dtype)
+
+
+def patch_attention_module(attn: nn.Module, heads: Heads, tp: int, slots_per_rank: int) -> None:
+    """Set the per-rank head counts on an attention module (and on its own config copy)."""
+    local_q = heads.q // tp
+    impl = getattr(getattr(attn, "config", None), "_attn_implementation", None)
+    if impl not in SUPPORTED_ATTN:
+        raise ValueError(f"{type(attn).__name__}: attention implementation {impl!r} is not "
+                         f"supported under tensor parallelism; use 'sdpa' or 'eager'")
+    updates = {"num_heads": local_q, "num_attention_heads": local_q, "n_head": local_q,
+               "num_key_value_heads": slots_per_rank, "num_kv_heads": slots_per_rank,
+               "num_key_value_groups": local_q // slots_per_rank,
+               "split_size": local_q * heads.dim, "all_head_size": local_q * heads.dim}
+    for name, value in updates.items():
+        if isinstance(getattr(attn, name, None), int):
+            setattr(attn, name, value)
+    if getattr(attn, "config", None) is not None:
+        cfg = copy.copy(attn.config)
+        for name in ("num_attention_heads", "num_key_value_heads", "num_kv_heads", "n_head"):
+            if name in cfg.__dict__ and isinstance(cfg.__dict__[name], int):
+                cfg.__dict__[name] = updates[name]
+        attn.config = cfg

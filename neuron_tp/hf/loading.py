@@ -1,0 +1,146 @@
+"""Load only this rank's slices of a safetensors checkpoint; save a consolidated HF one."""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+
+import torch
+from torch import nn
+
+from ..mesh import Mesh, get_mesh
+from ..sharding import gather_full, get_sharding, is_sequence_parallel, mark_sequence_parallel, set_sharding
+from .layout import HFLayout, get_layout, read_local, set_layout, to_hf
+from .parallelize import parallelize
+
+
+def hf_named_parameters(model: nn.Module):
+    """``(hf name, parameter)`` once per distinct parameter (tied ones under the first name)."""
+    return list(model.named_parameters())
+
+
+def gather_hf_state_dict(model: nn.Module, mesh: Mesh | None = None,
+                         grads: bool = False) -> dict[str, torch.Tensor]:
+    """Full (unsharded) parameters, or their gradients, under their HF names, on every rank.
+
+    Collective over tp: every rank must call it. Gradients should be synced first
+    (:func:`neuron_tp.sync_sequence_parallel_grads`)."""
+    mesh = get_mesh(mesh if mesh is not None else getattr(model, "_ntp_mesh", None))
+    out = {}
+    for name, p in hf_named_parameters(model):
+        t = p.grad if grads else p
+        if t is None:
+            continue
+        full = gather_full(t, mesh, get_sharding(p))
+        out[name] = to_hf(full, get_layout(p)) if get_sharding(p) else full.clone()
+    return out
+
+
+def save_pretrained(model: nn.Module, out_dir: str, mesh: Mesh | None = None) -> None:
+    """Write a consolidated transformers checkpoint (config + model.safetensors) from rank 0.
+
+    Collective over tp (every rank calls it); the files load with plain
+    ``AutoModel*.from_pretrained``."""
+    from safetensors.torch import save_file
+    mesh = get_mesh(mesh if mesh is not None else getattr(model, "_ntp_mesh", None))
+    state = gather_hf_state_dict(model, mesh)
+    if mesh.rank == 0:
+        os.makedirs(out_dir, exist_ok=True)
+        model.config.save_pretrained(out_dir)
+        gen = getattr(model, "generation_config", None)
+        if gen is not None:
+            with contextlib.suppress(Exception):
+                gen.save_pretrained(out_dir)
+        save_file({k: v.contiguous() for k, v in state.items()},
+                  os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+
+
+@contextlib.contextmanager
+def _params_on_meta():
+    """Create parameters on the meta device (buffers stay real: rotary tables, position ids)."""
+    original = nn.Module.register_parameter
+
+    def register(self, name, param):
+        original(self, name, param)
+        if param is not None and param.device.type != "meta":
+            p = self._parameters[name]
+            self._parameters[name] = nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
+
+    nn.Module.register_parameter = register
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original
+
+
+def _checkpoint_files(path: str) -> dict[str, str]:
+    """``{tensor name: file}`` of a single-file or sharded (index.json) safetensors checkpoint."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            wmap = json.load(f)["weight_map"]
+        return {k: os.path.join(path, v) for k, v in wmap.items()}
+    single = os.path.join(path, "model.safetensors")
+    if not os.path.exists(single):
+        raise ValueError(f"{path}: no model.safetensors or model.safetensors.index.json")
+    from safetensors import safe_open
+    with safe_open(single, "pt") as f:
+        return {k: single for k in f.keys()}
+
+
+def from_pretrained(path: str, mesh: Mesh | None = None, auto_class=None,
+                    sequence_parallel: bool = False, parallel_loss: bool = False,
+                    torch_dtype: torch.dtype | None = None, plan: dict[str, str] | None = None,
+                    **config_kwargs) -> nn.Module:
+    """Build ``auto_class`` from the config at ``path`` on the meta device, shard it, and read
+    only this rank's slices of each tensor from the safetensors files (never the full model)."""
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+    auto_class = auto_class or AutoModelForCausalLM
+    mesh = get_mesh(mesh)
+    config = AutoConfig.from_pretrained(path, **config_kwargs)
+    files = _checkpoint_files(path)
+    kwargs = {"dtype": torch_dtype} if torch_dtype is not None else {}
+    with _params_on_meta():
+        model = auto_class.from_config(config, **kwargs)
+    model = parallelize(model, mesh, sequence_parallel=sequence_parallel,
+                        parallel_loss=parallel_loss, plan=plan)
+    handles: dict[str, object] = {}
+    try:
+        for mname, mod in model.named_modules():
+            for pname, p in list(mod.named_parameters(recurse=False)):
+                name = f"{mname}.{pname}" if mname else pname
+                if p.device.type != "meta":
+                    continue
+                if name not in files:
+                    raise ValueError(f"{path}: checkpoint has no tensor {name!r}")
+                if files[name] not in handles:
+                    handles[files[name]] = safe_open(files[name], "pt")
+                sl = handles[files[name]].get_slice(name)
+                shape = tuple(sl.get_shape())
+
+                def read(dim, start, stop, sl=sl, n=len(shape)):
+                    if dim is None:
+                        return sl[:]
+                    idx = tuple(slice(start, stop) if d == dim else slice(None)
+                                for d in range(n))
+                    return sl[idx]
+
+                local = read_local(read, shape, get_layout(p)).to(p.dtype)
+                if local.shape != p.shape:
+                    raise ValueError(f"{name}: checkpoint slice {tuple(local.shape)} does not "
+                                     f"match this rank's parameter {tuple(p.shape)}")
+                new = nn.Parameter(local.contiguous(), requires_grad=p.requires_grad)
+                set_sharding(new, get_sharding(p))
+                set_layout(new, get_layout(p))
+                if is_sequence_parallel(p):
+                    mark_sequence_parallel(new)
+                # Every module holding this (possibly tied) parameter gets the loaded one.
+                for m2 in model.modules():
+                    for n2, p2 in list(m2._parameters.items()):
+                        if p2 is p:
+                            m2._parameters[n2] = new
+    finally:
+        handles.clear()
+    model.eval()
+    return model

@@ -1,0 +1,160 @@
+"""Sharded replacements for the linear/embedding modules of a transformers model."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import regions
+from ..layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from ..layers.common import check_input, divisors
+from ..mesh import Mesh
+from .attention import _SyncReplicatedRows
+from .layout import HFLayout, even_pieces, set_layout
+
+
+class HFColumnLinear(ColumnParallelLinear):
+    """Column-parallel linear whose input region (copy / sequence all-gather) may be applied
+    once by its parent module for all its sibling projections (``shared_region``), and whose
+    rows may hold kv heads replicated over ranks (gradients of copies summed in backward)."""
+
+    hf_name = ""
+    shared_region = False
+    region_input = None
+    replicas = None  # (rows, uid_table, n_unique)
+
+    def set_replicas(self, rows: list[int], uid_table: list[list[int]], n_unique: int) -> None:
+        self.register_buffer("_rows", torch.tensor(rows, dtype=torch.long), persistent=False)
+        self.register_buffer("_uid", torch.tensor(uid_table, dtype=torch.long), persistent=False)
+        self.replicas = n_unique
+
+    def _sync(self, t: torch.Tensor | None, device) -> torch.Tensor | None:
+        if t is None or self.replicas is None:
+            return t
+        tp = self.mesh.tp
+        uid = self._uid.to(device)
+        uid = uid[0] if tp.size == 1 else uid.index_select(
+            0, tp.rank_tensor(device).view(1)).squeeze(0)
+        return _SyncReplicatedRows.apply(t, self._rows.to(device), uid, self.replicas, tp)
+
+    def forward(self, x: torch.Tensor):
+        check_input(x, self.weight, self.in_features, -1, self.hf_name or type(self).__name__,
+                    self.mesh)
+        tp = self.mesh.tp
+        if self.shared_region:
+            if x is not self.region_input:
+                raise ValueError(
+                    f"{self.hf_name}: its input is not the input of its parent module, so the "
+                    "shared tensor-parallel input region does not apply (cross-attention or a "
+                    "transformed input); give this module an explicit plan without it")
+        elif self.sequence_parallel:
+            x = regions.gather_from_sequence_parallel(x, tp, self.sequence_dim)
+        else:
+            x = regions.copy_to_tensor_parallel(x, tp)
+        y = F.linear(x, self._sync(self.weight, x.device), self._sync(self.bias, x.device))
+        if self.gather_output:
+            y = regions.gather_from_tensor_parallel(y, tp, -1)
+            if y.shape[-1] != self.out_features:
+                y = y[..., :self.out_features]
+        return y
+
+
+def linear_view(mod: nn.Module, name: str):
+    """``(weight [out, in], bias, transposed)`` of an nn.Linear or a GPT-2 style Conv1D."""
+    if isinstance(mod, nn.Linear):
+        return mod.weight, mod.bias, False
+    if type(mod).__name__ == "Conv1D" and hasattr(mod, "nf"):
+        return mod.weight.t(), mod.bias, True
+    raise ValueError(f"{name}: a linear style was planned for a {type(mod).__name__}, which is "
+                     "neither nn.Linear nor Conv1D; fix the plan")
+
+
+def _runs(rows: list[int]) -> list[tuple[int, int]]:
+    out: list[list[int]] = []
+    for r in rows:
+        if out and out[-1][1] == r:
+            out[-1][1] = r + 1
+        else:
+            out.append([r, r + 1])
+    return [tuple(p) for p in out]
+
+
+def require(size: int, tp: int, world: int, name: str, what: str) -> None:
+    if size % tp:
+        ok = [d for d in divisors(world) if size % d == 0]
+        raise ValueError(f"{name}: {what}={size} cannot be split over tp={tp}; tp degrees that "
+                         f"work with world size {world}: {ok}")
+
+
+def column(mod: nn.Module, name: str, mesh: Mesh, rows_of_rank: list[list[int]] | None = None,
+           segments: list[int] | None = None, replicated_from: int | None = None,
+           gather_output: bool = False, pad_output: bool = False) -> HFColumnLinear:
+    """Shard ``mod`` by output rows. ``rows_of_rank[r]``: the HF rows rank r holds (kv heads
+    may repeat across ranks); None = the plain contiguous split (of each segment)."""
+    w, b, transposed = linear_view(mod, name)
+    tp, r = mesh.tp_size, mesh.tp_rank
+    out = w.shape[0]
+    if rows_of_rank is None:
+        segs = segments or [out]
+        if not pad_output:
+            for s in segs:
+                require(s, tp, mesh.world_size, name, "output features")
+        src, exp_segments, keep = SimpleNamespace(weight=w, bias=b), segments, None
+        pieces = []
+        off = 0
+        for s in segs:
+            pieces += even_pieces(s, r, tp, off)
+            off += s
+    else:
+        local = len(rows_of_rank[0])
+        # Expanded layout: each segment of every rank's rows, in rank order within segments.
+        segs = segments or [local * tp]
+        per = [s // tp for s in segs]
+        index, off = [], 0
+        for p in per:
+            for rows in rows_of_rank:
+                index += rows[off:off + p]
+            off += p
+        idx = torch.tensor(index, dtype=torch.long)
+        src = SimpleNamespace(weight=w.index_select(0, idx),
+                              bias=None if b is None else b.index_select(0, idx))
+        exp_segments = [p * tp for p in per] if segments else None
+        keep = tuple(index.index(j) for j in range(out))
+        pieces = _runs(rows_of_rank[r])
+    src.in_features, src.out_features = src.weight.shape[1], src.weight.shape[0]
+    layer = HFColumnLinear.from_linear(src, mesh=mesh, gather_output=gather_output,
+                                       pad_output=pad_output,
+                                       segments=tuple(exp_segments) if exp_segments else None)
+    layer.hf_name = name
+    if rows_of_rank is not None and replicated_from is not None:
+        mine = rows_of_rank[r]
+        rows = [i for i, j in enumerate(mine) if j >= replicated_from]
+        table = [[j - replicated_from for j in rr if j >= replicated_from] for rr in rows_of_rank]
+        layer.set_replicas(rows, table, out - replicated_from)
+    set_layout(layer.weight, HFLayout(1 if transposed else 0, tuple(pieces), transposed, keep))
+    if layer.bias is not None:
+        set_layout(layer.bias, HFLayout(0, tuple(pieces), False, keep))
+    return layer
+
+
+def row(mod: nn.Module, name: str, mesh: Mesh, input_is_parallel: bool,
+        sequence_parallel: bool) -> RowParallelLinear:
+    w, b, transposed = linear_view(mod, name)
+    require(w.shape[1], mesh.tp_size, mesh.world_size, name, "input features")
+    src = SimpleNamespace(weight=w, bias=b, in_features=w.shape[1], out_features=w.shape[0])
+    layer = RowParallelLinear.from_linear(src, mesh=mesh, input_is_parallel=input_is_parallel,
+                                          sequence_parallel=sequence_parallel)
+    pieces = tuple(even_pieces(w.shape[1], mesh.tp_rank, mesh.tp_size))
+    set_layout(layer.weight, HFLayout(0 if transposed else 1, pieces, transposed))
+    return layer
+
+
+def embedding(mod: nn.Module, name: str, mesh: Mesh) -> VocabParallelEmbedding:
+    if not isinstance(mod, nn.Embedding):
+        raise ValueError(f"{name}: embedding_rowwise planned for a {type(mod).__name__}")
+    layer = VocabParallelEmbedding.from_embedding(mod, mesh=mesh)
+    set_layout(layer.weight, HFLayout(0, tuple(even_pieces(mod.num_embeddings, mesh.tp_rank,
+                                                           mesh.tp_size))))
+    return layer

@@ -1,0 +1,134 @@
+"""Tensor-parallel plans: which module of a transformers model is sharded how.
+
+A plan maps module-name patterns (``*`` = one path component, e.g. a layer index) to a style:
+
+- ``colwise``: output features split (per attention head for q/k/v projections; GQA key/value
+  heads that tp does not divide are replicated on as few ranks as needed).
+- ``colwise_gather_output``: like colwise, the full output gathered (the LM head: vocab padded
+  to a multiple of tp; with ``parallel_loss`` it stays vocab-sharded).
+- ``rowwise``: input features split, partial outputs summed; ``rowwise_split_input``: the same
+  for a replicated input (it is split first).
+- ``packed_colwise``: two packed projections (gate_up) split per half; ``packed_qkv``: a fused
+  ``[q | k | v]`` projection split per head of each part.
+- ``embedding_rowwise``: vocabulary-parallel embedding.
+- ``replicated_with_grad_allreduce``: kept whole, gradients summed over tp after backward.
+- ``sharded_norm``: an RMSNorm over features sharded like the preceding projection.
+
+Plans come from ``plan=``, a built-in plan below, or the one transformers ships
+(``model._tp_plan`` / ``config.base_model_tp_plan``), in that order.
+"""
+from __future__ import annotations
+
+import re
+
+from torch import nn
+
+STYLES = ("colwise", "colwise_gather_output", "rowwise", "rowwise_split_input", "packed_colwise",
+          "packed_qkv", "embedding_rowwise", "replicated_with_grad_allreduce", "sharded_norm")
+
+_LLAMA_LIKE = {
+    "embed_tokens": "embedding_rowwise",
+    "layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.k_proj": "colwise",
+    "layers.*.self_attn.v_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise",
+    "layers.*.mlp.gate_proj": "colwise", "layers.*.mlp.up_proj": "colwise",
+    "layers.*.mlp.down_proj": "rowwise",
+}
+
+# Base-model plans (names relative to the base model), for models whose shipped plan is
+# missing or replicates what can be sharded (Phi-3's fused qkv/gate_up, OLMo-2's q/k norms).
+BUILTIN_BASE_PLANS: dict[str, dict[str, str]] = {
+    "phi3": {
+        "embed_tokens": "embedding_rowwise",
+        "layers.*.self_attn.qkv_proj": "packed_qkv", "layers.*.self_attn.o_proj": "rowwise",
+        "layers.*.mlp.gate_up_proj": "packed_colwise", "layers.*.mlp.down_proj": "rowwise",
+    },
+    "olmo2": {**_LLAMA_LIKE, "layers.*.self_attn.q_norm": "sharded_norm",
+              "layers.*.self_attn.k_norm": "sharded_norm"},
+    "gpt2": {
+        "wte": "embedding_rowwise",
+        "h.*.attn.c_attn": "packed_qkv", "h.*.attn.c_proj": "rowwise",
+        "h.*.mlp.c_fc": "colwise", "h.*.mlp.c_proj": "rowwise",
+    },
+    "bert": {
+        "embeddings.word_embeddings": "embedding_rowwise",
+        "encoder.layer.*.attention.self.query": "colwise",
+        "encoder.layer.*.attention.self.key": "colwise",
+        "encoder.layer.*.attention.self.value": "colwise",
+        "encoder.layer.*.attention.output.dense": "rowwise",
+        "encoder.layer.*.intermediate.dense": "colwise",
+        "encoder.layer.*.output.dense": "rowwise",
+    },
+    "opt": {
+        "decoder.embed_tokens": "embedding_rowwise",
+        "decoder.layers.*.self_attn.q_proj": "colwise",
+        "decoder.layers.*.self_attn.k_proj": "colwise",
+        "decoder.layers.*.self_attn.v_proj": "colwise",
+        "decoder.layers.*.self_attn.out_proj": "rowwise",
+        "decoder.layers.*.fc1": "colwise", "decoder.layers.*.fc2": "rowwise",
+    },
+    "gpt_neo": {
+        "wte": "embedding_rowwise",
+        "h.*.attn.attention.q_proj": "colwise", "h.*.attn.attention.k_proj": "colwise",
+        "h.*.attn.attention.v_proj": "colwise", "h.*.attn.attention.out_proj": "rowwise",
+        "h.*.mlp.c_fc": "colwise", "h.*.mlp.c_proj": "rowwise",
+    },
+    "gptj": {
+        "wte": "embedding_rowwise",
+        "h.*.attn.q_proj": "colwise", "h.*.attn.k_proj": "colwise",
+        "h.*.attn.v_proj": "colwise", "h.*.attn.out_proj": "rowwise",
+        "h.*.mlp.fc_in": "colwise", "h.*.mlp.fc_out": "rowwise",
+    },
+}
+BUILTIN_BASE_PLANS["roberta"] = BUILTIN_BASE_PLANS["bert"]
+
+# Head modules (names relative to the full model).
+BUILTIN_HEAD_PLANS = {"lm_head": "colwise_gather_output",
+                      "cls.predictions.decoder": "colwise_gather_output",
+                      "lm_head.decoder": "colwise_gather_output"}
+
+
+def _compile(pattern: str) -> re.Pattern:
+    return re.compile("^" + r"[^.]+".join(re.escape(p) for p in pattern.split("*")) + "$")
+
+
+def resolve_plan(model: nn.Module, plan: dict[str, str] | None = None) -> dict[str, str]:
+    """The plan for ``model`` as ``{full module-name pattern: style}``."""
+    if plan is None:
+        model_type = getattr(model.config, "model_type", None)
+        prefix = getattr(model, "base_model_prefix", "")
+        has_prefix = bool(prefix) and hasattr(model, prefix)
+        base = BUILTIN_BASE_PLANS.get(model_type)
+        if base is None:
+            base = dict(getattr(model.config, "base_model_tp_plan", None) or {})
+            shipped = dict(getattr(model, "_tp_plan", None) or {})
+            if not base and not shipped:
+                raise ValueError(
+                    f"{type(model).__name__}: no tensor-parallel plan (model_type "
+                    f"{model_type!r} ships none and there is no built-in one); pass "
+                    f"plan={{'module.pattern': style}} with styles from {STYLES}")
+            emb = model.get_input_embeddings()
+            for name, mod in model.named_modules():
+                if mod is emb:
+                    shipped.setdefault(name, "embedding_rowwise")
+        else:
+            shipped = {}
+        plan = {(f"{prefix}.{k}" if has_prefix else k): v for k, v in base.items()}
+        plan.update(shipped)
+        names = {n for n, _ in model.named_modules()}
+        plan.update({k: v for k, v in BUILTIN_HEAD_PLANS.items() if k in names})
+    bad = {k: v for k, v in plan.items() if v not in STYLES}
+    if bad:
+        raise ValueError(f"{type(model).__name__}: unsupported tensor-parallel styles {bad}; "
+                         f"supported styles: {STYLES}")
+    return dict(plan)
+
+
+def match_modules(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """``{module name: style}`` for every module a plan pattern names (exact full names)."""
+    compiled = [(_compile(k), v) for k, v in plan.items()]
+    found: dict[str, str] = {}
+    for name, _ in model.named_modules():
+        for rx, style in compiled:
+            if rx.match(name):
+                found[name] = style
+    return found
