@@ -154,7 +154,24 @@ def row(mod: nn.Module, name: str, mesh: Mesh, input_is_parallel: bool,
 def embedding(mod: nn.Module, name: str, mesh: Mesh) -> VocabParallelEmbedding:
     if not isinstance(mod, nn.Embedding):
         raise ValueError(f"{name}: embedding_rowwise planned for a {type(mod).__name__}")
-    layer = VocabParallelEmbedding.from_embedding(mod, mesh=mesh)
+    scale = None
+    if type(mod) is not nn.Embedding:
+        scale = getattr(mod, "embed_scale", None)
+        if not isinstance(scale, torch.Tensor):
+            raise ValueError(f"{name}: {type(mod).__name__} overrides nn.Embedding.forward in a "
+                             "way the vocab-parallel embedding does not know (only a scaled "
+                             "embedding with an `embed_scale` buffer is supported)")
+    layer = (ScaledVocabParallelEmbedding if scale is not None
+             else VocabParallelEmbedding).from_embedding(mod, mesh=mesh)
+    if scale is not None:
+        layer.register_buffer("embed_scale", scale.detach().clone(), persistent=False)
     set_layout(layer.weight, HFLayout(0, tuple(even_pieces(mod.num_embeddings, mesh.tp_rank,
                                                            mesh.tp_size))))
     return layer
+
+
+class ScaledVocabParallelEmbedding(VocabParallelEmbedding):
+    """Vocab-parallel embedding times ``embed_scale`` (Gemma's scaled word embedding)."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(ids) * self.embed_scale.to(self.weight.dtype)

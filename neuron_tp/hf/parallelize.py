@@ -24,6 +24,13 @@ def _is_attention(mod: nn.Module) -> bool:
     return "attention" in n or "attn" in n
 
 
+def _owns_input(mod: nn.Module) -> bool:
+    """Attention / MLP modules feed their own input to all their column-parallel children,
+    so one input region (one all-reduce or all-gather) serves them all."""
+    n = type(mod).__name__.lower()
+    return any(k in n for k in ("attention", "attn", "mlp", "intermediate", "feedforward"))
+
+
 def _split(name: str) -> tuple[str, str]:
     return tuple(name.rsplit(".", 1)) if "." in name else ("", name)
 
@@ -122,8 +129,13 @@ def parallelize(model: nn.Module, mesh: Mesh | None = None, sequence_parallel: b
             else:
                 new = M.column(mod, name, mesh, segments=None if style != "packed_colwise"
                                else [M.linear_view(mod, name)[0].shape[0] // 2] * 2)
-            if not new.gather_output and pname:
+            if not new.gather_output and pname and _owns_input(parent):
                 plan_parents.setdefault(pname, []).append(new)
+            elif not new.gather_output and sequence_parallel and in_layers:
+                raise ValueError(
+                    f"{name}: sequence_parallel needs column-parallel projections inside an "
+                    f"attention or MLP module (this one sits in {type(parent).__name__}, whose "
+                    "sequence layout is unknown); use sequence_parallel=False for this model")
         elif style in ("rowwise", "rowwise_split_input"):
             new = M.row(mod, name, mesh, style == "rowwise", sequence_parallel and in_layers)
         elif style == "embedding_rowwise":
