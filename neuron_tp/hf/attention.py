@@ -6,11 +6,9 @@ import copy
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .. import comm, regions
-from ..layers import ColumnParallelLinear
 from ..layers.common import divisors
 from ..mesh import Group, Mesh
 
@@ -92,39 +90,6 @@ class _SyncReplicatedRows(torch.autograd.Function):
         full = comm.all_reduce(full, ctx.group)
         g = g.index_copy(0, ctx.rows, full.index_select(0, ctx.uid))
         return g, None, None, None, None
-
-
-class KVReplicatedColumnLinear(ColumnParallelLinear):
-    """Column-parallel projection whose rows ``rows`` hold kv heads replicated over ranks.
-
-    ``uid_table[r]`` names, for each such row on rank r, its row in the unsharded tensor;
-    gradients of copies are summed across ranks in backward so every copy stays identical.
-    """
-
-    def set_replicas(self, rows: list[int], uid_table: list[list[int]], n_unique: int) -> None:
-        self.register_buffer("_rows", torch.tensor(rows, dtype=torch.long), persistent=False)
-        self.register_buffer("_uid_table", torch.tensor(uid_table, dtype=torch.long),
-                             persistent=False)
-        self.n_unique = n_unique
-
-    def _uid(self, device) -> torch.Tensor:
-        tp = self.mesh.tp
-        table = self._uid_table.to(device)
-        if tp.size == 1:
-            return table[0]
-        return table.index_select(0, tp.rank_tensor(device).view(1)).squeeze(0)
-
-    def forward(self, x: torch.Tensor):
-        tp = self.mesh.tp
-        if self.sequence_parallel:
-            x = regions.gather_from_sequence_parallel(x, tp, self.sequence_dim)
-        else:
-            x = regions.copy_to_tensor_parallel(x, tp)
-        rows, uid = self._rows.to(x.device), self._uid(x.device)
-        w = _SyncReplicatedRows.apply(self.weight, rows, uid, self.n_unique, tp)
-        b = (None if self.bias is None else
-             _SyncReplicatedRows.apply(self.bias, rows, uid, self.n_unique, tp))
-        return F.linear(x, w, b)
 
 
 def _sq_sum_allreduce(x: torch.Tensor, group: Group) -> torch.Tensor:

@@ -9,8 +9,9 @@ import torch
 from torch import nn
 
 from ..mesh import Mesh, get_mesh
-from ..sharding import gather_full, get_sharding, is_sequence_parallel, mark_sequence_parallel, set_sharding
-from .layout import HFLayout, get_layout, read_local, set_layout, to_hf
+from ..sharding import (gather_full, get_sharding, is_sequence_parallel, mark_sequence_parallel,
+                        set_sharding)
+from .layout import get_layout, read_local, set_layout, to_hf
 from .parallelize import parallelize
 
 

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import functools
 
-import torch
 from torch import nn
 
 from ..layers import parallel_cross_entropy
@@ -98,7 +97,14 @@ def parallelize(model: nn.Module, mesh: Mesh | None = None, sequence_parallel: b
                          "supported under tensor parallelism; load with attn_implementation="
                          "'sdpa' or 'eager'")
     heads = model_heads(model.config)
-    targets = match_modules(model, resolve_plan(model, plan))
+    resolved = resolve_plan(model, plan)
+    targets = match_modules(model, resolved)
+    if plan is not None:
+        unmatched = [k for k in resolved if not match_modules(model, {k: resolved[k]})]
+        if unmatched:
+            raise ValueError(f"{type(model).__name__}: plan patterns {unmatched} match no "
+                             "module (nothing would be sharded for them); module names look "
+                             f"like {[n for n, _ in model.named_modules()][1:6]}")
     out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     found = find_layers(model)
     layers_prefix = found[0] + "." if found else None
@@ -112,6 +118,8 @@ def parallelize(model: nn.Module, mesh: Mesh | None = None, sequence_parallel: b
             raise ValueError(f"{name}: attention projection but the config has no head counts")
 
     plan_parents: dict[str, list[nn.Module]] = {}
+    replacements: list[tuple[str, nn.Module]] = []
+    grad_allreduce: list[nn.Module] = []
     attn_parents: dict[str, nn.Module] = {}
     for name, style in targets.items():
         mod = model.get_submodule(name)
@@ -141,12 +149,18 @@ def parallelize(model: nn.Module, mesh: Mesh | None = None, sequence_parallel: b
         elif style == "embedding_rowwise":
             new = M.embedding(mod, name, mesh)
         elif style == "replicated_with_grad_allreduce":
-            for p in mod.parameters():
-                mark_sequence_parallel(p)
+            grad_allreduce.append(mod)
             continue
         else:  # sharded_norm
             new = _sharded_norm(mod, name, mesh, heads)
+        replacements.append((name, new))
+
+    # Everything validated and built: only now is the model modified.
+    for name, new in replacements:
         _set(model, name, new)
+    for mod in grad_allreduce:
+        for p in mod.parameters():
+            mark_sequence_parallel(p)
 
     tp = mesh.tp_size
     for pname, parent in attn_parents.items():
