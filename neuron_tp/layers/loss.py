@@ -3,10 +3,54 @@ from __future__ import annotations
 
 import torch
 
-from .. import regions
+from .. import comm
+from ..mesh import Group
 from ..mesh import Mesh, get_mesh
 
 _NEG = -1e30  # finite "minus infinity": a shard made only of padding stays NaN-free
+
+
+class _VocabParallelCE(torch.autograd.Function):
+    """Per-token loss from this rank's vocab slice; the backward is analytic and local
+    (``softmax - onehot``, with the global log-sum-exp), so it needs no communication."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, tp: Group, vocab_size: int, ignore_index: int,
+                smoothing: float):
+        z = logits.float()
+        local_v = z.shape[-1]
+        start = (tp.rank_tensor(z.device) * local_v if tp.size > 1
+                 else torch.zeros((), dtype=torch.long, device=z.device))
+        padded = None
+        if vocab_size != local_v * tp.size:
+            padded = torch.arange(local_v, device=z.device) + start >= vocab_size
+            z = z.masked_fill(padded, _NEG)
+        lse = torch.logsumexp(z, dim=-1, keepdim=True)
+        lse = torch.logsumexp(comm.all_gather(lse, tp, -1), dim=-1)
+        valid = labels != ignore_index
+        local = labels - start
+        inside = (local >= 0) & (local < local_v) & valid
+        idx = local.clamp(0, local_v - 1).unsqueeze(-1)
+        target = z.gather(-1, idx).squeeze(-1) * inside
+        if smoothing > 0:
+            zs = z if padded is None else z.masked_fill(padded, 0.0)
+            target = (1 - smoothing) * target + smoothing * zs.sum(-1) / vocab_size
+        target = comm.all_reduce(target, tp)
+        ctx.save_for_backward(z, lse, idx, inside, valid, padded)
+        ctx.smoothing, ctx.vocab_size, ctx.dtype = smoothing, vocab_size, logits.dtype
+        return (lse - target) * valid
+
+    @staticmethod
+    def backward(ctx, g):
+        z, lse, idx, inside, valid, padded = ctx.saved_tensors
+        g = (g * valid).unsqueeze(-1)
+        grad = torch.exp(z - lse.unsqueeze(-1)) * g
+        hit = (1 - ctx.smoothing) * (inside.unsqueeze(-1) * g)
+        grad = grad.scatter_add(-1, idx, -hit)
+        if ctx.smoothing > 0:
+            spread = g * (ctx.smoothing / ctx.vocab_size)
+            grad = grad - (spread if padded is None else spread * ~padded)
+        return grad.to(ctx.dtype), None, None, None, None, None
 
 
 def parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, mesh: Mesh | None = None,
@@ -33,26 +77,9 @@ def parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, mesh: Mes
     vocab_size = vocab_size or local_v * tp.size
     if not (tp.size - 1) * local_v < vocab_size <= tp.size * local_v:
         raise ValueError(f"vocab_size={vocab_size} does not fit {tp.size} shards of {local_v}")
-    z = logits.float()
-    cols = torch.arange(local_v, device=z.device)
-    if tp.size > 1:
-        cols = cols + tp.rank_tensor(z.device) * local_v
-    padded = cols >= vocab_size
-    if vocab_size != local_v * tp.size:
-        z = z.masked_fill(padded, _NEG)
-
-    local_lse = torch.logsumexp(z, dim=-1, keepdim=True)
-    lse = torch.logsumexp(regions.gather_from_tensor_parallel(local_lse, tp, -1), dim=-1)
-
+    loss = _VocabParallelCE.apply(logits, labels, tp, vocab_size, ignore_index,
+                                  label_smoothing)
     valid = labels != ignore_index
-    hit = (labels.unsqueeze(-1) == cols) & valid.unsqueeze(-1)
-    target = (z * hit).sum(-1)
-    if label_smoothing > 0:
-        mean_z = z.masked_fill(padded, 0.0).sum(-1) / vocab_size
-        target = (1 - label_smoothing) * target + label_smoothing * mean_z
-    target = regions.reduce_from_tensor_parallel(target, tp)
-
-    loss = (lse - target) * valid
     if reduction == "none":
         return loss
     if reduction == "sum":
