@@ -23,7 +23,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 K8S = REPO / "k8s"
-TEMPLATES = ("cluster", "train", "precompile", "inference")
+TEMPLATES = ("cluster", "train", "precompile", "consolidate", "inference")
 VARIANTS = {"trn1": (), "trn1n": ("trn1n.env",)}
 IMAGE_ROOT = "/opt/neuron_tp"  # WORKDIR of the Dockerfile: scripts/ is copied below it
 # AWS instance facts (Neuron devices, NeuronCores, EFA interfaces), not taken from the manifests.
@@ -102,7 +102,7 @@ def test_render_script_matches_and_rejects_bad_input(tmp_path):
                                  capture_output=True, text=True, check=True).stdout
             assert out.rstrip("\n") == render(template, *overrides).rstrip("\n"), template
     bad = subprocess.run(["sh", str(K8S / "render.sh"), "nonsense"], capture_output=True, text=True)
-    assert bad.returncode == 2 and "cluster|train|precompile|inference" in bad.stderr
+    assert bad.returncode == 2 and "|".join(TEMPLATES) in bad.stderr
     shutil.copytree(K8S, tmp_path / "k8s")
     (tmp_path / "k8s" / "broken.yaml").write_text("a: ${NOT_A_PARAM}\nb: ${TP}\n")
     unset = subprocess.run(["sh", str(tmp_path / "k8s" / "render.sh"), "broken"],
@@ -123,7 +123,8 @@ def test_params_are_the_one_place():
             assert set(load_params(name)) == set(params), f"{name} may only override keys"
     for template in TEMPLATES:  # image, node count and TP are never hard-coded in a template
         text = (K8S / f"{template}.yaml").read_text()
-        assert not re.search(r"image:\s*[^$\s]", text) and "--tp=${" in text or template == "cluster"
+        assert not re.search(r"image:\s*[^$\s]", text)
+        assert "--tp=${" in text or template in ("cluster", "consolidate")
 
 
 # ----------------------------------------------------------------------------- schemas
@@ -146,7 +147,7 @@ def test_manifests_validate_against_kubernetes_schemas(variant):
             else:
                 kv.validate(doc, version, strict=True)
                 checked += 1
-    assert checked >= 6
+    assert checked >= 7
     with pytest.raises(kv.ValidationError):  # the validator does reject a broken pod spec
         job = one(docs["inference"], "Job")
         broken = json.loads(json.dumps(job))
@@ -287,6 +288,20 @@ def test_inference_job_runs_generate_with_tp_over_neuroncores(variant):
     assert all(int(b) > 0 for b in args.buckets.split(","))
 
 
+def test_consolidate_job_feeds_the_inference_model(variant):
+    _, params, docs = variant
+    (c,) = one(docs["consolidate"], "Job")["spec"]["template"]["spec"]["containers"]
+    scripts = re.search(r"\[project\.scripts\]\s*\n([^\[]*)", (REPO / "pyproject.toml").read_text())
+    assert re.search(r'^neuron-tp\s*=\s*"neuron_tp\.cli:main"', scripts.group(1), re.M)
+    assert argv(c)[:2] == ["neuron-tp", "consolidate"] and len(argv(c)) == 4
+    ckpt, out = argv(c)[2:]
+    assert ckpt.startswith(params["OUTPUT_DIR"] + "/"), "consolidates a checkpoint of the run"
+    (inf,) = one(docs["inference"], "Job")["spec"]["template"]["spec"]["containers"]
+    assert f"--model={out}" in inf["args"], "inference serves the consolidated directory"
+    res = c["resources"]
+    assert res["requests"] == res["limits"]
+
+
 # ----------------------------------------------------------------------------- image
 
 def _tool(name: str) -> str:
@@ -338,7 +353,7 @@ def test_dockerfile_copies_what_exists_and_keeps_the_neuron_stack():
         assert "-c " in i or "--no-deps" in i, "every install is constrained to the image"
     (user,) = re.findall(r"^USER\s+(\S+)", text, re.M)
     assert user not in ("0", "root")
-    for t in ("train", "precompile", "inference"):
+    for t in ("train", "precompile", "consolidate", "inference"):
         for doc in yaml.safe_load_all(render(t)):
             assert f"runAsUser: {user}" in yaml.safe_dump(doc), "pods run as the image user"
     entry = json.loads(re.search(r"^ENTRYPOINT\s+(\[.*\])", text, re.M).group(1))
