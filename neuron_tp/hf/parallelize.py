@@ -1,6 +1,7 @@
 """``parallelize``: shard a transformers model in place, driven by a tensor-parallel plan."""
 from __future__ import annotations
 
+import contextlib
 import functools
 
 from torch import nn
@@ -213,6 +214,21 @@ def _retie(model: nn.Module, ties) -> None:
                     raise ValueError(f"{m}.{p}: tied to a parameter sharded differently "
                                      f"({tuple(cur.shape)} vs {tuple(keep.shape)})")
                 setattr(model.get_submodule(m) if m else model, p, keep)
+
+
+@contextlib.contextmanager
+def full_logits(model: nn.Module):
+    """Inside this context a ``parallel_loss`` model returns full (gathered) logits, e.g. for
+    ``generate()`` or evaluation; outside it the LM head output stays vocab-sharded."""
+    head = model.get_output_embeddings()
+    if not hasattr(head, "gather_output"):
+        raise ValueError(f"{type(model).__name__} is not parallelized (no sharded LM head)")
+    before = head.gather_output
+    head.gather_output = True
+    try:
+        yield model
+    finally:
+        head.gather_output = before
 
 
 def _is_causal(model: nn.Module) -> bool:

@@ -81,10 +81,7 @@ BUILTIN_BASE_PLANS: dict[str, dict[str, str]] = {
 }
 BUILTIN_BASE_PLANS["roberta"] = BUILTIN_BASE_PLANS["bert"]
 
-# Head modules (names relative to the full model).
-BUILTIN_HEAD_PLANS = {"lm_head": "colwise_gather_output",
-                      "cls.predictions.decoder": "colwise_gather_output",
-                      "lm_head.decoder": "colwise_gather_output"}
+# The LM head (``get_output_embeddings()``) is always ``colwise_gather_output``.
 
 
 def _compile(pattern: str) -> re.Pattern:
@@ -114,8 +111,12 @@ def resolve_plan(model: nn.Module, plan: dict[str, str] | None = None) -> dict[s
             shipped = {}
         plan = {(f"{prefix}.{k}" if has_prefix else k): v for k, v in base.items()}
         plan.update(shipped)
-        names = {n for n, _ in model.named_modules()}
-        plan.update({k: v for k, v in BUILTIN_HEAD_PLANS.items() if k in names})
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        for name, mod in model.named_modules():
+            if head is not None and mod is head:
+                plan = {k: v for k, v in plan.items() if not _compile(k).match(name) or
+                        v == "colwise_gather_output"}
+                plan[name] = "colwise_gather_output"
     bad = {k: v for k, v in plan.items() if v not in STYLES}
     if bad:
         raise ValueError(f"{type(model).__name__}: unsupported tensor-parallel styles {bad}; "

@@ -46,12 +46,21 @@ ARCHS = {
                                  num_attention_heads=4, max_position_embeddings=64,
                                  word_embed_proj_dim=32, pad_token_id=1),
             "AutoModelForCausalLM", False),  # OPT flattens [b*s, h] before fc1: no SP
+    "gpt_neo": (lambda: tf.GPTNeoConfig(vocab_size=V, hidden_size=32, num_layers=2, num_heads=4,
+                                        attention_types=[[["global", "local"], 1]],
+                                        window_size=5, max_position_embeddings=64),
+                "AutoModelForCausalLM", True),
+    "gptj": (lambda: tf.GPTJConfig(vocab_size=V, n_embd=32, n_layer=2, n_head=4, rotary_dim=4,
+                                   n_positions=64),
+             "AutoModelForCausalLM", True),
     "bert": (lambda: tf.BertConfig(**_common()), "AutoModelForMaskedLM", False),
+    "roberta": (lambda: tf.RobertaConfig(**_common(max_position_embeddings=80)),
+                "AutoModelForMaskedLM", False),
 }
 
 
 def build(name: str):
     make, auto, _ = ARCHS[name]
     cfg = make()
-    cfg._attn_implementation = "eager" if name in ("gemma2",) else "sdpa"
+    cfg._attn_implementation = "eager" if name in ("gemma2", "gpt_neo", "gptj") else "sdpa"
     return getattr(tf, auto).from_config(cfg)

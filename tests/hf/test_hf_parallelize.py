@@ -12,8 +12,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 import dist  # noqa: E402
 import neuron_tp as ntp  # noqa: E402
 from hf_archs import ARCHS, V, build  # noqa: E402
-from neuron_tp.hf import (from_pretrained, gather_hf_state_dict, parallelize,  # noqa: E402
-                          save_pretrained)
+from neuron_tp.hf import (from_pretrained, full_logits, gather_hf_state_dict,  # noqa: E402
+                          parallelize, save_pretrained)
 
 ATOL = 1e-5
 
@@ -82,6 +82,11 @@ def _generate_and_checkpoints(tmp: str) -> None:
         want = ref.generate(ids, max_new_tokens=16, do_sample=False, min_new_tokens=16)
         got = m.generate(ids, max_new_tokens=16, do_sample=False, min_new_tokens=16)
         assert got.shape[1] == ids.shape[1] + 16 and torch.equal(got, want), (name, got, want)
+        train = parallelize(copy.deepcopy(ref), parallel_loss=True)
+        assert train(ids).logits.shape[-1] == -(-V // 2)  # vocab-sharded (padded) head output
+        with full_logits(train):
+            got = train.generate(ids, max_new_tokens=16, do_sample=False, min_new_tokens=16)
+        assert torch.equal(got, want), (name, "parallel_loss model under full_logits")
 
     # Checkpoints written by plain transformers: one file, and a sharded index.
     torch.manual_seed(0)
