@@ -285,7 +285,8 @@ def test_inference_job_runs_generate_with_tp_over_neuroncores(variant):
     args = generate_parser().parse_args(script_args)
     assert args.tp == int(launch.nproc_per_node) == res["limits"]["aws.amazon.com/neuroncore"]
     assert args.tp <= cores and launch.nnodes == "1" and args.device == "xla"
-    assert all(int(b) > 0 for b in args.buckets.split(","))
+    buckets = args.buckets.split(",") if isinstance(args.buckets, str) else args.buckets
+    assert [int(b) for b in buckets] == sorted({int(b) for b in buckets}) and int(buckets[0]) > 0
 
 
 def test_consolidate_job_feeds_the_inference_model(variant):
