@@ -17,7 +17,8 @@ WORKDIR /opt/neuron_tp
 # Freeze everything the base image already has (torch, torch-xla, torch-neuronx, neuronx-cc,
 # numpy, ...) as pip constraints: the installs below may only ADD missing packages, never
 # upgrade, downgrade or reinstall what the Neuron image ships (the build fails instead).
-# The light runtime dependencies are pinned; pip leaves them alone if already satisfied.
+# The light runtime dependencies are pinned; pip leaves them alone if already satisfied, and
+# if the image's own transformers were older than our range the build stops here, by design.
 RUN python3 -m pip list --format=freeze > /opt/neuron_tp/image-constraints.txt \
  && python3 -m pip install -c /opt/neuron_tp/image-constraints.txt \
         "safetensors>=0.4,<1" "transformers>=4.51,<6"
@@ -35,7 +36,7 @@ RUN python3 -m pip install --no-deps . \
 # EFA needs an unlimited memlock limit, which the container runtime grants on the EKS
 # accelerated AMIs; a non-root process cannot raise it itself. If a cluster lacks either,
 # run the pod as root via its securityContext (runAsUser: 0) rather than changing this image.
-RUN useradd --uid 10001 --create-home --shell /bin/bash neuron \
+RUN useradd --no-log-init --uid 10001 --create-home --shell /bin/bash neuron \
  && mkdir -p /var/tmp/neuron-compile-cache \
  && chown 10001:10001 /var/tmp/neuron-compile-cache
 USER 10001
