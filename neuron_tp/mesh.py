@@ -72,6 +72,7 @@ def _tp_axes(tp_mode: str, tp: int) -> dict[str, list[list[int]]]:
         axes["weight"] = [[idx(i, j, l) for j in r] for i in r for l in r]  # vary j
         axes["output"] = [[idx(i, j, l) for l in r] for i in r for j in r]  # vary l
         axes["input_weight"] = [[idx(i, j, l) for i in r for j in r] for l in r]  # vary i, j
+        axes["input_output"] = [[idx(i, j, l) for i in r for l in r] for j in r]  # vary i, l
     return axes
 
 

@@ -118,3 +118,20 @@ def reduce_scatter_to_sequence_parallel(x: torch.Tensor, group: Group,
                                         dim: int = 1) -> torch.Tensor:
     """forward: reduce-scatter along the sequence, backward: all-gather."""
     return x if group.size == 1 else _ReduceScatter.apply(x, group, dim)
+
+
+class _AllReduceBoth(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return comm.all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return comm.all_reduce(g, ctx.group), None
+
+
+def all_reduce_shared(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """forward: all-reduce, backward: all-reduce (each rank uses the sum on different local data)."""
+    return x if group.size == 1 else _AllReduceBoth.apply(x, group)
+__all__ += ["all_reduce_shared"]
