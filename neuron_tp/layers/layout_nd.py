@@ -1,0 +1,127 @@
+"""Activation layouts of 2D and 3D tensor parallelism, and moving tensors into and out of them.
+
+A layout says which mesh axes split the batch (dim 0, outermost axis first) and which axis
+splits the features (last dim). Sequence and head dims are never split, so attention is local.
+
+* ``LAYOUT_2D``: grid rank ``(r, c)`` holds batch chunk ``r`` (axis ``col``, which varies r) and
+  feature chunk ``c`` (axis ``row``): ``[b/q, ..., h/q]``.
+* ``LAYOUT_3D_A``: cube rank ``(i, j, l)`` holds batch chunk ``i*q + j`` (axes ``input``,
+  ``weight``) and feature chunk ``l`` (axis ``output``): ``[b/q^2, ..., h/q]``.
+* ``LAYOUT_3D_B``: batch chunk ``i*q + l`` (``input``, ``output``), feature chunk ``j``
+  (``weight``). A :class:`~neuron_tp.layers.mesh3d.Linear3D` maps A to B or B to A (its
+  ``orientation``), so an up/down pair returns to the layout it started from.
+
+Layers tag their outputs with the layout name and refuse a tagged tensor of another layout;
+an untagged tensor (after an element-wise op) is checked by shape only.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import regions
+from ..mesh import Mesh
+
+_TAG = "_ntp_layout"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """``batch_axes``: mesh axes splitting dim 0, outermost first; ``feature_axis``: the axis
+    splitting the last dim; ``batch_group``: the axis whose group varies exactly the batch axes
+    (replicated parameters used on batch shards reduce their gradients over it)."""
+
+    name: str
+    mode: str
+    batch_axes: tuple[str, ...]
+    feature_axis: str
+    batch_group: str
+
+    def batch_split(self, mesh: Mesh) -> int:
+        return mesh.group(self.batch_group).size
+
+    def feature_split(self, mesh: Mesh) -> int:
+        return mesh.group(self.feature_axis).size
+
+
+LAYOUT_2D = Layout("2d", "2d", ("col",), "row", "col")
+LAYOUT_3D_A = Layout("3d-a", "3d", ("input", "weight"), "output", "input_weight")
+LAYOUT_3D_B = Layout("3d-b", "3d", ("input", "output"), "weight", "input_output")
+LAYOUTS = {l.name: l for l in (LAYOUT_2D, LAYOUT_3D_A, LAYOUT_3D_B)}
+
+
+def get_layout(layout: Layout | str) -> Layout:
+    if isinstance(layout, Layout):
+        return layout
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; valid: {sorted(LAYOUTS)}")
+    return LAYOUTS[layout]
+
+
+def check_mode(mesh: Mesh, layout: Layout, layer: str) -> None:
+    if mesh.tp_mode != layout.mode:
+        raise ValueError(f"{layer} needs a mesh with tp_mode={layout.mode!r}, got {mesh}; "
+                         f"build it with ntp.init_mesh(tp=..., tp_mode={layout.mode!r})")
+
+
+def tag(x: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """Record on ``x`` that it is laid out as ``layout`` (returns ``x``)."""
+    try:
+        setattr(x, _TAG, layout.name)
+    except (AttributeError, RuntimeError):  # some tensor subclasses refuse attributes
+        pass
+    return x
+
+
+def check_layout(x: torch.Tensor, layout: Layout, features: int, mesh: Mesh, layer: str) -> None:
+    """Before any collective: the input is in ``layout`` and has ``features`` full features."""
+    if mesh.virtual and x.device.type != "xla":
+        raise RuntimeError(f"{layer}: {mesh} is virtual (trace-only) and needs XLA tensors, got "
+                           f"a {x.device} tensor; move module and input to ntp.xla_device()")
+    seen = getattr(x, _TAG, None)
+    if seen is not None and seen != layout.name:
+        raise ValueError(f"{layer} takes layout {layout.name!r} but got a tensor in layout "
+                         f"{seen!r}; use a layer (or Linear3D orientation) whose input layout "
+                         f"is {seen!r}, or gather_output/split_input to convert")
+    local = features // layout.feature_split(mesh)
+    if x.dim() < 2 or x.shape[-1] != local:
+        hint = (" (that is the full tensor: move it into the layout with split_input)"
+                if x.dim() >= 2 and x.shape[-1] == features else "")
+        raise ValueError(f"{layer}: layout {layout.name!r} expects [batch/"
+                         f"{layout.batch_split(mesh)}, ..., {features}/"
+                         f"{layout.feature_split(mesh)}={local}], got shape {tuple(x.shape)}"
+                         f"{hint}")
+
+
+def split_input(x: torch.Tensor, layout: Layout | str, mesh: Mesh, feature_dim: bool = True
+                ) -> torch.Tensor:
+    """This rank's block of the full activation ``x`` (``[batch, ..., hidden]``, identical on
+    every tp rank) in ``layout``; backward all-gathers. ``feature_dim=False`` splits only the
+    batch (integer ids, labels)."""
+    layout = get_layout(layout)
+    check_mode(mesh, layout, "split_input")
+    nb, nf = layout.batch_split(mesh), layout.feature_split(mesh)
+    if x.shape[0] % nb or (feature_dim and x.shape[-1] % nf):
+        raise ValueError(f"split_input: layout {layout.name!r} needs batch divisible by {nb}"
+                         + (f" and features by {nf}" if feature_dim else "")
+                         + f", got shape {tuple(x.shape)}")
+    if not x.is_floating_point():
+        from .. import comm
+        x = comm.local_chunk(x, mesh.group(layout.batch_group), 0)
+        return x
+    x = regions.scatter_to_tensor_parallel(x, mesh.group(layout.batch_group), 0)
+    if feature_dim:
+        x = regions.scatter_to_tensor_parallel(x, mesh.group(layout.feature_axis), -1)
+    return tag(x, layout)
+
+
+def gather_output(x: torch.Tensor, layout: Layout | str, mesh: Mesh,
+                  feature_dim: bool = True) -> torch.Tensor:
+    """The full activation from this rank's block in ``layout`` (all-gathers; backward keeps
+    this rank's block). Inverse of :func:`split_input`."""
+    layout = get_layout(layout)
+    check_mode(mesh, layout, "gather_output")
+    if feature_dim:
+        x = regions.gather_from_tensor_parallel(x, mesh.group(layout.feature_axis), -1)
+    return regions.gather_from_tensor_parallel(x, mesh.group(layout.batch_group), 0)

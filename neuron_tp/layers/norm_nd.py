@@ -1,0 +1,97 @@
+"""LayerNorm and RMSNorm for 2D/3D layouts: the feature dim is split, so the per-token
+statistics (sum and sum of squares) are all-reduced over the layout's feature axis, in one
+``[..., 2]`` collective. The affine parameters are split like the features and replicated over
+the batch shards (their gradients are summed over the layout's batch group)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .. import regions
+from ..mesh import Mesh, get_mesh
+from .common import load_shards_from, make_parameter
+from .layout_nd import LAYOUT_2D, LAYOUT_3D_A, Layout, check_layout, check_mode, get_layout, tag
+from .mesh2d import require_multiple
+
+
+class _NormND(nn.Module):
+    default_layout: Layout = LAYOUT_2D
+    rms = False
+
+    def __init__(self, hidden: int, eps: float = 1e-5, elementwise_affine: bool = True,
+                 bias: bool = True, layout: Layout | str | None = None,
+                 mesh: Mesh | None = None, device=None, dtype=None):
+        super().__init__()
+        self.mesh = get_mesh(mesh)
+        self.layout = get_layout(layout or self.default_layout)
+        name = type(self).__name__
+        if self.layout.mode != self.default_layout.mode:
+            raise ValueError(f"{name} takes a {self.default_layout.mode} layout, got "
+                             f"{self.layout.name!r}")
+        check_mode(self.mesh, self.layout, name)
+        require_multiple(hidden, self.layout.feature_split(self.mesh), "hidden", name)
+        self.input_layout = self.output_layout = self.layout
+        self.hidden, self.eps = hidden, eps
+        split = ((self.layout.feature_axis, 0),)
+        self.weight = (make_parameter((hidden,), split, self.mesh, nn.init.ones_, device, dtype)
+                       if elementwise_affine else None)
+        self.bias = (make_parameter((hidden,), split, self.mesh, nn.init.zeros_, device, dtype)
+                     if elementwise_affine and bias and not self.rms else None)
+
+    @classmethod
+    def from_layernorm(cls, norm: nn.Module, layout: Layout | str | None = None,
+                       mesh: Mesh | None = None) -> "_NormND":
+        """Shard an existing ``nn.LayerNorm`` / ``nn.RMSNorm`` over 1-D ``normalized_shape``."""
+        shape = tuple(norm.normalized_shape)
+        if len(shape) != 1:
+            raise ValueError(f"{cls.__name__}: only a last-dim norm is supported, got "
+                             f"normalized_shape={shape}")
+        weight = getattr(norm, "weight", None)
+        layer = cls(shape[0], eps=norm.eps if norm.eps is not None else 1e-6,
+                    elementwise_affine=weight is not None,
+                    bias=getattr(norm, "bias", None) is not None, layout=layout, mesh=mesh,
+                    device="meta", dtype=weight.dtype if weight is not None else None)
+        return load_shards_from(layer, norm)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        check_layout(x, self.layout, self.hidden, self.mesh, type(self).__name__)
+        feat = self.mesh.group(self.layout.feature_axis)
+        batch = self.mesh.group(self.layout.batch_group)
+        if self.rms:
+            msq = regions.all_reduce_shared(x.square().sum(-1, keepdim=True), feat) / self.hidden
+            y = x * torch.rsqrt(msq + self.eps)
+        else:
+            stats = torch.cat([x.sum(-1, keepdim=True), x.square().sum(-1, keepdim=True)], -1)
+            mean, msq = (regions.all_reduce_shared(stats, feat) / self.hidden).split(1, -1)
+            y = (x - mean) * torch.rsqrt(msq - mean.square() + self.eps)
+        if self.weight is not None:
+            y = y * regions.copy_to_tensor_parallel(self.weight, batch)
+        if self.bias is not None:
+            y = y + regions.copy_to_tensor_parallel(self.bias, batch)
+        return tag(y, self.layout)
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden}, eps={self.eps}, layout={self.layout.name!r}"
+
+
+class LayerNorm2D(_NormND):
+    """LayerNorm over the last dim of a ``LAYOUT_2D`` activation (stats over the row group)."""
+
+
+class RMSNorm2D(_NormND):
+    """RMSNorm over the last dim of a ``LAYOUT_2D`` activation."""
+
+    rms = True
+
+
+class LayerNorm3D(_NormND):
+    """LayerNorm of a 3D-layout activation (``layout='3d-a'`` default or ``'3d-b'``)."""
+
+    default_layout = LAYOUT_3D_A
+
+
+class RMSNorm3D(_NormND):
+    """RMSNorm of a 3D-layout activation (``layout='3d-a'`` default or ``'3d-b'``)."""
+
+    default_layout = LAYOUT_3D_A
+    rms = True

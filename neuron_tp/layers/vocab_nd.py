@@ -1,0 +1,148 @@
+"""Vocabulary-parallel embedding, classifier (lm head) and cross-entropy for 2D/3D layouts.
+
+Embedding: the table ``[V, h]`` is split by vocabulary over the layout's batch group and by
+features over its feature axis (1/P of it per rank). The (tiny) integer ids are all-gathered over
+the batch group, each rank looks up its vocabulary slice for the whole batch, and the partial
+embeddings are reduce-scattered back to the batch shards (backward: all-gather).
+Classifier: a :class:`Linear2D` / :class:`Linear3D` (``ab``) without bias: its logits have the
+vocabulary split over the output layout's feature axis. Cross-entropy then never gathers them.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import comm, regions
+from ..mesh import Mesh, get_mesh
+from .common import load_shards_from, make_parameter
+from .layout_nd import LAYOUT_2D, LAYOUT_3D_A, Layout, check_mode, get_layout, tag
+from .mesh2d import Linear2D, require_multiple
+from .mesh3d import Linear3D
+
+
+class _EmbeddingND(nn.Module):
+    layout: Layout = LAYOUT_2D
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None,
+                 mesh: Mesh | None = None, device=None, dtype=None, init_method=None):
+        super().__init__()
+        self.mesh = get_mesh(mesh)
+        name = type(self).__name__
+        check_mode(self.mesh, self.layout, name)
+        require_multiple(num_embeddings, self.layout.batch_split(self.mesh), "num_embeddings",
+                         name)
+        require_multiple(embedding_dim, self.layout.feature_split(self.mesh), "embedding_dim",
+                         name)
+        if padding_idx is not None and padding_idx < 0:
+            padding_idx += num_embeddings
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.padding_idx = padding_idx
+        self.output_layout = self.layout
+        self.rows_per_rank = num_embeddings // self.layout.batch_split(self.mesh)
+
+        def init(w: torch.Tensor) -> None:
+            (init_method or nn.init.normal_)(w)
+            if padding_idx is not None:
+                with torch.no_grad():
+                    w[padding_idx].zero_()
+
+        self.weight = make_parameter(
+            (num_embeddings, embedding_dim),
+            ((self.layout.batch_group, 0), (self.layout.feature_axis, 1)), self.mesh, init,
+            device, dtype)
+
+    @classmethod
+    def from_embedding(cls, embedding: nn.Embedding, mesh: Mesh | None = None) -> "_EmbeddingND":
+        """Shard an existing ``nn.Embedding`` (every rank holds the same full module)."""
+        if embedding.max_norm is not None or embedding.scale_grad_by_freq or embedding.sparse:
+            raise ValueError(f"{cls.__name__} supports neither max_norm, scale_grad_by_freq "
+                             "nor sparse gradients")
+        layer = cls(embedding.num_embeddings, embedding.embedding_dim,
+                    padding_idx=embedding.padding_idx, mesh=mesh, device="meta",
+                    dtype=embedding.weight.dtype)
+        return load_shards_from(layer, embedding)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """``ids``: this rank's batch shard ``[b/nb, ...]`` (``split_input(ids, layout, mesh,
+        feature_dim=False)``); returns ``[b/nb, ..., h/q]`` in the layout."""
+        name = type(self).__name__
+        if ids.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"{name}: ids must be int64/int32, got {ids.dtype}")
+        if self.mesh.virtual and ids.device.type != "xla":
+            raise RuntimeError(f"{name}: a virtual mesh needs XLA tensors, got {ids.device}")
+        batch = self.mesh.group(self.layout.batch_group)
+        all_ids = comm.all_gather(ids.contiguous(), batch, 0)
+        start = batch.rank_tensor(ids.device) * self.rows_per_rank
+        local = all_ids - start if batch.size > 1 else all_ids
+        outside = (local < 0) | (local >= self.rows_per_rank)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.padding_idx is not None:
+            out = torch.where((all_ids == self.padding_idx).unsqueeze(-1), out.detach(), out)
+        out = regions.reduce_scatter_to_sequence_parallel(out, batch, 0)
+        return tag(out, self.layout)
+
+
+class Embedding2D(_EmbeddingND):
+    """Embedding whose output is in ``LAYOUT_2D``; ``num_embeddings`` must divide by q."""
+
+
+class Embedding3D(_EmbeddingND):
+    """Embedding whose output is in ``LAYOUT_3D_A``; ``num_embeddings`` must divide by q^2."""
+
+    layout = LAYOUT_3D_A
+
+
+class Classifier2D(Linear2D):
+    """Vocab-parallel lm head: ``LAYOUT_2D`` hidden -> logits ``[b/q, ..., V/q]`` (vocab
+    split over ``row``). No bias by default."""
+
+    def __init__(self, hidden: int, vocab_size: int, bias: bool = False, **kwargs):
+        super().__init__(hidden, vocab_size, bias=bias, **kwargs)
+
+
+class Classifier3D(Linear3D):
+    """Vocab-parallel lm head: ``LAYOUT_3D_A`` hidden -> logits in ``LAYOUT_3D_B``
+    ``[b/q^2, ..., V/q]`` (vocab split over ``weight``). No bias by default."""
+
+    def __init__(self, hidden: int, vocab_size: int, bias: bool = False, **kwargs):
+        kwargs.setdefault("orientation", "ab")
+        super().__init__(hidden, vocab_size, bias=bias, **kwargs)
+
+
+def cross_entropy_nd(logits: torch.Tensor, labels: torch.Tensor, layout: Layout | str,
+                     mesh: Mesh | None = None, ignore_index: int = -100,
+                     reduction: str = "mean") -> torch.Tensor:
+    """``F.cross_entropy`` of the full logits from this rank's block in ``layout``.
+
+    ``logits``: ``[b/nb, ..., V/q]`` (vocab split over the layout's feature axis), ``labels``:
+    the matching batch shard ``[b/nb, ...]``. ``'mean'``/``'sum'`` are over the whole batch
+    (equal on every tp rank); ``'none'`` returns this rank's batch shard.
+    """
+    mesh = get_mesh(mesh)
+    layout = get_layout(layout)
+    check_mode(mesh, layout, "cross_entropy_nd")
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    if logits.shape[:-1] != labels.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} "
+                         "must agree on every dim but the last")
+    vocab, batch = mesh.group(layout.feature_axis), mesh.group(layout.batch_group)
+    z = logits.float()
+    local_v = z.shape[-1]
+    cols = torch.arange(local_v, device=z.device)
+    if vocab.size > 1:
+        cols = cols + vocab.rank_tensor(z.device) * local_v
+    local_lse = torch.logsumexp(z, dim=-1, keepdim=True)
+    lse = torch.logsumexp(regions.gather_from_tensor_parallel(local_lse, vocab, -1), dim=-1)
+    valid = labels != ignore_index
+    hit = (labels.unsqueeze(-1) == cols) & valid.unsqueeze(-1)
+    target = regions.reduce_from_tensor_parallel((z * hit).sum(-1), vocab)
+    loss = (lse - target) * valid
+    if reduction == "none":
+        return loss
+    total = regions.reduce_from_tensor_parallel(loss.sum(), batch)
+    if reduction == "sum":
+        return total
+    return total / comm.all_reduce(valid.sum().to(z.dtype), batch)

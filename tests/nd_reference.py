@@ -1,0 +1,186 @@
+"""Shared checks of the 2D/3D layers against plain-torch computations on full tensors.
+
+Every check builds full inputs identical on all ranks, computes the unsharded reference with
+plain torch ops, runs the sharded layer on this rank's block and compares the gathered output,
+the input gradient (through split_input's backward) and every gathered parameter gradient.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import neuron_tp as ntp
+from neuron_tp.blocks_nd import TransformerBlockND
+from neuron_tp.layers import nd
+from neuron_tp.sharding import get_sharding
+from reference import assert_close
+
+HID, HEADS, FFN, VOCAB, S = 12, 2, 20, 20, 3
+
+
+def _grads_match(module: nn.Module, ref_grads: dict, mesh, what: str, scale: float = 1.0):
+    for name, p in module.named_parameters():
+        got = ntp.gather_full(p.grad, mesh, get_sharding(p))
+        assert_close(got, ref_grads[name] * scale, f"{what}: grad of {name}")
+
+
+def check_layer(layer: nn.Module, ref: nn.Module, in_layout, out_layout, mesh, x_shape,
+                what: str) -> None:
+    """``layer`` (sharded from ``ref``) vs ``ref``: output, input grad, parameter grads."""
+    torch.manual_seed(5)
+    x_full = torch.randn(x_shape)
+    y_ref = ref(x_full.clone().requires_grad_(True))
+    g_full = torch.randn_like(y_ref)
+    x_ref = x_full.clone().requires_grad_(True)
+    ref.zero_grad()
+    (ref(x_ref) * g_full).sum().backward()
+
+    x = x_full.clone().requires_grad_(True)
+    y = layer(nd.split_input(x, in_layout, mesh))
+    (y * nd.split_input(g_full, out_layout, mesh)).sum().backward()
+    assert_close(nd.gather_output(y.detach(), out_layout, mesh), y_ref.detach(), f"{what}: out")
+    assert_close(x.grad, x_ref.grad, f"{what}: input grad")
+    _grads_match(layer, {n: p.grad for n, p in ref.named_parameters()}, mesh, what)
+
+
+def check_linears(mesh, batch: int) -> None:
+    """Each linear (from_linear and TP-invariant init), stacked pairs, norms, embedding."""
+    mode = mesh.tp_mode
+    torch.manual_seed(0)
+    if mode == "2d":
+        lin = nn.Linear(HID, 10)
+        layer = nd.Linear2D.from_linear(lin, mesh=mesh)
+        check_layer(layer, lin, "2d", "2d", mesh, (batch, S, HID), "Linear2D")
+        pair = nn.Sequential(nn.Linear(HID, 8), nn.GELU(), nn.Linear(8, HID))
+        sharded = nn.Sequential(nd.Linear2D.from_linear(pair[0], mesh=mesh), nn.GELU(),
+                                nd.Linear2D.from_linear(pair[2], mesh=mesh))
+        layout, norm_layouts, lin_cls = "2d", ["2d"], nd.Linear2D
+    else:
+        lin = nn.Linear(HID, 6)
+        layer = nd.Linear3D.from_linear(lin, mesh=mesh)  # orientation ab: 3d-a -> 3d-b
+        check_layer(layer, lin, "3d-a", "3d-b", mesh, (batch, S, HID), "Linear3D ab")
+        lin = nn.Linear(8, 10)
+        layer = nd.Linear3D.from_linear(lin, mesh=mesh, orientation="ba")
+        check_layer(layer, lin, "3d-b", "3d-a", mesh, (batch, S, 8), "Linear3D ba")
+        pair = nn.Sequential(nn.Linear(HID, 8), nn.GELU(), nn.Linear(8, HID))
+        sharded = nn.Sequential(nd.Linear3D.from_linear(pair[0], mesh=mesh), nn.GELU(),
+                                nd.Linear3D.from_linear(pair[2], mesh=mesh, orientation="ba"))
+        layout, norm_layouts, lin_cls = "3d-a", ["3d-a", "3d-b"], nd.Linear3D
+    check_layer(sharded, pair, layout, layout, mesh, (batch, S, HID), f"{mode} stacked pair")
+
+    # TP-invariant init: the gathered weights equal the full tensors drawn from the same seed
+    torch.manual_seed(3)
+    fresh = lin_cls(HID, 8, mesh=mesh)
+    torch.manual_seed(3)
+    w = torch.empty(8, HID)
+    nn.init.kaiming_uniform_(w, a=math.sqrt(5))
+    b = torch.empty(8).uniform_(-1 / math.sqrt(HID), 1 / math.sqrt(HID))
+    assert_close(ntp.gather_full(fresh.weight, mesh), w, f"{mode} init weight")
+    assert_close(ntp.gather_full(fresh.bias, mesh), b, f"{mode} init bias")
+
+    ln_cls = nd.LayerNorm2D if mode == "2d" else nd.LayerNorm3D
+    rms_cls = nd.RMSNorm2D if mode == "2d" else nd.RMSNorm3D
+    for lay in norm_layouts:
+        ln = nn.LayerNorm(HID)
+        rms = nn.RMSNorm(HID, eps=1e-6)
+        with torch.no_grad():
+            ln.weight.uniform_(0.5, 1.5)
+            ln.bias.uniform_(-0.5, 0.5)
+            rms.weight.uniform_(0.5, 1.5)
+        check_layer(ln_cls.from_layernorm(ln, layout=lay, mesh=mesh), ln, lay, lay, mesh,
+                    (batch, S, HID), f"{ln_cls.__name__} {lay}")
+        check_layer(rms_cls.from_layernorm(rms, layout=lay, mesh=mesh), rms, lay, lay, mesh,
+                    (batch, S, HID), f"{rms_cls.__name__} {lay}")
+
+
+def _ref_block(p: dict, pre: str, x: torch.Tensor) -> torch.Tensor:
+    """Pre-norm block with per-head fused QKV ``[heads, (q,k,v), head_dim]``, plain torch."""
+    b, s, h = x.shape
+    y = F.layer_norm(x, (h,), p[pre + "ln1.weight"], p[pre + "ln1.bias"])
+    qkv = F.linear(y, p[pre + "attn.qkv.weight"], p[pre + "attn.qkv.bias"])
+    q, k, v = (t.transpose(1, 2) for t in qkv.view(b, s, HEADS, 3, h // HEADS).unbind(3))
+    scores = q @ k.transpose(-1, -2) / math.sqrt(h // HEADS)
+    mask = torch.ones(s, s, dtype=torch.bool).tril()
+    att = (scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v).transpose(1, 2)
+    x = x + F.linear(att.reshape(b, s, h), p[pre + "attn.out.weight"], p[pre + "attn.out.bias"])
+    y = F.layer_norm(x, (h,), p[pre + "ln2.weight"], p[pre + "ln2.bias"])
+    y = F.linear(F.gelu(F.linear(y, p[pre + "mlp.up.weight"], p[pre + "mlp.up.bias"])),
+                 p[pre + "mlp.down.weight"], p[pre + "mlp.down.bias"])
+    return x + y
+
+
+def _randomize_norms(model: nn.Module) -> None:
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, (nd.LayerNorm2D, nd.LayerNorm3D)):
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.uniform_(-0.5, 0.5)
+
+
+def check_block(mesh, batch: int) -> None:
+    """TransformerBlockND vs the plain-torch block: output, input grad, parameter grads.
+    With dp > 1 each replica sees its own batch; grads are dp-averaged and compared with the
+    reference on the concatenated batch."""
+    torch.manual_seed(0)
+    block = TransformerBlockND(HID, HEADS, FFN, mesh=mesh)
+    _randomize_norms(block)
+    layout = block.input_layout
+    full = {n: ntp.gather_full(p, mesh).clone().requires_grad_(True)
+            for n, p in block.named_parameters()}
+    torch.manual_seed(1)
+    x_all = torch.randn(mesh.dp_size * batch, S, HID, requires_grad=True)
+    y_ref = _ref_block(full, "", x_all)
+    g_all = torch.randn_like(y_ref)
+    ((y_ref * g_all).sum() / mesh.dp_size).backward()
+
+    rows = slice(mesh.dp_rank * batch, (mesh.dp_rank + 1) * batch)
+    x = x_all.detach()[rows].clone().requires_grad_(True)
+    y = block(nd.split_input(x, layout, mesh))
+    (y * nd.split_input(g_all[rows], layout, mesh)).sum().backward()
+    ntp.allreduce_data_parallel_grads(block, mesh)
+    assert_close(nd.gather_output(y.detach(), layout, mesh), y_ref.detach()[rows], "block out")
+    assert_close(x.grad, x_all.grad[rows] * mesh.dp_size, "block input grad")
+    _grads_match(block, {n: t.grad for n, t in full.items()}, mesh, f"{mesh.tp_mode} block")
+    # the global grad norm (clip_grad_norm_ path) counts every element once
+    ref_norm = torch.sqrt(sum(t.grad.square().sum() for t in full.values()))
+    assert_close(ntp.global_grad_norm(block, mesh), ref_norm, "global grad norm")
+
+
+def check_model_loss(mesh, batch: int) -> None:
+    """Embedding -> block -> LayerNorm -> classifier -> cross-entropy vs plain torch."""
+    two = mesh.tp_mode == "2d"
+    torch.manual_seed(0)
+    model = nn.ModuleDict({
+        "emb": (nd.Embedding2D if two else nd.Embedding3D)(VOCAB, HID, mesh=mesh),
+        "block": TransformerBlockND(HID, HEADS, FFN, mesh=mesh),
+        "lnf": (nd.LayerNorm2D if two else nd.LayerNorm3D)(HID, mesh=mesh),
+        "head": (nd.Classifier2D if two else nd.Classifier3D)(HID, VOCAB, mesh=mesh),
+    })
+    _randomize_norms(model)
+    full = {n: ntp.gather_full(p, mesh).clone().requires_grad_(True)
+            for n, p in model.named_parameters()}
+    torch.manual_seed(2)
+    ids = torch.randint(0, VOCAB, (batch, S))
+    labels = torch.randint(0, VOCAB, (batch, S))
+    labels[0, 1] = -100  # an ignored position
+    h = _ref_block(full, "block.", F.embedding(ids, full["emb.weight"]))
+    h = F.layer_norm(h, (HID,), full["lnf.weight"], full["lnf.bias"])
+    logits = F.linear(h, full["head.weight"])
+    loss_ref = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+    loss_ref.backward()
+
+    in_layout = model["emb"].output_layout
+    out_layout = model["head"].output_layout
+    x = model["emb"](nd.split_input(ids, in_layout, mesh, feature_dim=False))
+    x = model["lnf"](model["block"](x))
+    logits_local = model["head"](x)
+    loss = nd.cross_entropy_nd(logits_local, nd.split_input(labels, out_layout, mesh,
+                                                            feature_dim=False), out_layout, mesh)
+    loss.backward()
+    assert_close(loss.detach(), loss_ref.detach(), "loss")
+    assert_close(nd.gather_output(logits_local.detach(), out_layout, mesh), logits.detach(),
+                 "logits")
+    _grads_match(model, {n: t.grad for n, t in full.items()}, mesh, f"{mesh.tp_mode} model")

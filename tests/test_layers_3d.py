@@ -1,0 +1,16 @@
+"""3D (q x q x q) tensor parallelism on gloo, 8 ranks (q=2): every layer in both orientations,
+the loss and the block against the unsharded computation (outputs, input/parameter grads)."""
+import dist
+import neuron_tp as ntp
+from nd_reference import check_block, check_linears, check_model_loss
+
+
+def _tp8():
+    mesh = ntp.init_mesh(tp=8, tp_mode="3d")
+    check_linears(mesh, batch=4)
+    check_block(mesh, batch=4)
+    check_model_loss(mesh, batch=4)
+
+
+def test_3d_q2_layers_block_loss():
+    dist.run(_tp8, 8)
