@@ -40,16 +40,21 @@ def _model(args):
     return tf.AutoModelForCausalLM.from_config(cfg)
 
 
-def _time(step, steps: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(steps):
-        dist.barrier()
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def _interleaved(steps: dict, rounds: int, rank: int, warmup: int = 2) -> dict[str, float]:
+    """Median step time of each variant, measured round-robin (one step of each per round) so
+    that other load on the machine hits all variants alike. ``unsharded`` runs on rank 0 only
+    while rank 1 waits."""
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    for i in range(warmup + rounds):
+        for name, step in steps.items():
+            dist.barrier()
+            if name == "unsharded" and rank != 0:
+                continue
+            t0 = time.perf_counter()
+            step()
+            if i >= warmup:
+                times[name].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) if v else float("nan") for k, v in times.items()}
 
 
 def _stepper(model, ids, after=None):
@@ -90,37 +95,17 @@ def _worker(rank: int, port: int, args, queue) -> None:
     base = _model(args)
     with torch.no_grad():
         ref_logits = base(ids).logits
-    res = {}
-
-    # Unsharded, one rank (the other waits).
-    if rank == 0:
-        one = copy.deepcopy(base)
-        step = _stepper(one, ids)
-        for _ in range(2):
-            step()
-        times = []
-        for _ in range(args.steps):
-            t0 = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - t0)
-        res["unsharded"] = statistics.median(times)
-        del one
-    dist.barrier()
-
     mesh = ntp.init_mesh(tp=2)
     ntp_model = parallelize(copy.deepcopy(base), mesh, parallel_loss=True)
-    res["neuron_tp"] = _time(_stepper(ntp_model, ids, ntp.sync_sequence_parallel_grads), args.steps)
-    del ntp_model
     full = parallelize(copy.deepcopy(base), mesh)
-    res["neuron_tp_full_logits"] = _time(_stepper(full, ids), args.steps)
+    dt = _dtensor(copy.deepcopy(base), init_device_mesh("cpu", (2,)))
+    steps = {"unsharded": _stepper(copy.deepcopy(base), ids),
+             "neuron_tp": _stepper(ntp_model, ids, ntp.sync_sequence_parallel_grads),
+             "neuron_tp_full_logits": _stepper(full, ids),
+             "dtensor": _stepper(dt, ids)}
+    res = _interleaved(steps, args.steps, rank)
     with torch.no_grad():
         res["neuron_tp_diff"] = (full(ids).logits - ref_logits).abs().max().item()
-    del full
-
-    dmesh = init_device_mesh("cpu", (2,))
-    dt = _dtensor(copy.deepcopy(base), dmesh)
-    res["dtensor"] = _time(_stepper(dt, ids), args.steps)
-    with torch.no_grad():
         out = dt(ids).logits
         out = out.full_tensor() if hasattr(out, "full_tensor") else out
         res["dtensor_diff"] = (out - ref_logits).abs().max().item()
@@ -153,7 +138,7 @@ def main() -> None:
         raise SystemExit(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
     r = queue.get()
     print(f"Llama hidden={args.hidden} layers={args.layers} seq={args.seq} batch={args.batch} "
-          f"vocab={args.vocab}, 2 gloo ranks x 1 thread, median of {args.steps} steps")
+          f"vocab={args.vocab}, 2 gloo ranks x 1 thread, median of {args.steps} interleaved steps")
     print(f"  unsharded (1 rank)          {r['unsharded']:.3f} s/step")
     print(f"  neuron_tp TP=2 (par. loss)  {r['neuron_tp']:.3f} s/step  efficiency "
           f"{r['unsharded'] / (2 * r['neuron_tp']):.0%}")

@@ -104,6 +104,10 @@ def _generate_and_checkpoints(tmp: str) -> None:
         for (n, p), (n2, q) in zip(loaded.named_parameters(), expected.named_parameters()):
             assert n == n2 and torch.equal(p, q), n
         _close(loaded(x).logits, ref(x).logits, f"from_pretrained {path}")
+    half = from_pretrained(sharded, torch_dtype=torch.bfloat16)
+    full = gather_hf_state_dict(half)
+    for n, p in ref.named_parameters():
+        assert full[n].dtype == torch.bfloat16 and torch.equal(full[n], p.to(torch.bfloat16)), n
     save_pretrained(loaded, out)
     torch.distributed.barrier()
     back = tf.AutoModelForCausalLM.from_pretrained(out).eval()
