@@ -68,10 +68,13 @@ def all_gather(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
     if _check(x, group):
         return _xla.xm().all_gather(x, dim=dim, groups=_replica_groups(group), pin_layout=False)
     import torch.distributed as dist
-    src = x.movedim(dim, 0).contiguous()
+    src = x.contiguous()
     out = src.new_empty((group.size * src.shape[0], *src.shape[1:]))
     dist.all_gather_into_tensor(out, src, group=group.process_group)
-    return out.movedim(0, dim)
+    if dim == 0:
+        return out
+    # A contiguous result (a strided movedim view made e.g. gathered logits slow downstream).
+    return torch.cat(out.view(group.size, *src.shape).unbind(0), dim)
 
 
 def reduce_scatter(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
