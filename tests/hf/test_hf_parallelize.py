@@ -72,7 +72,6 @@ def _all_archs(tp: int) -> None:
 
 
 def _generate_and_checkpoints(tmp: str) -> None:
-    import transformers as tf
     mesh = ntp.init_mesh(tp=2)
     ids = torch.randint(2, V, (1, 5), generator=torch.Generator().manual_seed(7))
     for name in ("llama", "gpt2"):
@@ -88,11 +87,25 @@ def _generate_and_checkpoints(tmp: str) -> None:
             got = train.generate(ids, max_new_tokens=16, do_sample=False, min_new_tokens=16)
         assert torch.equal(got, want), (name, "parallel_loss model under full_logits")
 
-    # Checkpoints written by plain transformers: one file, and a sharded index.
-    torch.manual_seed(0)
-    ref = build("llama").eval()
+    # Checkpoints written by plain transformers: one file, and a sharded index; GPT-2 (Conv1D,
+    # fused c_attn, tied head) and a GQA model whose kv heads are replicated at tp=2.
+    for name in ("llama", "gpt2", "gqa_12_3"):
+        ref = _gqa_model() if name == "gqa_12_3" else build(name).eval()
+        _checkpoints(ref, os.path.join(tmp, name), mesh.rank)
+
+
+def _gqa_model():
+    import transformers as tf
+    torch.manual_seed(1)
+    cfg = tf.LlamaConfig(vocab_size=V, hidden_size=36, intermediate_size=40, num_hidden_layers=1,
+                         num_attention_heads=12, num_key_value_heads=3, head_dim=4)
+    return tf.AutoModelForCausalLM.from_config(cfg).eval()
+
+
+def _checkpoints(ref, tmp: str, rank: int) -> None:
+    import transformers as tf
     single, sharded, out = (os.path.join(tmp, d) for d in ("single", "sharded", "out"))
-    if mesh.rank == 0:
+    if rank == 0:
         ref.save_pretrained(single)
         ref.save_pretrained(sharded, max_shard_size="20KB")
     torch.distributed.barrier()
@@ -111,7 +124,7 @@ def _generate_and_checkpoints(tmp: str) -> None:
     save_pretrained(loaded, out)
     torch.distributed.barrier()
     back = tf.AutoModelForCausalLM.from_pretrained(out).eval()
-    _close(back(x).logits, ref(x).logits, "save_pretrained reload")
+    _close(back(x).logits, ref(x).logits, f"save_pretrained reload {tmp}")
     for n, p in ref.state_dict().items():
         assert torch.equal(back.state_dict()[n], p), n
 
