@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 
+import torch
 from torch import nn
 
 from ..layers import parallel_cross_entropy
@@ -14,7 +16,8 @@ from .attention import (ShardedRMSNorm, check_heads, is_plain_split, kv_slots, m
                         patch_attention_module)
 from .layout import HFLayout, even_pieces, set_layout
 from .plans import match_modules, resolve_plan
-from .sequence_parallel import apply_sequence_parallel, find_layers, install_input_region
+from .sequence_parallel import (apply_sequence_parallel, check_sequence_parallel, find_layers,
+                                install_input_region)
 
 _COLWISE = ("colwise", "colwise_gather_output", "packed_colwise", "packed_qkv")
 
@@ -112,6 +115,8 @@ def parallelize(model: nn.Module, mesh: Mesh | None = None, sequence_parallel: b
     ties = _tie_groups(model)
 
     # Validate everything first (no collectives run during parallelize anyway).
+    if sequence_parallel:
+        check_sequence_parallel(model)
     for name, style in targets.items():
         mod = model.get_submodule(name)
         parent = model.get_submodule(_split(name)[0]) if _split(name)[0] else model
@@ -190,6 +195,7 @@ def _sharded_norm(mod, name, mesh, heads) -> nn.Module:
         raise ValueError(f"{name}: a norm over all key/value heads cannot be sharded when "
                          f"num_key_value_heads={heads.kv} is not divisible by tp="
                          f"{mesh.tp_size}; tp degrees that work: {ok}")
+    _check_plain_rms_norm(mod, name, full)
     from ..sharding import Sharding, shard_of
     sh = Sharding((("tp", 0),), (full,))
     local = nn.Parameter(shard_of(w.detach(), sh, mesh).clone(), requires_grad=w.requires_grad)
@@ -198,6 +204,21 @@ def _sharded_norm(mod, name, mesh, heads) -> nn.Module:
     norm = ShardedRMSNorm(mod, mesh, full)
     norm.weight = local
     return norm
+
+
+def _check_plain_rms_norm(mod: nn.Module, name: str, features: int) -> None:
+    """``sharded_norm`` re-implements ``weight * x / rms(x)``: check the module computes that."""
+    probe = copy.deepcopy(mod).to_empty(device="cpu").float()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        probe.weight.copy_(torch.rand(features, generator=gen) + 0.5)
+        x = torch.randn(3, features, generator=gen)
+        eps = getattr(probe, "variance_epsilon", getattr(probe, "eps", 1e-6))
+        want = probe.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        ok = torch.allclose(probe(x), want, atol=1e-5)
+    if not ok:
+        raise ValueError(f"{name}: sharded_norm needs a plain RMSNorm (weight * x / rms(x)); "
+                         f"{type(mod).__name__} computes something else")
 
 
 def _retie(model: nn.Module, ties) -> None:

@@ -44,13 +44,18 @@ def _first_input(args, kwargs):
     raise ValueError("tensor-parallel input hook: the module got no hidden-states input")
 
 
-def apply_sequence_parallel(model: nn.Module, mesh: Mesh) -> nn.ModuleList:
-    """Install the scatter/gather hooks and mark the partial-gradient parameters."""
+def check_sequence_parallel(model: nn.Module) -> tuple[nn.ModuleList, nn.Module]:
+    """The decoder layers and final norm sequence parallelism hooks into, or a ValueError."""
     found, norm = find_layers(model), find_final_norm(model)
     if found is None or norm is None:
         raise ValueError(f"{type(model).__name__}: sequence_parallel needs a decoder with a "
                          "list of layers and a final norm (norm / ln_f / final_layernorm)")
-    _, layers = found
+    return found[1], norm
+
+
+def apply_sequence_parallel(model: nn.Module, mesh: Mesh) -> nn.ModuleList:
+    """Install the scatter/gather hooks and mark the partial-gradient parameters."""
+    layers, norm = check_sequence_parallel(model)
     tp = mesh.tp
 
     def scatter(_mod, args, kwargs):

@@ -63,6 +63,11 @@ def test_no_plan_and_attention_implementation():
 def test_sequence_parallel_and_norm_refusals():
     with pytest.raises(ValueError, match=r"fc1.*sequence_parallel.*OPTDecoderLayer"):
         parallelize(build("opt"), mesh=MESH4, sequence_parallel=True)
+    with pytest.raises(ValueError, match=r"BertForMaskedLM: sequence_parallel needs a decoder"):
+        parallelize(build("bert"), mesh=MESH4, sequence_parallel=True)
+    gemma = build("gemma")  # Gemma's RMSNorm scales by (1 + weight): not a plain RMSNorm
+    with pytest.raises(ValueError, match=r"input_layernorm: sharded_norm needs a plain RMSNorm"):
+        parallelize(gemma, mesh=MESH4, plan={"model.layers.*.input_layernorm": "sharded_norm"})
     olmo = tf.AutoModelForCausalLM.from_config(tf.Olmo2Config(
         vocab_size=51, hidden_size=32, intermediate_size=40, num_hidden_layers=1,
         num_attention_heads=4, num_key_value_heads=2))
