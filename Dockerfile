@@ -24,10 +24,13 @@ RUN python3 -m pip list --format=freeze > /opt/neuron_tp/image-constraints.txt \
         "safetensors>=0.4,<1" "transformers>=4.51,<6"
 
 # The package itself, without dependency resolution (torch & co. come from the image).
+# Installed in place (-e) so that paths relative to the checkout, such as the default
+# training corpus in data/, resolve inside /opt/neuron_tp as they do in the repo.
 COPY pyproject.toml README.md ./
 COPY neuron_tp/ ./neuron_tp/
 COPY scripts/ ./scripts/
-RUN python3 -m pip install --no-deps . \
+COPY data/ ./data/
+RUN python3 -m pip install --no-deps -e . \
  && python3 -c "import torch, torch_xla, safetensors, neuron_tp; print('neuron_tp', neuron_tp.__file__, 'torch', torch.__version__)"
 
 # Non-root default user. The Neuron runtime works unprivileged: the device plugin passes
