@@ -1,0 +1,83 @@
+"""Turning saved tensor-parallel shards back into full tensors and into the shards of a
+(possibly different) layout, without collectives: everything is read from the files."""
+from __future__ import annotations
+
+import torch
+
+from ..sharding import Sharding, get_sharding, shard_of
+from ..mesh import Mesh
+
+_HF_ATTR = "_ntp_hf"  # neuron_tp.hf.layout records the HF layout of a parameter here
+
+
+def sharding_record(p: torch.Tensor) -> dict | None:
+    """JSON record of ``p``'s tensor-parallel layout (None = replicated)."""
+    sh = get_sharding(p)
+    rec = None
+    if sh is not None:
+        rec = {"splits": [list(s) for s in sh.splits], "full_shape": list(sh.full_shape),
+               "segments": list(sh.segments) if sh.segments else None}
+    return rec
+
+
+def hf_record(p: torch.Tensor) -> dict | None:
+    """JSON record of how the gathered parameter maps to the HF tensor (rank-independent)."""
+    lay = getattr(p, _HF_ATTR, None)
+    if lay is None:
+        return None
+    return {"transpose": lay.transpose,
+            "keep_rows": list(lay.keep_rows) if lay.keep_rows is not None else None}
+
+
+def full_shape(p: torch.Tensor) -> tuple[int, ...]:
+    sh = get_sharding(p)
+    return tuple(sh.full_shape) if sh is not None else tuple(p.shape)
+
+
+def assemble(shards: list[torch.Tensor], record: dict | None) -> torch.Tensor:
+    """The unsharded tensor from the tp group's shards (in tp-rank order), the offline
+    equivalent of :func:`neuron_tp.sharding.gather_full` for 1D tensor parallelism."""
+    if record is None:
+        return shards[0]
+    splits = [tuple(s) for s in record["splits"]]
+    if len(splits) != 1 or splits[0][0] != "tp":
+        raise ValueError(f"cannot reshard a tensor split over {splits}: only 1D tensor-parallel "
+                         "layouts (one split over 'tp') can be loaded at another tp degree")
+    dim = splits[0][1]
+    if record.get("segments"):
+        n = len(shards)
+        per_rank = [s // n for s in record["segments"]]
+        pieces = [s.split(per_rank, dim) for s in shards]
+        t = torch.cat([pieces[r][i] for i in range(len(per_rank)) for r in range(n)], dim)
+    else:
+        t = torch.cat(shards, dim)
+    for d, size in enumerate(record["full_shape"]):
+        if t.shape[d] != size:
+            t = t.narrow(d, 0, size)
+    return t
+
+
+def to_hf(full: torch.Tensor, hf: dict | None) -> torch.Tensor:
+    """The HF-named tensor from an assembled one (drops replicated kv rows, un-transposes)."""
+    if hf is None:
+        return full
+    from ..hf.layout import HFLayout, to_hf as _to_hf
+    keep = tuple(hf["keep_rows"]) if hf["keep_rows"] is not None else None
+    return _to_hf(full, HFLayout(0, (), hf["transpose"], keep))
+
+
+def local_piece(full: torch.Tensor, hf: dict | None, p: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+    """This rank's piece, for parameter ``p`` of the current model, of the saved tensor
+    ``full`` (assembled; ``hf`` its HF record or None)."""
+    layout = getattr(p, _HF_ATTR, None)
+    if layout is not None:  # an HF-parallelized parameter: slice the HF tensor like loading
+        from ..hf.layout import read_local
+        hf_full = to_hf(full, hf)
+
+        def read(dim, start, stop):
+            return hf_full if dim is None else hf_full.narrow(dim, start, stop - start)
+        return read_local(read, tuple(hf_full.shape), layout)
+    sh = get_sharding(p)
+    if sh is None:  # replicated, or a plain (unparallelized) model holding HF tensors
+        return to_hf(full, hf)
+    return shard_of(full, Sharding(sh.splits, sh.full_shape, sh.segments), mesh)

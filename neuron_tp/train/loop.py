@@ -1,0 +1,252 @@
+"""The training loop: AdamW, warmup + cosine decay, gradient accumulation, TP/DP gradient
+sync, clipping by the true global norm, one graph per optimizer step, host reads only at log
+intervals, sharded checkpoints and exact resume."""
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import comm
+from ..grads import (allreduce_data_parallel_grads, clip_grad_norm_, global_grad_norm,
+                     sync_sequence_parallel_grads)
+from ..mesh import Mesh, init_mesh
+from . import compile as C
+from .data import PackedData, load_tokenizer, vocab_size
+from .presets import build_model, is_preset
+
+
+class WarmupCosine:
+    """Linear warmup to ``lr`` over ``warmup`` steps, cosine decay to ``min_lr`` at ``total``.
+
+    The learning rate is computed on the host from the step count (known without reading the
+    device) and handed to the optimizer as a device tensor, so it is graph *data*: the step
+    graph is the same at every step."""
+
+    def __init__(self, optimizer, lr: float, min_lr: float, warmup: int, total: int):
+        self.optimizer, self.base, self.min_lr = optimizer, lr, min_lr
+        self.warmup, self.total, self.step_count = warmup, total, 0
+
+    def value(self, step: int) -> float:
+        if step < self.warmup:
+            return self.base * (step + 1) / self.warmup
+        span = max(1, self.total - self.warmup)
+        progress = min(1.0, (step - self.warmup) / span)
+        return self.min_lr + 0.5 * (self.base - self.min_lr) * (1 + math.cos(math.pi * progress))
+
+    def apply(self) -> float:
+        """Set the learning rate of the upcoming step; returns it."""
+        lr = self.value(self.step_count)
+        for group in self.optimizer.param_groups:
+            if isinstance(group["lr"], torch.Tensor):
+                group["lr"].copy_(torch.tensor(lr, dtype=group["lr"].dtype))
+            else:
+                group["lr"] = lr
+        return lr
+
+    def step(self) -> None:
+        self.step_count += 1
+
+    def state_dict(self) -> dict:
+        return {"step_count": self.step_count, "base": self.base, "min_lr": self.min_lr,
+                "warmup": self.warmup, "total": self.total}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step_count = int(state["step_count"])
+
+
+def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float,
+                   device: torch.device) -> torch.optim.AdamW:
+    """AdamW; on XLA with a tensor learning rate and ``capturable`` (the step count stays on
+    the device: no host read, no step-dependent constant in the graph). Matrices decay,
+    vectors (norms, biases) do not."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    xla = device.type == "xla"
+    groups = [{"params": decay, "weight_decay": weight_decay},
+              {"params": rest, "weight_decay": 0.0}]
+    if xla:
+        for g in groups:
+            g["lr"] = torch.tensor([lr], dtype=torch.float32, device=device)
+    return torch.optim.AdamW(groups, lr=lr, capturable=xla, foreach=False)
+
+
+@dataclass
+class Run:
+    """Everything a training run holds (returned by :func:`setup`)."""
+
+    args: object
+    mesh: Mesh
+    device: torch.device
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    schedule: WarmupCosine
+    data: PackedData
+    tokenizer: object
+    step: int = 0
+    log: list = field(default_factory=list)  # dicts of logged steps (rank 0 and others)
+
+
+def _device(kind: str) -> torch.device:
+    if kind == "xla":
+        from .. import _xla
+        return _xla.device()
+    return torch.device("cpu")
+
+
+def setup(args, mesh: Mesh | None = None) -> Run:
+    """Build mesh, device, data, model (sharded), optimizer and schedule from parsed args."""
+    if args.seq_len % args.tp and args.sequence_parallel:
+        raise ValueError(f"--sequence-parallel needs --seq-len divisible by --tp "
+                         f"({args.seq_len} % {args.tp} != 0)")
+    C.apply_neuron_defaults()
+    device = _device(args.device)  # before any backward (see neuron_tp.xla_device)
+    mesh = mesh or init_mesh(tp=args.tp)
+    if mesh.tp_size != args.tp:
+        raise ValueError(f"mesh has tp={mesh.tp_size} but --tp={args.tp}")
+    torch.manual_seed(args.seed)
+    tokenizer = load_tokenizer(args.tokenizer)
+    data = PackedData(args.data, tokenizer, args.seq_len, args.micro_batch, mesh.dp_size,
+                      mesh.dp_rank, args.seed)
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    from .. import hf
+    if is_preset(args.model):
+        model = build_model(args.model, vocab_size(tokenizer), args.seed, dtype)
+        hf.parallelize(model, mesh, sequence_parallel=args.sequence_parallel, parallel_loss=True)
+    else:
+        model = hf.from_pretrained(args.model, mesh, sequence_parallel=args.sequence_parallel,
+                                   parallel_loss=True, torch_dtype=dtype)
+    if model.config.vocab_size < vocab_size(tokenizer):
+        raise ValueError(f"model vocabulary {model.config.vocab_size} < tokenizer vocabulary "
+                         f"{vocab_size(tokenizer)}; pass the model's own --tokenizer")
+    model.to(device).train()
+    optimizer = make_optimizer(model, args.lr, args.weight_decay, device)
+    schedule = WarmupCosine(optimizer, args.lr, args.min_lr, args.warmup_steps, args.steps)
+    return Run(args, mesh, device, model, optimizer, schedule, data, tokenizer)
+
+
+def train_step(run: Run, log_this_step: bool, on_log) -> None:
+    """One optimizer step (``grad_accum`` micro-batches) ending in exactly one graph cut."""
+    args, model, mesh, dev = run.args, run.model, run.mesh, run.device
+    run.optimizer.zero_grad(set_to_none=True)
+    lr = run.schedule.apply()
+    loss_sum = None
+    for _ in range(args.grad_accum):
+        ids = run.data.next_batch().to(dev)
+        loss = model(input_ids=ids, labels=ids).loss / args.grad_accum
+        loss.backward()
+        loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
+    if args.sequence_parallel:
+        sync_sequence_parallel_grads(model, mesh)
+    allreduce_data_parallel_grads(model, mesh)
+    if args.max_grad_norm > 0:
+        norm = clip_grad_norm_(model, args.max_grad_norm, mesh)
+    else:
+        norm = global_grad_norm(model, mesh)
+    run.optimizer.step()
+    run.schedule.step()
+    run.step += 1
+    # Computed at every step (so every step traces the same graph), read only at log steps,
+    # after the graph ran (step closure): the dp-mean loss and the global gradient norm.
+    mean_loss = comm.all_reduce(loss_sum.float().reshape(1), mesh.dp) / mesh.dp_size
+    norm = norm.float().reshape(1)
+    if log_this_step:
+        C.on_step_end(dev, on_log, run.step, lr, mean_loss, norm)
+    C.step_boundary(dev)
+
+
+def _checkpoint_root(args) -> str:
+    return os.path.join(args.output_dir, "checkpoints")
+
+
+def _resume_path(args) -> str | None:
+    from .. import checkpoint
+    if args.resume == "none":
+        return None
+    if args.resume == "auto":
+        return checkpoint.latest(_checkpoint_root(args))
+    if not os.path.isdir(args.resume):
+        raise ValueError(f"--resume {args.resume!r}: not a checkpoint directory (or use auto/none)")
+    return args.resume
+
+
+def _save(run: Run) -> str:
+    from .. import checkpoint
+    return checkpoint.save(_checkpoint_root(run.args), run.model, run.optimizer, run.schedule,
+                           run.step, mesh=run.mesh, data_state=run.data.state_dict(),
+                           keep_last=run.args.keep_last)
+
+
+def train(args, mesh: Mesh | None = None, stop_at: int | None = None,
+          printer=print) -> dict:
+    """Run training as configured by ``args`` (from :func:`~neuron_tp.train.args.train_parser`).
+
+    ``stop_at``: end the process's work after that global step without a final checkpoint,
+    as if the job had been killed (for resume tests). Returns the summary (rank-local ``log``
+    of the logged steps included)."""
+    extract = C.extract_graphs_only()
+    run = setup(args, mesh)
+    rank0 = run.mesh.rank == 0
+    say = printer if rank0 else (lambda *a, **k: None)
+    steps = min(args.steps, 3) if extract else args.steps
+    resumed = None if extract else _resume_path(args)
+    if resumed:
+        from .. import checkpoint
+        meta = checkpoint.load(resumed, run.model, run.optimizer, run.schedule, mesh=run.mesh)
+        run.step = meta["step"]
+        run.data.load_state_dict(meta["data_state"])
+        say(f"resumed from {resumed} at step {run.step}")
+    tokens_per_step = args.seq_len * args.micro_batch * args.grad_accum * run.mesh.dp_size
+    say(f"neuron-tp train: {args.model} {run.mesh} device={run.device} seq_len={args.seq_len} "
+        f"global batch={args.micro_batch * args.grad_accum * run.mesh.dp_size} steps={steps}"
+        + (" [NEURON_EXTRACT_GRAPHS_ONLY: tracing only, no checkpoints]" if extract else ""))
+    writer = None
+    if args.tensorboard and rank0 and not extract:
+        from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
+        writer = SummaryWriter(os.path.join(args.output_dir, "tensorboard"))
+    clock = {"t": time.perf_counter(), "step": run.step}
+    start_step, t_start = run.step, time.perf_counter()
+
+    def on_log(step, lr, loss, norm):
+        now = time.perf_counter()
+        tps = (step - clock["step"]) * tokens_per_step / max(now - clock["t"], 1e-9)
+        clock.update(t=now, step=step)
+        if extract:
+            say(f"step {step}/{steps} traced")
+            return
+        entry = {"step": step, "loss": float(loss.cpu()[0]), "lr": lr,
+                 "grad_norm": float(norm.cpu()[0]), "tokens_per_s": tps,
+                 **C.graph_counters()}
+        run.log.append(entry)
+        say(f"step {step:>6}/{steps} | loss {entry['loss']:.4f} | lr {lr:.2e} | grad norm "
+            f"{entry['grad_norm']:.3f} | {tps:,.0f} tok/s | compiles {entry['compiles']}",
+            flush=True)
+        if writer is not None:
+            for key in ("loss", "lr", "grad_norm", "tokens_per_s"):
+                writer.add_scalar(f"train/{key}", entry[key], step)
+
+    saved = []
+    while run.step < steps:
+        nxt = run.step + 1
+        train_step(run, log_this_step=nxt % args.log_every == 0 or nxt == steps, on_log=on_log)
+        if stop_at is not None and run.step >= stop_at:
+            break
+        if not extract and args.save_every and run.step % args.save_every == 0:
+            saved.append(_save(run))
+    finished = run.step >= steps
+    if finished and not extract and (not saved or not saved[-1].endswith(f"{run.step:08d}")):
+        saved.append(_save(run))
+    elapsed = time.perf_counter() - t_start
+    summary = {"steps": run.step, "steps_this_run": run.step - start_step,
+               "tokens_per_s": (run.step - start_step) * tokens_per_step / max(elapsed, 1e-9),
+               **C.graph_counters(), "peak_memory_mb": C.peak_memory_mb(run.device),
+               "checkpoints": saved, "log": run.log, "extract_graphs_only": extract}
+    say(f"done: {summary['steps']} steps ({summary['steps_this_run']} this run), "
+        f"{summary['tokens_per_s']:,.0f} tok/s, {summary['compiles']} graph compiles, "
+        f"peak memory {summary['peak_memory_mb']:.0f} MiB, checkpoints: {saved or 'none'}")
+    if writer is not None:
+        writer.close()
+    return summary

@@ -1,0 +1,14 @@
+#!/usr/bin/env python
+"""Sharded generation with static shapes: ``torchrun --nproc_per_node=TP scripts/generate.py
+--tp TP --model DIR --prompt ...`` (see ``--help``). Same options as ``neuron-tp generate``."""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from neuron_tp.train.args import generate_parser  # noqa: E402
+
+if __name__ == "__main__":
+    args = generate_parser().parse_args()
+    from neuron_tp.train.generate import run_cli
+    run_cli(args)
