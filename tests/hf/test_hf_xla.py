@@ -53,3 +53,10 @@ def test_virtual_rank_collectives(sp):
     assert all(g == GROUPS for _, _, g in report["collectives"])
     if not sp:
         assert report["tp1_max_diff"] <= 1e-5
+    else:
+        # Rank-dependent values (vocab slice, replicated kv rows, sequence chunk) are data:
+        # rank 12 (tp rank 4 of group 1) traces exactly rank 3's graph.
+        other = _trace("--backward", "--sp", "--rank", "12")
+        assert other["collectives"] == report["collectives"]
+        assert other["hlo_sha"] == report["hlo_sha"]
+

@@ -1,8 +1,9 @@
 """Run in a fresh process (PJRT_DEVICE=CPU): trace a patched tiny Llama for rank 3 of a
-virtual 32-rank job with tp=8 and print its collectives as JSON; with ``--tp1`` first run the
+virtual 32-rank job with tp=8 (or ``--rank N``) and print its collectives as JSON; with ``--tp1`` first run the
 tp=1 patched model on the real XLA CPU device and compare with the CPU model."""
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 
@@ -37,7 +38,8 @@ def main() -> None:
         got = m(ids.to(dev)).logits
         torch_xla.sync()
         report["tp1_max_diff"] = (got.cpu() - want).abs().max().item()
-    mesh = ntp.Mesh.virtual(world_size=32, rank=3, tp=8)
+    rank = int(sys.argv[sys.argv.index("--rank") + 1]) if "--rank" in sys.argv else 3
+    mesh = ntp.Mesh.virtual(world_size=32, rank=rank, tp=8)
     m = parallelize(_model(), mesh=mesh, sequence_parallel=sp, parallel_loss=backward).to(dev)
     x = ids.to(dev)
     if backward:
@@ -46,8 +48,10 @@ def main() -> None:
         tensors = [out.loss] + [p.grad for p in m.parameters() if p.grad is not None]
     else:
         tensors = [m(x).logits]
+    hlo = trace_hlo(tensors)
+    report["hlo_sha"] = hashlib.sha256(hlo.encode()).hexdigest()
     report["collectives"] = [[c.kind, list(c.shape), [list(g) for g in c.replica_groups]]
-                             for c in parse_collectives(trace_hlo(tensors))]
+                             for c in parse_collectives(hlo)]
     print("JSON" + json.dumps(report))
 
 
