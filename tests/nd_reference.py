@@ -81,6 +81,21 @@ def check_linears(mesh, batch: int) -> None:
     assert_close(ntp.gather_full(fresh.weight, mesh), w, f"{mode} init weight")
     assert_close(ntp.gather_full(fresh.bias, mesh), b, f"{mode} init bias")
 
+    # from_embedding with a padding row: output and weight grad (padding row gets none)
+    emb = nn.Embedding(VOCAB, HID, padding_idx=3)
+    emb_nd = (nd.Embedding2D if mode == "2d" else nd.Embedding3D).from_embedding(emb, mesh=mesh)
+    torch.manual_seed(4)
+    ids = torch.randint(0, VOCAB, (batch, S))
+    ids[0, 0] = 3
+    g_full = torch.randn(batch, S, HID)
+    emb.zero_grad()
+    (emb(ids) * g_full).sum().backward()
+    out = emb_nd(nd.split_input(ids, emb_nd.output_layout, mesh, feature_dim=False))
+    (out * nd.split_input(g_full, emb_nd.output_layout, mesh)).sum().backward()
+    assert_close(nd.gather_output(out.detach(), emb_nd.output_layout, mesh), emb(ids).detach(),
+                 f"{mode} embedding out")
+    _grads_match(emb_nd, {"weight": emb.weight.grad}, mesh, f"{mode} embedding")
+
     ln_cls = nd.LayerNorm2D if mode == "2d" else nd.LayerNorm3D
     rms_cls = nd.RMSNorm2D if mode == "2d" else nd.RMSNorm3D
     for lay in norm_layouts:
@@ -177,8 +192,8 @@ def check_model_loss(mesh, batch: int) -> None:
     x = model["emb"](nd.split_input(ids, in_layout, mesh, feature_dim=False))
     x = model["lnf"](model["block"](x))
     logits_local = model["head"](x)
-    loss = nd.cross_entropy_nd(logits_local, nd.split_input(labels, out_layout, mesh,
-                                                            feature_dim=False), out_layout, mesh)
+    ce = nd.cross_entropy_2d if two else nd.cross_entropy_3d
+    loss = ce(logits_local, nd.split_input(labels, out_layout, mesh, feature_dim=False), mesh)
     loss.backward()
     assert_close(loss.detach(), loss_ref.detach(), "loss")
     assert_close(nd.gather_output(logits_local.detach(), out_layout, mesh), logits.detach(),

@@ -16,7 +16,8 @@ from torch import nn
 from .. import comm, regions
 from ..mesh import Mesh, get_mesh
 from .common import load_shards_from, make_parameter
-from .layout_nd import LAYOUT_2D, LAYOUT_3D_A, Layout, check_mode, get_layout, tag
+from .layout_nd import (LAYOUT_2D, LAYOUT_3D_A, LAYOUT_3D_B, Layout, check_mode, get_layout,
+                        tag)
 from .mesh2d import Linear2D, require_multiple
 from .mesh3d import Linear3D
 
@@ -146,3 +147,15 @@ def cross_entropy_nd(logits: torch.Tensor, labels: torch.Tensor, layout: Layout 
     if reduction == "sum":
         return total
     return total / comm.all_reduce(valid.sum().to(z.dtype), batch)
+
+
+def cross_entropy_2d(logits: torch.Tensor, labels: torch.Tensor, mesh: Mesh | None = None,
+                     **kwargs) -> torch.Tensor:
+    """:func:`cross_entropy_nd` of :class:`Classifier2D` logits (layout ``2d``)."""
+    return cross_entropy_nd(logits, labels, LAYOUT_2D, mesh, **kwargs)
+
+
+def cross_entropy_3d(logits: torch.Tensor, labels: torch.Tensor, mesh: Mesh | None = None,
+                     **kwargs) -> torch.Tensor:
+    """:func:`cross_entropy_nd` of :class:`Classifier3D` logits (layout ``3d-b``)."""
+    return cross_entropy_nd(logits, labels, LAYOUT_3D_B, mesh, **kwargs)
