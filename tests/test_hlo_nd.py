@@ -74,3 +74,40 @@ def test_linear3d_collectives(world, tp, rank):
     assert _summary(colls) == sorted(want)
     ring = sum(cl.ring_bytes for cl in colls if cl.kind != "all-reduce")
     assert ring == pytest.approx(2 * (q - 1) / q ** 3 * (b * s * a + a * c + b * s * c) * 4)
+
+
+MODEL = """
+import torch, neuron_tp as ntp
+from neuron_tp.hlo import trace_hlo
+from neuron_tp.layers import nd
+from neuron_tp.blocks_nd import TransformerBlockND
+mesh = ntp.Mesh.virtual(world_size=8, rank={rank}, tp=8, tp_mode="3d")
+dev = ntp.xla_device()
+emb = nd.Embedding3D(16, 8, mesh=mesh).to(dev)
+block = TransformerBlockND(8, 2, 8, mesh=mesh).to(dev)
+head = nd.Classifier3D(8, 16, mesh=mesh).to(dev)
+ids = torch.zeros(1, 3, dtype=torch.long, device=dev)
+loss = nd.cross_entropy_3d(head(block(emb(ids))), ids, mesh)
+loss.backward()
+print(trace_hlo([loss] + [p.grad for m in (emb, block, head) for p in m.parameters()]))
+"""
+
+
+def test_3d_model_traces_one_graph_for_all_ranks():
+    """Embedding, norms, block, classifier and loss: rank-dependent values are device data, so
+    two ranks trace the same HLO (one Neuron compile), and it holds 3D collectives only."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONPATH": root}
+    texts = []
+    for rank in (0, 6):
+        out = subprocess.run([sys.executable, "-c", MODEL.format(rank=rank)], env=env,
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        texts.append(out.stdout)
+    assert texts[0] == texts[1]
+    from neuron_tp.hlo import parse_collectives
+    sizes = {c.group_size for c in parse_collectives(texts[0])}
+    assert sizes == {2, 4}  # q = 2 axes and the q^2 batch groups; never the whole tp group
