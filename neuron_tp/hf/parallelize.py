@@ -270,8 +270,13 @@ def _wrap_loss(model: nn.Module, mesh: Mesh) -> None:
             logits = out.logits
             if causal:
                 labels = nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
+            # HF gradient accumulation (causal LMs' loss_function): sum / num_items_in_batch
+            n_items = kwargs.get("num_items_in_batch") if causal else None
             out.loss = parallel_cross_entropy(logits, labels.to(logits.device), mesh=mesh,
-                                              vocab_size=vocab)
+                                              vocab_size=vocab,
+                                              reduction="mean" if n_items is None else "sum")
+            if n_items is not None:
+                out.loss = out.loss / n_items
         return out
 
     model.forward = wrapped

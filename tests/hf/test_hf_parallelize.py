@@ -32,6 +32,9 @@ def _check_arch(name: str, sp: bool, ids: torch.Tensor) -> None:
     m = parallelize(copy.deepcopy(ref), sequence_parallel=sp, parallel_loss=True)
     ref_loss, loss = ref(ids, labels=ids).loss, m(ids, labels=ids).loss
     _close(loss, ref_loss, f"{tag} loss")
+    n = torch.tensor(5)  # HF gradient-accumulation normalisation: sum / num_items_in_batch
+    _close(m(ids, labels=ids, num_items_in_batch=n).loss,
+           ref(ids, labels=ids, num_items_in_batch=n).loss, f"{tag} loss / num_items")
     ref_loss.backward()
     loss.backward()
     ntp.sync_sequence_parallel_grads(m)
