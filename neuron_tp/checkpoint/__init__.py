@@ -24,7 +24,8 @@ import torch
 
 from .. import comm
 from ..mesh import Mesh, get_mesh
-from .reshard import assemble, full_shape, hf_record, local_piece, sharding_record, to_hf
+from .reshard import (assemble, full_shape, hf_record, local_piece, logical_shape,
+                      sharding_record, to_hf)
 
 FORMAT = "neuron_tp.checkpoint/1"
 _STEP_RE = re.compile(r"^step-(\d{8})$")
@@ -139,6 +140,7 @@ def save(root: str, model: torch.nn.Module, optimizer=None, scheduler=None, step
                       "config": config.to_dict() if hasattr(config, "to_dict") else None,
                       "sequence_parallel": bool(getattr(model, "_ntp_sequence_parallel", False))},
             "params": {n: {"shape": list(p.shape), "full_shape": list(full_shape(p)),
+                           "logical_shape": list(logical_shape(p)),
                            "dtype": str(p.dtype).replace("torch.", ""),
                            "sharding": sharding_record(p), "hf": hf_record(p)}
                        for n, p in model.named_parameters()},
@@ -199,8 +201,8 @@ def _check_model(meta: dict, model: torch.nn.Module, path: str) -> None:
     if missing or unexpected:
         raise ValueError(f"{path} does not match the model: parameters missing from the "
                          f"checkpoint {missing[:5]}, not in the model {unexpected[:5]}")
-    wrong = [(n, saved[n]["full_shape"], list(full_shape(p))) for n, p in names.items()
-             if saved[n]["full_shape"] != list(full_shape(p))]
+    wrong = [(n, saved[n]["logical_shape"], list(logical_shape(p))) for n, p in names.items()
+             if saved[n]["logical_shape"] != list(logical_shape(p))]
     if wrong:
         raise ValueError(f"{path} does not match the model (name, saved shape, model shape): "
                          f"{wrong[:5]}")

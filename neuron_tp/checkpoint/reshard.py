@@ -34,6 +34,19 @@ def full_shape(p: torch.Tensor) -> tuple[int, ...]:
     return tuple(sh.full_shape) if sh is not None else tuple(p.shape)
 
 
+def logical_shape(p: torch.Tensor) -> tuple[int, ...]:
+    """The shape of the unsharded tensor as a model without tensor parallelism holds it (the
+    HF tensor for HF-parallelized parameters): comparable across tp degrees."""
+    shape = list(full_shape(p))
+    rec = hf_record(p)
+    if rec is not None:
+        if rec["keep_rows"] is not None:
+            shape[0] = len(rec["keep_rows"])
+        if rec["transpose"]:
+            shape = shape[::-1]
+    return tuple(shape)
+
+
 def assemble(shards: list[torch.Tensor], record: dict | None) -> torch.Tensor:
     """The unsharded tensor from the tp group's shards (in tp-rank order), the offline
     equivalent of :func:`neuron_tp.sharding.gather_full` for 1D tensor parallelism."""

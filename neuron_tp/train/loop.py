@@ -181,11 +181,12 @@ def _save(run: Run) -> str:
 
 
 def train(args, mesh: Mesh | None = None, stop_at: int | None = None,
-          printer=print) -> dict:
+          printer=print, on_step=None) -> dict:
     """Run training as configured by ``args`` (from :func:`~neuron_tp.train.args.train_parser`).
 
-    ``stop_at``: end the process's work after that global step without a final checkpoint,
-    as if the job had been killed (for resume tests). Returns the summary (rank-local ``log``
+    ``stop_at``: end the process's work after that global step (and its periodic checkpoint)
+    without a final checkpoint, as if the job had been killed (for resume tests).
+    ``on_step(run)`` is called after every step's graph cut. Returns the summary (rank-local ``log``
     of the logged steps included)."""
     extract = C.extract_graphs_only()
     run = setup(args, mesh)
@@ -232,10 +233,12 @@ def train(args, mesh: Mesh | None = None, stop_at: int | None = None,
     while run.step < steps:
         nxt = run.step + 1
         train_step(run, log_this_step=nxt % args.log_every == 0 or nxt == steps, on_log=on_log)
-        if stop_at is not None and run.step >= stop_at:
-            break
+        if on_step is not None:
+            on_step(run)
         if not extract and args.save_every and run.step % args.save_every == 0:
             saved.append(_save(run))
+        if stop_at is not None and run.step >= stop_at:
+            break
     finished = run.step >= steps
     if finished and not extract and (not saved or not saved[-1].endswith(f"{run.step:08d}")):
         saved.append(_save(run))
