@@ -94,7 +94,11 @@ def reduce_scatter(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
     src = x.movedim(dim, 0).contiguous()
     out = src.new_empty((src.shape[0] // group.size, *src.shape[1:]))
     dist.reduce_scatter_tensor(out, src, group=group.process_group)
-    return out.movedim(0, dim)
+    if dim == 0:
+        return out
+    # A fresh tensor, not a movedim view: callers may modify it in place (Falcon's
+    # ``mlp_output += attention_output``), which autograd forbids on a view made in a Function.
+    return out.movedim(0, dim).clone(memory_format=torch.contiguous_format)
 
 
 def local_chunk(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
