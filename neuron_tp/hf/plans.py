@@ -81,6 +81,23 @@ BUILTIN_BASE_PLANS: dict[str, dict[str, str]] = {
 }
 BUILTIN_BASE_PLANS["roberta"] = BUILTIN_BASE_PLANS["bert"]
 
+
+def _falcon_plan(config) -> dict[str, str]:
+    """Falcon: multi-query ``[q heads | k | v]`` is packed_qkv, multi-head interleaves q/k/v
+    per head (a plain split by heads); the grouped new_decoder_architecture and ALiBi (biases
+    for all heads built outside the attention) are refused."""
+    if getattr(config, "new_decoder_architecture", False) or getattr(config, "alibi", False):
+        raise ValueError("falcon: new_decoder_architecture / alibi models are not supported "
+                         "(grouped fused qkv layout, ALiBi over all heads); pass plan= to "
+                         "shard only the MLPs")
+    qkv = "packed_qkv" if getattr(config, "multi_query", False) else "colwise"
+    return {"word_embeddings": "embedding_rowwise",
+            "h.*.self_attention.query_key_value": qkv, "h.*.self_attention.dense": "rowwise",
+            "h.*.mlp.dense_h_to_4h": "colwise", "h.*.mlp.dense_4h_to_h": "rowwise"}
+
+
+BUILTIN_PLAN_FACTORIES = {"falcon": _falcon_plan}
+
 # The LM head (``get_output_embeddings()``) is always ``colwise_gather_output``.
 
 
@@ -95,6 +112,8 @@ def resolve_plan(model: nn.Module, plan: dict[str, str] | None = None) -> dict[s
         prefix = getattr(model, "base_model_prefix", "")
         has_prefix = bool(prefix) and hasattr(model, prefix)
         base = BUILTIN_BASE_PLANS.get(model_type)
+        if model_type in BUILTIN_PLAN_FACTORIES:
+            base = BUILTIN_PLAN_FACTORIES[model_type](model.config)
         if base is None:
             base = dict(getattr(model.config, "base_model_tp_plan", None) or {})
             shipped = dict(getattr(model, "_tp_plan", None) or {})
