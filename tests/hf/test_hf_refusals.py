@@ -54,6 +54,10 @@ def test_no_plan_and_attention_implementation():
     model.config.model_type = "my_custom_llama"
     with pytest.raises(ValueError, match="no tensor-parallel plan.*plan="):
         parallelize(model, mesh=MESH4)
+    falcon = tf.AutoModelForCausalLM.from_config(tf.FalconConfig(
+        vocab_size=51, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, alibi=True))
+    with pytest.raises(ValueError, match="falcon: new_decoder_architecture / alibi"):
+        parallelize(falcon, mesh=MESH4)
     model = _llama(num_attention_heads=8)
     model.config._attn_implementation = "flash_attention_2"
     with pytest.raises(ValueError, match="flash_attention_2.*not supported"):
