@@ -1,0 +1,122 @@
+"""Pieces of the training scripts in one process: data packing / dp split / resume position,
+NEURON_CC_FLAGS merging (never clobbering), extract-mode detection, the LR schedule, option
+validation, and ``scripts/*.py --help`` with torch alone."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from neuron_tp.train import compile as C
+from neuron_tp.train.args import generate_parser, train_parser
+from neuron_tp.train.data import ByteTokenizer, PackedData
+from neuron_tp.train.loop import WarmupCosine
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+
+
+def _corpus(tmp_path, n_docs=40):
+    f = tmp_path / "d.jsonl"
+    f.write_text("\n".join(json.dumps({"text": f"document {i} " * (i % 7 + 3)})
+                           for i in range(n_docs)) + "\n")
+    return str(f)
+
+
+def test_packing_dp_split_and_resume_position(tmp_path):
+    path = _corpus(tmp_path)
+    tok = ByteTokenizer()
+    whole = PackedData(path, tok, 13, 4, 1, 0, seed=3)
+    ranks = [PackedData(path, tok, 13, 2, 2, r, seed=3) for r in range(2)]
+    assert whole.batches_per_epoch == len(whole.chunks) // 4  # incomplete batch dropped
+    for _ in range(2 * whole.batches_per_epoch + 1):  # across two epoch boundaries
+        b = whole.next_batch()
+        parts = [r.next_batch() for r in ranks]
+        assert b.shape == (4, 13) and all(p.shape == (2, 13) for p in parts)
+        assert torch.equal(b, torch.cat(parts))
+    # the packed stream is the documents' bytes joined by end-of-text tokens
+    docs = [json.loads(line)["text"] for line in open(path)]
+    stream = [t for d in docs for t in [*d.encode(), 256]]
+    assert whole.chunks.flatten().tolist() == stream[:whole.chunks.numel()]
+    state = whole.state_dict()
+    again = PackedData(path, tok, 13, 4, 1, 0, seed=3)
+    again.load_state_dict(state)
+    assert torch.equal(again.next_batch(), whole.next_batch())
+    with pytest.raises(ValueError, match="seq_len"):
+        PackedData(path, tok, 14, 4, 1, 0, seed=3).load_state_dict(state)
+
+
+def test_data_errors(tmp_path):
+    tok = ByteTokenizer()
+    with pytest.raises(ValueError, match="does not exist"):
+        PackedData(str(tmp_path / "none"), tok, 8, 1)
+    (tmp_path / "notes.md").write_text("x")
+    with pytest.raises(ValueError, match="no .txt or .jsonl"):
+        PackedData(str(tmp_path), tok, 8, 1)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"body": "no text field"}\n')
+    with pytest.raises(ValueError, match="bad.jsonl:2"):
+        PackedData(str(bad), tok, 8, 1)
+    small = tmp_path / "small.txt"
+    small.write_text("tiny")
+    with pytest.raises(ValueError, match="fewer than one global batch"):
+        PackedData(str(small), tok, 8, 1)
+
+
+def test_cc_flags_never_clobbered(monkeypatch):
+    assert C.merged_cc_flags("") == "--model-type=transformer"
+    assert C.merged_cc_flags("--model-type=cnn -O1") == "--model-type=cnn -O1"
+    assert C.merged_cc_flags("-O1  --cache_dir=/x", cache_dir="/y") == \
+        "-O1 --cache_dir=/x --model-type=transformer"
+    assert C.merged_cc_flags("-O2", cache_dir="/y") == "-O2 --model-type=transformer --cache_dir=/y"
+    env = {"NEURON_CC_FLAGS": "--model-type=unet-inference -O1"}
+    monkeypatch.setenv("PJRT_DEVICE", "NEURON")
+    C.apply_neuron_defaults(env)
+    assert env["NEURON_CC_FLAGS"] == "--model-type=unet-inference -O1"
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")
+    env = {}
+    C.apply_neuron_defaults(env)
+    assert env == {}  # off Neuron nothing is set
+
+
+def test_extract_mode_detection(monkeypatch):
+    for value, expected in (("1", True), ("true", True), ("0", False), ("", False)):
+        monkeypatch.setenv("NEURON_EXTRACT_GRAPHS_ONLY", value)
+        assert C.extract_graphs_only() is expected
+    monkeypatch.delenv("NEURON_EXTRACT_GRAPHS_ONLY")
+    assert C.extract_graphs_only() is False
+
+
+def test_schedule_warmup_then_cosine():
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    s = WarmupCosine(opt, 1e-3, 1e-4, 4, 20)
+    lrs = []
+    for _ in range(20):
+        lrs.append(s.apply())
+        assert opt.param_groups[0]["lr"] == lrs[-1]
+        s.step()
+    assert lrs[:4] == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3])
+    assert all(a >= b for a, b in zip(lrs[3:], lrs[4:]))  # non-increasing after warmup
+    assert lrs[-1] > 1e-4 and s.value(20) == pytest.approx(1e-4)
+
+
+def test_option_validation_and_help():
+    for bad in (["--tp", "0"], ["--steps", "-1"], ["--device", "gpu"], ["--tensor-parallel", "2"]):
+        with pytest.raises(SystemExit):
+            train_parser().parse_args(bad)
+    with pytest.raises(SystemExit):
+        generate_parser().parse_args(["--buckets", "32,x"])
+    assert generate_parser().parse_args(["--buckets", "128,32,32"]).buckets == [32, 128]
+    for script in ("train.py", "generate.py"):
+        proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", script), "--help"],
+                              capture_output=True, text=True, timeout=60,
+                              env={**os.environ, "PYTHONPATH": REPO})
+        assert proc.returncode == 0 and "--tp" in proc.stdout, proc.stderr
+    from neuron_tp.train.loop import setup
+    args = train_parser().parse_args(["--device", "cpu", "--tp", "2", "--sequence-parallel",
+                                      "--seq-len", "33"])
+    with pytest.raises(ValueError, match="divisible by --tp"):
+        setup(args)
