@@ -255,9 +255,9 @@ def test_precompile_runs_the_same_command_under_neuron_parallel_compile(variant)
     p_launch, p_args = parse_launch(argv(pc)[1:], "train.py")
     t, p = vars(train_parser().parse_args(t_args)), vars(train_parser().parse_args(p_args))
     differ = {k for k in t if t[k] != p[k]}
-    assert differ <= {"steps", "save_every", "output_dir", "resume"}, differ
+    assert differ <= {"steps", "output_dir", "resume"}, differ
     assert p["resume"] == "none" and p["output_dir"] != t["output_dir"]
-    assert p["save_every"] <= p["steps"] <= t["steps"]  # the trial reaches a checkpoint save
+    assert p["steps"] <= t["steps"]
     t_l, p_l = vars(t_launch), vars(p_launch)
     assert {k for k in t_l if t_l[k] != p_l[k]} <= {"rdzv_id", "rdzv_endpoint",
                                                    "training_script_args"}
@@ -296,7 +296,7 @@ def test_consolidate_job_feeds_the_inference_model(variant):
     assert re.search(r'^neuron-tp\s*=\s*"neuron_tp\.cli:main"', scripts.group(1), re.M)
     assert argv(c)[:2] == ["neuron-tp", "consolidate"] and len(argv(c)) == 4
     ckpt, out = argv(c)[2:]
-    assert ckpt.startswith(params["OUTPUT_DIR"] + "/"), "consolidates a checkpoint of the run"
+    assert ckpt == params["OUTPUT_DIR"], "consolidates the newest checkpoint of the run"
     (inf,) = one(docs["inference"], "Job")["spec"]["template"]["spec"]["containers"]
     assert f"--model={out}" in inf["args"], "inference serves the consolidated directory"
     res = c["resources"]
