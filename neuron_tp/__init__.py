@@ -6,9 +6,12 @@ Public API::
     mesh = ntp.init_mesh(tp=2)                 # world = dp x tp, becomes the default mesh
     vmesh = ntp.Mesh.virtual(world_size=32, rank=5, tp=8)   # trace-only
     from neuron_tp.layers import ColumnParallelLinear, RowParallelLinear, ...
+    model = ntp.parallelize(hf_model)          # shard a transformers model in place
+    mesh2d = ntp.init_mesh(tp=16, tp_mode="2d")   # 2D/3D layers: neuron_tp.layers.Linear2D, ...
 """
-from . import blocks, comm, layers, regions
+from . import blocks, blocks_nd, checkpoint, comm, layers, regions
 from ._xla import device as xla_device
+from .hf import from_pretrained, parallelize, save_pretrained
 from .grads import (allreduce_data_parallel_grads, clip_grad_norm_, global_grad_norm,
                     sync_sequence_parallel_grads)
 from .layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
@@ -23,5 +26,6 @@ __all__ = [
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
     "parallel_cross_entropy", "allreduce_data_parallel_grads", "sync_sequence_parallel_grads",
     "clip_grad_norm_", "global_grad_norm", "gather_full", "get_sharding",
-    "mark_sequence_parallel", "blocks", "comm", "layers", "regions",
+    "mark_sequence_parallel", "parallelize", "from_pretrained", "save_pretrained",
+    "blocks", "blocks_nd", "checkpoint", "comm", "layers", "regions",
 ]
