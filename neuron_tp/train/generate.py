@@ -1,6 +1,7 @@
 """Sharded generation with static shapes: prompts left-padded to a few length buckets, a
-static KV cache whose length does not depend on the number of new tokens (rounded up), one
-prefill graph per bucket and one decode graph, greedy or sampling (Gumbel-max, identical on
+static KV cache whose length does not depend on the number of new tokens (rounded up), the
+attention mask built in the graph (transformers' own mask code reads the padding mask on the
+host), one prefill graph per bucket and one decode graph, greedy or sampling (Gumbel-max, identical on
 every tp rank), no host read until the end."""
 from __future__ import annotations
 
@@ -33,6 +34,16 @@ def _choose(logits: torch.Tensor, do_sample: bool, temperature: float, top_k: in
         logits = logits.masked_fill(logits < kth, float("-inf"))
     u = torch.rand(logits.shape, device=logits.device).clamp_(1e-10, 1.0)
     return (logits - torch.log(-torch.log(u))).argmax(-1)
+
+
+def attention_mask_4d(pad_mask: torch.Tensor, cache_pos: torch.Tensor) -> torch.Tensor:
+    """``[batch, 1, queries, cache]`` boolean mask built in the graph from device tensors:
+    causal over cache positions, padding excluded, every query sees itself (padding rows
+    would otherwise be empty and produce NaN keys/values in later layers)."""
+    kv = torch.arange(pad_mask.shape[-1], device=pad_mask.device)
+    q = cache_pos[:, None]
+    allowed = (kv[None, :] <= q) & pad_mask.bool()[:, None, :]  # [batch, q, cache]
+    return (allowed | (kv[None, :] == q))[:, None]
 
 
 @torch.no_grad()
@@ -69,7 +80,8 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, buckets: list
     ids, mask, pos = ids.to(dev), mask.to(dev), pos.to(dev)
     cache = StaticCache(config=model.config, max_cache_len=total)
     cache_pos = torch.arange(bucket, device=dev)
-    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache_position=cache_pos,
+    out = model(input_ids=ids, attention_mask=attention_mask_4d(mask, cache_pos),
+                position_ids=pos, cache_position=cache_pos,
                 past_key_values=cache, use_cache=True, logits_to_keep=1)
     tok = _choose(out.logits[:, -1], do_sample, temperature, top_k)
     # Tokens go into a device buffer as wide as the cache (not as the token count), at a
@@ -77,10 +89,14 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, buckets: list
     buf = torch.zeros((batch, total), dtype=torch.long, device=dev)
     slot = torch.zeros(1, dtype=torch.long, device=dev)
     buf.index_copy_(1, slot, tok[:, None])
-    pos, cache_pos = pos[:, -1:] + 1, cache_pos[-1:] + 1
+    # Decode inputs uploaded from the host (not sliced from bucket-shaped tensors), so the
+    # decode graph is one and the same for every bucket and every step.
+    pos = torch.tensor([[len(p)] for p in prompts]).to(dev)
+    cache_pos = torch.tensor([bucket]).to(dev)
     C.step_boundary(dev)
     for _ in range(max_new_tokens - 1):
-        out = model(input_ids=tok[:, None], attention_mask=mask, position_ids=pos,
+        out = model(input_ids=tok[:, None], attention_mask=attention_mask_4d(mask, cache_pos),
+                    position_ids=pos,
                     cache_position=cache_pos, past_key_values=cache, use_cache=True)
         tok = _choose(out.logits[:, -1], do_sample, temperature, top_k)
         slot = slot + 1
