@@ -115,10 +115,11 @@ def setup(args, mesh: Mesh | None = None) -> Run:
     from .. import hf
     if is_preset(args.model):
         model = build_model(args.model, vocab_size(tokenizer), args.seed, dtype)
-        hf.parallelize(model, mesh, sequence_parallel=args.sequence_parallel, parallel_loss=True)
+        hf.parallelize(model, mesh, sequence_parallel=args.sequence_parallel,
+                       parallel_loss=mesh.tp_size > 1)
     else:
         model = hf.from_pretrained(args.model, mesh, sequence_parallel=args.sequence_parallel,
-                                   parallel_loss=True, torch_dtype=dtype)
+                                   parallel_loss=mesh.tp_size > 1, torch_dtype=dtype)
     if model.config.vocab_size < vocab_size(tokenizer):
         raise ValueError(f"model vocabulary {model.config.vocab_size} < tokenizer vocabulary "
                          f"{vocab_size(tokenizer)}; pass the model's own --tokenizer")
