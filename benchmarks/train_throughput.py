@@ -96,7 +96,10 @@ def worker_generate(opts) -> dict:
     return {"graphs": graph_counters()["compiles"], "seconds": time.perf_counter() - t0}
 
 
-def _run(cmd: list[str], env_extra: dict) -> dict:
+def _run(cmd: list[str], env_extra: dict, scratch: str | None = None) -> dict:
+    if scratch:  # each run starts from an empty output directory (no resume, no refusal)
+        import shutil
+        shutil.rmtree(scratch, ignore_errors=True)
     env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "PJRT_DEVICE": "CPU",
            **env_extra}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
@@ -125,7 +128,7 @@ def main() -> None:
 
     def paired(a, b):
         """Alternate the two cases ``repeat`` times (machine load drifts); medians."""
-        runs = [(_run(a, {}), _run(b, {})) for _ in range(opts.repeat)]
+        runs = [(_run(a, {}, opts.out), _run(b, {}, opts.out)) for _ in range(opts.repeat)]
         med = lambda rs: sorted(rs, key=lambda r: r["tokens_per_s"])[len(rs) // 2]
         return med([r[0] for r in runs]), med([r[1] for r in runs])
 

@@ -30,18 +30,40 @@ from .reshard import (assemble, full_shape, hf_record, local_piece, logical_shap
 FORMAT = "neuron_tp.checkpoint/1"
 _STEP_RE = re.compile(r"^step-(\d{8})$")
 
-__all__ = ["save", "load", "latest", "consolidate", "read_meta"]
+__all__ = ["save", "load", "latest", "consolidate", "read_meta", "dry_run_save"]
 
 
 def _mesh_of(model, mesh: Mesh | None) -> Mesh:
     return get_mesh(mesh if mesh is not None else getattr(model, "_ntp_mesh", None))
 
 
-def _barrier(mesh: Mesh, device: torch.device) -> None:
-    """Every rank of the job reaches this point (a one-element all-reduce, read back)."""
+def _agree(mesh: Mesh, device: torch.device, error: Exception | None = None) -> None:
+    """Barrier over the job that also shares failure: raises on every rank when any rank
+    passed an ``error`` (so no rank goes on into collectives the others never reach).
+
+    One ``[1]`` float all-reduce of uploaded data: on XLA the same single small graph every
+    time (traced in the NEURON_EXTRACT_GRAPHS_ONLY trial too, see :func:`dry_run_save`)."""
     world = mesh.group("world")
+    failed = 1.0 if error is not None else 0.0
     if world.size > 1:
-        comm.all_reduce(torch.zeros(1, device=device), world).cpu()
+        failed = float(comm.all_reduce(torch.tensor([failed]).to(device), world).cpu()[0])
+    if error is not None:
+        raise error
+    if failed:
+        raise ValueError("another rank failed while saving/loading the checkpoint (see its "
+                         "error message)")
+
+
+def _barrier(mesh: Mesh, device: torch.device) -> None:
+    _agree(mesh, device, None)
+
+
+def dry_run_save(model: torch.nn.Module, mesh: Mesh | None = None) -> None:
+    """The synchronisation of :func:`save` without writing anything: what the graph-extraction
+    trial runs so that checkpointing compiles nothing new in the real run."""
+    mesh = _mesh_of(model, mesh)
+    for _ in range(3):
+        _barrier(mesh, _device(model))
 
 
 def _device(model) -> torch.device:
@@ -100,6 +122,27 @@ def _optimizer_tensors(model, optimizer) -> dict[str, torch.Tensor]:
     return out
 
 
+def _metadata(model, optimizer, scheduler, step: int, mesh: Mesh, data_state, extra) -> dict:
+    config = getattr(model, "config", None)
+    return {
+        "format": FORMAT, "step": int(step),
+        "mesh": {"world_size": mesh.world_size, "tp": mesh.tp_size, "dp": mesh.dp_size,
+                 "tp_mode": mesh.tp_mode},
+        "model": {"class": type(model).__name__,
+                  "config": config.to_dict() if hasattr(config, "to_dict") else None,
+                  "sequence_parallel": bool(getattr(model, "_ntp_sequence_parallel", False))},
+        "params": {n: {"shape": list(p.shape), "full_shape": list(full_shape(p)),
+                       "logical_shape": list(logical_shape(p)),
+                       "dtype": str(p.dtype).replace("torch.", ""),
+                       "sharding": sharding_record(p), "hf": hf_record(p)}
+                   for n, p in model.named_parameters()},
+        "optimizer": None if optimizer is None else {
+            "class": type(optimizer).__name__, "groups": len(optimizer.param_groups)},
+        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "data_state": data_state, "extra": extra or {},
+    }
+
+
 def save(root: str, model: torch.nn.Module, optimizer=None, scheduler=None, step: int = 0,
          mesh: Mesh | None = None, data_state: dict | None = None, extra: dict | None = None,
          keep_last: int | None = None) -> str:
@@ -120,38 +163,26 @@ def save(root: str, model: torch.nn.Module, optimizer=None, scheduler=None, step
             shutil.rmtree(tmp)
         os.makedirs(tmp)
     _barrier(mesh, device)
-    if mesh.dp_rank == 0:
-        tensors = {f"model/{n}": p.detach().cpu().contiguous() for n, p in model.named_parameters()}
-        if optimizer is not None:
-            tensors.update(_optimizer_tensors(model, optimizer))
-        save_file(tensors, os.path.join(tmp, f"shard-tp{mesh.tp_rank:05d}.safetensors"),
-                  metadata={"format": "pt"})
-    rng_t, rng_j = _rng_state()
-    save_file(rng_t, os.path.join(tmp, f"rng-rank{mesh.rank:05d}.safetensors"))
-    with open(os.path.join(tmp, f"rng-rank{mesh.rank:05d}.json"), "w") as fh:
-        json.dump(rng_j, fh)
-    if mesh.rank == 0:
-        config = getattr(model, "config", None)
-        meta = {
-            "format": FORMAT, "step": int(step),
-            "mesh": {"world_size": mesh.world_size, "tp": mesh.tp_size, "dp": mesh.dp_size,
-                     "tp_mode": mesh.tp_mode},
-            "model": {"class": type(model).__name__,
-                      "config": config.to_dict() if hasattr(config, "to_dict") else None,
-                      "sequence_parallel": bool(getattr(model, "_ntp_sequence_parallel", False))},
-            "params": {n: {"shape": list(p.shape), "full_shape": list(full_shape(p)),
-                           "logical_shape": list(logical_shape(p)),
-                           "dtype": str(p.dtype).replace("torch.", ""),
-                           "sharding": sharding_record(p), "hf": hf_record(p)}
-                       for n, p in model.named_parameters()},
-            "optimizer": None if optimizer is None else {
-                "class": type(optimizer).__name__, "groups": len(optimizer.param_groups)},
-            "scheduler": scheduler.state_dict() if scheduler is not None else None,
-            "data_state": data_state, "extra": extra or {},
-        }
-        with open(os.path.join(tmp, "meta.json"), "w") as fh:
-            json.dump(meta, fh, indent=1)
-    _barrier(mesh, device)  # every rank's files are complete
+    error = None
+    try:
+        if mesh.dp_rank == 0:
+            tensors = {f"model/{n}": p.detach().cpu().contiguous()
+                       for n, p in model.named_parameters()}
+            if optimizer is not None:
+                tensors.update(_optimizer_tensors(model, optimizer))
+            save_file(tensors, os.path.join(tmp, f"shard-tp{mesh.tp_rank:05d}.safetensors"),
+                      metadata={"format": "pt"})
+        rng_t, rng_j = _rng_state()
+        save_file(rng_t, os.path.join(tmp, f"rng-rank{mesh.rank:05d}.safetensors"))
+        with open(os.path.join(tmp, f"rng-rank{mesh.rank:05d}.json"), "w") as fh:
+            json.dump(rng_j, fh)
+        if mesh.rank == 0:
+            meta = _metadata(model, optimizer, scheduler, step, mesh, data_state, extra)
+            with open(os.path.join(tmp, "meta.json"), "w") as fh:
+                json.dump(meta, fh, indent=1)
+    except (OSError, ValueError, RuntimeError) as e:  # e.g. disk full on one rank
+        error = ValueError(f"saving {final} failed on rank {mesh.rank}: {e}")
+    _agree(mesh, device, error)  # every rank's files are complete (or every rank raises)
     if mesh.rank == 0:
         os.replace(tmp, final)
         if keep_last is not None:
@@ -214,6 +245,23 @@ def load(path: str, model: torch.nn.Module, optimizer=None, scheduler=None,
     metadata. A different tp degree is resharded from the files. Everything is read and
     checked before anything is modified (ValueError for a mismatched model or bad files)."""
     mesh = _mesh_of(model, mesh)
+    error, staged = None, None
+    try:
+        staged = _read_for(path, model, optimizer, mesh)
+    except ValueError as e:
+        error = e
+    _agree(mesh, _device(model), error)  # every rank read its part, or all raise
+    meta, new_params, new_state = staged
+    _apply(model, optimizer, new_params, new_state)
+    if scheduler is not None and meta["scheduler"] is not None:
+        scheduler.load_state_dict(meta["scheduler"])
+    if restore_rng and meta["mesh"]["world_size"] == mesh.world_size:
+        _load_rng(path, mesh.rank)
+    return meta
+
+
+def _read_for(path: str, model, optimizer, mesh: Mesh):
+    """Read and check this rank's tensors (nothing modified): (meta, params, optimizer state)."""
     meta = read_meta(path)
     _check_model(meta, model, path)
     saved_mesh = meta["mesh"]
@@ -247,7 +295,10 @@ def load(path: str, model: torch.nn.Module, optimizer=None, scheduler=None,
             meta["optimizer"]["groups"] != len(optimizer.param_groups):
         raise ValueError(f"{path}: optimizer had {meta['optimizer']['groups']} parameter groups, "
                          f"this one has {len(optimizer.param_groups)}")
-    # Everything read and checked: now modify.
+    return meta, new_params, new_state
+
+
+def _apply(model, optimizer, new_params: dict, new_state: dict) -> None:
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(new_params[name].to(p.dtype))
@@ -261,11 +312,6 @@ def load(path: str, model: torch.nn.Module, optimizer=None, scheduler=None,
                 st[k] = v.to(p.device) if on_device else v
             if st:
                 optimizer.state[p] = st
-    if scheduler is not None and meta["scheduler"] is not None:
-        scheduler.load_state_dict(meta["scheduler"])
-    if restore_rng and saved_mesh["world_size"] == mesh.world_size:
-        _load_rng(path, mesh.rank)
-    return meta
 
 
 def _load_rng(path: str, rank: int) -> None:

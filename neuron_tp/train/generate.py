@@ -1,8 +1,8 @@
 """Sharded generation with static shapes: prompts left-padded to a few length buckets, a
 static KV cache whose length does not depend on the number of new tokens (rounded up), the
 attention mask built in the graph (transformers' own mask code reads the padding mask on the
-host), one prefill graph per bucket and one decode graph, greedy or sampling (Gumbel-max, identical on
-every tp rank), no host read until the end."""
+host), one prefill graph per bucket and one decode graph, greedy or sampling (Gumbel-max,
+identical on every tp rank), no host read until the end."""
 from __future__ import annotations
 
 import torch

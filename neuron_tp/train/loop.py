@@ -241,8 +241,15 @@ def train(args, mesh: Mesh | None = None, stop_at: int | None = None,
         if stop_at is not None and run.step >= stop_at:
             break
     finished = run.step >= steps
-    if finished and not extract and (not saved or not saved[-1].endswith(f"{run.step:08d}")):
+    if extract:  # trace the checkpoint's synchronisation too, without writing anything
+        from .. import checkpoint
+        checkpoint.dry_run_save(run.model, run.mesh)
+    trained = run.step > start_step
+    if finished and not extract and trained and \
+            not (saved and saved[-1].endswith(f"{run.step:08d}")):
         saved.append(_save(run))
+    if not trained:
+        say(f"nothing to do: already at step {run.step} of {steps} (--steps, --resume)")
     elapsed = time.perf_counter() - t_start
     summary = {"steps": run.step, "steps_this_run": run.step - start_step,
                "tokens_per_s": (run.step - start_step) * tokens_per_step / max(elapsed, 1e-9),

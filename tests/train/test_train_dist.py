@@ -81,6 +81,26 @@ def _two_ranks(tmp: str) -> None:
                            "diff_unsharded": (unsharded - sharded).abs().max().item(),
                            "diff_consolidated": (consolidated - sharded).abs().max().item()}
 
+    # A damaged shard that only rank 1 reads: both ranks raise (no rank left waiting) and
+    # the model is untouched.
+    if mesh.rank == 0:
+        import shutil
+        shutil.copytree(final, f"{tmp}/damaged")
+        shard = f"{tmp}/damaged/shard-tp00001.safetensors"
+        data = open(shard, "rb").read()
+        open(shard, "wb").write(data[:100])
+    torch.distributed.barrier()
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    try:
+        checkpoint.load(f"{tmp}/damaged", model, mesh=mesh)
+        res[f"damaged_{mesh.rank}"] = "loaded"
+    except ValueError as e:
+        res[f"damaged_{mesh.rank}"] = str(e)
+    res[f"damaged_untouched_{mesh.rank}"] = all(torch.equal(before[n], p)
+                                                for n, p in model.named_parameters())
+    with open(f"{tmp}/damaged-{mesh.rank}.json", "w") as fh:
+        json.dump({k: v for k, v in res.items() if k.startswith("damaged")}, fh)
+
     # neuron_tp.blocks (not HF): packed QKV segments and padded-free shards, reshard to tp=1.
     torch.manual_seed(5)
     block = ntp.blocks.TransformerBlock(12, 2, ffn=22, mesh=mesh, sequence_parallel=True)
@@ -114,6 +134,9 @@ def test_two_ranks_tp2_vs_reference_resume_reshard_consolidate(tmp_path):
     assert res["load_tp1"]["diff_unsharded"] < 1e-4
     assert res["load_tp1"]["diff_consolidated"] < 1e-4
     assert res["blocks_diff"] == 0.0
+    r1 = json.loads((tmp_path / "damaged-1.json").read_text())
+    assert "shard-tp00001" in r1["damaged_1"] and r1["damaged_untouched_1"]
+    assert "another rank failed" in res["damaged_0"] and res["damaged_untouched_0"]
 
 
 def _four_ranks(tmp: str) -> None:
