@@ -102,6 +102,17 @@ def setup(args, mesh: Mesh | None = None) -> Run:
     if args.seq_len % args.tp and args.sequence_parallel:
         raise ValueError(f"--sequence-parallel needs --seq-len divisible by --tp "
                          f"({args.seq_len} % {args.tp} != 0)")
+    from .. import _xla
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.device == "xla" and world > 1 and not _xla.on_neuron():
+        raise ValueError(f"--device xla with {world} ranks needs NeuronCores: off Neuron the "
+                         "XLA CPU device runs one rank only; use --device cpu (gloo) for a "
+                         "multi-rank CPU run")
+    if args.tensorboard:
+        import importlib.util
+        if importlib.util.find_spec("tensorboard") is None:
+            raise ValueError("--tensorboard needs the tensorboard package (pip install "
+                             "tensorboard)")
     C.apply_neuron_defaults()
     device = _device(args.device)  # before any backward (see neuron_tp.xla_device)
     mesh = mesh or init_mesh(tp=args.tp)

@@ -120,3 +120,28 @@ def test_option_validation_and_help():
                                       "--seq-len", "33"])
     with pytest.raises(ValueError, match="divisible by --tp"):
         setup(args)
+
+
+def test_cli_train_bf16_one_rank_and_device_refusal(tmp_path, monkeypatch, capsys):
+    import neuron_tp as ntp
+    from neuron_tp.cli import main
+    from neuron_tp.train.loop import setup, train
+    args = train_parser().parse_args(["--device", "cpu", "--bf16", "--steps", "3",
+                                      "--log-every", "1", "--seq-len", "32", "--micro-batch",
+                                      "2", "--output-dir", str(tmp_path / "bf16")])
+    runs = []
+    s = train(args, mesh=ntp.Mesh(1, 0), printer=lambda *a, **k: None, on_step=runs.append)
+    assert all(p.dtype == torch.bfloat16 for p in runs[-1].model.parameters())
+    assert len(s["log"]) == 3 and all(torch.isfinite(torch.tensor(e["loss"])) for e in s["log"])
+    # the CLI entry point, and a rerun that finds the job already done (no overwrite attempt)
+    cmd = ["train", "--device", "cpu", "--steps", "2", "--log-every", "1", "--seq-len", "32",
+           "--micro-batch", "2", "--output-dir", str(tmp_path / "cli")]
+    try:
+        assert main(cmd) == 0 and "loss" in capsys.readouterr().out
+        assert main(cmd) == 0 and "nothing to do" in capsys.readouterr().out
+    finally:
+        ntp.set_default_mesh(None)  # init_mesh made one for this process
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")
+    with pytest.raises(ValueError, match="use --device cpu"):
+        setup(train_parser().parse_args(["--device", "xla", "--tp", "2"]))
