@@ -235,7 +235,8 @@ def train(args, mesh: Mesh | None = None, stop_at: int | None = None,
                  **C.graph_counters()}
         run.log.append(entry)
         say(f"step {step:>6}/{steps} | loss {entry['loss']:.4f} | lr {lr:.2e} | grad norm "
-            f"{entry['grad_norm']:.3f} | {tps:,.0f} tok/s | compiles {entry['compiles']}",
+            f"{entry['grad_norm']:.3f} | {tps:,.0f} tok/s | compiles "
+            f"{entry['compiles'] if run.device.type == 'xla' else 'n/a (eager)'}",
             flush=True)
         if writer is not None:
             for key in ("loss", "lr", "grad_norm", "tokens_per_s"):
