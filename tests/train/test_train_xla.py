@@ -56,3 +56,24 @@ def test_xla_graphs_transfers_and_extract_mode(tmp_path):
     assert sorted(os.listdir(tmp_path / "out" / "checkpoints")) == ckpts
     assert [p["step"] for p in trial["per_step"]] == [1, 2, 3]
     assert trial["graphs"] == real["graphs"]  # the same graph hashes as the real run
+
+
+def _trace_step(rank: int) -> dict:
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONPATH": REPO}
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "xla_trace_step.py"), str(rank)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("JSON"))[4:])
+
+
+def test_every_rank_traces_the_same_step_graph():
+    """Virtual tp2 x dp2 job: rank 0 and rank 3 (other tp and dp position, different data)
+    trace byte-identical HLO for a whole optimizer step (SP, grad accumulation 2), so a
+    Neuron job compiles it once; it holds the tp collectives and one bucketed dp all-reduce."""
+    r0, r3 = _trace_step(0), _trace_step(3)
+    assert r0["hash"] == r3["hash"]
+    tp_groups, dp_groups = [[0, 1], [2, 3]], [[0, 2], [1, 3]]
+    kinds = {(k, str(g)) for k, g in r0["collectives"]}
+    assert {("all-gather", str(tp_groups)), ("reduce-scatter", str(tp_groups)),
+            ("all-reduce", str(tp_groups))} <= kinds
+    assert [k for k, g in r0["collectives"] if g == dp_groups] == ["all-reduce"]
