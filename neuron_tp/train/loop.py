@@ -222,6 +222,7 @@ def train(args, mesh: Mesh | None = None, stop_at: int | None = None,
         writer = SummaryWriter(os.path.join(args.output_dir, "tensorboard"))
     clock = {"t": time.perf_counter(), "step": run.step}
     start_step, t_start = run.step, time.perf_counter()
+    marks = (start_step, t_start)
 
     def on_log(step, lr, loss, norm):
         now = time.perf_counter()
@@ -246,12 +247,20 @@ def train(args, mesh: Mesh | None = None, stop_at: int | None = None,
     while run.step < steps:
         nxt = run.step + 1
         train_step(run, log_this_step=nxt % args.log_every == 0 or nxt == steps, on_log=on_log)
+        if run.step == start_step + 2:  # throughput after the first two (compiling) steps
+            marks = (run.step, time.perf_counter())
         if on_step is not None:
             on_step(run)
         if not extract and args.save_every and run.step % args.save_every == 0:
             saved.append(_save(run))
         if stop_at is not None and run.step >= stop_at:
             break
+    if run.step - marks[0] < 2:  # too short a run to leave the compiling steps out
+        marks = (start_step, t_start)
+    if run.device.type == "xla":
+        from .. import _xla
+        _xla.xm().wait_device_ops()
+    elapsed = time.perf_counter() - marks[1]  # the final checkpoint is not timed
     finished = run.step >= steps
     if extract:  # trace the checkpoint's synchronisation too, without writing anything
         from .. import checkpoint
@@ -262,13 +271,13 @@ def train(args, mesh: Mesh | None = None, stop_at: int | None = None,
         saved.append(_save(run))
     if not trained:
         say(f"nothing to do: already at step {run.step} of {steps} (--steps, --resume)")
-    elapsed = time.perf_counter() - t_start
     summary = {"steps": run.step, "steps_this_run": run.step - start_step,
-               "tokens_per_s": (run.step - start_step) * tokens_per_step / max(elapsed, 1e-9),
+               "tokens_per_s": (run.step - marks[0]) * tokens_per_step / max(elapsed, 1e-9),
                **C.graph_counters(), "peak_memory_mb": C.peak_memory_mb(run.device),
                "checkpoints": saved, "log": run.log, "extract_graphs_only": extract}
     say(f"done: {summary['steps']} steps ({summary['steps_this_run']} this run), "
-        f"{summary['tokens_per_s']:,.0f} tok/s, {summary['compiles']} graph compiles, "
+        f"{summary['tokens_per_s']:,.0f} tok/s (after the first 2 steps), "
+        f"{summary['compiles']} graph compiles, "
         f"peak memory {summary['peak_memory_mb']:.0f} MiB, checkpoints: {saved or 'none'}")
     if writer is not None:
         writer.close()
