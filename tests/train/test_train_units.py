@@ -145,3 +145,30 @@ def test_cli_train_bf16_one_rank_and_device_refusal(tmp_path, monkeypatch, capsy
     monkeypatch.setenv("PJRT_DEVICE", "CPU")
     with pytest.raises(ValueError, match="use --device cpu"):
         setup(train_parser().parse_args(["--device", "xla", "--tp", "2"]))
+
+
+def test_hf_tokenizer_directory(tmp_path):
+    """A local HF tokenizer directory (a BPE tokenizer trained here on the demo corpus) is
+    used instead of bytes: documents are its encodings joined by its end-of-text token, and
+    the preset model's vocabulary follows the tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from neuron_tp.train.data import load_tokenizer, vocab_size
+    from neuron_tp.train.presets import build_model
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.train([os.path.join(REPO, "data", "corpus.txt")],
+              trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "</s>"]))
+    PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="</s>",
+                            unk_token="<unk>").save_pretrained(str(tmp_path / "tok"))
+    tok = load_tokenizer(str(tmp_path / "tok"))
+    path = _corpus(tmp_path, n_docs=30)
+    data = PackedData(path, tok, 16, 2)
+    docs = [json.loads(line)["text"] for line in open(path)]
+    stream = [t for d in docs for t in [*tok.encode(d), tok.eos_token_id]]
+    assert data.chunks.flatten().tolist() == stream[:data.chunks.numel()]
+    assert vocab_size(tok) == 300
+    assert build_model("tiny-llama", vocab_size(tok), 0).config.vocab_size == 300
+    with pytest.raises(ValueError, match="not a directory"):
+        load_tokenizer(str(tmp_path / "missing"))
