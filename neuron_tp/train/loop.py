@@ -177,6 +177,10 @@ def _checkpoint_root(args) -> str:
 def _resume_path(args) -> str | None:
     from .. import checkpoint
     if args.resume == "none":
+        existing = checkpoint.latest(_checkpoint_root(args))
+        if existing is not None:  # refuse now rather than at the first colliding save
+            raise ValueError(f"--resume none but {existing} exists; checkpoints are never "
+                             "overwritten: use --resume auto or another --output-dir")
         return None
     if args.resume == "auto":
         return checkpoint.latest(_checkpoint_root(args))

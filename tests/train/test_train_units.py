@@ -139,6 +139,8 @@ def test_cli_train_bf16_one_rank_and_device_refusal(tmp_path, monkeypatch, capsy
     try:
         assert main(cmd) == 0 and "loss" in capsys.readouterr().out
         assert main(cmd) == 0 and "nothing to do" in capsys.readouterr().out
+        with pytest.raises(ValueError, match="--resume none but .*step-00000002 exists"):
+            main([*cmd, "--resume", "none"])
     finally:
         ntp.set_default_mesh(None)  # init_mesh made one for this process
     monkeypatch.setenv("WORLD_SIZE", "2")
