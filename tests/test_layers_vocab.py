@@ -7,7 +7,6 @@ from torch import nn
 
 import dist
 import neuron_tp as ntp
-from neuron_tp import regions
 from reference import assert_close, full_param_and_grad
 
 V, H, B, S = 11, 5, 2, 4  # 11 is divisible by neither 2 nor 4: the last shard is padded

@@ -90,3 +90,16 @@ def load_shards_from(layer: nn.Module, full: nn.Module) -> nn.Module:
             mark_sequence_parallel(new)
         setattr(layer, name, new)
     return layer
+
+
+class FromLinear:
+    """Mixin: ``from_linear`` for a layer whose constructor takes ``(in_features,
+    out_features, bias=..., mesh=..., device=..., dtype=...)`` like ``nn.Linear``."""
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, mesh: Mesh | None = None, **kwargs):
+        """Shard an existing ``nn.Linear`` (every rank holds the same full module); extra
+        keyword arguments go to the constructor."""
+        layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                    mesh=mesh, device="meta", dtype=linear.weight.dtype, **kwargs)
+        return load_shards_from(layer, linear)

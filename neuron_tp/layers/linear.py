@@ -8,11 +8,11 @@ from torch import nn
 from .. import regions
 from ..mesh import Mesh, get_mesh
 from ..sharding import mark_sequence_parallel
-from .common import (check_input, linear_bias_init, linear_weight_init, load_shards_from,
+from .common import (FromLinear, check_input, linear_bias_init, linear_weight_init,
                      make_parameter, require_divisible)
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(FromLinear, nn.Module):
     """``Y = X A^T + b`` with ``A`` split by output rows over tp.
 
     Input: replicated ``[..., in]`` (or sequence-sharded when ``sequence_parallel``).
@@ -53,12 +53,6 @@ class ColumnParallelLinear(nn.Module):
                                     linear_bias_init(in_features), device, dtype, segments)
                      if bias else None)
 
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, mesh: Mesh | None = None, **kwargs) -> "ColumnParallelLinear":
-        """Shard an existing ``nn.Linear`` (every rank holds the same full module)."""
-        layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                    mesh=mesh, device="meta", dtype=linear.weight.dtype, **kwargs)
-        return load_shards_from(layer, linear)
 
     def forward(self, x: torch.Tensor):
         check_input(x, self.weight, self.in_features, -1, type(self).__name__, self.mesh)
@@ -81,7 +75,7 @@ class ColumnParallelLinear(nn.Module):
                 f"sequence_parallel={self.sequence_parallel}")
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(FromLinear, nn.Module):
     """``Y = X A^T + b`` with ``A`` split by input columns over tp; partial sums are reduced.
 
     Input: ``[..., in/tp]`` sharded on the last dim (``input_is_parallel``) or the full
@@ -112,12 +106,6 @@ class RowParallelLinear(nn.Module):
         if self.bias is not None and sequence_parallel:
             mark_sequence_parallel(self.bias)
 
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, mesh: Mesh | None = None, **kwargs) -> "RowParallelLinear":
-        """Shard an existing ``nn.Linear`` (every rank holds the same full module)."""
-        layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                    mesh=mesh, device="meta", dtype=linear.weight.dtype, **kwargs)
-        return load_shards_from(layer, linear)
 
     def forward(self, x: torch.Tensor):
         tp = self.mesh.tp

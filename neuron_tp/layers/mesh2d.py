@@ -29,7 +29,7 @@ from torch import nn
 
 from .. import regions
 from ..mesh import Mesh, get_mesh
-from .common import linear_bias_init, linear_weight_init, load_shards_from, make_parameter
+from .common import FromLinear, linear_bias_init, linear_weight_init, make_parameter
 from .layout_nd import LAYOUT_2D, Layout, check_layout, check_mode, tag
 
 
@@ -40,7 +40,7 @@ def require_multiple(size: int, q: int, what: str, layer: str) -> None:
                          f"{q} (e.g. {size + (-size) % q})")
 
 
-class Linear2D(nn.Module):
+class Linear2D(FromLinear, nn.Module):
     """``Y = X W^T + b`` on a ``q x q`` grid. Input and output layout: ``LAYOUT_2D``
     (``[b/q, ..., in/q]`` -> ``[b/q, ..., out/q]``), so 2D linears stack directly.
 
@@ -69,12 +69,6 @@ class Linear2D(nn.Module):
                                     linear_bias_init(in_features), device, dtype)
                      if bias else None)
 
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, mesh: Mesh | None = None, **kwargs) -> "Linear2D":
-        """Shard an existing ``nn.Linear`` (every rank holds the same full module)."""
-        layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                    mesh=mesh, device="meta", dtype=linear.weight.dtype, **kwargs)
-        return load_shards_from(layer, linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_layout(x, LAYOUT_2D, self.in_features, self.mesh, type(self).__name__)

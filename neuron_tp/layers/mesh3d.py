@@ -26,14 +26,14 @@ from torch import nn
 
 from .. import regions
 from ..mesh import Mesh, get_mesh
-from .common import linear_bias_init, linear_weight_init, load_shards_from, make_parameter
-from .layout_nd import LAYOUT_3D_A, LAYOUT_3D_B, Layout, check_layout, check_mode, tag
+from .common import FromLinear, linear_bias_init, linear_weight_init, make_parameter
+from .layout_nd import LAYOUT_3D_A, LAYOUT_3D_B, check_layout, check_mode, tag
 from .mesh2d import require_multiple
 
 ORIENTATIONS = {"ab": (LAYOUT_3D_A, LAYOUT_3D_B), "ba": (LAYOUT_3D_B, LAYOUT_3D_A)}
 
 
-class Linear3D(nn.Module):
+class Linear3D(FromLinear, nn.Module):
     """``Y = X W^T + b`` on a ``q x q x q`` cube.
 
     ``orientation="ab"``: input ``LAYOUT_3D_A`` ``[b/q^2, ..., in/q]`` -> output ``LAYOUT_3D_B``
@@ -68,12 +68,6 @@ class Linear3D(nn.Module):
                                     linear_bias_init(in_features), device, dtype)
                      if bias else None)
 
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, mesh: Mesh | None = None, **kwargs) -> "Linear3D":
-        """Shard an existing ``nn.Linear`` (every rank holds the same full module)."""
-        layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                    mesh=mesh, device="meta", dtype=linear.weight.dtype, **kwargs)
-        return load_shards_from(layer, linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         name = type(self).__name__

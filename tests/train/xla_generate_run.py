@@ -3,7 +3,6 @@ compile count after each call and whether greedy tokens equal the eager CPU mode
 import copy
 import json
 
-import torch
 
 import neuron_tp as ntp
 

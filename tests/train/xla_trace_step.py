@@ -5,8 +5,6 @@ import hashlib
 import json
 import sys
 
-import torch
-
 import neuron_tp as ntp
 
 dev = ntp.xla_device()
