@@ -5,7 +5,8 @@ backward of the causal-LM loss) three ways, one thread per rank:
 
 * unsharded, on rank 0 alone;
 * neuron_tp TP=2: ``neuron_tp.hf.parallelize`` (training mode ``parallel_loss=True``: the
-  vocab-sharded head feeds the parallel cross-entropy; full-logits mode also timed);
+  vocab-sharded head feeds the parallel cross-entropy; full-logits mode and sequence
+  parallelism also timed);
 * DTensor TP=2: ``torch.distributed.tensor.parallel.parallelize_module`` with the standard
   Colwise/Rowwise plan (q/k/v/gate/up colwise, o/down rowwise, embedding rowwise, LM head
   colwise with replicated output, loss on the full logits).
@@ -98,10 +99,12 @@ def _worker(rank: int, port: int, args, queue) -> None:
     mesh = ntp.init_mesh(tp=2)
     ntp_model = parallelize(copy.deepcopy(base), mesh, parallel_loss=True)
     full = parallelize(copy.deepcopy(base), mesh)
+    sp = parallelize(copy.deepcopy(base), mesh, sequence_parallel=True, parallel_loss=True)
     dt = _dtensor(copy.deepcopy(base), init_device_mesh("cpu", (2,)))
     steps = {"unsharded": _stepper(copy.deepcopy(base), ids),
              "neuron_tp": _stepper(ntp_model, ids, ntp.sync_sequence_parallel_grads),
              "neuron_tp_full_logits": _stepper(full, ids),
+             "neuron_tp_sp": _stepper(sp, ids, ntp.sync_sequence_parallel_grads),
              "dtensor": _stepper(dt, ids)}
     res = _interleaved(steps, args.steps, rank)
     with torch.no_grad():
@@ -144,6 +147,8 @@ def main() -> None:
           f"{r['unsharded'] / (2 * r['neuron_tp']):.0%}")
     print(f"  neuron_tp TP=2 (full logits){r['neuron_tp_full_logits']:.3f} s/step  efficiency "
           f"{r['unsharded'] / (2 * r['neuron_tp_full_logits']):.0%}")
+    print(f"  neuron_tp TP=2 + SP         {r['neuron_tp_sp']:.3f} s/step  efficiency "
+          f"{r['unsharded'] / (2 * r['neuron_tp_sp']):.0%}")
     print(f"  DTensor   TP=2              {r['dtensor']:.3f} s/step  efficiency "
           f"{r['unsharded'] / (2 * r['dtensor']):.0%}")
     print(f"  neuron_tp / DTensor         {r['neuron_tp'] / r['dtensor']:.2f}x")
