@@ -15,7 +15,7 @@ from .mesh import Group
 __all__ = [
     "copy_to_tensor_parallel", "reduce_from_tensor_parallel", "scatter_to_tensor_parallel",
     "gather_from_tensor_parallel", "scatter_to_sequence_parallel",
-    "gather_from_sequence_parallel", "reduce_scatter_to_sequence_parallel",
+    "gather_from_sequence_parallel", "reduce_scatter_to_sequence_parallel", "all_reduce_shared",
 ]
 
 
@@ -134,4 +134,3 @@ class _AllReduceBoth(torch.autograd.Function):
 def all_reduce_shared(x: torch.Tensor, group: Group) -> torch.Tensor:
     """forward: all-reduce, backward: all-reduce (each rank uses the sum on different local data)."""
     return x if group.size == 1 else _AllReduceBoth.apply(x, group)
-__all__ += ["all_reduce_shared"]
