@@ -17,7 +17,8 @@ from .grads import (allreduce_data_parallel_grads, clip_grad_norm_, global_grad_
 from .layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                      parallel_cross_entropy)
 from .mesh import Group, Mesh, get_mesh, init_mesh, set_default_mesh
-from .sharding import gather_full, get_sharding, mark_sequence_parallel
+from .sharding import (gather_full, gather_params, get_param_meta, get_sharding,
+                       mark_sequence_parallel)
 
 __version__ = "0.1.0"
 
@@ -25,7 +26,8 @@ __all__ = [
     "Mesh", "Group", "init_mesh", "get_mesh", "set_default_mesh", "xla_device",
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
     "parallel_cross_entropy", "allreduce_data_parallel_grads", "sync_sequence_parallel_grads",
-    "clip_grad_norm_", "global_grad_norm", "gather_full", "get_sharding",
+    "clip_grad_norm_", "global_grad_norm", "gather_full", "gather_params", "get_sharding",
+    "get_param_meta",
     "mark_sequence_parallel", "parallelize", "from_pretrained", "save_pretrained",
     "blocks", "blocks_nd", "checkpoint", "comm", "layers", "regions",
 ]

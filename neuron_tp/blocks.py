@@ -20,8 +20,7 @@ from .sharding import mark_sequence_parallel
 def _norm(hidden: int, sequence_parallel: bool, dtype) -> nn.LayerNorm:
     norm = nn.LayerNorm(hidden, dtype=dtype)
     if sequence_parallel:
-        for p in norm.parameters():
-            mark_sequence_parallel(p)
+        mark_sequence_parallel(norm)
     return norm
 
 

@@ -9,7 +9,7 @@ from torch import nn
 
 from . import comm
 from .mesh import Group, Mesh, get_mesh
-from .sharding import is_sequence_parallel, num_shards
+from .sharding import named_parameter_meta, num_shards
 
 
 def _bucketed_all_reduce(grads: list[torch.Tensor], group: Group, bucket_bytes: int,
@@ -49,24 +49,37 @@ def sync_sequence_parallel_grads(model: nn.Module, mesh: Mesh | None = None) -> 
     weights, row-parallel biases under SP): each rank only saw its part of the sequence."""
     mesh = get_mesh(mesh)
     if mesh.tp_size > 1:
-        grads = _grads(p for p in model.parameters() if is_sequence_parallel(p))
+        grads = _grads(p for _, p, m in named_parameter_meta(model) if m.sum_grad_over_tp)
         _bucketed_all_reduce(grads, mesh.tp, 2**62)
+
+
+def _distinct_row_weights(model: nn.Module, name: str) -> torch.Tensor | None:
+    """Per-row weights of a parameter some of whose rows are copies held by several tp ranks
+    (kv heads replicated when tp > num_key_value_heads): 1/copies, so each counts once."""
+    parent, _, local = name.rpartition(".")
+    owner = model.get_submodule(parent) if parent else model
+    weights = getattr(owner, "distinct_row_weights", None)
+    return weights(local) if weights is not None else None
 
 
 def global_grad_norm(model: nn.Module, mesh: Mesh | None = None) -> torch.Tensor:
     """The L2 norm of the full (unsharded) gradient, equal on every rank, as a device tensor.
 
-    Each element is counted once: a parameter replicated over tp contributes 1/tp of its
-    square sum on each tp rank, a sharded one all of its (local) square sum.
+    Each distinct element is counted once: a parameter replicated over tp contributes 1/tp of
+    its square sum on each tp rank, a sharded one all of its (local) square sum, and rows that
+    are copies on several ranks (replicated kv heads) 1/copies of theirs.
     """
     mesh = get_mesh(mesh)
-    params = [p for p in model.parameters() if p.grad is not None]
-    if not params:
+    entries = [(n, p, m) for n, p, m in named_parameter_meta(model) if p.grad is not None]
+    if not entries:
         return torch.zeros(())
-    total = torch.zeros((), dtype=torch.float32, device=params[0].grad.device)
-    for p in params:
-        weight = num_shards(p, mesh) / mesh.tp_size
-        total = total + p.grad.detach().float().pow(2).sum() * weight
+    total = torch.zeros((), dtype=torch.float32, device=entries[0][1].grad.device)
+    for name, p, meta in entries:
+        sq = p.grad.detach().float().pow(2)
+        rows = _distinct_row_weights(model, name)
+        if rows is not None:
+            sq = sq.reshape(rows.shape[0], -1).sum(1) * rows.to(sq.device)
+        total = total + sq.sum() * (num_shards(meta.sharding, mesh) / mesh.tp_size)
     return comm.all_reduce(total, mesh.tp).sqrt()
 
 

@@ -1,19 +1,24 @@
-"""How a parameter is laid out over the mesh, recorded on the parameter itself.
+"""How each parameter is laid out over the mesh, recorded on the module that owns it.
 
-Layers call :func:`mark_sharded`; gradient clipping, checkpointing and ``gather_full`` read the
-record. A parameter without a record is replicated over the tensor-parallel group.
+A record lives in the owning module's ``_ntp_params`` dict, keyed by the parameter's attribute
+name, never on the Parameter object: ``module.to(xla_device)``, ``load_state_dict``-style
+replacement and re-tying all make or swap Parameter objects, and anything stored on them would
+be silently lost (``../shared/PLATFORM.md``). Layers record their parameters when they create
+them; gradient sync and clipping, checkpoints and ``gather_full`` read the records through
+:func:`get_param_meta` / :func:`named_parameter_meta`. No record = replicated over tp.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
+from torch import nn
 
 from . import comm
-from .mesh import Mesh
+from .mesh import Mesh, get_mesh
 
-_ATTR = "_ntp_sharding"
-_SP_ATTR = "_ntp_sequence_parallel"
+_META = "_ntp_params"
 
 
 @dataclass(frozen=True)
@@ -28,61 +33,115 @@ class Sharding:
     segments: tuple[int, ...] | None = None
 
 
-def mark_sharded(param: torch.Tensor, splits: tuple[tuple[str, int], ...],
-                 full_shape: tuple[int, ...], segments: tuple[int, ...] | None = None) -> None:
-    setattr(param, _ATTR, Sharding(tuple(splits), tuple(full_shape),
-                                   tuple(segments) if segments else None))
+@dataclass(frozen=True)
+class ParamMeta:
+    """Everything neuron_tp knows about one parameter slot of a module.
+
+    ``sharding``: how it is split (None = replicated over tp). ``sum_grad_over_tp``: a
+    replicated parameter whose gradient is partial on each tp rank (used on sequence shards,
+    or ``replicated_with_grad_allreduce`` in an HF plan): summed over tp after backward.
+    ``hf_layout``: where its rows come from in the HF checkpoint (:mod:`neuron_tp.hf.layout`).
+    """
+
+    sharding: Sharding | None = None
+    sum_grad_over_tp: bool = False
+    hf_layout: Any = None
 
 
-def set_sharding(param: torch.Tensor, sharding: Sharding | None) -> None:
-    if sharding is not None:
-        setattr(param, _ATTR, sharding)
+def _owner(module: nn.Module, name: str) -> tuple[nn.Module, str]:
+    if not isinstance(module, nn.Module) or not isinstance(name, str):
+        raise TypeError("parameter records live on the owning module: pass (module, "
+                        "'weight') or (model, 'layers.0.mlp.up_proj.weight'), not a tensor")
+    parent, _, local = name.rpartition(".")
+    return (module.get_submodule(parent) if parent else module), local
 
 
-def get_sharding(param: torch.Tensor) -> Sharding | None:
-    return getattr(param, _ATTR, None)
+def get_param_meta(module: nn.Module, name: str) -> ParamMeta:
+    """The record of parameter ``name`` (dotted names resolve to the owning submodule)."""
+    owner, local = _owner(module, name)
+    return owner.__dict__.get(_META, {}).get(local, ParamMeta())
 
 
-def mark_sequence_parallel(param: torch.Tensor) -> None:
-    """Tag a replicated parameter that is used on sequence shards: its gradient is partial on
-    each tp rank and must be summed over tp (see :func:`neuron_tp.grads.sync_sequence_parallel_grads`)."""
-    setattr(param, _SP_ATTR, True)
+def set_param_meta(module: nn.Module, name: str, **changes) -> None:
+    """Update fields of the record of parameter ``name`` of ``module``."""
+    owner, local = _owner(module, name)
+    records = owner.__dict__.setdefault(_META, {})
+    records[local] = replace(records.get(local, ParamMeta()), **changes)
 
 
-def is_sequence_parallel(param: torch.Tensor) -> bool:
-    return getattr(param, _SP_ATTR, False)
+def copy_param_meta(src: nn.Module, src_name: str, dst: nn.Module, dst_name: str) -> None:
+    """Give parameter slot ``dst_name`` of ``dst`` the record of ``src_name`` of ``src`` (a
+    tied parameter must be described the same way under all its names)."""
+    owner, local = _owner(dst, dst_name)
+    owner.__dict__.setdefault(_META, {})[local] = get_param_meta(src, src_name)
 
 
-def num_shards(param: torch.Tensor, mesh: Mesh) -> int:
-    """How many distinct pieces of ``param`` the tp group holds (1 = replicated)."""
-    sh = get_sharding(param)
+def get_sharding(module: nn.Module, name: str) -> Sharding | None:
+    """How parameter ``name`` of ``module`` is split (None = replicated over tp)."""
+    return get_param_meta(module, name).sharding
+
+
+def mark_sharded(module: nn.Module, name: str, sharding: Sharding | None) -> None:
+    set_param_meta(module, name, sharding=sharding)
+
+
+def mark_sequence_parallel(module: nn.Module, name: str | None = None) -> None:
+    """Mark replicated parameters used on sequence shards (norm weights, row-parallel biases
+    under SP): their gradients are summed over tp by
+    :func:`neuron_tp.grads.sync_sequence_parallel_grads`. ``name=None`` marks every parameter
+    of ``module`` and its submodules."""
+    names = [name] if name is not None else [n for n, _ in module.named_parameters()]
+    for n in names:
+        set_param_meta(module, n, sum_grad_over_tp=True)
+
+
+def named_parameter_meta(model: nn.Module) -> list[tuple[str, nn.Parameter, ParamMeta]]:
+    """``(name, parameter, record)`` for every distinct parameter of ``model`` (tied ones once,
+    under their first name, as ``named_parameters`` gives them)."""
+    return [(n, p, get_param_meta(model, n)) for n, p in model.named_parameters()]
+
+
+def num_shards(sharding: Sharding | None, mesh: Mesh) -> int:
+    """How many distinct pieces of a tensor laid out by ``sharding`` the tp group holds."""
     n = 1
-    for axis, _ in (sh.splits if sh else ()):
+    for axis, _ in (sharding.splits if sharding else ()):
         n *= mesh.group(axis).size
     return n
 
 
-def gather_full(param: torch.Tensor, mesh: Mesh, sharding: Sharding | None = None) -> torch.Tensor:
-    """The unsharded tensor, assembled on every rank (collective over the split axes).
-
-    ``sharding`` defaults to the record on ``param``; pass it for tensors laid out like a
-    parameter (its gradient, optimizer states)."""
-    sh = sharding or get_sharding(param)
-    t = param.detach()
-    if sh is None:
+def gather_full(t: torch.Tensor, sharding: Sharding | None, mesh: Mesh | None = None
+                ) -> torch.Tensor:
+    """The unsharded tensor from this rank's piece ``t`` laid out by ``sharding`` (a
+    parameter, its gradient or an optimizer state), on every rank. Collective over the split
+    axes: every rank of the group must call it."""
+    t = t.detach()
+    if sharding is None:
         return t
-    for axis, dim in reversed(sh.splits):
+    mesh = get_mesh(mesh)
+    for axis, dim in reversed(sharding.splits):
         group = mesh.group(axis)
         t = comm.all_gather(t.contiguous(), group, dim)
-        if sh.segments:
-            per_rank = [s // group.size for s in sh.segments]
+        if sharding.segments:
+            per_rank = [s // group.size for s in sharding.segments]
             pieces = [c.split(per_rank, dim) for c in t.chunk(group.size, dim)]
             t = torch.cat([pieces[r][i] for i in range(len(per_rank))
                            for r in range(group.size)], dim)
-    for dim, size in enumerate(sh.full_shape):
+    for dim, size in enumerate(sharding.full_shape):
         if t.shape[dim] != size:
             t = t.narrow(dim, 0, size)
     return t
+
+
+def gather_params(model: nn.Module, mesh: Mesh | None = None, grads: bool = False
+                  ) -> dict[str, torch.Tensor]:
+    """Every parameter (or its gradient, when set) of ``model`` unsharded, by name, in
+    neuron_tp's layout (HF models: :func:`neuron_tp.hf.loading.gather_hf_state_dict`)."""
+    out = {}
+    for name, p, meta in named_parameter_meta(model):
+        t = p.grad if grads else p
+        if t is not None:
+            out[name] = gather_full(t, meta.sharding, mesh)
+    return out
 
 
 def shard_of(full: torch.Tensor, sharding: Sharding, mesh: Mesh) -> torch.Tensor:
@@ -104,4 +163,3 @@ def shard_of(full: torch.Tensor, sharding: Sharding, mesh: Mesh) -> torch.Tensor
             piece = torch.cat([piece, piece.new_zeros(pad)], dim)
         t = piece
     return t
-

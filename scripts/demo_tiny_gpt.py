@@ -32,8 +32,7 @@ class TinyGPT(nn.Module):
                                     for _ in range(layers))
         self.norm = nn.LayerNorm(hidden)
         if sp:
-            for p in self.norm.parameters():
-                ntp.mark_sequence_parallel(p)
+            ntp.mark_sequence_parallel(self.norm)
         self.head = ntp.ColumnParallelLinear(hidden, vocab, bias=False, pad_output=True,
                                              sequence_parallel=sp, mesh=mesh)
         self.vocab = vocab

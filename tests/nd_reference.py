@@ -15,15 +15,13 @@ from torch import nn
 import neuron_tp as ntp
 from neuron_tp.blocks_nd import TransformerBlockND
 from neuron_tp.layers import nd
-from neuron_tp.sharding import get_sharding
 from reference import assert_close
 
 HID, HEADS, FFN, VOCAB, S = 12, 2, 20, 20, 3
 
 
 def _grads_match(module: nn.Module, ref_grads: dict, mesh, what: str, scale: float = 1.0):
-    for name, p in module.named_parameters():
-        got = ntp.gather_full(p.grad, mesh, get_sharding(p))
+    for name, got in ntp.gather_params(module, mesh, grads=True).items():
         assert_close(got, ref_grads[name] * scale, f"{what}: grad of {name}")
 
 
@@ -78,8 +76,9 @@ def check_linears(mesh, batch: int) -> None:
     w = torch.empty(8, HID)
     nn.init.kaiming_uniform_(w, a=math.sqrt(5))
     b = torch.empty(8).uniform_(-1 / math.sqrt(HID), 1 / math.sqrt(HID))
-    assert_close(ntp.gather_full(fresh.weight, mesh), w, f"{mode} init weight")
-    assert_close(ntp.gather_full(fresh.bias, mesh), b, f"{mode} init bias")
+    init = ntp.gather_params(fresh, mesh)
+    assert_close(init["weight"], w, f"{mode} init weight")
+    assert_close(init["bias"], b, f"{mode} init bias")
 
     # from_embedding with a padding row: output and weight grad (padding row gets none)
     emb = nn.Embedding(VOCAB, HID, padding_idx=3)
@@ -143,8 +142,8 @@ def check_block(mesh, batch: int) -> None:
     block = TransformerBlockND(HID, HEADS, FFN, mesh=mesh)
     _randomize_norms(block)
     layout = block.input_layout
-    full = {n: ntp.gather_full(p, mesh).clone().requires_grad_(True)
-            for n, p in block.named_parameters()}
+    full = {n: t.clone().requires_grad_(True)
+            for n, t in ntp.gather_params(block, mesh).items()}
     torch.manual_seed(1)
     x_all = torch.randn(mesh.dp_size * batch, S, HID, requires_grad=True)
     y_ref = _ref_block(full, "", x_all)
@@ -175,8 +174,8 @@ def check_model_loss(mesh, batch: int) -> None:
         "head": (nd.Classifier2D if two else nd.Classifier3D)(HID, VOCAB, mesh=mesh),
     })
     _randomize_norms(model)
-    full = {n: ntp.gather_full(p, mesh).clone().requires_grad_(True)
-            for n, p in model.named_parameters()}
+    full = {n: t.clone().requires_grad_(True)
+            for n, t in ntp.gather_params(model, mesh).items()}
     torch.manual_seed(2)
     ids = torch.randint(0, VOCAB, (batch, S))
     labels = torch.randint(0, VOCAB, (batch, S))

@@ -4,12 +4,14 @@ from __future__ import annotations
 import torch
 
 import neuron_tp as ntp
-from neuron_tp.sharding import get_sharding
 
 
-def full_param_and_grad(p: torch.nn.Parameter, mesh) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gathered parameter and its gathered gradient (laid out like the parameter)."""
-    return ntp.gather_full(p, mesh), ntp.gather_full(p.grad, mesh, get_sharding(p))
+def full_param_and_grad(module: torch.nn.Module, name: str, mesh
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gathered parameter ``name`` of ``module`` and its gathered gradient."""
+    sh = ntp.get_sharding(module, name)
+    p = module.get_parameter(name)
+    return ntp.gather_full(p, sh, mesh), ntp.gather_full(p.grad, sh, mesh)
 
 
 

@@ -44,8 +44,8 @@ def _block(tp, sp, dropout=False):
         for ln in (block.ln1, block.ln2):
             ln.weight.uniform_(0.5, 1.5)
             ln.bias.uniform_(-0.5, 0.5)
-    full = {n: ntp.gather_full(p, mesh).clone().requires_grad_(True)
-            for n, p in block.named_parameters()}
+    full = {n: t.clone().requires_grad_(True)
+            for n, t in ntp.gather_params(block, mesh).items()}
     # every dp replica sees its own batch; the reference sees the concatenation
     torch.manual_seed(1)
     x_all = torch.randn(mesh.dp_size * B, S, HID, requires_grad=True)
@@ -71,8 +71,7 @@ def _block(tp, sp, dropout=False):
     assert_close(x.grad, gx * mesh.dp_size, "block dX", atol=2e-5)  # local loss is not /dp
     ntp.sync_sequence_parallel_grads(block, mesh)
     ntp.allreduce_data_parallel_grads(block, mesh, bucket_mb=0.001)  # several buckets
-    for n, p in block.named_parameters():
-        got = ntp.gather_full(p.grad, mesh, ntp.get_sharding(p))
+    for n, got in ntp.gather_params(block, mesh, grads=True).items():
         assert_close(got, full[n].grad, f"block d{n} tp={tp} sp={sp}", atol=2e-5)
     # the global grad norm counts every element once, replicated or sharded
     ref_norm = torch.sqrt(sum(t.grad.pow(2).sum() for t in full.values()))
@@ -101,9 +100,8 @@ def _mlp_two_layers(tp):
     ys.square().sum().backward()
     assert_close(xs.grad, xr.grad, "mlp dX")
     for ref, layer in zip(refs, layers):
-        for n, p in layer.named_parameters():
-            assert_close(ntp.gather_full(p.grad, mesh, ntp.get_sharding(p)),
-                         getattr(ref, n).grad, f"mlp d{n}")
+        for n, got in ntp.gather_params(layer, mesh, grads=True).items():
+            assert_close(got, getattr(ref, n).grad, f"mlp d{n}")
 
 
 def _blocks_2ranks():

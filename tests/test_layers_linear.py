@@ -31,7 +31,7 @@ def _check_column(mesh, in_f, out_f, bias, sp, gather, seed):
     gx = x_full.grad.chunk(tp.size, 1)[tp.rank] if sp else x_full.grad
     assert_close(x.grad, gx, "column dX")
     for name, p in layer.named_parameters():
-        full, g = full_param_and_grad(p, mesh)
+        full, g = full_param_and_grad(layer, name, mesh)
         assert_close(full, getattr(ref, name).detach(), f"column {name}")
         assert_close(g, getattr(ref, name).grad, f"column d{name}")
 
@@ -58,7 +58,7 @@ def _check_row(mesh, in_f, out_f, bias, sp, parallel_in, seed):
     if sp:
         ntp.sync_sequence_parallel_grads(layer, mesh)
     for name, p in layer.named_parameters():
-        full, g = full_param_and_grad(p, mesh)
+        full, g = full_param_and_grad(layer, name, mesh)
         assert_close(full, getattr(ref, name).detach(), f"row {name}")
         assert_close(g, getattr(ref, name).grad, f"row d{name} sp={sp}")
 
@@ -75,9 +75,10 @@ def _linears(tp):
     # skip_bias_add returns the bias for the caller to fuse.
     torch.manual_seed(0)
     ref = nn.Linear(7, 2 * tp)
-    y, b = ntp.ColumnParallelLinear.from_linear(ref, skip_bias_add=True, gather_output=True)(
-        torch.ones(1, 7))
-    assert_close(y + ntp.gather_full(b, mesh), ref(torch.ones(1, 7)).detach(), "skip_bias_add")
+    skip = ntp.ColumnParallelLinear.from_linear(ref, skip_bias_add=True, gather_output=True)
+    y, b = skip(torch.ones(1, 7))
+    assert_close(y + ntp.gather_full(b, ntp.get_sharding(skip, "bias"), mesh),
+                 ref(torch.ones(1, 7)).detach(), "skip_bias_add")
     # Packed (fused QKV-style) projection: each segment is split separately.
     torch.manual_seed(1)
     segs = (2 * tp, tp, tp)
@@ -87,7 +88,7 @@ def _linears(tp):
     local = packed(x).split([s // tp for s in segs], -1)
     for got, want in zip(local, ref(x).split(segs, -1)):
         assert_close(got, want.chunk(tp, -1)[mesh.tp_rank].detach(), "packed segment")
-    assert_close(ntp.gather_full(packed.weight, mesh), ref.weight.detach(), "packed gather")
+    assert_close(ntp.gather_params(packed, mesh)["weight"], ref.weight.detach(), "packed gather")
 
 
 def _tp_invariant_init(tp):
@@ -97,8 +98,8 @@ def _tp_invariant_init(tp):
     torch.manual_seed(123)
     col, row = ntp.ColumnParallelLinear(7, 4 * tp), ntp.RowParallelLinear(4 * tp, 7)
     for layer, ref in ((col, ref_col), (row, ref_row)):
-        for name, p in layer.named_parameters():
-            assert_close(ntp.gather_full(p, mesh), getattr(ref, name).detach(), f"init {name}")
+        for name, full in ntp.gather_params(layer, mesh).items():
+            assert_close(full, getattr(ref, name).detach(), f"init {name}")
 
 
 def test_linears_tp2():

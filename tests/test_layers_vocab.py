@@ -28,7 +28,7 @@ def _embedding(mesh, sp, padding_idx):
         y_ref, gy = y_ref.chunk(tp.size, 1)[tp.rank], gy.chunk(tp.size, 1)[tp.rank]
     assert_close(y, y_ref.detach(), f"embedding sp={sp}")
     y.backward(gy)
-    full, g = full_param_and_grad(emb.weight, mesh)
+    full, g = full_param_and_grad(emb, "weight", mesh)
     assert_close(full, ref.weight.detach(), "embedding weight")
     assert_close(g, ref.weight.grad, f"embedding dW sp={sp} padding_idx={padding_idx}")
 

@@ -24,6 +24,7 @@ import torch
 
 from .. import comm
 from ..mesh import Mesh, get_mesh
+from ..sharding import ParamMeta, named_parameter_meta
 from .reshard import (assemble, full_shape, hf_record, local_piece, logical_shape,
                       sharding_record, to_hf)
 
@@ -131,11 +132,11 @@ def _metadata(model, optimizer, scheduler, step: int, mesh: Mesh, data_state, ex
         "model": {"class": type(model).__name__,
                   "config": config.to_dict() if hasattr(config, "to_dict") else None,
                   "sequence_parallel": bool(getattr(model, "_ntp_sequence_parallel", False))},
-        "params": {n: {"shape": list(p.shape), "full_shape": list(full_shape(p)),
-                       "logical_shape": list(logical_shape(p)),
+        "params": {n: {"shape": list(p.shape), "full_shape": list(full_shape(p, m)),
+                       "logical_shape": list(logical_shape(p, m)),
                        "dtype": str(p.dtype).replace("torch.", ""),
-                       "sharding": sharding_record(p), "hf": hf_record(p)}
-                   for n, p in model.named_parameters()},
+                       "sharding": sharding_record(m), "hf": hf_record(m)}
+                   for n, p, m in named_parameter_meta(model)},
         "optimizer": None if optimizer is None else {
             "class": type(optimizer).__name__, "groups": len(optimizer.param_groups)},
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
@@ -227,13 +228,14 @@ class _Shards:
 
 def _check_model(meta: dict, model: torch.nn.Module, path: str) -> None:
     saved = meta["params"]
-    names = {n: p for n, p in model.named_parameters()}
+    names = {n: (p, m) for n, p, m in named_parameter_meta(model)}
     missing, unexpected = sorted(set(names) - set(saved)), sorted(set(saved) - set(names))
     if missing or unexpected:
         raise ValueError(f"{path} does not match the model: parameters missing from the "
                          f"checkpoint {missing[:5]}, not in the model {unexpected[:5]}")
-    wrong = [(n, saved[n]["logical_shape"], list(logical_shape(p))) for n, p in names.items()
-             if saved[n]["logical_shape"] != list(logical_shape(p))]
+    wrong = [(n, saved[n]["logical_shape"], list(logical_shape(p, m)))
+             for n, (p, m) in names.items()
+             if saved[n]["logical_shape"] != list(logical_shape(p, m))]
     if wrong:
         raise ValueError(f"{path} does not match the model (name, saved shape, model shape): "
                          f"{wrong[:5]}")
@@ -271,16 +273,16 @@ def _read_for(path: str, model, optimizer, mesh: Mesh):
         raise ValueError(f"{path} was saved with tp_mode={saved_mesh['tp_mode']!r} tp="
                          f"{saved_mesh['tp']}; it can only be loaded with the same layout")
 
-    def piece(name: str, key: str, p: torch.Tensor) -> torch.Tensor:
+    def piece(name: str, key: str, pmeta: ParamMeta) -> torch.Tensor:
         rec = meta["params"][name]
         if same:
             return shards.get(mesh.tp_rank, key)
-        return local_piece(shards.full(key, rec), rec["hf"], p, mesh)
+        return local_piece(shards.full(key, rec), rec["hf"], pmeta, mesh)
 
     new_params, new_state = {}, {}
     optim_keys = shards.keys(mesh.tp_rank if same else 0) if optimizer is not None else set()
-    for name, p in model.named_parameters():
-        t = piece(name, f"model/{name}", p)
+    for name, p, pmeta in named_parameter_meta(model):
+        t = piece(name, f"model/{name}", pmeta)
         if tuple(t.shape) != tuple(p.shape):
             raise ValueError(f"{path}: {name} has shape {tuple(t.shape)} for this rank, the "
                              f"model's is {tuple(p.shape)}")
@@ -289,7 +291,7 @@ def _read_for(path: str, model, optimizer, mesh: Mesh):
             keys = [k for k in ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
                     if f"optim/{name}/{k}" in optim_keys]
             new_state[name] = {k: (shards.get(mesh.tp_rank if same else 0, f"optim/{name}/{k}")
-                                   if k == "step" else piece(name, f"optim/{name}/{k}", p))
+                                   if k == "step" else piece(name, f"optim/{name}/{k}", pmeta))
                                for k in keys}
     if optimizer is not None and meta["optimizer"] and \
             meta["optimizer"]["groups"] != len(optimizer.param_groups):

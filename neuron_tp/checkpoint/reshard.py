@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from ..sharding import Sharding, get_sharding, shard_of
 from ..mesh import Mesh
+from ..sharding import ParamMeta, Sharding, shard_of
 
-_HF_ATTR = "_ntp_hf"  # neuron_tp.hf.layout records the HF layout of a parameter here
 
-
-def sharding_record(p: torch.Tensor) -> dict | None:
-    """JSON record of ``p``'s tensor-parallel layout (None = replicated)."""
-    sh = get_sharding(p)
+def sharding_record(meta: ParamMeta) -> dict | None:
+    """JSON record of a parameter's tensor-parallel layout (None = replicated)."""
+    sh = meta.sharding
     rec = None
     if sh is not None:
         rec = {"splits": [list(s) for s in sh.splits], "full_shape": list(sh.full_shape),
@@ -20,25 +18,25 @@ def sharding_record(p: torch.Tensor) -> dict | None:
     return rec
 
 
-def hf_record(p: torch.Tensor) -> dict | None:
+def hf_record(meta: ParamMeta) -> dict | None:
     """JSON record of how the gathered parameter maps to the HF tensor (rank-independent)."""
-    lay = getattr(p, _HF_ATTR, None)
+    lay = meta.hf_layout
     if lay is None:
         return None
     return {"transpose": lay.transpose,
             "keep_rows": list(lay.keep_rows) if lay.keep_rows is not None else None}
 
 
-def full_shape(p: torch.Tensor) -> tuple[int, ...]:
-    sh = get_sharding(p)
+def full_shape(p: torch.Tensor, meta: ParamMeta) -> tuple[int, ...]:
+    sh = meta.sharding
     return tuple(sh.full_shape) if sh is not None else tuple(p.shape)
 
 
-def logical_shape(p: torch.Tensor) -> tuple[int, ...]:
+def logical_shape(p: torch.Tensor, meta: ParamMeta) -> tuple[int, ...]:
     """The shape of the unsharded tensor as a model without tensor parallelism holds it (the
     HF tensor for HF-parallelized parameters): comparable across tp degrees."""
-    shape = list(full_shape(p))
-    rec = hf_record(p)
+    shape = list(full_shape(p, meta))
+    rec = hf_record(meta)
     if rec is not None:
         if rec["keep_rows"] is not None:
             shape[0] = len(rec["keep_rows"])
@@ -79,10 +77,11 @@ def to_hf(full: torch.Tensor, hf: dict | None) -> torch.Tensor:
     return _to_hf(full, HFLayout(0, (), hf["transpose"], keep))
 
 
-def local_piece(full: torch.Tensor, hf: dict | None, p: torch.Tensor, mesh: Mesh) -> torch.Tensor:
-    """This rank's piece, for parameter ``p`` of the current model, of the saved tensor
-    ``full`` (assembled; ``hf`` its HF record or None)."""
-    layout = getattr(p, _HF_ATTR, None)
+def local_piece(full: torch.Tensor, hf: dict | None, meta: ParamMeta, mesh: Mesh
+                ) -> torch.Tensor:
+    """This rank's piece, for a parameter of the current model recorded as ``meta``, of the
+    saved tensor ``full`` (assembled; ``hf`` its HF record or None)."""
+    layout = meta.hf_layout
     if layout is not None:  # an HF-parallelized parameter: slice the HF tensor like loading
         from ..hf.layout import read_local
         hf_full = to_hf(full, hf)
@@ -90,7 +89,7 @@ def local_piece(full: torch.Tensor, hf: dict | None, p: torch.Tensor, mesh: Mesh
         def read(dim, start, stop):
             return hf_full if dim is None else hf_full.narrow(dim, start, stop - start)
         return read_local(read, tuple(hf_full.shape), layout)
-    sh = get_sharding(p)
+    sh = meta.sharding
     if sh is None:  # replicated, or a plain (unparallelized) model holding HF tensors
         return to_hf(full, hf)
     return shard_of(full, Sharding(sh.splits, sh.full_shape, sh.segments), mesh)

@@ -1,12 +1,14 @@
 """Where each rank's parameter comes from in the unsharded HF tensor (loading) and how the
-gathered parameter maps back to it (saving). Recorded on the parameter as ``_ntp_hf``."""
+gathered parameter maps back to it (saving). Recorded with the parameter's other metadata on
+its owning module (:mod:`neuron_tp.sharding`), so moving or reloading the model keeps it."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
-_ATTR = "_ntp_hf"
+from ..sharding import get_param_meta, set_param_meta
 
 
 @dataclass(frozen=True)
@@ -22,12 +24,12 @@ class HFLayout:
     keep_rows: tuple[int, ...] | None = None
 
 
-def set_layout(p: torch.Tensor, layout: HFLayout) -> None:
-    setattr(p, _ATTR, layout)
+def set_layout(module: nn.Module, name: str, layout: HFLayout) -> None:
+    set_param_meta(module, name, hf_layout=layout)
 
 
-def get_layout(p: torch.Tensor) -> HFLayout:
-    return getattr(p, _ATTR, None) or HFLayout(None)
+def get_layout(module: nn.Module, name: str) -> HFLayout:
+    return get_param_meta(module, name).hf_layout or HFLayout(None)
 
 
 def even_pieces(size: int, rank: int, tp: int, offset: int = 0) -> list[tuple[int, int]]:

@@ -9,15 +9,9 @@ import torch
 from torch import nn
 
 from ..mesh import Mesh, get_mesh
-from ..sharding import (gather_full, get_sharding, is_sequence_parallel, mark_sequence_parallel,
-                        set_sharding)
-from .layout import get_layout, read_local, set_layout, to_hf
+from ..sharding import gather_full, get_param_meta, named_parameter_meta
+from .layout import HFLayout, read_local, to_hf
 from .parallelize import parallelize
-
-
-def hf_named_parameters(model: nn.Module):
-    """``(hf name, parameter)`` once per distinct parameter (tied ones under the first name)."""
-    return list(model.named_parameters())
 
 
 def gather_hf_state_dict(model: nn.Module, mesh: Mesh | None = None,
@@ -28,12 +22,13 @@ def gather_hf_state_dict(model: nn.Module, mesh: Mesh | None = None,
     (:func:`neuron_tp.sync_sequence_parallel_grads`)."""
     mesh = get_mesh(mesh if mesh is not None else getattr(model, "_ntp_mesh", None))
     out = {}
-    for name, p in hf_named_parameters(model):
+    for name, p, meta in named_parameter_meta(model):
         t = p.grad if grads else p
         if t is None:
             continue
-        full = gather_full(t, mesh, get_sharding(p))
-        out[name] = to_hf(full, get_layout(p)) if get_sharding(p) else full.clone()
+        full = gather_full(t, meta.sharding, mesh)
+        out[name] = (to_hf(full, meta.hf_layout or HFLayout(None)) if meta.sharding
+                     else full.clone())
     return out
 
 
@@ -127,15 +122,12 @@ def from_pretrained(path: str, mesh: Mesh | None = None, auto_class=None,
                                 for d in range(n))
                     return sl[idx]
 
-                local = read_local(read, shape, get_layout(p)).to(p.dtype)
+                layout = get_param_meta(mod, pname).hf_layout or HFLayout(None)
+                local = read_local(read, shape, layout).to(p.dtype)
                 if local.shape != p.shape:
                     raise ValueError(f"{name}: checkpoint slice {tuple(local.shape)} does not "
                                      f"match this rank's parameter {tuple(p.shape)}")
                 new = nn.Parameter(local.contiguous(), requires_grad=p.requires_grad)
-                set_sharding(new, get_sharding(p))
-                set_layout(new, get_layout(p))
-                if is_sequence_parallel(p):
-                    mark_sequence_parallel(new)
                 # Every module holding this (possibly tied) parameter gets the loaded one.
                 for m2 in model.modules():
                     for n2, p2 in list(m2._parameters.items()):

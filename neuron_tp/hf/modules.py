@@ -29,6 +29,15 @@ class HFColumnLinear(ColumnParallelLinear):
         self.register_buffer("_rows", torch.tensor(rows, dtype=torch.long), persistent=False)
         self.register_buffer("_uid", torch.tensor(uid_table, dtype=torch.long), persistent=False)
         self.replicas = n_unique
+        copies = [sum(u.count(i) for u in uid_table) for i in range(n_unique)]
+        weights = torch.ones(self.weight.shape[0])
+        for row, i in zip(rows, uid_table[self.mesh.tp_rank]):
+            weights[row] = 1.0 / copies[i]
+        self.register_buffer("_distinct_w", weights, persistent=False)
+
+    def distinct_row_weights(self, name: str) -> torch.Tensor | None:
+        """1/copies per row of ``weight`` / ``bias`` (see :func:`neuron_tp.global_grad_norm`)."""
+        return getattr(self, "_distinct_w", None) if name in ("weight", "bias") else None
 
     def _sync(self, t: torch.Tensor | None, device) -> torch.Tensor | None:
         if t is None or self.replicas is None:
@@ -133,9 +142,9 @@ def column(mod: nn.Module, name: str, mesh: Mesh, rows_of_rank: list[list[int]] 
         rows = [i for i, j in enumerate(mine) if j >= replicated_from]
         table = [[j - replicated_from for j in rr if j >= replicated_from] for rr in rows_of_rank]
         layer.set_replicas(rows, table, out - replicated_from)
-    set_layout(layer.weight, HFLayout(1 if transposed else 0, tuple(pieces), transposed, keep))
+    set_layout(layer, "weight", HFLayout(1 if transposed else 0, tuple(pieces), transposed, keep))
     if layer.bias is not None:
-        set_layout(layer.bias, HFLayout(0, tuple(pieces), False, keep))
+        set_layout(layer, "bias", HFLayout(0, tuple(pieces), False, keep))
     return layer
 
 
@@ -147,7 +156,7 @@ def row(mod: nn.Module, name: str, mesh: Mesh, input_is_parallel: bool,
     layer = RowParallelLinear.from_linear(src, mesh=mesh, input_is_parallel=input_is_parallel,
                                           sequence_parallel=sequence_parallel)
     pieces = tuple(even_pieces(w.shape[1], mesh.tp_rank, mesh.tp_size))
-    set_layout(layer.weight, HFLayout(0 if transposed else 1, pieces, transposed))
+    set_layout(layer, "weight", HFLayout(0 if transposed else 1, pieces, transposed))
     return layer
 
 
@@ -165,7 +174,7 @@ def embedding(mod: nn.Module, name: str, mesh: Mesh) -> VocabParallelEmbedding:
              else VocabParallelEmbedding).from_embedding(mod, mesh=mesh)
     if scale is not None:
         layer.register_buffer("embed_scale", scale.detach().clone(), persistent=False)
-    set_layout(layer.weight, HFLayout(0, tuple(even_pieces(mod.num_embeddings, mesh.tp_rank,
+    set_layout(layer, "weight", HFLayout(0, tuple(even_pieces(mod.num_embeddings, mesh.tp_rank,
                                                            mesh.tp_size))))
     return layer
 

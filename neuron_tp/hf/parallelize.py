@@ -10,7 +10,8 @@ from torch import nn
 
 from ..layers import parallel_cross_entropy
 from ..mesh import Mesh, get_mesh
-from ..sharding import get_sharding, mark_sequence_parallel, set_sharding
+from ..sharding import (Sharding, copy_param_meta, get_sharding, mark_sequence_parallel,
+                        mark_sharded, shard_of)
 from . import modules as M
 from .attention import (ShardedRMSNorm, check_heads, is_plain_split, kv_slots, model_heads,
                         patch_attention_module)
@@ -165,8 +166,7 @@ def parallelize(model: nn.Module, mesh: Mesh | None = None, sequence_parallel: b
     for name, new in replacements:
         _set(model, name, new)
     for mod in grad_allreduce:
-        for p in mod.parameters():
-            mark_sequence_parallel(p)
+        mark_sequence_parallel(mod)
 
     tp = mesh.tp_size
     for pname, parent in attn_parents.items():
@@ -196,13 +196,12 @@ def _sharded_norm(mod, name, mesh, heads) -> nn.Module:
                          f"num_key_value_heads={heads.kv} is not divisible by tp="
                          f"{mesh.tp_size}; tp degrees that work: {ok}")
     _check_plain_rms_norm(mod, name, full)
-    from ..sharding import Sharding, shard_of
     sh = Sharding((("tp", 0),), (full,))
-    local = nn.Parameter(shard_of(w.detach(), sh, mesh).clone(), requires_grad=w.requires_grad)
-    set_sharding(local, sh)
-    set_layout(local, HFLayout(0, tuple(even_pieces(full, mesh.tp_rank, mesh.tp_size))))
     norm = ShardedRMSNorm(mod, mesh, full)
-    norm.weight = local
+    norm.weight = nn.Parameter(shard_of(w.detach(), sh, mesh).clone(),
+                               requires_grad=w.requires_grad)
+    mark_sharded(norm, "weight", sh)
+    set_layout(norm, "weight", HFLayout(0, tuple(even_pieces(full, mesh.tp_rank, mesh.tp_size))))
     return norm
 
 
@@ -224,17 +223,20 @@ def _check_plain_rms_norm(mod: nn.Module, name: str, features: int) -> None:
 def _retie(model: nn.Module, ties) -> None:
     """Re-share parameters that were tied (embedding / LM head) after sharding."""
     for group in ties:
-        params = [getattr(model.get_submodule(m) if m else model, p) for m, p in group]
-        sharded = [p for p in params if get_sharding(p) is not None]
+        owners = [(model.get_submodule(m) if m else model, p) for m, p in group]
+        params = [getattr(o, p) for o, p in owners]
+        sharded = [p for (o, n), p in zip(owners, params) if get_sharding(o, n) is not None]
         if not sharded:
             continue
         keep = sharded[0]
-        for (m, p), cur in zip(group, params):
+        keep_owner = next(on for on, p in zip(owners, params) if p is keep)
+        for (m, p), (o, n), cur in zip(group, owners, params):
             if cur is not keep:
-                if get_sharding(cur) is not None and cur.shape != keep.shape:
+                if get_sharding(o, n) is not None and cur.shape != keep.shape:
                     raise ValueError(f"{m}.{p}: tied to a parameter sharded differently "
                                      f"({tuple(cur.shape)} vs {tuple(keep.shape)})")
-                setattr(model.get_submodule(m) if m else model, p, keep)
+                setattr(o, n, keep)
+                copy_param_meta(*keep_owner, o, n)
 
 
 @contextlib.contextmanager

@@ -72,9 +72,9 @@ def apply_sequence_parallel(model: nn.Module, mesh: Mesh) -> nn.ModuleList:
     layers[0].register_forward_pre_hook(scatter, with_kwargs=True)
     norm.register_forward_hook(gather)
     for mod in (layers, norm):
-        for p in mod.parameters():
-            if get_sharding(p) is None:
-                mark_sequence_parallel(p)
+        for name, _ in mod.named_parameters():
+            if get_sharding(mod, name) is None:
+                mark_sequence_parallel(mod, name)
     return layers
 
 

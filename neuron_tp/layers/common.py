@@ -8,8 +8,7 @@ import torch
 from torch import nn
 
 from ..mesh import Group, Mesh
-from ..sharding import (Sharding, get_sharding, is_sequence_parallel, mark_sequence_parallel,
-                        set_sharding, shard_of)
+from ..sharding import Sharding, get_sharding, mark_sharded, shard_of
 
 
 def divisors(n: int) -> list[int]:
@@ -24,10 +23,12 @@ def require_divisible(size: int, group: Group, what: str, world_size: int) -> No
                          f"degrees that divide both it and the world size {world_size}: {ok}")
 
 
-def make_parameter(full_shape: tuple[int, ...], splits: tuple[tuple[str, int], ...], mesh: Mesh,
+def make_parameter(module: nn.Module, name: str, full_shape: tuple[int, ...],
+                   splits: tuple[tuple[str, int], ...], mesh: Mesh,
                    init_fn: Callable[[torch.Tensor], object] | None,
                    device=None, dtype=None, segments=None) -> nn.Parameter:
-    """This rank's shard of a parameter whose *full* tensor is initialised by ``init_fn``.
+    """Register on ``module`` as ``name`` this rank's shard of a parameter whose *full*
+    tensor is initialised by ``init_fn``, and record its sharding on ``module``.
 
     The full tensor is drawn on the CPU from the global RNG and then sliced, so the same seed
     gives the same full weights at every TP degree. ``init_fn=None`` or ``device='meta'``
@@ -42,8 +43,8 @@ def make_parameter(full_shape: tuple[int, ...], splits: tuple[tuple[str, int], .
         full = torch.empty(full_shape, dtype=torch.float32)
         init_fn(full)
         p = nn.Parameter(shard_of(full, sharding, mesh).to(device=device, dtype=dtype))
-    if splits:
-        set_sharding(p, sharding)
+    module.register_parameter(name, p)
+    mark_sharded(module, name, sharding if splits else None)
     return p
 
 
@@ -81,14 +82,9 @@ def load_shards_from(layer: nn.Module, full: nn.Module) -> nn.Module:
     unsharded module ``full``; the sharding records of ``layer`` say how to slice."""
     for name, p in list(layer.named_parameters(recurse=False)):
         src = getattr(full, name)
-        sh = get_sharding(p) or Sharding((), tuple(src.shape))
-        new = nn.Parameter(shard_of(src.detach(), sh, layer.mesh).clone(),
-                           requires_grad=src.requires_grad)
-        if sh.splits:
-            set_sharding(new, sh)
-        if is_sequence_parallel(p):
-            mark_sequence_parallel(new)
-        setattr(layer, name, new)
+        sh = get_sharding(layer, name) or Sharding((), tuple(src.shape))
+        setattr(layer, name, nn.Parameter(shard_of(src.detach(), sh, layer.mesh).clone(),
+                                          requires_grad=src.requires_grad))
     return layer
 
 

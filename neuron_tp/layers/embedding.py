@@ -37,8 +37,9 @@ class VocabParallelEmbedding(nn.Module):
                 with torch.no_grad():
                     w[padding_idx].zero_()
 
-        self.weight = make_parameter((num_embeddings, embedding_dim), (("tp", 0),), self.mesh,
-                                     init, device, dtype)
+        self.weight = make_parameter(
+            self, "weight", (num_embeddings, embedding_dim), (("tp", 0),), self.mesh, init, device,
+            dtype)
 
     @classmethod
     def from_embedding(cls, embedding: nn.Embedding, mesh: Mesh | None = None,

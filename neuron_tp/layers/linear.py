@@ -47,9 +47,10 @@ class ColumnParallelLinear(FromLinear, nn.Module):
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
         self.sequence_dim, self.skip_bias_add = sequence_dim, skip_bias_add
         init = linear_weight_init if init_method is None else init_method
-        self.weight = make_parameter((out_features, in_features), (("tp", 0),), self.mesh, init,
-                                     device, dtype, segments)
-        self.bias = (make_parameter((out_features,), (("tp", 0),), self.mesh,
+        self.weight = make_parameter(
+            self, "weight", (out_features, in_features), (("tp", 0),), self.mesh, init, device,
+            dtype, segments)
+        self.bias = (make_parameter(self, "bias", (out_features,), (("tp", 0),), self.mesh,
                                     linear_bias_init(in_features), device, dtype, segments)
                      if bias else None)
 
@@ -98,13 +99,14 @@ class RowParallelLinear(FromLinear, nn.Module):
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
         self.sequence_dim, self.skip_bias_add = sequence_dim, skip_bias_add
         init = linear_weight_init if init_method is None else init_method
-        self.weight = make_parameter((out_features, in_features), (("tp", 1),), self.mesh, init,
-                                     device, dtype)
-        self.bias = (make_parameter((out_features,), (), self.mesh,
+        self.weight = make_parameter(
+            self, "weight", (out_features, in_features), (("tp", 1),), self.mesh, init, device,
+            dtype)
+        self.bias = (make_parameter(self, "bias", (out_features,), (), self.mesh,
                                     linear_bias_init(in_features), device, dtype)
                      if bias else None)
         if self.bias is not None and sequence_parallel:
-            mark_sequence_parallel(self.bias)
+            mark_sequence_parallel(self, "bias")
 
 
     def forward(self, x: torch.Tensor):

@@ -63,9 +63,10 @@ class Linear2D(FromLinear, nn.Module):
         require_multiple(out_features, q, "out_features", name)
         self.in_features, self.out_features = in_features, out_features
         init = linear_weight_init if init_method is None else init_method
-        self.weight = make_parameter((out_features, in_features), (("row", 0), ("col", 1)),
-                                     self.mesh, init, device, dtype)
-        self.bias = (make_parameter((out_features,), (("row", 0),), self.mesh,
+        self.weight = make_parameter(
+            self, "weight", (out_features, in_features), (("row", 0), ("col", 1)), self.mesh, init,
+            device, dtype)
+        self.bias = (make_parameter(self, "bias", (out_features,), (("row", 0),), self.mesh,
                                     linear_bias_init(in_features), device, dtype)
                      if bias else None)
 

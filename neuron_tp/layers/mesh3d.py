@@ -61,10 +61,10 @@ class Linear3D(FromLinear, nn.Module):
         self.in_features, self.out_features = in_features, out_features
         f_in, f_out = self.input_layout.feature_axis, self.output_layout.feature_axis
         init = linear_weight_init if init_method is None else init_method
-        self.weight = make_parameter((out_features, in_features),
+        self.weight = make_parameter(self, "weight", (out_features, in_features),
                                      ((f_out, 0), (f_in, 1), ("input", 1)), self.mesh, init,
                                      device, dtype)
-        self.bias = (make_parameter((out_features,), ((f_out, 0),), self.mesh,
+        self.bias = (make_parameter(self, "bias", (out_features,), ((f_out, 0),), self.mesh,
                                     linear_bias_init(in_features), device, dtype)
                      if bias else None)
 

@@ -33,10 +33,12 @@ class _NormND(nn.Module):
         self.input_layout = self.output_layout = self.layout
         self.hidden, self.eps = hidden, eps
         split = ((self.layout.feature_axis, 0),)
-        self.weight = (make_parameter((hidden,), split, self.mesh, nn.init.ones_, device, dtype)
-                       if elementwise_affine else None)
-        self.bias = (make_parameter((hidden,), split, self.mesh, nn.init.zeros_, device, dtype)
-                     if elementwise_affine and bias and not self.rms else None)
+        self.weight = (make_parameter(
+            self, "weight", (hidden,), split, self.mesh, nn.init.ones_, device, dtype) if
+            elementwise_affine else None)
+        self.bias = (make_parameter(
+            self, "bias", (hidden,), split, self.mesh, nn.init.zeros_, device, dtype) if
+            elementwise_affine and bias and not self.rms else None)
 
     @classmethod
     def from_layernorm(cls, norm: nn.Module, layout: Layout | str | None = None,

@@ -48,8 +48,7 @@ class _EmbeddingND(nn.Module):
                 with torch.no_grad():
                     w[padding_idx].zero_()
 
-        self.weight = make_parameter(
-            (num_embeddings, embedding_dim),
+        self.weight = make_parameter(self, "weight", (num_embeddings, embedding_dim),
             ((self.layout.batch_group, 0), (self.layout.feature_axis, 1)), self.mesh, init,
             device, dtype)
 

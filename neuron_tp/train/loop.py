@@ -151,8 +151,9 @@ def train_step(run: Run, log_this_step: bool, on_log) -> None:
         loss = model(input_ids=ids, labels=ids).loss / args.grad_accum
         loss.backward()
         loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
-    if args.sequence_parallel:
-        sync_sequence_parallel_grads(model, mesh)
+    # Replicated parameters with partial gradients: SP norms, but also e.g. Qwen3's q/k norms
+    # (replicated_with_grad_allreduce) without SP. A no-op when the model has none.
+    sync_sequence_parallel_grads(model, mesh)
     allreduce_data_parallel_grads(model, mesh)
     if args.max_grad_norm > 0:
         norm = clip_grad_norm_(model, args.max_grad_norm, mesh)

@@ -105,7 +105,7 @@ def _two_ranks(tmp: str) -> None:
     torch.manual_seed(5)
     block = ntp.blocks.TransformerBlock(12, 2, ffn=22, mesh=mesh, sequence_parallel=True)
     checkpoint.save(f"{tmp}/blocks", block, step=1, mesh=mesh)
-    full = {n: ntp.gather_full(p, mesh) for n, p in block.named_parameters()}
+    full = ntp.gather_params(block, mesh)
     if mesh.rank == 0:
         torch.manual_seed(6)
         single = ntp.blocks.TransformerBlock(12, 2, ffn=22, mesh=local)
