@@ -11,8 +11,10 @@ splits the features (last dim). Sequence and head dims are never split, so atten
   (``weight``). A :class:`~neuron_tp.layers.mesh3d.Linear3D` maps A to B or B to A (its
   ``orientation``), so an up/down pair returns to the layout it started from.
 
-Layers tag their outputs with the layout name and refuse a tagged tensor of another layout;
-an untagged tensor (after an element-wise op) is checked by shape only.
+Layers tag their outputs with their layout and refuse a tensor tagged with another layout.
+The tag survives shape-preserving ops (``gelu``, ``x + 1``, dropout, residual adds of tensors in
+the same layout): a tagged activation is a thin tensor subclass that re-tags results of the
+same shape. A tensor that was never tagged (user-made, or reshaped) is checked by shape only.
 """
 from __future__ import annotations
 
@@ -65,13 +67,39 @@ def check_mode(mesh: Mesh, layout: Layout, layer: str) -> None:
                          f"build it with ntp.init_mesh(tp=..., tp_mode={layout.mode!r})")
 
 
+class LaidOut(torch.Tensor):
+    """An activation tagged with its 2D/3D layout; results of ops that keep its shape carry
+    the tag on (results mixing two different layouts carry none)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        out = super().__torch_function__(func, types, args, kwargs or {})
+        if not isinstance(out, LaidOut):
+            return out
+        with torch._C.DisableTorchFunctionSubclass():  # .shape must not re-enter this hook
+            seen = {(a.__dict__.get(_TAG), tuple(a.shape)) for a in _tensors(args, kwargs)
+                    if isinstance(a, LaidOut)}
+            names = {name for name, _ in seen if name is not None}
+            if len(names) == 1:
+                name = names.pop()
+                if (name, tuple(out.shape)) in seen:
+                    out.__dict__[_TAG] = name
+        return out
+
+
+def _tensors(args, kwargs):
+    for a in (*args, *(kwargs or {}).values()):
+        if isinstance(a, (list, tuple)):
+            yield from _tensors(a, None)
+        elif isinstance(a, torch.Tensor):
+            yield a
+
+
 def tag(x: torch.Tensor, layout: Layout) -> torch.Tensor:
-    """Record on ``x`` that it is laid out as ``layout`` (returns ``x``)."""
-    try:
-        setattr(x, _TAG, layout.name)
-    except (AttributeError, RuntimeError):  # some tensor subclasses refuse attributes
-        pass
-    return x
+    """``x`` marked as laid out in ``layout`` (same data, autograd unchanged)."""
+    out = x if isinstance(x, LaidOut) else x.as_subclass(LaidOut)
+    out.__dict__[_TAG] = layout.name
+    return out
 
 
 def check_layout(x: torch.Tensor, layout: Layout, features: int, mesh: Mesh, layer: str) -> None:
