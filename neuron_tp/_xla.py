@@ -2,8 +2,10 @@
 may be absent); these helpers import it on first use."""
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
+import sys
 
 import torch
 
@@ -22,6 +24,28 @@ def on_neuron() -> bool:
 
 def is_xla(t: torch.Tensor) -> bool:
     return t.device.type == "xla"
+
+
+@functools.cache
+def cpu_runtime() -> bool:
+    """True when the XLA runtime is torch-xla's CPU client (``PJRT_DEVICE=CPU``): its devices
+    (``CPU_NUM_DEVICES=N`` under ``xmp.spawn``) are threads of one process, and collectives
+    between them only meet when they carry channel ids. False on Neuron. Cached: the
+    runtime's device type never changes."""
+    import torch_xla.runtime as xr
+    return xr.device_type() == "CPU"
+
+
+def runtime_world() -> tuple[int, int] | None:
+    """``(world size, global ordinal)`` of this thread from the XLA runtime when torch-xla is
+    in use and the runtime spans several devices (torchrun on Neuron, or ``xmp.spawn`` threads
+    on the CPU, where ``torch.distributed.get_rank()`` would say 0 for every thread); else
+    None."""
+    if "torch_xla" not in sys.modules:
+        return None
+    import torch_xla.runtime as xr
+    world = xr.world_size()
+    return (world, xr.global_ordinal()) if world > 1 else None
 
 
 def xm():

@@ -4,19 +4,38 @@ XLA tensors get torch-xla collectives with replica groups (the rank lists of the
 other tensors get ``torch.distributed`` calls on the group's process group (gloo on CPU, NCCL on
 GPU). A group of size one communicates nothing. All functions are plain (not autograd); the
 differentiable versions live in :mod:`neuron_tp.regions`.
+
+XLA collectives come in two forms, chosen in one place (:func:`_channel_form`): on Neuron, and
+for virtual (trace-only) meshes, exactly what neuronx-distributed emits (no channel ids); on a
+multi-device CPU runtime (``xmp.spawn`` with ``CPU_NUM_DEVICES=N``) the channel-id form with
+global device ids, the only one XLA:CPU can execute across its device threads.
 """
 from __future__ import annotations
+
+import threading
 
 import torch
 
 from . import _xla
 from .mesh import Group
 
-__all__ = ["all_reduce", "all_gather", "reduce_scatter", "local_chunk", "all_reduce_coalesced"]
+__all__ = ["all_reduce", "all_gather", "reduce_scatter", "local_chunk", "all_reduce_coalesced",
+           "host_all_gather"]
 
 
 def _replica_groups(group: Group) -> list[list[int]]:
     return [list(g) for g in group.all_groups]
+
+
+def _channel_form(group: Group) -> bool:
+    """True when ``group``'s XLA collectives need channel ids (multi-device CPU runtime)."""
+    return not group.virtual and _xla.cpu_runtime()
+
+
+def _channel_kwargs(group: Group) -> dict:
+    """Extra arguments of xm.all_gather / xm.reduce_scatter in the channel-id form. One id
+    for every op is enough: every device runs the same program, ops meet in program order."""
+    return dict(channel_id=1, use_global_device_ids=True) if _channel_form(group) else {}
 
 
 def _check(x: torch.Tensor, group: Group) -> bool:
@@ -43,6 +62,13 @@ def all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
         # Call the op directly: xm.all_reduce is a no-op when the *runtime* world is one
         # device, which is exactly the virtual (trace-only) case.
         xm = _xla.xm()
+        if _channel_form(group):
+            # 1-D operand: XLA:CPU fails to lay out some 2-D channel-id all-reduces. The result
+            # is a fresh tensor, not a view: callers modify it in place (Falcon's ``+=``),
+            # which autograd forbids on a view made inside a Function.
+            flat = torch_xla._XLAC._xla_spmd_all_reduce(xm.REDUCE_SUM, x.reshape(-1), 1.0,
+                                                        _replica_groups(group))
+            return flat.view(x.shape).clone()
         return torch_xla._XLAC._xla_all_reduce(xm.REDUCE_SUM, x, 1.0, _replica_groups(group),
                                                False)
     import torch.distributed as dist
@@ -66,7 +92,8 @@ def all_gather(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
         return x
     dim = dim % x.dim()
     if _check(x, group):
-        return _xla.xm().all_gather(x, dim=dim, groups=_replica_groups(group), pin_layout=False)
+        return _xla.xm().all_gather(x, dim=dim, groups=_replica_groups(group), pin_layout=False,
+                                    **_channel_kwargs(group))
     import torch.distributed as dist
     src = x.contiguous()
     out = src.new_empty((group.size * src.shape[0], *src.shape[1:]))
@@ -89,7 +116,7 @@ def reduce_scatter(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
         xm = _xla.xm()
         return xm.reduce_scatter(xm.REDUCE_SUM, x, scale=1.0, scatter_dim=dim,
                                  shard_count=group.size, groups=_replica_groups(group),
-                                 pin_layout=False)
+                                 pin_layout=False, **_channel_kwargs(group))
     import torch.distributed as dist
     src = x.movedim(dim, 0).contiguous()
     out = src.new_empty((src.shape[0] // group.size, *src.shape[1:]))
@@ -117,3 +144,29 @@ def local_chunk(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
         return x.narrow(dim, group.rank * (n // group.size), n // group.size)
     parts = x.unflatten(dim, (group.size, n // group.size))
     return parts.index_select(dim, group.rank_tensor(x.device).view(1)).squeeze(dim)
+
+
+_host_calls = threading.local()  # per rank: ranks may be threads of one process
+
+
+def host_all_gather(key: str, payload: bytes, group: Group,
+                    timeout_s: float = 600.0) -> list[bytes]:
+    """Every group rank's ``payload`` (in group order), exchanged on the host through the
+    job's key-value store, never through a device collective: usable while a device graph is
+    pending (e.g. to compare graphs before running them). Every rank must call it with the
+    same ``key`` sequence."""
+    if group.size == 1:
+        return [payload]
+    import datetime
+
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("host_all_gather needs an initialised process group (init_mesh)")
+    store = dist.distributed_c10d._get_default_store()
+    n = getattr(_host_calls, "n", 0)
+    _host_calls.n = n + 1
+    prefix = f"ntp/{key}/{n}"
+    store.set(f"{prefix}/{group.ranks[group.rank]}", payload)
+    keys = [f"{prefix}/{r}" for r in group.ranks]
+    store.wait(keys, datetime.timedelta(seconds=timeout_s))
+    return [bytes(store.get(k)) for k in keys]

@@ -17,6 +17,7 @@ _OP = re.compile(r"=\s*(?P<out>\(.*?\)|\S+)\s+(?P<kind>all-reduce|all-gather|red
                  r"all-to-all)\((?P<args>[^)]*)\)(?P<attrs>.*)$")
 _SHAPE = re.compile(r"(?P<dt>[a-z]+\d*)\[(?P<dims>[\d,]*)\]")
 _GROUPS = re.compile(r"replica_groups=\{(?P<g>(\{[\d,]*\},?)*)\}")
+_CHANNEL = re.compile(r"channel_id=(\d+)")
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,8 @@ class Collective:
     dtype: str
     shape: tuple[int, ...]  # the full buffer: all-gather output, reduce-scatter/all-reduce input
     replica_groups: tuple[tuple[int, ...], ...]
+    channel_id: int | None = None  # set in the form XLA:CPU devices execute (comm module doc)
+    global_device_ids: bool = False  # use_global_device_ids=true
 
     @property
     def group_size(self) -> int:
@@ -67,8 +70,11 @@ def parse_collectives(hlo: str) -> list[Collective]:
         g = _GROUPS.search(m["attrs"])
         groups = tuple(tuple(int(r) for r in grp.strip("{}").split(",") if r)
                        for grp in re.findall(r"\{[\d,]*\}", g["g"])) if g else ()
+        channel = _CHANNEL.search(m["attrs"])
+        global_ids = "use_global_device_ids=true" in m["attrs"]
         for dt, shape in data:
-            found.append(Collective(kind, dt, shape, groups))
+            found.append(Collective(kind, dt, shape, groups,
+                                    int(channel[1]) if channel else None, global_ids))
     return found
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import math
 import os
+import sys
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -177,35 +179,79 @@ class Mesh:
                 f"tp={self.tp_size}, tp_mode={self.tp_mode!r})")
 
 
-_default_mesh: Mesh | None = None
+# The default mesh is per thread: under ``xmp.spawn`` every rank is a thread of one process.
+# A thread that never set one (a data-loader or autograd worker) falls back to the mesh set
+# process-wide, unless threads of this process hold meshes of different ranks (then there is
+# no right answer and get_mesh says so instead of silently picking one rank's mesh).
+_local = threading.local()
+_lock = threading.Lock()
+_lock_init = threading.Lock()  # init_mesh: one thread at a time creates the process group
+_process_default: Mesh | None = None
+_holders: dict[int, int] = {}  # thread id -> rank of the default mesh it set
 
 
 def set_default_mesh(mesh: Mesh | None) -> None:
-    """Make ``mesh`` the one layers use when they are given ``mesh=None``."""
-    global _default_mesh
-    _default_mesh = mesh
+    """Make ``mesh`` the one layers use when they are given ``mesh=None`` (in this thread, and
+    in threads of this process that never set one)."""
+    global _process_default
+    _local.mesh = mesh
+    with _lock:
+        if mesh is None:
+            _holders.pop(threading.get_ident(), None)
+            if not _holders:
+                _process_default = None
+        else:
+            _holders[threading.get_ident()] = mesh.rank
+            _process_default = mesh
 
 
 def get_mesh(mesh: Mesh | None = None) -> Mesh:
     """``mesh`` itself, or the default mesh; a clear error when neither exists."""
     if mesh is not None:
         return mesh
-    if _default_mesh is None:
+    found = getattr(_local, "mesh", None)
+    if found is None and not hasattr(_local, "mesh"):
+        with _lock:
+            if len(set(_holders.values())) > 1:
+                raise RuntimeError(
+                    "no mesh in this thread, and threads of this process hold meshes of "
+                    f"different ranks {sorted(set(_holders.values()))} (xmp.spawn): pass mesh= "
+                    "or call neuron_tp.set_default_mesh(mesh) in this thread")
+            found = _process_default
+    if found is None:
         raise RuntimeError("no mesh: call neuron_tp.init_mesh(tp=...) first or pass mesh=")
-    return _default_mesh
+    return found
 
 
-def _init_process_group(backend: str | None) -> None:
+def _init_process_group(backend: str | None, world: int) -> None:
     import torch.distributed as dist
-    if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+    if dist.is_initialized() or world <= 1:
         return
+    spawned = _spawned_world()
     if backend is None:
-        backend = "xla" if _xla.on_neuron() else "gloo"
-    if backend == "xla":
+        backend = "xla" if _xla.on_neuron() or spawned else "gloo"
+    if backend == "xla" and spawned and _xla.cpu_runtime():
+        # Devices are threads of one process: an in-memory store (xla:// would listen on a
+        # fixed TCP port, MASTER_PORT or 12355, and collide with any other such job).
+        import torch_xla.distributed.xla_backend  # noqa: F401  (registers the backend)
+        dist.init_process_group("xla", store=dist.HashStore(), rank=spawned[1],
+                                world_size=spawned[0])
+    elif backend == "xla":
         import torch_xla.distributed.xla_backend  # noqa: F401  (registers the backend)
         dist.init_process_group("xla", init_method="xla://")
     else:
         dist.init_process_group(backend)
+
+
+def _spawned_world() -> tuple[int, int] | None:
+    """(world, rank) of this thread when it is one of several XLA devices of a process started
+    by ``xmp.spawn`` (no torchrun environment, XLA runtime already up); else None."""
+    if "WORLD_SIZE" in os.environ or "torch_xla" not in sys.modules:
+        return None
+    import torch_xla
+    if not torch_xla._XLAC._xla_runtime_is_initialized():
+        return None
+    return _xla.runtime_world()
 
 
 def init_mesh(tp: int = 1, tp_mode: str = "1d", backend: str | None = None) -> Mesh:
@@ -213,19 +259,33 @@ def init_mesh(tp: int = 1, tp_mode: str = "1d", backend: str | None = None) -> M
 
     Uses the existing torch.distributed process group (``xla``, gloo or NCCL); when none
     exists and torchrun's environment says the world is larger than one, creates it
-    (``xla`` on Neuron, gloo otherwise, or ``backend``).
+    (``xla`` on Neuron, gloo otherwise, or ``backend``). Inside ``xmp.spawn`` (several XLA
+    devices of one process, one thread each) the first thread creates the ``xla`` group. On the
+    ``xla`` backend world size and rank come from the XLA runtime (per thread; on Neuron under
+    torchrun they equal torch.distributed's).
     """
     import torch.distributed as dist
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if not dist.is_initialized():
-        # Validate before any rendezvous so a bad tp never leaves ranks waiting.
-        _check_tp(world, tp, tp_mode)
-    _init_process_group(backend)
-    if dist.is_available() and dist.is_initialized():
-        world, rank = dist.get_world_size(), dist.get_rank()
-        needs_groups = dist.get_backend() != "xla"
-    else:
-        world, rank, needs_groups = 1, 0, False
+    with _lock_init:  # xmp.spawn threads: only one may create the process group
+        spawned = _spawned_world()
+        world = spawned[0] if spawned else int(os.environ.get("WORLD_SIZE", "1"))
+        if not dist.is_initialized():
+            # Validate before any rendezvous so a bad tp never leaves ranks waiting.
+            _check_tp(world, tp, tp_mode)
+        _init_process_group(backend, world)
+        if dist.is_available() and dist.is_initialized():
+            if dist.get_backend() == "xla":
+                world, rank = dist.get_world_size(), dist.get_rank()
+                runtime = _xla.runtime_world()  # per thread (xmp.spawn); None: runtime world 1
+                if runtime is not None and runtime[0] != world:
+                    raise RuntimeError(f"the xla process group has {world} ranks but the XLA "
+                                       f"runtime has {runtime[0]} devices")
+                world, rank = runtime or (world, rank)
+                needs_groups = False
+            else:
+                world, rank, needs_groups = dist.get_world_size(), dist.get_rank(), True
+        else:
+            world, rank, needs_groups = 1, 0, False
     mesh = Mesh(world, rank, tp=tp, tp_mode=tp_mode, create_process_groups=needs_groups)
     set_default_mesh(mesh)
     return mesh
+

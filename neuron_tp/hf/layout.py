@@ -63,5 +63,5 @@ def to_hf(gathered: torch.Tensor, layout: HFLayout) -> torch.Tensor:
     """The HF tensor from a gathered (unsharded, our-layout) parameter."""
     t = gathered
     if layout.keep_rows is not None:
-        t = t.index_select(0, torch.tensor(layout.keep_rows, dtype=torch.long))
+        t = t.index_select(0, torch.tensor(layout.keep_rows, dtype=torch.long, device=t.device))
     return t.t().contiguous() if layout.transpose else t.contiguous()
