@@ -18,7 +18,7 @@ from .layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbed
                      parallel_cross_entropy)
 from .mesh import Group, Mesh, get_mesh, init_mesh, set_default_mesh
 from .sharding import (gather_full, gather_params, get_param_meta, get_sharding,
-                       mark_sequence_parallel)
+                       mark_sequence_parallel, move_to)
 
 __version__ = "0.1.0"
 
@@ -27,7 +27,7 @@ __all__ = [
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
     "parallel_cross_entropy", "allreduce_data_parallel_grads", "sync_sequence_parallel_grads",
     "clip_grad_norm_", "global_grad_norm", "gather_full", "gather_params", "get_sharding",
-    "get_param_meta",
+    "get_param_meta", "move_to",
     "mark_sequence_parallel", "parallelize", "from_pretrained", "save_pretrained",
     "blocks", "blocks_nd", "checkpoint", "comm", "layers", "regions",
 ]

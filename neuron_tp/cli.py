@@ -34,12 +34,12 @@ def main(argv: list[str] | None = None) -> int:
         return _consolidate(rest)
     if cmd == "train":
         from .train.args import train_parser
-        from .train.loop import train
-        train(train_parser().parse_args(rest))
+        from .train.launch import train_command
+        train_command(train_parser().parse_args(rest))
         return 0
     from .train.args import generate_parser
-    from .train.generate import run_cli
-    run_cli(generate_parser().parse_args(rest))
+    from .train.launch import generate_command
+    generate_command(generate_parser().parse_args(rest))
     return 0
 
 

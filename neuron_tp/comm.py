@@ -163,9 +163,9 @@ def host_all_gather(key: str, payload: bytes, group: Group,
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("host_all_gather needs an initialised process group (init_mesh)")
     store = dist.distributed_c10d._get_default_store()
-    n = getattr(_host_calls, "n", 0)
-    _host_calls.n = n + 1
-    prefix = f"ntp/{key}/{n}"
+    counts = _host_calls.__dict__.setdefault("counts", {})  # per (key, group): ranks of one
+    n = counts[(key, group.ranks)] = counts.get((key, group.ranks), -1) + 1  # group stay in step
+    prefix = f"ntp/{key}/{'-'.join(map(str, group.ranks))}/{n}"
     store.set(f"{prefix}/{group.ranks[group.rank]}", payload)
     keys = [f"{prefix}/{r}" for r in group.ranks]
     store.wait(keys, datetime.timedelta(seconds=timeout_s))

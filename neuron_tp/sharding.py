@@ -163,3 +163,23 @@ def shard_of(full: torch.Tensor, sharding: Sharding, mesh: Mesh) -> torch.Tensor
             piece = torch.cat([piece, piece.new_zeros(pad)], dim)
         t = piece
     return t
+
+
+def move_to(model: nn.Module, device: torch.device | str) -> nn.Module:
+    """``model.to(device)`` that keeps tied parameters tied (returns ``model``).
+
+    Moving CPU -> XLA makes a new Parameter per module slot, so an embedding and an LM head
+    that shared one Parameter would train as two copies. Records stay valid: they live on the
+    modules, keyed by slot name."""
+    slots: dict[int, list[tuple[nn.Module, str]]] = {}
+    for mod in model.modules():
+        for name, p in mod._parameters.items():
+            if p is not None:
+                slots.setdefault(id(p), []).append((mod, name))
+    model.to(device)
+    for group in slots.values():
+        if len(group) > 1:
+            keep = group[0][0]._parameters[group[0][1]]
+            for mod, name in group[1:]:
+                mod._parameters[name] = keep
+    return model

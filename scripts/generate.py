@@ -10,5 +10,5 @@ from neuron_tp.train.args import generate_parser  # noqa: E402
 
 if __name__ == "__main__":
     args = generate_parser().parse_args()
-    from neuron_tp.train.generate import run_cli
-    run_cli(args)
+    from neuron_tp.train.launch import generate_command
+    generate_command(args)

@@ -10,5 +10,5 @@ from neuron_tp.train.args import train_parser  # noqa: E402
 
 if __name__ == "__main__":
     args = train_parser().parse_args()
-    from neuron_tp.train.loop import train
-    train(args)
+    from neuron_tp.train.launch import train_command
+    train_command(args)

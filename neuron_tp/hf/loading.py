@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import zlib
 
 import torch
 from torch import nn
@@ -69,18 +70,67 @@ def _params_on_meta():
         nn.Module.register_parameter = original
 
 
+def check_model_dir(path: str) -> None:
+    """ValueError saying what ``path`` is instead, unless it is a local HF model directory."""
+    if not os.path.isdir(path):
+        what = "a file" if os.path.exists(path) else "does not exist"
+        raise ValueError(f"model {path!r}: {what}; neuron_tp loads a local HuggingFace model "
+                         "directory (config.json + *.safetensors; download it first, e.g. "
+                         "`huggingface-cli download ORG/NAME --local-dir DIR`)")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        if os.path.exists(os.path.join(path, "meta.json")) or \
+                os.path.isdir(os.path.join(path, "checkpoints")):
+            raise ValueError(f"model {path!r} is a neuron_tp training checkpoint, not a "
+                             "HuggingFace model directory: resume it with --resume PATH, "
+                             "generate from it with `neuron-tp generate --model PATH`, or "
+                             "convert it with `neuron-tp consolidate PATH OUT`")
+        raise ValueError(f"model {path!r}: no config.json; pass a HuggingFace model directory "
+                         "(config.json + *.safetensors)")
+
+
+def _open_safetensors(file: str):
+    """``safe_open(file)``; ValueError naming the file when it is missing, truncated or not
+    safetensors."""
+    from safetensors import safe_open
+    try:
+        return safe_open(file, "pt")
+    except Exception as e:  # noqa: BLE001 - SafetensorError, OSError: one clear message
+        size = os.path.getsize(file) if os.path.exists(file) else None
+        raise ValueError(f"{file}: unreadable safetensors file ({size} bytes: {e}); it is "
+                         "missing, truncated (an interrupted download or copy?) or corrupt: "
+                         "copy or download it again") from None
+
+
+def files_fingerprint(files) -> dict[str, list]:
+    """``{file name: [size, CRC32 of its safetensors header]}``: cheap, and differs for a
+    truncated, re-saved or different file (the tensor bytes themselves are not read)."""
+    out = {}
+    for file in sorted(set(files)):
+        try:
+            with open(file, "rb") as fh:
+                n = int.from_bytes(fh.read(8), "little")
+                header = fh.read(min(n, 100_000_000))
+            out[os.path.basename(file)] = [os.path.getsize(file), zlib.crc32(header)]
+        except OSError as e:
+            out[os.path.basename(file)] = [None, repr(e)]
+    return out
+
+
 def _checkpoint_files(path: str) -> dict[str, str]:
     """``{tensor name: file}`` of a single-file or sharded (index.json) safetensors checkpoint."""
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
-        with open(index) as f:
-            wmap = json.load(f)["weight_map"]
+        try:
+            with open(index) as f:
+                wmap = json.load(f)["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{index}: unreadable safetensors index ({e!r}); it needs a "
+                             "'weight_map' of tensor name -> file") from None
         return {k: os.path.join(path, v) for k, v in wmap.items()}
     single = os.path.join(path, "model.safetensors")
     if not os.path.exists(single):
         raise ValueError(f"{path}: no model.safetensors or model.safetensors.index.json")
-    from safetensors import safe_open
-    with safe_open(single, "pt") as f:
+    with _open_safetensors(single) as f:
         return {k: single for k in f.keys()}
 
 
@@ -90,15 +140,25 @@ def from_pretrained(path: str, mesh: Mesh | None = None, auto_class=None,
                     **config_kwargs) -> nn.Module:
     """Build ``auto_class`` from the config at ``path`` on the meta device, shard it, and read
     only this rank's slices of each tensor from the safetensors files (never the full model)."""
-    from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ..agreement import check_agreement
     auto_class = auto_class or AutoModelForCausalLM
     mesh = get_mesh(mesh)
-    config = AutoConfig.from_pretrained(path, **config_kwargs)
-    files = _checkpoint_files(path)
-    kwargs = {"dtype": torch_dtype} if torch_dtype is not None else {}
-    with _params_on_meta():
-        model = auto_class.from_config(config, **kwargs)
+    error, files, found = None, {}, {}
+    try:  # a failure on one rank (a truncated file on one node) must stop every tp rank
+        check_model_dir(path)
+        config = AutoConfig.from_pretrained(path, **config_kwargs)
+        files = _checkpoint_files(path)
+        found = files_fingerprint(files.values())
+        kwargs = {"dtype": torch_dtype} if torch_dtype is not None else {}
+        with _params_on_meta():
+            model = auto_class.from_config(config, **kwargs)
+    except Exception as e:  # noqa: BLE001 - re-raised on this rank by check_agreement
+        error = e
+    check_agreement({"model files (size, header checksum)": found}, mesh.tp, error=error,
+                    details={"model files (size, header checksum)": found},
+                    what=f"from_pretrained({path!r})")
     model = parallelize(model, mesh, sequence_parallel=sequence_parallel,
                         parallel_loss=parallel_loss, plan=plan)
     handles: dict[str, object] = {}
@@ -111,7 +171,7 @@ def from_pretrained(path: str, mesh: Mesh | None = None, auto_class=None,
                 if name not in files:
                     raise ValueError(f"{path}: checkpoint has no tensor {name!r}")
                 if files[name] not in handles:
-                    handles[files[name]] = safe_open(files[name], "pt")
+                    handles[files[name]] = _open_safetensors(files[name])
                 sl = handles[files[name]].get_slice(name)
                 shape = tuple(sl.get_shape())
 

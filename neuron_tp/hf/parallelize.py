@@ -16,7 +16,7 @@ from . import modules as M
 from .attention import (ShardedRMSNorm, check_heads, is_plain_split, kv_slots, model_heads,
                         patch_attention_module)
 from .layout import HFLayout, even_pieces, set_layout
-from .plans import match_modules, resolve_plan
+from .plans import check_split_pairs, match_modules, resolve_plan
 from .sequence_parallel import (apply_sequence_parallel, check_sequence_parallel, find_layers,
                                 install_input_region)
 
@@ -90,12 +90,19 @@ def parallelize(model: nn.Module, mesh: Mesh | None = None, sequence_parallel: b
     ``sequence_parallel`` the residual stream is sequence-sharded (sequence length must be a
     multiple of tp; generation with a KV cache needs it off). After ``backward`` call
     :func:`neuron_tp.sync_sequence_parallel_grads` (replicated parameters that saw only part
-    of the data on each rank). Raises ValueError, before any communication, for what cannot
-    be sharded exactly.
+    of the data on each rank). Collective over tp: first verifies that every tp rank holds
+    the same model, weights (checksums; skipped for meta-device ones) and options
+    (:class:`neuron_tp.agreement.RankMismatchError` on every rank otherwise); then raises
+    ValueError, identically on every rank, for what cannot be sharded exactly.
     """
     mesh = get_mesh(mesh)
     if getattr(model, "_ntp_parallel", False):
         raise ValueError(f"{type(model).__name__} is already parallelized")
+    from ..agreement import check_same_model
+    check_same_model(model, mesh.tp, {"plan": plan, "sequence_parallel": sequence_parallel,
+                                      "parallel_loss": parallel_loss, "tp": mesh.tp_size,
+                                      "tp_mode": mesh.tp_mode},
+                     what=f"parallelize({type(model).__name__})")
     impl = getattr(model.config, "_attn_implementation", None)
     if impl not in ("eager", "sdpa", None):
         raise ValueError(f"{type(model).__name__}: attention implementation {impl!r} is not "
@@ -115,9 +122,11 @@ def parallelize(model: nn.Module, mesh: Mesh | None = None, sequence_parallel: b
     layers_prefix = found[0] + "." if found else None
     ties = _tie_groups(model)
 
-    # Validate everything first (no collectives run during parallelize anyway).
+    # Validate everything first (the ranks agree on model and options: same outcome on all).
     if sequence_parallel:
         check_sequence_parallel(model)
+    head = [n for n, m in model.named_modules() if out_emb is not None and m is out_emb]
+    check_split_pairs(model, targets, _owns_input, gathered=tuple(head))
     for name, style in targets.items():
         mod = model.get_submodule(name)
         parent = model.get_submodule(_split(name)[0]) if _split(name)[0] else model
@@ -179,10 +188,30 @@ def parallelize(model: nn.Module, mesh: Mesh | None = None, sequence_parallel: b
     if sequence_parallel:
         apply_sequence_parallel(model, mesh)
     model._ntp_parallel, model._ntp_mesh = True, mesh
+    _guard_meta(model)
     model._ntp_parallel_loss, model._ntp_sequence_parallel = parallel_loss, sequence_parallel
     if parallel_loss:
         _wrap_loss(model, mesh)
     return model
+
+
+def _guard_meta(model: nn.Module) -> None:
+    """A model parallelized on the meta device refuses to run until its weights are loaded
+    (the hook removes itself at the first forward that finds none left on meta)."""
+    if not any(p.is_meta for p in model.parameters()):
+        return
+
+    def check(module, args, kwargs):
+        left = [n for n, p in module.named_parameters() if p.is_meta]
+        if left:
+            raise ValueError(
+                f"{type(module).__name__}: {len(left)} parameters (e.g. {left[0]}) are still on "
+                "the meta device: the model was parallelized without weights. Load them first: "
+                "neuron_tp.from_pretrained(path, mesh) reads each rank's slices of a HF "
+                "checkpoint; or parallelize a model built with real weights")
+        handle.remove()
+
+    handle = model.register_forward_pre_hook(check, with_kwargs=True)
 
 
 def _sharded_norm(mod, name, mesh, heads) -> nn.Module:

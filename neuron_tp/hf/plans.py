@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import re
 
+import torch
 from torch import nn
 
 STYLES = ("colwise", "colwise_gather_output", "rowwise", "rowwise_split_input", "packed_colwise",
@@ -152,3 +153,67 @@ def match_modules(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
             if rx.match(name):
                 found[name] = style
     return found
+
+
+_SPLIT_OUTPUT = ("colwise", "packed_colwise", "packed_qkv")  # output stays split over tp
+_SPLIT_INPUT = ("rowwise",)  # expects its input split over tp
+
+
+def _pattern(name: str) -> str:
+    return re.sub(r"\.\d+(?=\.|$)", ".*", name)
+
+
+def check_split_pairs(model: nn.Module, targets: dict[str, str], owns_input,
+                      gathered: tuple[str, ...] = ()) -> None:
+    """Refuse a plan whose split activations have no consumer (ValueError naming the module
+    and the plan entry that would work): a projection whose output stays split over tp
+    (``colwise``) needs a ``rowwise`` one after it, and a ``rowwise`` one needs a split
+    producer before it. Judged on the module tree: the nearest ancestor of a projection that
+    contains a partner decides; its partners must come after (before) it in registration order
+    unless the ancestor is an attention / MLP module (``owns_input(module)``), which is self
+    contained. ``gathered``: modules whose output is gathered whatever their style (LM head)."""
+    order = {name: i for i, (name, _) in enumerate(model.named_modules())}
+
+    def linear(n: str) -> bool:  # other modules are refused with their own error later
+        w = getattr(model.get_submodule(n), "weight", None)
+        return isinstance(w, torch.Tensor) and w.dim() == 2
+
+    for name, style in targets.items():
+        if name in gathered or style not in _SPLIT_OUTPUT + _SPLIT_INPUT or not linear(name):
+            continue
+        producer = style in _SPLIT_OUTPUT
+        want = _SPLIT_INPUT if producer else _SPLIT_OUTPUT
+        partners = [n for n, s in targets.items() if s in want and n not in gathered
+                    and linear(n)]
+        parts = name.split(".")
+        ok = False
+        for depth in range(len(parts) - 1, -1, -1):
+            scope = ".".join(parts[:depth])
+            inside = [n for n in partners if n.startswith(scope + ".") or not scope]
+            if inside:
+                ok = owns_input(model.get_submodule(scope)) or any(
+                    (order[n] > order[name]) == producer for n in inside)
+                break
+        if ok:
+            continue
+        home = next((".".join(parts[:d]) for d in range(len(parts) - 1, 0, -1)
+                     if owns_input(model.get_submodule(".".join(parts[:d])))),
+                    ".".join(parts[:-1]))
+        where = f"{home} ({type(model.get_submodule(home)).__name__})" if home else "the model"
+        cands = [_pattern(n) for n, m in model.get_submodule(home).named_modules(prefix=home)
+                 if n != name and n in order and linear(n) and (order[n] > order[name]) == producer]
+        if producer:
+            fix = (f"put {{{cands[-1]!r}: 'rowwise'}} (the projection that reads its output)"
+                   if cands else "put the projection that reads its output as 'rowwise'")
+            raise ValueError(
+                f"plan: {name} is {style!r} (its output stays split over tp) but nothing after "
+                f"it in {where} is 'rowwise' to consume the split features, so the next module "
+                f"would get 1/tp of them; {fix} to the plan, or use 'colwise_gather_output' for "
+                f"{_pattern(name)!r}")
+        entries = ", ".join(f"{c!r}: 'colwise'" for c in cands)
+        fix = (f"mark the projection(s) feeding it 'colwise' ({{{entries}}})"
+               if cands else "mark the projection feeding it 'colwise'")
+        raise ValueError(
+            f"plan: {name} is 'rowwise' (it expects its input split over tp) but nothing before "
+            f"it in {where} is colwise; {fix}, or use 'rowwise_split_input' for "
+            f"{_pattern(name)!r} to split a replicated input")

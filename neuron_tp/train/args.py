@@ -40,13 +40,17 @@ def _buckets(text: str) -> list[int]:
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny-llama",
-                   help="local HF model directory or a built-in preset (tiny-llama, tiny-gpt2)")
+                   help="local HF model directory or a built-in preset (tiny-llama, tiny-gpt2, "
+                        "tiny-qwen3)")
     p.add_argument("--tp", type=_positive(int), default=1, help="tensor-parallel degree")
     p.add_argument("--device", choices=("xla", "cpu"), default="xla",
                    help="xla: NeuronCore when present, else the XLA CPU device; cpu: eager torch")
     p.add_argument("--tokenizer", default=None,
                    help="local HF tokenizer directory (default: byte-level fallback)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--xla-cpu-devices", type=_non_negative(int), default=0, metavar="N",
+                   help="run N ranks as XLA CPU devices of this one process (no torchrun): "
+                        "the graphs and collectives of an N-NeuronCore job, on a laptop")
 
 
 def train_parser() -> argparse.ArgumentParser:
@@ -69,11 +73,16 @@ def train_parser() -> argparse.ArgumentParser:
     p.add_argument("--bf16", action="store_true", help="bfloat16 parameters and compute")
     p.add_argument("--log-every", type=_positive(int), default=10)
     p.add_argument("--save-every", type=_non_negative(int), default=0, help="0 = only at the end")
-    p.add_argument("--keep-last", type=_positive(int), default=2)
+    p.add_argument("--keep-last", type=_positive(int), default=2,
+                   help="keep the newest N checkpoints (and always the one resumed from)")
     p.add_argument("--output-dir", default="runs/train")
     p.add_argument("--resume", default="auto",
                    help="auto (newest complete checkpoint in --output-dir), none, or a path")
     p.add_argument("--tensorboard", action="store_true", help="write TensorBoard scalars")
+    p.add_argument("--skip-nonfinite", action="store_true",
+                   help="skip (undo on the device) the update of a step whose loss or grad "
+                        "norm is NaN/inf instead of stopping the run; holds a copy of params "
+                        "and optimizer states during each step")
     return p
 
 

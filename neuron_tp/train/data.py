@@ -52,21 +52,36 @@ def data_files(path: str) -> list[str]:
     return files
 
 
+def read_text(f: str) -> str:
+    """The UTF-8 text of file ``f`` with universal newlines (as ``open(f)`` reads it);
+    ValueError naming the file, byte offset and line of the first invalid byte."""
+    with open(f, "rb") as fh:
+        raw = fh.read()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise ValueError(f"{f}: not UTF-8 text: byte {e.start} (line {line}) is "
+                         f"{raw[e.start:e.start + 1]!r} ({e.reason}); convert the file to UTF-8 "
+                         f"(e.g. iconv -f latin1 -t utf-8) or leave it out") from None
+    return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
 def read_documents(path: str) -> list[str]:
     """Documents: a .txt file is one document, each .jsonl line's ``text`` field is one."""
     docs = []
     for f in data_files(path):
-        with open(f, encoding="utf-8") as fh:
-            if f.endswith(".txt"):
-                docs.append(fh.read())
+        text = read_text(f)
+        if f.endswith(".txt"):
+            docs.append(text)
+            continue
+        for n, line in enumerate(text.split("\n"), 1):
+            if not line.strip():
                 continue
-            for n, line in enumerate(fh, 1):
-                if not line.strip():
-                    continue
-                try:
-                    docs.append(json.loads(line)["text"])
-                except (json.JSONDecodeError, KeyError, TypeError):
-                    raise ValueError(f"{f}:{n}: expected a JSON object with a 'text' field")
+            try:
+                docs.append(json.loads(line)["text"])
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise ValueError(f"{f}:{n}: expected a JSON object with a 'text' field") from None
     return docs
 
 

@@ -10,6 +10,10 @@ PRESETS = {
                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                        max_position_embeddings=1024, tie_word_embeddings=False),
     "tiny-gpt2": dict(model_type="gpt2", n_embd=64, n_layer=2, n_head=4, n_positions=1024),
+    # per-head q/k norms: replicated parameters whose gradients are partial on each tp rank
+    "tiny-qwen3": dict(model_type="qwen3", hidden_size=64, intermediate_size=176,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=16, max_position_embeddings=1024, tie_word_embeddings=False),
 }
 
 
@@ -40,3 +44,20 @@ def build_model(name: str, vocab_size: int, seed: int, dtype: torch.dtype = torc
         return AutoModelForCausalLM.from_config(model_config(name, vocab_size), dtype=dtype)
     model_config(name, vocab_size)  # clear error for a bad path
     return AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation="sdpa")
+
+
+def preload(name: str) -> None:
+    """Import transformers and the modeling module of model ``name`` now. Ranks may be threads
+    of one process (``--xla-cpu-devices``): two threads loading transformers' lazy modules at
+    once can fail, so :func:`~neuron_tp.train.loop.setup` calls this under a lock first."""
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError:
+        return
+    if name in PRESETS:
+        config = model_config(name, 256)
+    elif name and os.path.isdir(name) and os.path.exists(os.path.join(name, "config.json")):
+        config = AutoConfig.from_pretrained(name)
+    else:
+        return
+    AutoModelForCausalLM._model_mapping[type(config)]  # noqa: B018 - loads the module

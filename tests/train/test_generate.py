@@ -1,6 +1,6 @@
 """Generation: on 2 gloo ranks (tp=2) greedy tokens equal transformers' own ``generate`` on
-the unsharded model, sampled tokens are identical on every rank and equal the unsharded
-model's for the same seed, and ``neuron-tp generate`` on a saved model directory prints the
+the unsharded model, sampled tokens are identical on every rank and equal transformers'
+``generate(do_sample=True)`` on the unsharded model for the same seed, and ``neuron-tp generate`` on a saved model directory prints the
 same text; on the XLA CPU device the number of compiled graphs does not grow with the number
 of generated tokens (one more prefill graph per new bucket) and tokens equal eager CPU."""
 from __future__ import annotations
@@ -22,6 +22,19 @@ REPO = os.path.dirname(os.path.dirname(HERE))
 PROMPTS = [[72, 101, 108], [84, 104, 101, 32, 111, 108, 100], list(range(97, 108))]
 
 
+def hf_sample(full, prompts, new: int, temperature: float, top_k: int, seed: int):
+    """transformers' own sampling on the unsharded model: the batch left-padded, same seed."""
+    width = max(map(len, prompts))
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):], mask[i, width - len(p):] = torch.tensor(p), 1
+    torch.manual_seed(seed)
+    out = full.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=True,
+                        temperature=temperature, top_k=top_k, top_p=1.0, pad_token_id=0)
+    return out[:, width:].tolist()
+
+
 def _sharded(tmp: str) -> None:
     from neuron_tp import hf
     from neuron_tp.train.args import generate_parser
@@ -35,8 +48,7 @@ def _sharded(tmp: str) -> None:
                                         do_sample=False)[0, len(p):].tolist() for p in PROMPTS],
            "sample": generate(model, PROMPTS, 10, [16], do_sample=True, temperature=0.8,
                               top_k=20, seed=9),
-           "ref_sample": generate(full, PROMPTS, 10, [16], do_sample=True, temperature=0.8,
-                                  top_k=20, seed=9)}
+           "ref_sample": hf_sample(full, PROMPTS, 10, temperature=0.8, top_k=20, seed=9)}
     hf.save_pretrained(model, f"{tmp}/model")  # rank 0 writes: wait for it
     torch.distributed.barrier()
     args = generate_parser().parse_args(["--device", "cpu", "--tp", "2", "--model",

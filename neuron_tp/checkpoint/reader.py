@@ -1,0 +1,215 @@
+"""Loading a checkpoint: read and check everything first, agree, then apply.
+
+Phase 1 reads this rank's tensors (verifying their checksums), the optimizer state, the RNG
+state and checks the scheduler state, modifying nothing; an exception of any type on any rank
+makes every rank raise (model, optimizer, scheduler and RNG untouched everywhere). Phase 2
+applies what was staged.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import random
+from dataclasses import dataclass
+
+import torch
+
+from ..mesh import Mesh
+from ..sharding import ParamMeta, named_parameter_meta
+from .agree import agree
+from .format import CheckpointError, file_record, read_meta, verify
+from .reshard import assemble, local_piece, logical_shape
+from .writer import device_of, mesh_of
+
+
+class Shards:
+    """Lazy, verifying readers of a checkpoint's tp shard files."""
+
+    def __init__(self, path: str, tp: int, step: int | None = None):
+        self.path, self.tp, self.step, self.handles = path, tp, step, {}
+
+    def file(self, tp_rank: int) -> str:
+        return os.path.join(self.path, f"shard-tp{tp_rank:05d}.safetensors")
+
+    def _open(self, tp_rank: int):
+        from safetensors import safe_open
+        if tp_rank not in self.handles:
+            f = self.file(tp_rank)
+            try:
+                handle = safe_open(f, "pt")
+                header = handle.metadata()
+            except Exception as e:  # noqa: BLE001 - missing/corrupt file: one clear message
+                raise CheckpointError(f"{f}: unreadable checkpoint shard ({e})") from None
+            rec = file_record(f, header)
+            if rec is not None and (rec.get("tp_rank") != tp_rank or
+                                    (self.step is not None and rec.get("step") != self.step)):
+                raise CheckpointError(f"{f}: holds tp rank {rec.get('tp_rank')} of step "
+                                      f"{rec.get('step')}, expected tp rank {tp_rank} of step "
+                                      f"{self.step} (a file from another checkpoint?)")
+            self.handles[tp_rank] = (handle, rec)
+        return self.handles[tp_rank]
+
+    def get(self, tp_rank: int, key: str) -> torch.Tensor:
+        handle, rec = self._open(tp_rank)
+        try:
+            t = handle.get_tensor(key)
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(f"{self.file(tp_rank)}: tensor {key!r} missing or unreadable "
+                                  f"({e})") from None
+        return verify(self.file(tp_rank), key, t, rec)
+
+    def keys(self, tp_rank: int) -> set[str]:
+        return set(self._open(tp_rank)[0].keys())
+
+    def full(self, key: str, rec: dict) -> torch.Tensor:
+        n = self.tp if rec["sharding"] else 1
+        return assemble([self.get(r, key) for r in range(n)], rec["sharding"])
+
+
+def _check_model(meta: dict, model: torch.nn.Module, path: str) -> None:
+    saved = meta["params"]
+    names = {n: (p, m) for n, p, m in named_parameter_meta(model)}
+    missing, unexpected = sorted(set(names) - set(saved)), sorted(set(saved) - set(names))
+    if missing or unexpected:
+        raise CheckpointError(f"{path} does not match the model: parameters missing from the "
+                              f"checkpoint {missing[:5]}, not in the model {unexpected[:5]}")
+    wrong = [(n, saved[n]["logical_shape"], list(logical_shape(p, m)))
+             for n, (p, m) in names.items()
+             if saved[n]["logical_shape"] != list(logical_shape(p, m))]
+    if wrong:
+        raise CheckpointError(f"{path} does not match the model (name, saved shape, model "
+                              f"shape): {wrong[:5]}")
+
+
+@dataclass
+class Staged:
+    """Everything :func:`load` applies, read and checked."""
+
+    meta: dict
+    params: dict
+    optim: dict
+    rng: tuple | None  # (torch cpu state, python state, xla seed or None)
+
+
+def _read_tensors(path: str, meta: dict, model, optimizer, mesh: Mesh) -> tuple[dict, dict]:
+    saved_mesh = meta["mesh"]
+    same = saved_mesh["tp"] == mesh.tp_size and saved_mesh["tp_mode"] == mesh.tp_mode
+    if not same and saved_mesh["tp_mode"] != "1d":
+        raise CheckpointError(f"{path} was saved with tp_mode={saved_mesh['tp_mode']!r} tp="
+                              f"{saved_mesh['tp']}; it can only be loaded with the same layout")
+    shards = Shards(path, saved_mesh["tp"], meta.get("step"))
+
+    def piece(name: str, key: str, pmeta: ParamMeta) -> torch.Tensor:
+        rec = meta["params"][name]
+        if same:
+            return shards.get(mesh.tp_rank, key)
+        return local_piece(shards.full(key, rec), rec["hf"], pmeta, mesh)
+
+    params, optim = {}, {}
+    src = mesh.tp_rank if same else 0
+    optim_keys = shards.keys(src) if optimizer is not None else set()
+    for name, p, pmeta in named_parameter_meta(model):
+        t = piece(name, f"model/{name}", pmeta)
+        if tuple(t.shape) != tuple(p.shape):
+            raise CheckpointError(f"{path}: {name} has shape {tuple(t.shape)} for this rank, "
+                                  f"the model's is {tuple(p.shape)}")
+        params[name] = t
+        if optimizer is not None:
+            keys = [k for k in ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+                    if f"optim/{name}/{k}" in optim_keys]
+            optim[name] = {k: (shards.get(src, f"optim/{name}/{k}") if k == "step"
+                               else piece(name, f"optim/{name}/{k}", pmeta)) for k in keys}
+    if optimizer is not None and meta["optimizer"] and \
+            meta["optimizer"]["groups"] != len(optimizer.param_groups):
+        raise CheckpointError(f"{path}: optimizer had {meta['optimizer']['groups']} parameter "
+                              f"groups, this one has {len(optimizer.param_groups)}")
+    return params, optim
+
+
+def _read_rng(path: str, rank: int) -> tuple:
+    """This rank's RNG states, checked by applying them to throwaway generators."""
+    from safetensors import safe_open
+    base = os.path.join(path, f"rng-rank{rank:05d}")
+    try:
+        with safe_open(base + ".safetensors", "pt") as fh:
+            rec = file_record(base + ".safetensors", fh.metadata())
+            t = verify(base + ".safetensors", "torch_cpu", fh.get_tensor("torch_cpu"), rec)
+        with open(base + ".json") as fh:
+            j = json.load(fh)
+        torch.Generator().set_state(t)
+        py = _tuples(j["python"])
+        random.Random().setstate(py)
+        xla = int(j["xla_seed"]) if "xla_seed" in j else None
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(f"{base}: unreadable RNG state ({e})") from None
+    return t, py, xla
+
+
+def _tuples(x):
+    return tuple(_tuples(v) for v in x) if isinstance(x, list) else x
+
+
+def _stage(path: str, model, optimizer, scheduler, mesh: Mesh, restore_rng: bool) -> Staged:
+    meta = read_meta(path)
+    _check_model(meta, model, path)
+    params, optim = _read_tensors(path, meta, model, optimizer, mesh)
+    if scheduler is not None and meta.get("scheduler") is not None:
+        try:  # on a shallow copy: the scheduler itself is not touched
+            copy.copy(scheduler).load_state_dict(copy.deepcopy(meta["scheduler"]))
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(f"{path}: scheduler state does not fit "
+                                  f"{type(scheduler).__name__} ({e})") from None
+    rng = None
+    if restore_rng and meta["mesh"]["world_size"] == mesh.world_size:
+        rng = _read_rng(path, mesh.rank)
+    return Staged(meta, params, optim, rng)
+
+
+def _apply(model, optimizer, scheduler, s: Staged) -> None:
+    if scheduler is not None and s.meta.get("scheduler") is not None:
+        scheduler.load_state_dict(copy.deepcopy(s.meta["scheduler"]))
+    if s.rng is not None:
+        torch.set_rng_state(s.rng[0])
+        random.setstate(s.rng[1])
+        if s.rng[2] is not None:
+            import torch_xla.core.xla_model as xm
+            xm.set_rng_state(s.rng[2])
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(s.params[name].to(p.dtype))
+    if optimizer is not None:
+        capturable = {id(p): g.get("capturable", False) for g in optimizer.param_groups
+                      for p in g["params"]}
+        for name, p in model.named_parameters():
+            st = {}
+            for k, v in s.optim.get(name, {}).items():
+                on_device = k != "step" or capturable.get(id(p), False)
+                st[k] = v.to(p.device) if on_device else v
+            if st:
+                optimizer.state[p] = st
+
+
+def load(path: str, model: torch.nn.Module, optimizer=None, scheduler=None,
+         mesh: Mesh | None = None, restore_rng: bool = True) -> dict:
+    """Load checkpoint ``path`` into ``model`` (and optimizer, scheduler, RNG); returns its
+    metadata. A different tp degree is resharded from the files. Everything is read and
+    verified (checksums) before anything is modified; any failure on any rank raises
+    :class:`CheckpointError` on every rank with nothing modified."""
+    mesh, device = mesh_of(model, mesh), device_of(model)
+    what = f"loading {path}"
+    staged, error = None, None
+    try:
+        staged = _stage(path, model, optimizer, scheduler, mesh, restore_rng)
+    except Exception as e:  # noqa: BLE001 - any failure takes the agreed path
+        error = e
+    agree(mesh, device, what, error)
+    error = None
+    try:
+        _apply(model, optimizer, scheduler, staged)
+    except Exception as e:  # noqa: BLE001 - not expected after the checks; never a hang
+        error = e
+    agree(mesh, device, what, error)
+    return staged.meta

@@ -1,0 +1,192 @@
+"""Writing a checkpoint: every rank writes into a temporary directory, rank 0 renames it.
+
+Three phases (prepare, write, commit), each ended by :func:`~.agree.agree`: an exception of
+any type on any rank makes every rank raise ``"saving step N failed on rank R: ..."`` right
+there, and nothing is committed (earlier checkpoints are never touched before the commit).
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import sys
+import warnings
+from typing import Iterable
+
+import torch
+
+from ..mesh import Mesh, get_mesh
+from ..sharding import named_parameter_meta
+from .agree import agree
+from .format import (FORMAT, CheckpointError, STEP_RE, fsync, step_name, write_text,
+                     write_tensors)
+from .reshard import full_shape, hf_record, logical_shape, sharding_record
+
+
+def mesh_of(model, mesh: Mesh | None) -> Mesh:
+    return get_mesh(mesh if mesh is not None else getattr(model, "_ntp_mesh", None))
+
+
+def device_of(model) -> torch.device:
+    p = next(model.parameters(), None)
+    return p.device if p is not None else torch.device("cpu")
+
+
+def dry_run_save(model: torch.nn.Module, mesh: Mesh | None = None) -> None:
+    """The synchronisation of :func:`save` without writing anything: what the graph-extraction
+    trial runs so that checkpointing compiles nothing new in the real run."""
+    mesh = mesh_of(model, mesh)
+    for _ in range(3):
+        agree(mesh, device_of(model), "dry-run save", None)
+
+
+def _rng_state() -> tuple[dict, dict]:
+    tensors = {"torch_cpu": torch.get_rng_state()}
+    state = {"python": _jsonable(random.getstate())}
+    if "torch_xla" in sys.modules:
+        import torch_xla.core.xla_model as xm
+        state["xla_seed"] = int(xm.get_rng_state())
+    return tensors, state
+
+
+def _jsonable(x):
+    return [_jsonable(v) for v in x] if isinstance(x, (tuple, list)) else x
+
+
+def _optimizer_tensors(model, optimizer) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, p in model.named_parameters():
+        for key, v in optimizer.state.get(p, {}).items():
+            if isinstance(v, torch.Tensor):
+                out[f"optim/{name}/{key}"] = v.detach().cpu().contiguous()
+    return out
+
+
+def _metadata(model, optimizer, scheduler, step: int, mesh: Mesh, data_state, extra) -> dict:
+    config = getattr(model, "config", None)
+    return {
+        "format": FORMAT, "step": int(step),
+        "mesh": {"world_size": mesh.world_size, "tp": mesh.tp_size, "dp": mesh.dp_size,
+                 "tp_mode": mesh.tp_mode},
+        "model": {"class": type(model).__name__,
+                  "config": config.to_dict() if hasattr(config, "to_dict") else None,
+                  "sequence_parallel": bool(getattr(model, "_ntp_sequence_parallel", False))},
+        "params": {n: {"shape": list(p.shape), "full_shape": list(full_shape(p, m)),
+                       "logical_shape": list(logical_shape(p, m)),
+                       "dtype": str(p.dtype).replace("torch.", ""),
+                       "sharding": sharding_record(m), "hf": hf_record(m)}
+                   for n, p, m in named_parameter_meta(model)},
+        "optimizer": None if optimizer is None else {
+            "class": type(optimizer).__name__, "groups": len(optimizer.param_groups)},
+        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "data_state": data_state, "extra": extra or {},
+    }
+
+
+def _model_tensors(model) -> dict[str, torch.Tensor]:
+    out = {}
+    for n, p in model.named_parameters():
+        t = p.detach().cpu().contiguous()
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise CheckpointError(f"parameter {n} holds non-finite values (NaN/inf): refusing "
+                                  "to save a diverged model")
+        out[f"model/{n}"] = t
+    return out
+
+
+def _write_rank_files(tmp: str, model, optimizer, mesh: Mesh, step: int,
+                      meta_text: str | None) -> None:
+    if mesh.dp_rank == 0:  # one copy of each tp shard: the ranks of dp replica 0
+        tensors = _model_tensors(model)
+        if optimizer is not None:
+            tensors.update(_optimizer_tensors(model, optimizer))
+        write_tensors(os.path.join(tmp, f"shard-tp{mesh.tp_rank:05d}.safetensors"), tensors,
+                      {"step": int(step), "tp_rank": mesh.tp_rank, "tp": mesh.tp_size})
+    rng_t, rng_j = _rng_state()
+    base = os.path.join(tmp, f"rng-rank{mesh.rank:05d}")
+    write_tensors(base + ".safetensors", rng_t, {"step": int(step), "rank": mesh.rank})
+    write_text(base + ".json", json.dumps(rng_j))
+    if meta_text is not None:
+        write_text(os.path.join(tmp, "meta.json"), meta_text)
+    fsync(tmp)  # the directory entries of this rank's files
+
+
+def _prune(root: str, keep_last: int, protect: Iterable[str]) -> None:
+    """Delete all but the newest ``keep_last`` step directories, never one in ``protect``.
+    Each goes out of sight with one rename first, so a half-deleted checkpoint is never
+    taken for a complete one."""
+    keep = {os.path.realpath(p) for p in protect}
+    names = sorted(d for d in os.listdir(root) if STEP_RE.match(d))
+    for old in names[:-keep_last]:
+        if os.path.realpath(os.path.join(root, old)) in keep:
+            continue
+        gone = os.path.join(root, ".deleting-" + old)
+        os.replace(os.path.join(root, old), gone)
+        shutil.rmtree(gone)
+    for left in os.listdir(root):  # left over by an earlier prune that failed
+        if left.startswith(".deleting-step-"):
+            shutil.rmtree(os.path.join(root, left), ignore_errors=True)
+
+
+def save(root: str, model: torch.nn.Module, optimizer=None, scheduler=None, step: int = 0,
+         mesh: Mesh | None = None, data_state: dict | None = None, extra: dict | None = None,
+         keep_last: int | None = None, protect: Iterable[str] = ()) -> str:
+    """Write checkpoint ``root/step-<step>`` (collective: every rank calls it); returns its
+    path. Refuses to overwrite an existing one and to save non-finite parameters. With
+    ``keep_last`` deletes all but the newest ``keep_last`` checkpoints afterwards, except the
+    paths in ``protect`` (e.g. the one the run resumed from). Any failure on any rank:
+    :class:`CheckpointError` on every rank, nothing committed."""
+    if keep_last is not None and keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1 (or None to keep all), got {keep_last}")
+    mesh, device = mesh_of(model, mesh), device_of(model)
+    what = f"saving step {int(step)}"
+    final = os.path.join(root, step_name(step))
+    tmp = os.path.join(root, ".tmp-" + step_name(step))
+    error, meta_text = None, None
+    try:  # prepare: refuse an existing checkpoint, a non-JSON extra; make the temporary dir
+        if os.path.lexists(final):
+            raise CheckpointError(f"checkpoint {final} already exists; refusing to overwrite it")
+        if mesh.rank == 0:
+            meta = _metadata(model, optimizer, scheduler, step, mesh, data_state, extra)
+            meta_text = json.dumps(meta, indent=1)
+            if os.path.lexists(tmp):  # left over by an interrupted save of the same step
+                shutil.rmtree(tmp)
+            os.makedirs(tmp)
+    except Exception as e:  # noqa: BLE001 - any failure takes the agreed path
+        error = e
+    agree(mesh, device, what, error)
+    error = None
+    try:
+        _write_rank_files(tmp, model, optimizer, mesh, step, meta_text)
+    except Exception as e:  # noqa: BLE001 - e.g. disk full on one rank
+        error = e
+    try:
+        agree(mesh, device, what, error)  # every rank's files are complete and durable
+    except CheckpointError:
+        if mesh.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    error = None
+    if mesh.rank == 0:
+        try:
+            os.replace(tmp, final)
+        except Exception as e:  # noqa: BLE001
+            error = e
+            shutil.rmtree(tmp, ignore_errors=True)
+        if error is None:
+            _after_commit(root, keep_last, protect)
+    agree(mesh, device, what, error)
+    return final
+
+
+def _after_commit(root: str, keep_last: int | None, protect: Iterable[str]) -> None:
+    """Make the rename durable and prune; the checkpoint is committed, so failures here are
+    warnings."""
+    try:
+        fsync(root)
+        if keep_last is not None:
+            _prune(root, keep_last, protect)
+    except Exception as e:  # noqa: BLE001
+        warnings.warn(f"checkpoint committed, but cleaning up {root} failed: {e}",
+                      RuntimeWarning, stacklevel=3)

@@ -1,0 +1,84 @@
+"""Run a training or generation job on N XLA CPU devices of this one process.
+
+``neuron-tp train --xla-cpu-devices 4 --tp 2 ...`` runs the same graphs and collectives a
+4-NeuronCore job would (tp=2 x dp=2), on the CPU: one thread per device started by
+``xmp.spawn``, channel-id collectives between them (see :mod:`neuron_tp.comm`). For trying a
+Neuron configuration's numerics and graph counts on a laptop; far slower than real hardware.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from typing import Callable
+
+from .presets import preload
+
+
+def run_on_xla_cpu_devices(n: int, fn: Callable, *args) -> None:
+    """Call ``fn(*args)`` once per device, each in its own thread, on ``n`` XLA CPU devices.
+
+    Must run before torch-xla's runtime starts in this process (no XLA tensor created yet).
+    """
+    if n < 1:
+        raise ValueError(f"--xla-cpu-devices must be >= 1, got {n}")
+    if os.environ.get("WORLD_SIZE", "1") != "1":
+        raise ValueError("--xla-cpu-devices runs all ranks in this one process: do not launch "
+                         "it with torchrun (WORLD_SIZE is set)")
+    if os.environ.get("PJRT_DEVICE", "CPU").upper() != "CPU":
+        raise ValueError(f"--xla-cpu-devices needs PJRT_DEVICE=CPU, got "
+                         f"{os.environ['PJRT_DEVICE']!r}; on NeuronCores launch with torchrun")
+    if "torch_xla.runtime" in sys.modules:
+        import torch_xla.runtime as xr
+        if xr.is_runtime_initialized() if hasattr(xr, "is_runtime_initialized") else False:
+            raise RuntimeError("the XLA runtime already started in this process; "
+                               "--xla-cpu-devices must be set up before any XLA tensor exists")
+    os.environ.update(PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(n),
+                      XLA_THREAD_POOL_SIZE=str(max(8, n)))  # the pool must be >= n devices
+    # XLA:CPU aborts a collective whose ranks arrive more than ~10 s apart; each device thread
+    # compiles its own copy of a graph, and unoptimised code compiles several times faster.
+    if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                                   + " --xla_backend_optimization_level=0").strip()
+    if "MASTER_PORT" not in os.environ:  # the xla:// rendezvous store; default 12355 may be taken
+        os.environ["MASTER_PORT"] = str(_free_port())
+    import torch_xla.distributed.xla_multiprocessing as xmp
+    xmp.spawn(_per_device, args=(fn, args))
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+_warm_lock = threading.Lock()
+
+
+def _per_device(_index: int, fn: Callable, args: tuple) -> None:
+    with _warm_lock:
+        preload(getattr(args[0], "model", None) if args else None)
+    fn(*args)
+
+
+def train_command(args) -> None:
+    """``neuron-tp train``: this process's rank(s) of the job described by ``args``."""
+    from .loop import train
+    if args.xla_cpu_devices:
+        if args.device != "xla":
+            raise ValueError("--xla-cpu-devices runs the XLA path: use it with --device xla")
+        run_on_xla_cpu_devices(args.xla_cpu_devices, train, args)
+    else:
+        train(args)
+
+
+def generate_command(args) -> None:
+    """``neuron-tp generate``: this process's rank(s) of the generation job."""
+    from .generate import run_cli
+    if args.xla_cpu_devices:
+        if args.device != "xla":
+            raise ValueError("--xla-cpu-devices runs the XLA path: use it with --device xla")
+        run_on_xla_cpu_devices(args.xla_cpu_devices, run_cli, args)
+    else:
+        run_cli(args)

@@ -1,0 +1,78 @@
+"""Training-entry-point runs executed on N XLA CPU devices (tests/xla_dist.py), used by
+test_train_xla_multi.py: each rank runs ``neuron_tp.train.loop.train`` exactly as a Neuron job
+would; rank 0 also records the process-wide compile / host-transfer counters after every step
+(all ranks meet at a barrier first, so a step's counts are complete)."""
+from __future__ import annotations
+
+import threading
+
+import torch
+
+import neuron_tp as ntp
+from neuron_tp.sharding import named_parameter_meta
+from neuron_tp.train.args import train_parser
+from neuron_tp.train.compile import graph_counters
+from neuron_tp.train.loop import train
+
+COMMON = ["--device", "xla", "--seq-len", "32", "--log-every", "1", "--warmup-steps", "3",
+          "--lr", "3e-3", "--min-lr", "1e-4", "--max-grad-norm", "1.0"]
+_barriers: dict[int, threading.Barrier] = {}
+_barrier_lock = threading.Lock()
+
+
+def _barrier(n: int) -> threading.Barrier:
+    with _barrier_lock:
+        return _barriers.setdefault(n, threading.Barrier(n))
+
+
+def args_for(out: str, *extra: str):
+    return train_parser().parse_args([*COMMON, "--output-dir", out, *extra])
+
+
+def run_train(tp: int, out: str, extra: list[str], stop_at: int | None = None) -> dict:
+    """One rank of a training run; returns the log (every rank), per-step counters (rank 0),
+    and every replicated parameter (to compare across ranks)."""
+    import torch_xla.runtime as xr
+    world = xr.world_size()
+    mesh = ntp.init_mesh(tp=tp)
+    per_step, barrier, holder = [], _barrier(world), {}
+
+    def on_step(run):
+        holder["run"] = run
+        barrier.wait()
+        if mesh.rank == 0:
+            per_step.append({"step": run.step, **graph_counters()})
+        barrier.wait()
+
+    s = train(args_for(out, "--tp", str(tp), *extra), mesh, stop_at=stop_at,
+              printer=lambda *a, **k: None, on_step=on_step)
+    replicated = {}
+    if "run" in holder:
+        replicated = {n: p.detach().cpu() for n, p, m in named_parameter_meta(holder["run"].model)
+                      if m.sharding is None}
+    return {"rank": mesh.rank, "log": s["log"], "per_step": per_step,
+            "checkpoints": s["checkpoints"], "replicated": replicated}
+
+
+def run_train_rank1_differs(out: str) -> str:
+    """Rank 1's model multiplies its logits by a constant (a rank-dependent Python branch, as
+    a per-node option would make): ranks trace different step graphs. Returns the error."""
+    from neuron_tp import hf
+    from neuron_tp.train.graph_guard import GraphMismatchError
+    original = hf.parallelize
+
+    def parallelize(model, mesh=None, **kw):
+        model = original(model, mesh, **kw)
+        if mesh.rank == 1:
+            head = model.get_output_embeddings()
+            head.register_forward_hook(lambda _m, _a, y: y * 1.0001)
+        return model
+
+    hf.parallelize = parallelize  # module-wide, but only rank 1 changes its model
+    try:
+        run_train(2, out, ["--steps", "2", "--micro-batch", "2"])
+    except GraphMismatchError as e:
+        return str(e)
+    finally:
+        hf.parallelize = original
+    return "no error"
