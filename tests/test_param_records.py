@@ -68,18 +68,24 @@ for name, mesh, build in cases:
         ntp.sync_sequence_parallel_grads(model, mesh)
         grads = [p.grad for n, p, _ in named_parameter_meta(model) if n in sp]
         colls = parse_collectives(trace_hlo(grads))
-        out[name]["sp_sync_elems"] = sum(math.prod(c.shape) for c in colls if c.kind == "all-reduce")
+        out[name]["sp_sync_elems"] = sum(math.prod(c.shape) for c in colls
+                                         if c.kind == "all-reduce")
         out[name]["sp_elems"] = sum(g.numel() for g in grads)
 print("JSON" + json.dumps(out))
 '''
 
 
-def test_records_survive_move_to_xla_device():
+def _run_fresh(code: str) -> dict:
+    """Run ``code`` on the XLA CPU device in a fresh process; its ``JSON...`` line, parsed."""
     env = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONPATH": REPO}
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    res = json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("JSON"))[4:])
+    return json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("JSON"))[4:])
+
+
+def test_records_survive_move_to_xla_device():
+    res = _run_fresh(SCRIPT)
     for name, r in res.items():
         assert r["same"] and r["meta_same"], f"{name}: records changed by .to(xla): {r}"
         assert r["sharded"] > 0, f"{name}: no sharded parameter recorded at all: {r}"
@@ -110,11 +116,7 @@ print("JSON" + json.dumps({
 
 
 def test_move_to_keeps_tied_embeddings_tied():
-    env = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONPATH": REPO}
-    proc = subprocess.run([sys.executable, "-c", TIED], env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    res = json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("JSON"))[4:])
+    res = _run_fresh(TIED)
     assert res["before"] and res["move_to"] and res["device"].startswith("xla")
     assert not res["plain_to"]  # the hazard move_to exists for (if torch changes, drop it)
     assert "splits=(('tp', 0),)" in res["records"]

@@ -28,11 +28,9 @@ def run_on_xla_cpu_devices(n: int, fn: Callable, *args) -> None:
     if os.environ.get("PJRT_DEVICE", "CPU").upper() != "CPU":
         raise ValueError(f"--xla-cpu-devices needs PJRT_DEVICE=CPU, got "
                          f"{os.environ['PJRT_DEVICE']!r}; on NeuronCores launch with torchrun")
-    if "torch_xla.runtime" in sys.modules:
-        import torch_xla.runtime as xr
-        if xr.is_runtime_initialized() if hasattr(xr, "is_runtime_initialized") else False:
-            raise RuntimeError("the XLA runtime already started in this process; "
-                               "--xla-cpu-devices must be set up before any XLA tensor exists")
+    if "torch_xla" in sys.modules and sys.modules["torch_xla"]._XLAC._xla_runtime_is_initialized():
+        raise RuntimeError("the XLA runtime already started in this process; "
+                           "--xla-cpu-devices must be set up before any XLA tensor exists")
     os.environ.update(PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(n),
                       XLA_THREAD_POOL_SIZE=str(max(8, n)))  # the pool must be >= n devices
     # XLA:CPU aborts a collective whose ranks arrive more than ~10 s apart; each device thread
@@ -40,17 +38,8 @@ def run_on_xla_cpu_devices(n: int, fn: Callable, *args) -> None:
     if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                    + " --xla_backend_optimization_level=0").strip()
-    if "MASTER_PORT" not in os.environ:  # the xla:// rendezvous store; default 12355 may be taken
-        os.environ["MASTER_PORT"] = str(_free_port())
     import torch_xla.distributed.xla_multiprocessing as xmp
     xmp.spawn(_per_device, args=(fn, args))
-
-
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 _warm_lock = threading.Lock()
@@ -62,23 +51,23 @@ def _per_device(_index: int, fn: Callable, args: tuple) -> None:
     fn(*args)
 
 
+def _command(args, fn: Callable) -> None:
+    """Run ``fn(args)`` as this process's rank, or as N ranks with ``--xla-cpu-devices N``."""
+    if not args.xla_cpu_devices:
+        fn(args)
+        return
+    if args.device != "xla":
+        raise ValueError("--xla-cpu-devices runs the XLA path: use it with --device xla")
+    run_on_xla_cpu_devices(args.xla_cpu_devices, fn, args)
+
+
 def train_command(args) -> None:
     """``neuron-tp train``: this process's rank(s) of the job described by ``args``."""
     from .loop import train
-    if args.xla_cpu_devices:
-        if args.device != "xla":
-            raise ValueError("--xla-cpu-devices runs the XLA path: use it with --device xla")
-        run_on_xla_cpu_devices(args.xla_cpu_devices, train, args)
-    else:
-        train(args)
+    _command(args, train)
 
 
 def generate_command(args) -> None:
     """``neuron-tp generate``: this process's rank(s) of the generation job."""
     from .generate import run_cli
-    if args.xla_cpu_devices:
-        if args.device != "xla":
-            raise ValueError("--xla-cpu-devices runs the XLA path: use it with --device xla")
-        run_on_xla_cpu_devices(args.xla_cpu_devices, run_cli, args)
-    else:
-        run_cli(args)
+    _command(args, run_cli)
