@@ -10,6 +10,7 @@ Public API::
     mesh2d = ntp.init_mesh(tp=16, tp_mode="2d")   # 2D/3D layers: neuron_tp.layers.Linear2D, ...
 """
 from . import blocks, blocks_nd, checkpoint, comm, layers, regions
+from ._xla import cpu_devices_env as xla_cpu_devices_env
 from ._xla import device as xla_device
 from .hf import from_pretrained, parallelize, save_pretrained
 from .grads import (allreduce_data_parallel_grads, clip_grad_norm_, global_grad_norm,
@@ -24,6 +25,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Mesh", "Group", "init_mesh", "get_mesh", "set_default_mesh", "xla_device",
+    "xla_cpu_devices_env",
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
     "parallel_cross_entropy", "allreduce_data_parallel_grads", "sync_sequence_parallel_grads",
     "clip_grad_norm_", "global_grad_norm", "gather_full", "gather_params", "get_sharding",

@@ -36,6 +36,30 @@ def cpu_runtime() -> bool:
     return xr.device_type() == "CPU"
 
 
+def cpu_devices_env(n: int, environ: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment variables that make torch-xla's CPU runtime run ``n`` devices (one thread
+    each under ``xmp.spawn``) that execute collectives together, reliably:
+
+    - ``CPU_NUM_DEVICES=n`` and ``XLA_THREAD_POOL_SIZE >= n`` (a smaller pool deadlocks: every
+      device of a collective needs a thread);
+    - ``XLA_ENABLE_PARAM_ALIASING=0``: with buffer donation, dropping the last reference to a
+      donated buffer blocks until the graph using it finishes, and torch-xla does that while
+      holding the GIL (e.g. replacing the collective ordering token). The graph waits in a
+      collective for another device thread, which waits for the GIL: a deadlock that XLA:CPU
+      aborts after 10 s. Only the CPU runtime has it (Neuron ranks are separate processes);
+      aliasing saves memory, never changes values;
+    - LLVM ``-O0`` unless ``XLA_FLAGS`` chooses a level: each device thread compiles its own
+      copy of every graph, and XLA:CPU aborts a collective whose devices arrive more than
+      ~10 s apart; unoptimised code compiles several times faster.
+    """
+    flags = (environ or os.environ).get("XLA_FLAGS", "")
+    if "xla_backend_optimization_level" not in flags:
+        flags = f"{flags} --xla_backend_optimization_level=0".strip()
+    return {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(n),
+            "XLA_THREAD_POOL_SIZE": str(max(8, n)), "XLA_ENABLE_PARAM_ALIASING": "0",
+            "XLA_FLAGS": flags}
+
+
 def runtime_world() -> tuple[int, int] | None:
     """``(world size, global ordinal)`` of this thread from the XLA runtime when torch-xla is
     in use and the runtime spans several devices (torchrun on Neuron, or ``xmp.spawn`` threads

@@ -1,7 +1,8 @@
 """Run a test body on N XLA CPU devices of one process: the executed XLA multi-rank harness.
 
-``run(fn, n, *args)`` starts ONE fresh Python process with ``PJRT_DEVICE=CPU
-CPU_NUM_DEVICES=n XLA_THREAD_POOL_SIZE=max(8, n)`` (and LLVM -O0 compiles); it calls ``xmp.spawn``, whose child runs ``fn(*args)`` once per device,
+``run(fn, n, *args)`` starts ONE fresh Python process with the environment of
+``neuron_tp._xla.cpu_devices_env(n)`` (n CPU devices, a thread pool >= n, no buffer donation,
+LLVM -O0 compiles); it calls ``xmp.spawn``, whose child runs ``fn(*args)`` once per device,
 each in its own thread (the "ranks"), with channel-id collectives between them (see
 ``../shared/PLATFORM.md``, "torch-xla on the CPU"). Inside ``fn``, ``neuron_tp.init_mesh(tp=...)``
 creates the ``xla`` process group (first thread) and takes world size and rank from the XLA
@@ -23,6 +24,8 @@ import tempfile
 import threading
 import time
 import traceback
+
+from neuron_tp._xla import cpu_devices_env
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -92,12 +95,7 @@ def run(fn, n_devices: int, *args, timeout: float = 600) -> list:
     env = {k: v for k, v in os.environ.items()
            if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                         "MASTER_PORT", "TORCHELASTIC_RUN_ID")}
-    flags = env.get("XLA_FLAGS", "")
-    if "xla_backend_optimization_level" not in flags:
-        # Tiny graphs, each compiled once per device: LLVM -O0 makes the run ~5x faster.
-        flags = f"{flags} --xla_backend_optimization_level=0".strip()
-    env.update(PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(n_devices), XLA_FLAGS=flags,
-               XLA_THREAD_POOL_SIZE=str(max(8, n_devices)), OMP_NUM_THREADS="1",
+    env.update(cpu_devices_env(n_devices, env), OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join(paths + [env.get("PYTHONPATH", "")]).rstrip(os.pathsep))
     with tempfile.TemporaryDirectory(prefix="xla_dist-") as tmp:
         job = os.path.join(tmp, "job.pkl")

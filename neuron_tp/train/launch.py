@@ -31,13 +31,8 @@ def run_on_xla_cpu_devices(n: int, fn: Callable, *args) -> None:
     if "torch_xla" in sys.modules and sys.modules["torch_xla"]._XLAC._xla_runtime_is_initialized():
         raise RuntimeError("the XLA runtime already started in this process; "
                            "--xla-cpu-devices must be set up before any XLA tensor exists")
-    os.environ.update(PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(n),
-                      XLA_THREAD_POOL_SIZE=str(max(8, n)))  # the pool must be >= n devices
-    # XLA:CPU aborts a collective whose ranks arrive more than ~10 s apart; each device thread
-    # compiles its own copy of a graph, and unoptimised code compiles several times faster.
-    if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                                   + " --xla_backend_optimization_level=0").strip()
+    from .. import _xla
+    os.environ.update(_xla.cpu_devices_env(n))
     import torch_xla.distributed.xla_multiprocessing as xmp
     xmp.spawn(_per_device, args=(fn, args))
 

@@ -133,3 +133,23 @@ def test_ranks_with_different_step_graphs_fail_instead_of_hanging(tmp_path):
     for e in errors:  # every rank raises the same clear error
         assert "ranks traced different step graphs" in e, e
         assert "ranks [0] | ranks [1]" in e and "first difference (ranks 0 vs 1) at op" in e, e
+
+
+def test_tp2_generation_on_two_xla_devices_equals_transformers():
+    """Greedy and sampled decoding of a tp=2 tiny Llama, executed on two XLA CPU devices: the
+    tokens of transformers' own ``generate`` on the unsharded model (same seed for sampling),
+    the same on both ranks, and no new graph for more tokens."""
+    from neuron_tp.train.presets import build_model
+    from test_generate import hf_sample
+    res = xla_dist.run(cases.run_generate, 2, 2, timeout=300)
+    assert res[0] == res[1]
+    full = build_model("tiny-llama", 257, 4).eval()
+    for key, n in (("greedy", 10), ("greedy_long", 20)):
+        ref = [full.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False)[0, len(p):]
+               .tolist() for p in cases.GEN_PROMPTS]
+        assert res[0][key] == ref, key
+    ref = hf_sample(full, cases.GEN_PROMPTS, 10, temperature=0.8, top_k=20, seed=9)
+    assert res[0]["sample"] == ref and ref != res[0]["greedy"]
+    first, longer, sampled = res[0]["compiles"]
+    assert longer == first, res[0]["compiles"]       # 20 tokens reuse the 10-token graphs
+    assert sampled > first                            # sampling is a different graph

@@ -76,3 +76,32 @@ def run_train_rank1_differs(out: str) -> str:
     finally:
         hf.parallelize = original
     return "no error"
+
+
+GEN_PROMPTS = [[72, 101, 108], [84, 104, 101, 32, 111, 108, 100], list(range(97, 108))]
+
+
+def run_generate(tp: int) -> dict:
+    """Greedy and sampled generation on a tp-sharded tiny Llama (every rank the same call), with
+    the process-wide compile count after each call (to show decode graphs are reused)."""
+    import copy
+
+    from xla_dist import serial
+
+    from neuron_tp import hf
+    from neuron_tp.train.generate import generate
+    from neuron_tp.train.presets import build_model
+    mesh = ntp.init_mesh(tp=tp)
+    with serial():  # the global RNG; parallelize's host agreement must run outside the lock
+        full = build_model("tiny-llama", 257, 4).eval()
+    model = hf.parallelize(copy.deepcopy(full), mesh)
+    model = ntp.move_to(model.eval(), ntp.xla_device())
+    res, compiles = {}, []
+    for name, n, kw in (("greedy", 10, {}), ("greedy_long", 20, {}),
+                        ("sample", 10, dict(do_sample=True, temperature=0.8, top_k=20, seed=9))):
+        res[name] = generate(model, GEN_PROMPTS, n, [16], **kw)
+        _barrier(mesh.world_size).wait()   # every rank's graphs are counted before reading
+        compiles.append(graph_counters()["compiles"])
+        _barrier(mesh.world_size).wait()
+    res["compiles"] = compiles
+    return res
