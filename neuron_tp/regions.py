@@ -1,9 +1,12 @@
-"""Differentiable communication regions (Megatron-style mappings).
+"""Differentiable communication regions: one function per (forward, backward) pair.
 
-Each function moves a tensor between layouts over one mesh :class:`~neuron_tp.mesh.Group`
-and knows the matching backward. Tensor-parallel regions act on the hidden (last) dim by
-default; sequence-parallel regions act on the sequence dim, which the caller names
-(HF models are batch-first: ``[batch, seq, hidden]`` -> ``dim=1``).
+Each function is named for what it does, ``<forward>_fwd_<backward>_bwd``, over one mesh
+:class:`~neuron_tp.mesh.Group` and one tensor dim. The layers choose the pair that matches the
+layouts around them (e.g. an all-gather whose consumer is sharded over the same group must
+reduce-scatter its gradient; one whose consumer is replicated only keeps its chunk).
+
+The Megatron role names at the end (``copy_to_tensor_parallel`` ...) are aliases kept for
+readers who know Megatron's 1D layers; everything else uses the operation names.
 """
 from __future__ import annotations
 
@@ -13,9 +16,13 @@ from . import comm
 from .mesh import Group
 
 __all__ = [
+    "identity_fwd_all_reduce_bwd", "all_reduce_fwd_identity_bwd", "all_reduce_fwd_all_reduce_bwd",
+    "split_fwd_all_gather_bwd", "all_gather_fwd_split_bwd", "all_gather_fwd_reduce_scatter_bwd",
+    "reduce_scatter_fwd_all_gather_bwd",
+    # Megatron role names (aliases)
     "copy_to_tensor_parallel", "reduce_from_tensor_parallel", "scatter_to_tensor_parallel",
     "gather_from_tensor_parallel", "scatter_to_sequence_parallel",
-    "gather_from_sequence_parallel", "reduce_scatter_to_sequence_parallel", "all_reduce_shared",
+    "gather_from_sequence_parallel", "reduce_scatter_to_sequence_parallel",
 ]
 
 
@@ -84,42 +91,6 @@ class _ReduceScatter(torch.autograd.Function):
         return comm.all_gather(g.contiguous(), ctx.group, ctx.dim), None, None
 
 
-def copy_to_tensor_parallel(x: torch.Tensor, group: Group) -> torch.Tensor:
-    """forward: identity, backward: all-reduce."""
-    return x if group.size == 1 else _Copy.apply(x, group)
-
-
-def reduce_from_tensor_parallel(x: torch.Tensor, group: Group) -> torch.Tensor:
-    """forward: all-reduce, backward: identity."""
-    return x if group.size == 1 else _Reduce.apply(x, group)
-
-
-def scatter_to_tensor_parallel(x: torch.Tensor, group: Group, dim: int = -1) -> torch.Tensor:
-    """forward: keep this rank's chunk of ``dim``, backward: all-gather."""
-    return x if group.size == 1 else _Split.apply(x, group, dim)
-
-
-def gather_from_tensor_parallel(x: torch.Tensor, group: Group, dim: int = -1) -> torch.Tensor:
-    """forward: all-gather along ``dim``, backward: keep this rank's chunk (consumer is replicated)."""
-    return x if group.size == 1 else _Gather.apply(x, group, dim)
-
-
-def scatter_to_sequence_parallel(x: torch.Tensor, group: Group, dim: int = 1) -> torch.Tensor:
-    """forward: keep this rank's sequence chunk, backward: all-gather."""
-    return x if group.size == 1 else _Split.apply(x, group, dim)
-
-
-def gather_from_sequence_parallel(x: torch.Tensor, group: Group, dim: int = 1) -> torch.Tensor:
-    """forward: all-gather the sequence, backward: reduce-scatter (consumer is tensor-parallel)."""
-    return x if group.size == 1 else _GatherReduceScatter.apply(x, group, dim)
-
-
-def reduce_scatter_to_sequence_parallel(x: torch.Tensor, group: Group,
-                                        dim: int = 1) -> torch.Tensor:
-    """forward: reduce-scatter along the sequence, backward: all-gather."""
-    return x if group.size == 1 else _ReduceScatter.apply(x, group, dim)
-
-
 class _AllReduceBoth(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
@@ -131,6 +102,79 @@ class _AllReduceBoth(torch.autograd.Function):
         return comm.all_reduce(g, ctx.group), None
 
 
-def all_reduce_shared(x: torch.Tensor, group: Group) -> torch.Tensor:
-    """forward: all-reduce, backward: all-reduce (each rank uses the sum on different local data)."""
+
+def identity_fwd_all_reduce_bwd(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """forward: identity, backward: all-reduce (a replicated input feeding sharded compute)."""
+    return x if group.size == 1 else _Copy.apply(x, group)
+
+
+def all_reduce_fwd_identity_bwd(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """forward: all-reduce, backward: identity (partial sums into a replicated consumer)."""
+    return x if group.size == 1 else _Reduce.apply(x, group)
+
+
+def all_reduce_fwd_all_reduce_bwd(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """forward: all-reduce, backward: all-reduce (every rank uses the sum on its own local
+    data, e.g. the statistics of a norm over sharded features)."""
     return x if group.size == 1 else _AllReduceBoth.apply(x, group)
+
+
+def split_fwd_all_gather_bwd(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
+    """forward: keep this rank's chunk of ``dim``, backward: all-gather."""
+    return x if group.size == 1 else _Split.apply(x, group, dim)
+
+
+def all_gather_fwd_split_bwd(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
+    """forward: all-gather along ``dim``, backward: keep this rank's chunk (the consumer is
+    replicated over ``group``)."""
+    return x if group.size == 1 else _Gather.apply(x, group, dim)
+
+
+def all_gather_fwd_reduce_scatter_bwd(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
+    """forward: all-gather along ``dim``, backward: reduce-scatter (the consumer is sharded
+    over ``group``, so each rank holds a partial gradient of the whole)."""
+    return x if group.size == 1 else _GatherReduceScatter.apply(x, group, dim)
+
+
+def reduce_scatter_fwd_all_gather_bwd(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
+    """forward: reduce-scatter along ``dim``, backward: all-gather."""
+    return x if group.size == 1 else _ReduceScatter.apply(x, group, dim)
+
+
+# Megatron role names (1D tensor / sequence parallelism). Tensor-parallel regions act on the
+# hidden (last) dim by default, sequence-parallel ones on dim 1 (HF models are batch-first).
+
+def copy_to_tensor_parallel(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Alias of :func:`identity_fwd_all_reduce_bwd`."""
+    return identity_fwd_all_reduce_bwd(x, group)
+
+
+def reduce_from_tensor_parallel(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Alias of :func:`all_reduce_fwd_identity_bwd`."""
+    return all_reduce_fwd_identity_bwd(x, group)
+
+
+def scatter_to_tensor_parallel(x: torch.Tensor, group: Group, dim: int = -1) -> torch.Tensor:
+    """Alias of :func:`split_fwd_all_gather_bwd` (hidden dim by default)."""
+    return split_fwd_all_gather_bwd(x, group, dim)
+
+
+def gather_from_tensor_parallel(x: torch.Tensor, group: Group, dim: int = -1) -> torch.Tensor:
+    """Alias of :func:`all_gather_fwd_split_bwd` (hidden dim by default)."""
+    return all_gather_fwd_split_bwd(x, group, dim)
+
+
+def scatter_to_sequence_parallel(x: torch.Tensor, group: Group, dim: int = 1) -> torch.Tensor:
+    """Alias of :func:`split_fwd_all_gather_bwd` (sequence dim 1 by default)."""
+    return split_fwd_all_gather_bwd(x, group, dim)
+
+
+def gather_from_sequence_parallel(x: torch.Tensor, group: Group, dim: int = 1) -> torch.Tensor:
+    """Alias of :func:`all_gather_fwd_reduce_scatter_bwd` (sequence dim 1 by default)."""
+    return all_gather_fwd_reduce_scatter_bwd(x, group, dim)
+
+
+def reduce_scatter_to_sequence_parallel(x: torch.Tensor, group: Group,
+                                        dim: int = 1) -> torch.Tensor:
+    """Alias of :func:`reduce_scatter_fwd_all_gather_bwd` (sequence dim 1 by default)."""
+    return reduce_scatter_fwd_all_gather_bwd(x, group, dim)

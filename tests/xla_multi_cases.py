@@ -82,7 +82,7 @@ def regions_case(c: Checks) -> None:
         sum(xs), gs[r])
     run("reduce, then in place", lambda t: regions.reduce_from_tensor_parallel(t, grp).add_(1),
         xs[r], gs[r], sum(xs) + 1, gs[r])  # Falcon's `mlp_output += attention_output`
-    run("all_reduce_shared", lambda t: regions.all_reduce_shared(t, grp), xs[r], gs[r],
+    run("all_reduce_fwd_all_reduce_bwd", lambda t: regions.all_reduce_fwd_all_reduce_bwd(t, grp), xs[r], gs[r],
         sum(xs), sum(gs))
     run("scatter seq", lambda t: regions.scatter_to_sequence_parallel(t, grp, 1), full, gs[r],
         xs[r], cat_g)

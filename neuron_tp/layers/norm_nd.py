@@ -60,11 +60,11 @@ class _NormND(nn.Module):
         feat = self.mesh.group(self.layout.feature_axis)
         batch = self.mesh.group(self.layout.batch_group)
         if self.rms:
-            msq = regions.all_reduce_shared(x.square().sum(-1, keepdim=True), feat) / self.hidden
+            msq = regions.all_reduce_fwd_all_reduce_bwd(x.square().sum(-1, keepdim=True), feat) / self.hidden
             y = x * torch.rsqrt(msq + self.eps)
         else:
             stats = torch.cat([x.sum(-1, keepdim=True), x.square().sum(-1, keepdim=True)], -1)
-            mean, msq = (regions.all_reduce_shared(stats, feat) / self.hidden).split(1, -1)
+            mean, msq = (regions.all_reduce_fwd_all_reduce_bwd(stats, feat) / self.hidden).split(1, -1)
             y = (x - mean) * torch.rsqrt(msq - mean.square() + self.eps)
         if self.weight is not None:
             y = y * regions.copy_to_tensor_parallel(self.weight, batch)
