@@ -9,6 +9,7 @@ next to the theory:
 
     .venv/bin/python benchmarks/comm_volume.py [--hidden 1024 --seq 2048 --batch 1]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,19 +40,25 @@ def main() -> None:
     h, s, b = args.hidden, args.seq, args.batch
     n_bytes = b * s * h * 4  # one fp32 activation [b, s, h]
     print(f"block: hidden={h} seq={s} batch={b} fp32; activation b*s*h = {n_bytes / 2**20:.1f} MiB")
-    print(f"{'tp':>4} {'mode':>6} {'collectives (fwd+bwd)':>32} {'MiB/rank':>10} "
-          f"{'theory':>10} {'ratio':>6}")
+    print(
+        f"{'tp':>4} {'mode':>6} {'collectives (fwd+bwd)':>32} {'MiB/rank':>10} "
+        f"{'theory':>10} {'ratio':>6}"
+    )
     for tp in args.tp:
         for sp in (False, True):
             colls = collectives_in_fresh_process(
-                CODE.format(tp=tp, h=h, heads=max(tp, 16), s=s, b=b, sp=sp))
+                CODE.format(tp=tp, h=h, heads=max(tp, 16), s=s, b=b, sp=sp)
+            )
             kinds = Counter(c.kind for c in colls)
             measured = sum(c.ring_bytes for c in colls)
             ring = (tp - 1) / tp * n_bytes
             theory = 8 * ring if sp else 4 * 2 * ring  # 4 AG + 4 RS  vs  4 AR of 2 steps each
             label = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
-            print(f"{tp:>4} {'TP+SP' if sp else 'TP':>6} {label:>32} {measured / 2**20:>10.2f} "
-                  f"{theory / 2**20:>10.2f} {measured / theory:>6.2f}", flush=True)
+            print(
+                f"{tp:>4} {'TP+SP' if sp else 'TP':>6} {label:>32} {measured / 2**20:>10.2f} "
+                f"{theory / 2**20:>10.2f} {measured / theory:>6.2f}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

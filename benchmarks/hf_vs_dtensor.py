@@ -16,6 +16,7 @@ ratio neuron_tp / DTensor, and the max abs difference of each model's logits vs 
 
     .venv/bin/python benchmarks/hf_vs_dtensor.py [--hidden 512 --layers 4 --seq 256 --steps 5]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,11 +33,17 @@ import torch.multiprocessing as mp
 
 def _model(args):
     import transformers as tf
+
     torch.manual_seed(0)
-    cfg = tf.LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden,
-                         intermediate_size=args.hidden * 8 // 3 // 64 * 64,
-                         num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                         num_key_value_heads=args.heads, max_position_embeddings=args.seq)
+    cfg = tf.LlamaConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.hidden * 8 // 3 // 64 * 64,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.heads,
+        max_position_embeddings=args.seq,
+    )
     cfg._attn_implementation = "sdpa"
     return tf.AutoModelForCausalLM.from_config(cfg)
 
@@ -64,22 +71,42 @@ def _stepper(model, ids, after=None):
         model(ids, labels=ids).loss.backward()
         if after:
             after(model)
+
     return step
 
 
 def _dtensor(model, mesh):
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                   parallelize_module)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
     for layer in model.model.layers:
-        parallelize_module(layer, mesh, {
-            "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
-            "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
-            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
-            "mlp.down_proj": RowwiseParallel()})
-    parallelize_module(model, mesh, {
-        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-        "lm_head": ColwiseParallel(output_layouts=Replicate())})
+        parallelize_module(
+            layer,
+            mesh,
+            {
+                "self_attn.q_proj": ColwiseParallel(),
+                "self_attn.k_proj": ColwiseParallel(),
+                "self_attn.v_proj": ColwiseParallel(),
+                "self_attn.o_proj": RowwiseParallel(),
+                "mlp.gate_proj": ColwiseParallel(),
+                "mlp.up_proj": ColwiseParallel(),
+                "mlp.down_proj": RowwiseParallel(),
+            },
+        )
+    parallelize_module(
+        model,
+        mesh,
+        {
+            "model.embed_tokens": RowwiseParallel(
+                input_layouts=Replicate(), output_layouts=Replicate()
+            ),
+            "lm_head": ColwiseParallel(output_layouts=Replicate()),
+        },
+    )
     del Shard
     return model
 
@@ -88,11 +115,14 @@ def _worker(rank: int, port: int, args, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
+    from torch.distributed.device_mesh import init_device_mesh
+
     import neuron_tp as ntp
     from neuron_tp.hf import parallelize
-    from torch.distributed.device_mesh import init_device_mesh
-    ids = torch.randint(0, args.vocab, (args.batch, args.seq),
-                        generator=torch.Generator().manual_seed(0))
+
+    ids = torch.randint(
+        0, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(0)
+    )
     base = _model(args)
     with torch.no_grad():
         ref_logits = base(ids).logits
@@ -101,11 +131,13 @@ def _worker(rank: int, port: int, args, queue) -> None:
     full = parallelize(copy.deepcopy(base), mesh)
     sp = parallelize(copy.deepcopy(base), mesh, sequence_parallel=True, parallel_loss=True)
     dt = _dtensor(copy.deepcopy(base), init_device_mesh("cpu", (2,)))
-    steps = {"unsharded": _stepper(copy.deepcopy(base), ids),
-             "neuron_tp": _stepper(ntp_model, ids, ntp.sync_sequence_parallel_grads),
-             "neuron_tp_full_logits": _stepper(full, ids),
-             "neuron_tp_sp": _stepper(sp, ids, ntp.sync_sequence_parallel_grads),
-             "dtensor": _stepper(dt, ids)}
+    steps = {
+        "unsharded": _stepper(copy.deepcopy(base), ids),
+        "neuron_tp": _stepper(ntp_model, ids, ntp.sync_sequence_parallel_grads),
+        "neuron_tp_full_logits": _stepper(full, ids),
+        "neuron_tp_sp": _stepper(sp, ids, ntp.sync_sequence_parallel_grads),
+        "dtensor": _stepper(dt, ids),
+    }
     res = _interleaved(steps, args.steps, rank)
     with torch.no_grad():
         res["neuron_tp_diff"] = (full(ids).logits - ref_logits).abs().max().item()
@@ -140,20 +172,32 @@ def main() -> None:
     if any(p.exitcode for p in procs):
         raise SystemExit(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
     r = queue.get()
-    print(f"Llama hidden={args.hidden} layers={args.layers} seq={args.seq} batch={args.batch} "
-          f"vocab={args.vocab}, 2 gloo ranks x 1 thread, median of {args.steps} interleaved steps")
+    print(
+        f"Llama hidden={args.hidden} layers={args.layers} seq={args.seq} batch={args.batch} "
+        f"vocab={args.vocab}, 2 gloo ranks x 1 thread, median of {args.steps} interleaved steps"
+    )
     print(f"  unsharded (1 rank)          {r['unsharded']:.3f} s/step")
-    print(f"  neuron_tp TP=2 (par. loss)  {r['neuron_tp']:.3f} s/step  efficiency "
-          f"{r['unsharded'] / (2 * r['neuron_tp']):.0%}")
-    print(f"  neuron_tp TP=2 (full logits){r['neuron_tp_full_logits']:.3f} s/step  efficiency "
-          f"{r['unsharded'] / (2 * r['neuron_tp_full_logits']):.0%}")
-    print(f"  neuron_tp TP=2 + SP         {r['neuron_tp_sp']:.3f} s/step  efficiency "
-          f"{r['unsharded'] / (2 * r['neuron_tp_sp']):.0%}")
-    print(f"  DTensor   TP=2              {r['dtensor']:.3f} s/step  efficiency "
-          f"{r['unsharded'] / (2 * r['dtensor']):.0%}")
+    print(
+        f"  neuron_tp TP=2 (par. loss)  {r['neuron_tp']:.3f} s/step  efficiency "
+        f"{r['unsharded'] / (2 * r['neuron_tp']):.0%}"
+    )
+    print(
+        f"  neuron_tp TP=2 (full logits){r['neuron_tp_full_logits']:.3f} s/step  efficiency "
+        f"{r['unsharded'] / (2 * r['neuron_tp_full_logits']):.0%}"
+    )
+    print(
+        f"  neuron_tp TP=2 + SP         {r['neuron_tp_sp']:.3f} s/step  efficiency "
+        f"{r['unsharded'] / (2 * r['neuron_tp_sp']):.0%}"
+    )
+    print(
+        f"  DTensor   TP=2              {r['dtensor']:.3f} s/step  efficiency "
+        f"{r['unsharded'] / (2 * r['dtensor']):.0%}"
+    )
     print(f"  neuron_tp / DTensor         {r['neuron_tp'] / r['dtensor']:.2f}x")
-    print(f"  max |logits - unsharded|    neuron_tp {r['neuron_tp_diff']:.2e}   "
-          f"DTensor {r['dtensor_diff']:.2e}")
+    print(
+        f"  max |logits - unsharded|    neuron_tp {r['neuron_tp_diff']:.2e}   "
+        f"DTensor {r['dtensor_diff']:.2e}"
+    )
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ excluded). Theory (elements x 4 bytes; N = batch*seq tokens, h hidden, f ffn, li
 
     .venv/bin/python benchmarks/tp_scaling.py [--hidden 1024 --seq 512 --batch 16] [--out docs]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -66,9 +67,13 @@ print(trace_hlo([y, x.grad] + [p.grad for p in block.parameters()]))
 def trace(P: int, mode: str, sp: bool, b: int, s: int, h: int, f: int, heads: int) -> dict:
     """Run one trace in a fresh process; collectives and byte counts of one rank."""
     env = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONPATH": ROOT}
-    out = subprocess.run([sys.executable, "-c", CODE.format(P=P, mode=mode, sp=sp, b=b, s=s,
-                                                            h=h, f=f, heads=heads)],
-                         env=env, capture_output=True, text=True, timeout=900)
+    out = subprocess.run(
+        [sys.executable, "-c", CODE.format(P=P, mode=mode, sp=sp, b=b, s=s, h=h, f=f, heads=heads)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     if out.returncode:
         raise RuntimeError(f"trace P={P} {mode} failed:\n{out.stderr[-3000:]}")
     nums = {k: int(v) for k, v in re.findall(r"^(\w+_BYTES) (\d+)$", out.stdout, re.M)}
@@ -81,15 +86,15 @@ def theory_bytes(mode: str, P: int, N: int, h: int, f: int) -> float:
     if mode in ("1d", "1d+sp"):
         return 4 * 8 * (P - 1) / P * N * h
     if mode == "2d":
-        q = round(P ** 0.5)
+        q = round(P**0.5)
         k = 2 * (q - 1) / q
         elems = sum(k * (N * a + a * c) / q + k * c / q for a, c in lins)
         elems += 2 * (2 * k * 2 * N / q + 2 * k * h / q)  # two LayerNorms
     else:
         q = round(P ** (1 / 3))
         k, k2 = 2 * (q - 1) / q, 2 * (q * q - 1) / (q * q)
-        elems = sum(k / q ** 2 * (N * a + a * c + N * c) + k2 * c / q for a, c in lins)
-        elems += 2 * (2 * k * 2 * N / q ** 2 + 2 * k2 * h / q)
+        elems = sum(k / q**2 * (N * a + a * c + N * c) + k2 * c / q for a, c in lins)
+        elems += 2 * (2 * k * 2 * N / q**2 + 2 * k2 * h / q)
     return 4 * elems
 
 
@@ -100,7 +105,7 @@ def colossal_coeff(mode: str, P: int) -> str:
     q = round(P ** (0.5 if mode == "2d" else 1 / 3))
     if mode == "2d":
         return f"{6 * (q - 1) / q:.3f}", f"1/{q * q}"
-    return f"{6 * (q - 1) / q ** 3:.3f}", f"1/{q ** 3}"
+    return f"{6 * (q - 1) / q**3:.3f}", f"1/{q**3}"
 
 
 def main() -> None:
@@ -116,44 +121,60 @@ def main() -> None:
     f, N = 4 * h, args.batch * args.seq
     full_act = b * s * h * 4
     rows = []
-    head = (f"{'P':>3} {'mode':>6} {'collectives (fwd+bwd)':>30} {'comm MiB':>9} "
-            f"{'theory':>9} {'ratio':>6} {'colossal':>8} {'param MiB':>9} {'act in':>7} "
-            f"{'theory':>7} {'saved MiB':>9}")
-    print(f"block: hidden={h} ffn={f} heads={heads} batch={b} seq={s} (N={N} tokens) fp32; "
-          f"full activation {full_act / 2**20:.0f} MiB")
+    head = (
+        f"{'P':>3} {'mode':>6} {'collectives (fwd+bwd)':>30} {'comm MiB':>9} "
+        f"{'theory':>9} {'ratio':>6} {'colossal':>8} {'param MiB':>9} {'act in':>7} "
+        f"{'theory':>7} {'saved MiB':>9}"
+    )
+    print(
+        f"block: hidden={h} ffn={f} heads={heads} batch={b} seq={s} (N={N} tokens) fp32; "
+        f"full activation {full_act / 2**20:.0f} MiB"
+    )
     print(head)
     for P in args.P:
         modes = ["1d", "1d+sp"]
-        if round(P ** 0.5) ** 2 == P:
+        if round(P**0.5) ** 2 == P:
             modes.append("2d")
         if round(P ** (1 / 3)) ** 3 == P:
             modes.append("3d")
         for mode in modes:
-            r = trace(P, "1d" if mode.startswith("1d") else mode, mode == "1d+sp", b, s, h, f,
-                      heads)
+            r = trace(
+                P, "1d" if mode.startswith("1d") else mode, mode == "1d+sp", b, s, h, f, heads
+            )
             kinds = Counter(c.kind for c in r["colls"])
             measured = sum(c.ring_bytes for c in r["colls"])
             theory = theory_bytes(mode, P, N, h, f)
             coeff, act_theory = colossal_coeff(mode, P)
-            row = dict(P=P, mode=mode, kinds=", ".join(f"{n} {k}" for k, n in
-                                                       sorted(kinds.items())),
-                       comm=measured / 2**20, theory=theory / 2**20, ratio=measured / theory,
-                       coeff=coeff, param=r["PARAM_BYTES"] / 2**20,
-                       act=f"1/{full_act / r['INPUT_BYTES']:.0f}"
-                       if r["INPUT_BYTES"] != full_act else "1",
-                       act_theory=act_theory, saved=r["SAVED_BYTES"] / 2**20)
+            row = dict(
+                P=P,
+                mode=mode,
+                kinds=", ".join(f"{n} {k}" for k, n in sorted(kinds.items())),
+                comm=measured / 2**20,
+                theory=theory / 2**20,
+                ratio=measured / theory,
+                coeff=coeff,
+                param=r["PARAM_BYTES"] / 2**20,
+                act=f"1/{full_act / r['INPUT_BYTES']:.0f}" if r["INPUT_BYTES"] != full_act else "1",
+                act_theory=act_theory,
+                saved=r["SAVED_BYTES"] / 2**20,
+            )
             rows.append(row)
-            print(f"{P:>3} {mode:>6} {row['kinds']:>30} {row['comm']:>9.2f} "
-                  f"{row['theory']:>9.2f} {row['ratio']:>6.3f} {coeff:>8} {row['param']:>9.2f} "
-                  f"{row['act']:>7} {act_theory:>7} {row['saved']:>9.1f}", flush=True)
+            print(
+                f"{P:>3} {mode:>6} {row['kinds']:>30} {row['comm']:>9.2f} "
+                f"{row['theory']:>9.2f} {row['ratio']:>6.3f} {coeff:>8} {row['param']:>9.2f} "
+                f"{row['act']:>7} {act_theory:>7} {row['saved']:>9.1f}",
+                flush=True,
+            )
     if args.out:
         write_docs(rows, args, N, f)
 
 
 def write_docs(rows: list[dict], args, N: int, f: int) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for mode, style in (("1d", "o-"), ("1d+sp", "x--"), ("2d", "s-"), ("3d", "^-")):
         pts = [(r["P"], r["comm"], r["theory"]) for r in rows if r["mode"] == mode]
@@ -168,19 +189,26 @@ def write_docs(rows: list[dict], args, N: int, f: int) -> None:
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
     fig.savefig(os.path.join(args.out, "tp_scaling.png"), dpi=110)
-    lines = ["| P | mode | collectives (fwd+bwd) | MiB/rank measured | theory | ratio | "
-             "Colossal-AI coeff | param MiB/rank | activation measured | theory | "
-             "saved for bwd MiB |", "|" + "---|" * 11]
+    lines = [
+        "| P | mode | collectives (fwd+bwd) | MiB/rank measured | theory | ratio | "
+        "Colossal-AI coeff | param MiB/rank | activation measured | theory | "
+        "saved for bwd MiB |",
+        "|" + "---|" * 11,
+    ]
     for r in rows:
-        lines.append(f"| {r['P']} | {r['mode']} | {r['kinds']} | {r['comm']:.2f} | "
-                     f"{r['theory']:.2f} | {r['ratio']:.3f} | {r['coeff']} | {r['param']:.2f} | "
-                     f"{r['act']} | {r['act_theory']} | {r['saved']:.1f} |")
+        lines.append(
+            f"| {r['P']} | {r['mode']} | {r['kinds']} | {r['comm']:.2f} | "
+            f"{r['theory']:.2f} | {r['ratio']:.3f} | {r['coeff']} | {r['param']:.2f} | "
+            f"{r['act']} | {r['act_theory']} | {r['saved']:.1f} |"
+        )
     table = "\n".join(lines)
     path = os.path.join(args.out, "tp_scaling.md")
     text = open(path).read() if os.path.exists(path) else ""
     start, end = "<!-- table:start -->", "<!-- table:end -->"
     if start in text and end in text:
-        text = text[:text.index(start) + len(start)] + "\n" + table + "\n" + text[text.index(end):]
+        text = (
+            text[: text.index(start) + len(start)] + "\n" + table + "\n" + text[text.index(end) :]
+        )
     else:
         text += f"\n{start}\n{table}\n{end}\n"
     with open(path, "w") as fh:

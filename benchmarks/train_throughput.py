@@ -8,8 +8,10 @@
 3. Graph counts: the training run and generating 64 tokens on the XLA CPU device.
 
 Each measurement runs in a fresh process; tokens/s are steady state (steps WARMUP..end, device
-drained at both marks, final checkpoint not timed), median of ``--repeat`` alternating runs. Usage: ``python benchmarks/train_throughput.py [--steps 30]``.
+drained at both marks, final checkpoint not timed), median of ``--repeat`` alternating runs.
+Usage: ``python benchmarks/train_throughput.py [--steps 30]``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,45 +23,79 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WARMUP = 5
-TRAIN = ["--seq-len", "128", "--micro-batch", "8", "--log-every", "1000", "--lr", "3e-3",
-         "--warmup-steps", "3", "--resume", "none", "--save-every", "0"]
+TRAIN = [
+    "--seq-len",
+    "128",
+    "--micro-batch",
+    "8",
+    "--log-every",
+    "1000",
+    "--lr",
+    "3e-3",
+    "--warmup-steps",
+    "3",
+    "--resume",
+    "none",
+    "--save-every",
+    "0",
+]
 
 
 def _drain(device) -> None:
     if device.type == "xla":
         import torch_xla.core.xla_model as xm
+
         xm.wait_device_ops()
 
 
 def worker_ntp(opts) -> dict:
     from neuron_tp.train.args import train_parser
-    from neuron_tp.train.compile import graph_counters
+    from neuron_tp.train.graphs import graph_counters
     from neuron_tp.train.loop import train
-    args = train_parser().parse_args([*TRAIN, "--device", opts.device, "--tp", str(opts.tp),
-                                      "--steps", str(opts.steps), "--output-dir", opts.out])
+
+    args = train_parser().parse_args(
+        [
+            *TRAIN,
+            "--device",
+            opts.device,
+            "--tp",
+            str(opts.tp),
+            "--steps",
+            str(opts.steps),
+            "--output-dir",
+            opts.out,
+        ]
+    )
     marks = {}
 
     def on_step(run):
         if run.step in (WARMUP, opts.steps):  # the final checkpoint save is not timed
             _drain(run.device)
             marks[run.step] = time.perf_counter()
+
     train(args, on_step=on_step, printer=lambda *a, **k: None)
-    tokens = (opts.steps - WARMUP) * args.seq_len * args.micro_batch * (
-        int(os.environ.get("WORLD_SIZE", "1")) // opts.tp)
+    tokens = (
+        (opts.steps - WARMUP)
+        * args.seq_len
+        * args.micro_batch
+        * (int(os.environ.get("WORLD_SIZE", "1")) // opts.tp)
+    )
     return {"tokens_per_s": tokens / (marks[opts.steps] - marks[WARMUP]), **graph_counters()}
 
 
 def worker_plain(opts) -> dict:
     import torch
 
-    from neuron_tp.train.compile import graph_counters, step_boundary
-    from neuron_tp.train.data import ByteTokenizer, PackedData
-    from neuron_tp.train.loop import WarmupCosine, make_optimizer
-    from neuron_tp.train.presets import build_model
     from neuron_tp.train.args import REPO_DATA
+    from neuron_tp.train.data import ByteTokenizer, PackedData
+    from neuron_tp.train.graphs import graph_counters, step_boundary
+    from neuron_tp.train.optim import WarmupCosine, make_optimizer
+    from neuron_tp.train.presets import build_model
+
     device = torch.device("cpu")
     if opts.device == "xla":
         import neuron_tp
+
         device = neuron_tp.xla_device()
     model = build_model("tiny-llama", ByteTokenizer.vocab_size, 0).to(device).train()
     data = PackedData(REPO_DATA, ByteTokenizer(), 128, 8, 1, 0, 0)
@@ -79,17 +115,21 @@ def worker_plain(opts) -> dict:
             _drain(device)
             t0 = time.perf_counter()
     _drain(device)
-    return {"tokens_per_s": (opts.steps - WARMUP) * 128 * 8 / (time.perf_counter() - t0),
-            **graph_counters()}
+    return {
+        "tokens_per_s": (opts.steps - WARMUP) * 128 * 8 / (time.perf_counter() - t0),
+        **graph_counters(),
+    }
 
 
 def worker_generate(opts) -> dict:
     import neuron_tp as ntp
+
     dev = ntp.xla_device()
     from neuron_tp import hf
-    from neuron_tp.train.compile import graph_counters
     from neuron_tp.train.generate import generate
+    from neuron_tp.train.graphs import graph_counters
     from neuron_tp.train.presets import build_model
+
     model = hf.parallelize(build_model("tiny-llama", 257, 0), ntp.Mesh(1, 0)).eval().to(dev)
     t0 = time.perf_counter()
     generate(model, [list(b"The old miller"), list(b"A")], 64, [32, 128])
@@ -99,9 +139,15 @@ def worker_generate(opts) -> dict:
 def _run(cmd: list[str], env_extra: dict, scratch: str | None = None) -> dict:
     if scratch:  # each run starts from an empty output directory (no resume, no refusal)
         import shutil
+
         shutil.rmtree(scratch, ignore_errors=True)
-    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "PJRT_DEVICE": "CPU",
-           **env_extra}
+    env = {
+        **os.environ,
+        "PYTHONPATH": REPO,
+        "OMP_NUM_THREADS": "1",
+        "PJRT_DEVICE": "CPU",
+        **env_extra,
+    }
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     if proc.returncode:
         raise RuntimeError(proc.stderr[-3000:])
@@ -129,31 +175,55 @@ def main() -> None:
     def paired(a, b):
         """Alternate the two cases ``repeat`` times (machine load drifts); medians."""
         runs = [(_run(a, {}, opts.out), _run(b, {}, opts.out)) for _ in range(opts.repeat)]
-        med = lambda rs: sorted(rs, key=lambda r: r["tokens_per_s"])[len(rs) // 2]
+
+        def med(rs):
+            return sorted(rs, key=lambda r: r["tokens_per_s"])[len(rs) // 2]
+
         return med([r[0] for r in runs]), med([r[1] for r in runs])
 
     res = {}
     res["cpu_tp2_2ranks"], res["cpu_plain_1rank"] = paired(
-        [*torchrun, "--nproc_per_node=2", *me[1:], "--worker", "ntp", "--device", "cpu",
-         "--tp", "2", "--out", opts.out + "/a"],
-        [*me, "--worker", "plain", "--device", "cpu"])
+        [
+            *torchrun,
+            "--nproc_per_node=2",
+            *me[1:],
+            "--worker",
+            "ntp",
+            "--device",
+            "cpu",
+            "--tp",
+            "2",
+            "--out",
+            opts.out + "/a",
+        ],
+        [*me, "--worker", "plain", "--device", "cpu"],
+    )
     res["xla_ntp_tp1"], res["xla_plain"] = paired(
         [*me, "--worker", "ntp", "--device", "xla", "--out", opts.out + "/b"],
-        [*me, "--worker", "plain", "--device", "xla"])
+        [*me, "--worker", "plain", "--device", "xla"],
+    )
     res["xla_generate_64"] = _run([*me, "--worker", "generate"], {})
-    res["cpu_tp2_vs_unsharded"] = (res["cpu_tp2_2ranks"]["tokens_per_s"]
-                                   / res["cpu_plain_1rank"]["tokens_per_s"])
-    res["xla_overhead_vs_plain"] = (res["xla_plain"]["tokens_per_s"]
-                                    / res["xla_ntp_tp1"]["tokens_per_s"] - 1)
+    res["cpu_tp2_vs_unsharded"] = (
+        res["cpu_tp2_2ranks"]["tokens_per_s"] / res["cpu_plain_1rank"]["tokens_per_s"]
+    )
+    res["xla_overhead_vs_plain"] = (
+        res["xla_plain"]["tokens_per_s"] / res["xla_ntp_tp1"]["tokens_per_s"] - 1
+    )
     print(json.dumps(res, indent=1))
-    print(f"CPU gloo: TP=2 on 2 ranks {res['cpu_tp2_2ranks']['tokens_per_s']:,.0f} tok/s vs "
-          f"unsharded 1 rank {res['cpu_plain_1rank']['tokens_per_s']:,.0f} tok/s "
-          f"(ratio {res['cpu_tp2_vs_unsharded']:.2f})")
-    print(f"XLA CPU: neuron_tp tp=1 {res['xla_ntp_tp1']['tokens_per_s']:,.0f} tok/s vs plain "
-          f"transformers {res['xla_plain']['tokens_per_s']:,.0f} tok/s: overhead "
-          f"{100 * res['xla_overhead_vs_plain']:+.1f}% (target <= 5%)")
-    print(f"graphs: training {res['xla_ntp_tp1']['compiles']} (plain loop "
-          f"{res['xla_plain']['compiles']}), generating 64 tokens {res['xla_generate_64']['graphs']}")
+    print(
+        f"CPU gloo: TP=2 on 2 ranks {res['cpu_tp2_2ranks']['tokens_per_s']:,.0f} tok/s vs "
+        f"unsharded 1 rank {res['cpu_plain_1rank']['tokens_per_s']:,.0f} tok/s "
+        f"(ratio {res['cpu_tp2_vs_unsharded']:.2f})"
+    )
+    print(
+        f"XLA CPU: neuron_tp tp=1 {res['xla_ntp_tp1']['tokens_per_s']:,.0f} tok/s vs plain "
+        f"transformers {res['xla_plain']['tokens_per_s']:,.0f} tok/s: overhead "
+        f"{100 * res['xla_overhead_vs_plain']:+.1f}% (target <= 5%)"
+    )
+    print(
+        f"graphs: training {res['xla_ntp_tp1']['compiles']} (plain loop "
+        f"{res['xla_plain']['compiles']}), generating 64 tokens {res['xla_generate_64']['graphs']}"
+    )
 
 
 if __name__ == "__main__":

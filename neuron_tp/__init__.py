@@ -9,27 +9,64 @@ Public API::
     model = ntp.parallelize(hf_model)          # shard a transformers model in place
     mesh2d = ntp.init_mesh(tp=16, tp_mode="2d")   # 2D/3D layers: neuron_tp.layers.Linear2D, ...
 """
+
 from . import blocks, blocks_nd, checkpoint, comm, layers, regions
 from ._xla import cpu_devices_env as xla_cpu_devices_env
 from ._xla import device as xla_device
+from .grads import (
+    allreduce_data_parallel_grads,
+    clip_grad_norm_,
+    global_grad_norm,
+    sync_sequence_parallel_grads,
+)
 from .hf import from_pretrained, parallelize, save_pretrained
-from .grads import (allreduce_data_parallel_grads, clip_grad_norm_, global_grad_norm,
-                    sync_sequence_parallel_grads)
-from .layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                     parallel_cross_entropy)
+from .layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    parallel_cross_entropy,
+)
 from .mesh import Group, Mesh, get_mesh, init_mesh, set_default_mesh
-from .sharding import (gather_full, gather_params, get_param_meta, get_sharding,
-                       mark_sequence_parallel, move_to)
+from .sharding import (
+    gather_full,
+    gather_params,
+    get_param_meta,
+    get_sharding,
+    mark_sequence_parallel,
+    move_to,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Mesh", "Group", "init_mesh", "get_mesh", "set_default_mesh", "xla_device",
+    "Mesh",
+    "Group",
+    "init_mesh",
+    "get_mesh",
+    "set_default_mesh",
+    "xla_device",
     "xla_cpu_devices_env",
-    "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
-    "parallel_cross_entropy", "allreduce_data_parallel_grads", "sync_sequence_parallel_grads",
-    "clip_grad_norm_", "global_grad_norm", "gather_full", "gather_params", "get_sharding",
-    "get_param_meta", "move_to",
-    "mark_sequence_parallel", "parallelize", "from_pretrained", "save_pretrained",
-    "blocks", "blocks_nd", "checkpoint", "comm", "layers", "regions",
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "VocabParallelEmbedding",
+    "parallel_cross_entropy",
+    "allreduce_data_parallel_grads",
+    "sync_sequence_parallel_grads",
+    "clip_grad_norm_",
+    "global_grad_norm",
+    "gather_full",
+    "gather_params",
+    "get_sharding",
+    "get_param_meta",
+    "move_to",
+    "mark_sequence_parallel",
+    "parallelize",
+    "from_pretrained",
+    "save_pretrained",
+    "blocks",
+    "blocks_nd",
+    "checkpoint",
+    "comm",
+    "layers",
+    "regions",
 ]

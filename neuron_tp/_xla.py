@@ -1,5 +1,6 @@
 """Lazy access to torch-xla. Importing neuron_tp never imports torch_xla (it costs seconds and
 may be absent); these helpers import it on first use."""
+
 from __future__ import annotations
 
 import functools
@@ -33,6 +34,7 @@ def cpu_runtime() -> bool:
     between them only meet when they carry channel ids. False on Neuron. Cached: the
     runtime's device type never changes."""
     import torch_xla.runtime as xr
+
     return xr.device_type() == "CPU"
 
 
@@ -55,9 +57,13 @@ def cpu_devices_env(n: int, environ: dict[str, str] | None = None) -> dict[str, 
     flags = (environ or os.environ).get("XLA_FLAGS", "")
     if "xla_backend_optimization_level" not in flags:
         flags = f"{flags} --xla_backend_optimization_level=0".strip()
-    return {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(n),
-            "XLA_THREAD_POOL_SIZE": str(max(8, n)), "XLA_ENABLE_PARAM_ALIASING": "0",
-            "XLA_FLAGS": flags}
+    return {
+        "PJRT_DEVICE": "CPU",
+        "CPU_NUM_DEVICES": str(n),
+        "XLA_THREAD_POOL_SIZE": str(max(8, n)),
+        "XLA_ENABLE_PARAM_ALIASING": "0",
+        "XLA_FLAGS": flags,
+    }
 
 
 def runtime_world() -> tuple[int, int] | None:
@@ -68,6 +74,7 @@ def runtime_world() -> tuple[int, int] | None:
     if "torch_xla" not in sys.modules:
         return None
     import torch_xla.runtime as xr
+
     world = xr.world_size()
     return (world, xr.global_ordinal()) if world > 1 else None
 
@@ -75,6 +82,7 @@ def runtime_world() -> tuple[int, int] | None:
 def xm():
     """The ``torch_xla.core.xla_model`` module."""
     import torch_xla.core.xla_model as xla_model
+
     return xla_model
 
 
@@ -87,4 +95,5 @@ def device() -> torch.device:
     if not os.environ.get("PJRT_DEVICE"):
         os.environ["PJRT_DEVICE"] = "NEURON" if on_neuron() else "CPU"
     import torch_xla
+
     return torch_xla.device()

@@ -9,6 +9,7 @@ value. A rank that failed locally while computing its values passes ``error=``: 
 raises (the failing one its own error), so nobody is left waiting in the next collective.
 Further exchanges happen only on a mismatch, and all ranks decide on them from the same data.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -16,15 +17,22 @@ import json
 import re
 import sys
 import zlib
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
 from . import comm
-from .mesh import Group
+from .mesh import Group, get_mesh, init_mesh, set_default_mesh
 
-__all__ = ["RankMismatchError", "check_agreement", "fingerprint", "tensor_checksum",
-           "world_group", "exchange_device"]
+__all__ = [
+    "RankMismatchError",
+    "check_agreement",
+    "fingerprint",
+    "tensor_checksum",
+    "world_group",
+    "exchange_device",
+]
 
 SLOTS = 128  # fixed width of the exchanged vector: same on every rank, whatever its keys
 TEXT = 200  # bytes of a value shown per rank in the error
@@ -51,8 +59,10 @@ def _canonical(value: Any) -> Any:
 def fingerprint(value: Any) -> int:
     """A 31-bit hash of ``value`` (see :func:`_canonical`)."""
     text = json.dumps(_canonical(value))
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=4).digest(),
-                          "little") & 0x7FFFFFFF
+    return (
+        int.from_bytes(hashlib.blake2b(text.encode(), digest_size=4).digest(), "little")
+        & 0x7FFFFFFF
+    )
 
 
 def tensor_checksum(t: torch.Tensor) -> int | str:
@@ -71,17 +81,21 @@ def exchange_device(group: Group) -> torch.device | None:
         return None
     if group.process_group is not None:
         import torch.distributed as dist
+
         if dist.get_backend(group.process_group) == "nccl":
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
     if "torch_xla" in sys.modules:  # the xla backend: XLA collectives between devices
         import torch.distributed as dist
         import torch_xla
+
         xla_pg = dist.is_available() and dist.is_initialized() and dist.get_backend() == "xla"
         if xla_pg or torch_xla._XLAC._xla_runtime_is_initialized():  # never start it here
             import torch_xla.runtime as xr
+
             if xr.world_size() >= group.size:
                 from . import _xla
+
                 return _xla.device()
     return None
 
@@ -89,15 +103,14 @@ def exchange_device(group: Group) -> torch.device | None:
 def world_group() -> Group:
     """The whole job as one group (creating the process group from torchrun's environment if
     needed) without creating any sub-group: usable before the ranks agree on ``tp``."""
-    from . import mesh as M
     try:
-        before = M.get_mesh()
+        before = get_mesh()
     except RuntimeError:
         before = None
     try:
-        return M.init_mesh(tp=1).group("world")
+        return init_mesh(tp=1).group("world")
     finally:
-        M.set_default_mesh(before)
+        set_default_mesh(before)
 
 
 def _gather(rows: torch.Tensor, group: Group, device: torch.device) -> torch.Tensor:
@@ -107,26 +120,30 @@ def _gather(rows: torch.Tensor, group: Group, device: torch.device) -> torch.Ten
     a device collective: no extra graph to compile on Neuron, and ranks that reach the check
     seconds apart (one still loading weights) cannot trip XLA's collective timeouts."""
     payloads = comm.host_all_gather("agreement", rows.to(torch.int32).numpy().tobytes(), group)
-    return torch.stack([torch.frombuffer(bytearray(p), dtype=torch.int32)
-                        for p in payloads]).long()
+    return torch.stack([torch.frombuffer(bytearray(p), dtype=torch.int32) for p in payloads]).long()
 
 
 def _encode(texts: Sequence[str], width: int = TEXT) -> torch.Tensor:
     out = torch.zeros(len(texts) * width, dtype=torch.int32)
     for i, t in enumerate(texts):
         raw = t.encode("utf-8", "replace")[:width]
-        out[i * width:i * width + len(raw)] = torch.tensor(list(raw), dtype=torch.int32)
+        out[i * width : i * width + len(raw)] = torch.tensor(list(raw), dtype=torch.int32)
     return out
 
 
 def _decode(row: torch.Tensor, i: int, width: int = TEXT) -> str:
-    raw = bytes(int(b) for b in row[i * width:(i + 1) * width] if b)
+    raw = bytes(int(b) for b in row[i * width : (i + 1) * width] if b)
     return raw.decode("utf-8", "replace")
 
 
 def _show(value: Any) -> str:
-    text = value if isinstance(value, str) else json.dumps(
-        value if not isinstance(value, dict) else dict(_canonical(value)), default=repr)
+    text = (
+        value
+        if isinstance(value, str)
+        else json.dumps(
+            value if not isinstance(value, dict) else dict(_canonical(value)), default=repr
+        )
+    )
     return text if len(text) <= 80 else text[:77] + "..."
 
 
@@ -154,10 +171,15 @@ def _splits(column: torch.Tensor, cells: Sequence[Sequence[int]]) -> list[list[l
     return out
 
 
-def check_agreement(values: Mapping[str, Any], group: Group, *,
-                    scopes: Mapping[str, Sequence[Sequence[int]]] | None = None,
-                    details: Mapping[str, Mapping[str, Any]] | None = None,
-                    error: BaseException | None = None, what: str = "the job") -> None:
+def check_agreement(
+    values: Mapping[str, Any],
+    group: Group,
+    *,
+    scopes: Mapping[str, Sequence[Sequence[int]]] | None = None,
+    details: Mapping[str, Mapping[str, Any]] | None = None,
+    error: BaseException | None = None,
+    what: str = "the job",
+) -> None:
     """Raise :class:`RankMismatchError` on every rank of ``group`` unless all agree.
 
     ``values``: ``{key: JSON-able value}`` that must be equal. ``scopes[key]``: lists of
@@ -174,8 +196,10 @@ def check_agreement(values: Mapping[str, Any], group: Group, *,
         return
     keys, sub = sorted(values), sorted(details)
     if 2 + len(keys) + len(sub) > SLOTS:
-        raise ValueError(f"check_agreement: {len(keys)} keys + {len(sub)} detail sets do not "
-                         f"fit in {SLOTS} slots")
+        raise ValueError(
+            f"check_agreement: {len(keys)} keys + {len(sub)} detail sets do not "
+            f"fit in {SLOTS} slots"
+        )
     vec = torch.zeros(SLOTS, dtype=torch.int32)
     vec[0] = 0 if error is None else 1
     vec[1] = fingerprint([keys, sub])
@@ -194,10 +218,13 @@ def check_agreement(values: Mapping[str, Any], group: Group, *,
         first = failed[0]
         raise RankMismatchError(
             f"{what}: rank {_ranks(failed)} failed before the ranks could agree, so this rank "
-            f"stops too; rank {first}: {_decode(texts[first], 0, ERROR_TEXT)}")
+            f"stops too; rank {first}: {_decode(texts[first], 0, ERROR_TEXT)}"
+        )
     if _splits(table[:, 1], everyone):
-        raise RankMismatchError(f"{what}: the ranks compare different sets of keys (different "
-                                f"neuron_tp versions?): {_splits(table[:, 1], everyone)}")
+        raise RankMismatchError(
+            f"{what}: the ranks compare different sets of keys (different "
+            f"neuron_tp versions?): {_splits(table[:, 1], everyone)}"
+        )
     bad = {k: _splits(table[:, 2 + i], scopes.get(k, everyone)) for i, k in enumerate(keys)}
     bad = {k: s for k, s in bad.items() if s}
     if not bad:
@@ -207,14 +234,19 @@ def check_agreement(values: Mapping[str, Any], group: Group, *,
     for j, k in enumerate(sub):
         if k in bad and not _splits(table[:, 2 + len(keys) + j], everyone):
             names = sorted(details[k])
-            col = _gather(torch.tensor([fingerprint(details[k][n]) for n in names],
-                                       dtype=torch.int32), group, device)
+            col = _gather(
+                torch.tensor([fingerprint(details[k][n]) for n in names], dtype=torch.int32),
+                group,
+                device,
+            )
             cells = scopes.get(k, everyone)
             named[k] = [(n, s) for c, n in enumerate(names) if (s := _splits(col[:, c], cells))]
-    shown = [(k, None) for k in bad if k not in details] + \
-        [(k, n) for k in named for n, _ in named[k][:SHOWN]]
-    texts = _gather(_encode([_show(values[k] if n is None else details[k][n])
-                             for k, n in shown]), group, device)
+    shown = [(k, None) for k in bad if k not in details] + [
+        (k, n) for k in named for n, _ in named[k][:SHOWN]
+    ]
+    texts = _gather(
+        _encode([_show(values[k] if n is None else details[k][n]) for k, n in shown]), group, device
+    )
     at = {kn: i for i, kn in enumerate(shown)}
 
     def held(groups: list[list[int]], i: int | None) -> str:
@@ -231,12 +263,14 @@ def check_agreement(values: Mapping[str, Any], group: Group, *,
             lines.append(f"      ... and {len(named[k]) - SHOWN} more")
     raise RankMismatchError(
         f"{what}: the ranks disagree (every rank must be started with the same options, model, "
-        "data and weights; e.g. a per-node environment file that differs):\n" + "\n".join(lines))
+        "data and weights; e.g. a per-node environment file that differs):\n" + "\n".join(lines)
+    )
 
 
 def versions() -> dict[str, str | None]:
     """Versions of the libraries that shape the graph and the math."""
     from importlib import metadata
+
     out = {}
     for name in ("torch", "transformers", "torch-xla", "neuron_tp"):
         try:
@@ -254,8 +288,9 @@ def config_dict(model: torch.nn.Module) -> dict[str, Any]:
     return {k: v for k, v in config.to_dict().items() if k != "_name_or_path"}
 
 
-def check_same_model(model: torch.nn.Module, group: Group, options: Mapping[str, Any],
-                     what: str) -> None:
+def check_same_model(
+    model: torch.nn.Module, group: Group, options: Mapping[str, Any], what: str
+) -> None:
     """Every rank of ``group`` holds the same full model: class, config, parameter names,
     shapes, dtypes and weights (checksums; meta-device parameters count as ``"meta"``) and
     the same ``options``. Collective over ``group``."""
@@ -266,20 +301,31 @@ def check_same_model(model: torch.nn.Module, group: Group, options: Mapping[str,
     sums = {n: tensor_checksum(p) for n, p in params.items()}
     config = config_dict(model)
     w = "weights (checksum per parameter)"
-    values = {"model class": type(model).__name__, "model config": config,
-              "parameter names, shapes and dtypes": shapes, w: sums,
-              "options": dict(options), "library versions": versions()}
-    details = {"model config": config, "parameter names, shapes and dtypes": shapes,
-               w: sums, "options": dict(options)}
+    values = {
+        "model class": type(model).__name__,
+        "model config": config,
+        "parameter names, shapes and dtypes": shapes,
+        w: sums,
+        "options": dict(options),
+        "library versions": versions(),
+    }
+    details = {
+        "model config": config,
+        "parameter names, shapes and dtypes": shapes,
+        w: sums,
+        "options": dict(options),
+    }
     check_agreement(values, group, details=details, what=what)
 
 
-def check_model_replicas(model: torch.nn.Module, mesh, error: BaseException | None = None,
-                         what: str = "the job") -> None:
+def check_model_replicas(
+    model: torch.nn.Module, mesh, error: BaseException | None = None, what: str = "the job"
+) -> None:
     """After sharding: every rank's shard equals the shard of the ranks with the same tp rank
     (its data-parallel replicas), and replicated parameters are equal on every rank.
     ``error``: this rank's local failure (every rank raises). Collective over the world."""
     from .sharding import named_parameter_meta
+
     world = mesh.group("world")
     shards, sharded, replicated = {}, {}, {}
     if error is None:
@@ -290,8 +336,17 @@ def check_model_replicas(model: torch.nn.Module, mesh, error: BaseException | No
                 shards[name] = [list(p.shape), str(p.dtype)]
                 sharded[name] = tensor_checksum(p)
     replicas = [list(g) for g in mesh.dp.all_groups]  # the ranks holding the same shards
-    keys = ("parameter shards (names, shapes, dtypes)", "weights of the shards (checksums)",
-            "weights of replicated parameters (checksums)")
+    keys = (
+        "parameter shards (names, shapes, dtypes)",
+        "weights of the shards (checksums)",
+        "weights of replicated parameters (checksums)",
+    )
     values = dict(zip(keys, (shards, sharded, replicated)))
-    check_agreement(values, world, error=error, what=what, details=values,
-                    scopes={keys[0]: replicas, keys[1]: replicas})
+    check_agreement(
+        values,
+        world,
+        error=error,
+        what=what,
+        details=values,
+        scopes={keys[0]: replicas, keys[1]: replicas},
+    )

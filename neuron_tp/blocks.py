@@ -4,6 +4,7 @@ Activations are batch-first ``[batch, seq, hidden]``. With ``sequence_parallel``
 stream between blocks is sharded on the sequence (``[batch, seq/tp, hidden]``) and the norms
 run on shards; otherwise it is replicated over tp.
 """
+
 from __future__ import annotations
 
 import torch
@@ -11,10 +12,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from .layers import ColumnParallelLinear, RowParallelLinear
-from .layers.common import divisors
+from .layers.activation_layout import REPLICATED, SHARDED_SEQUENCE
 from .layers.dropout import sharded_dropout
-from .mesh import Mesh, get_mesh
+from .mesh import Mesh, get_mesh, valid_tp_degrees
 from .sharding import mark_sequence_parallel
+
+
+def _residual_layout(sequence_parallel: bool) -> str:
+    """The layout of the residual stream between blocks (input and output of every block)."""
+    return SHARDED_SEQUENCE if sequence_parallel else REPLICATED
 
 
 def _norm(hidden: int, sequence_parallel: bool, dtype) -> nn.LayerNorm:
@@ -28,14 +34,24 @@ class ParallelMLP(nn.Module):
     """``down(gelu(up(x)))``: column-parallel up, row-parallel down; one all-reduce (or
     all-gather + reduce-scatter under SP) forward, the same backward."""
 
-    def __init__(self, hidden: int, ffn: int, mesh: Mesh | None = None,
-                 sequence_parallel: bool = False, bias: bool = True, dtype=None):
+    def __init__(
+        self,
+        hidden: int,
+        ffn: int,
+        mesh: Mesh | None = None,
+        sequence_parallel: bool = False,
+        bias: bool = True,
+        dtype=None,
+    ):
         super().__init__()
         mesh = get_mesh(mesh)
-        self.up = ColumnParallelLinear(hidden, ffn, bias=bias, sequence_parallel=sequence_parallel,
-                                       mesh=mesh, dtype=dtype)
-        self.down = RowParallelLinear(ffn, hidden, bias=bias, sequence_parallel=sequence_parallel,
-                                      mesh=mesh, dtype=dtype)
+        self.up = ColumnParallelLinear(
+            hidden, ffn, bias=bias, sequence_parallel=sequence_parallel, mesh=mesh, dtype=dtype
+        )
+        self.down = RowParallelLinear(
+            ffn, hidden, bias=bias, sequence_parallel=sequence_parallel, mesh=mesh, dtype=dtype
+        )
+        self.input_layout = self.output_layout = _residual_layout(sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(F.gelu(self.up(x)))
@@ -44,28 +60,47 @@ class ParallelMLP(nn.Module):
 class ParallelSelfAttention(nn.Module):
     """Causal multi-head self-attention with heads split over tp (fused, head-sharded QKV)."""
 
-    def __init__(self, hidden: int, num_heads: int, mesh: Mesh | None = None,
-                 sequence_parallel: bool = False, bias: bool = True, dtype=None):
+    def __init__(
+        self,
+        hidden: int,
+        num_heads: int,
+        mesh: Mesh | None = None,
+        sequence_parallel: bool = False,
+        bias: bool = True,
+        dtype=None,
+    ):
         super().__init__()
         mesh = get_mesh(mesh)
         if hidden % num_heads:
             raise ValueError(f"hidden={hidden} is not divisible by num_heads={num_heads}")
         if num_heads % mesh.tp_size:
-            ok = [d for d in divisors(mesh.world_size) if num_heads % d == 0]
-            raise ValueError(f"num_heads={num_heads} is not divisible by tp={mesh.tp_size}; "
-                             f"tp degrees that work: {ok}")
+            ok = valid_tp_degrees(mesh.world_size, num_heads)
+            raise ValueError(
+                f"num_heads={num_heads} is not divisible by tp={mesh.tp_size}; "
+                f"tp degrees that work: {ok}"
+            )
         self.local_heads = num_heads // mesh.tp_size
         self.head_dim = hidden // num_heads
-        self.qkv = ColumnParallelLinear(hidden, 3 * hidden, bias=bias, segments=(hidden,) * 3,
-                                        sequence_parallel=sequence_parallel, mesh=mesh,
-                                        dtype=dtype)
-        self.out = RowParallelLinear(hidden, hidden, bias=bias,
-                                     sequence_parallel=sequence_parallel, mesh=mesh, dtype=dtype)
+        self.qkv = ColumnParallelLinear(
+            hidden,
+            3 * hidden,
+            bias=bias,
+            segments=(hidden,) * 3,
+            sequence_parallel=sequence_parallel,
+            mesh=mesh,
+            dtype=dtype,
+        )
+        self.out = RowParallelLinear(
+            hidden, hidden, bias=bias, sequence_parallel=sequence_parallel, mesh=mesh, dtype=dtype
+        )
+        self.input_layout = self.output_layout = _residual_layout(sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s = x.shape[0], -1
-        q, k, v = (t.reshape(b, s, self.local_heads, self.head_dim).transpose(1, 2)
-                   for t in self.qkv(x).chunk(3, dim=-1))
+        q, k, v = (
+            t.reshape(b, s, self.local_heads, self.head_dim).transpose(1, 2)
+            for t in self.qkv(x).chunk(3, dim=-1)
+        )
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.out(y.transpose(1, 2).reshape(b, y.shape[2], -1))
 
@@ -77,12 +112,21 @@ class TransformerBlock(nn.Module):
     :func:`neuron_tp.layers.dropout.sharded_dropout`), with or without sequence parallelism.
     """
 
-    def __init__(self, hidden: int, num_heads: int, ffn: int | None = None,
-                 mesh: Mesh | None = None, sequence_parallel: bool = False, bias: bool = True,
-                 dropout: float = 0.0, dtype=None):
+    def __init__(
+        self,
+        hidden: int,
+        num_heads: int,
+        ffn: int | None = None,
+        mesh: Mesh | None = None,
+        sequence_parallel: bool = False,
+        bias: bool = True,
+        dropout: float = 0.0,
+        dtype=None,
+    ):
         super().__init__()
         mesh = get_mesh(mesh)
         self.mesh, self.dropout, self.sequence_parallel = mesh, dropout, sequence_parallel
+        self.input_layout = self.output_layout = _residual_layout(sequence_parallel)
         self.ln1 = _norm(hidden, sequence_parallel, dtype)
         self.attn = ParallelSelfAttention(hidden, num_heads, mesh, sequence_parallel, bias, dtype)
         self.ln2 = _norm(hidden, sequence_parallel, dtype)

@@ -7,37 +7,45 @@ are never split, so attention itself communicates nothing.
 The fused QKV projection is laid out per head, ``[heads, (q, k, v), head_dim]`` on its output
 dim (GPT-NeoX style), so a contiguous feature chunk holds whole heads with their q, k and v.
 """
+
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .layers.layout_nd import LAYOUT_2D, LAYOUT_3D_A, Layout
-from .layers.mesh2d import Linear2D
-from .layers.mesh3d import Linear3D
+from .layers.activation_layout import LAYOUT_2D, LAYOUT_3D_A, ActivationLayout
+from .layers.linear_2d import Linear2D
+from .layers.linear_3d import Linear3D
 from .layers.norm_nd import LayerNorm2D, LayerNorm3D
 from .mesh import Mesh, get_mesh
 
 
 def _mode(mesh: Mesh) -> str:
     if mesh.tp_mode not in ("2d", "3d"):
-        raise ValueError(f"blocks_nd needs a 2d or 3d mesh (init_mesh(tp=..., tp_mode='2d'|'3d'))"
-                         f", got {mesh}; use neuron_tp.blocks for 1d")
+        raise ValueError(
+            f"blocks_nd needs a 2d or 3d mesh (init_mesh(tp=..., tp_mode='2d'|'3d'))"
+            f", got {mesh}; use neuron_tp.blocks for 1d"
+        )
     return mesh.tp_mode
 
 
-def _pair(mesh: Mesh, a: int, b: int, b2: int, c: int, bias: bool,
-          dtype) -> tuple[nn.Module, nn.Module]:
+def _pair(
+    mesh: Mesh, a: int, b: int, b2: int, c: int, bias: bool, dtype
+) -> tuple[nn.Module, nn.Module]:
     """Linears ``a -> b`` and ``b2 -> c``; applied in turn they return to the block's layout."""
     if _mode(mesh) == "2d":
-        return (Linear2D(a, b, bias=bias, mesh=mesh, dtype=dtype),
-                Linear2D(b2, c, bias=bias, mesh=mesh, dtype=dtype))
-    return (Linear3D(a, b, bias=bias, orientation="ab", mesh=mesh, dtype=dtype),
-            Linear3D(b2, c, bias=bias, orientation="ba", mesh=mesh, dtype=dtype))
+        return (
+            Linear2D(a, b, bias=bias, mesh=mesh, dtype=dtype),
+            Linear2D(b2, c, bias=bias, mesh=mesh, dtype=dtype),
+        )
+    return (
+        Linear3D(a, b, bias=bias, orientation="ab", mesh=mesh, dtype=dtype),
+        Linear3D(b2, c, bias=bias, orientation="ba", mesh=mesh, dtype=dtype),
+    )
 
 
-def block_layout(mesh: Mesh) -> Layout:
+def block_layout(mesh: Mesh) -> ActivationLayout:
     """The layout of the residual stream between blocks of this mesh's mode."""
     return LAYOUT_2D if _mode(mesh) == "2d" else LAYOUT_3D_A
 
@@ -45,8 +53,9 @@ def block_layout(mesh: Mesh) -> Layout:
 class MLPND(nn.Module):
     """``down(gelu(up(x)))``: 2D: two Linear2D; 3D: Linear3D ``ab`` then ``ba``."""
 
-    def __init__(self, hidden: int, ffn: int, mesh: Mesh | None = None, bias: bool = True,
-                 dtype=None):
+    def __init__(
+        self, hidden: int, ffn: int, mesh: Mesh | None = None, bias: bool = True, dtype=None
+    ):
         super().__init__()
         mesh = get_mesh(mesh)
         self.up, self.down = _pair(mesh, hidden, ffn, ffn, hidden, bias, dtype)
@@ -59,8 +68,9 @@ class MLPND(nn.Module):
 class SelfAttentionND(nn.Module):
     """Causal multi-head self-attention; heads split over the feature axis (q per chunk)."""
 
-    def __init__(self, hidden: int, num_heads: int, mesh: Mesh | None = None, bias: bool = True,
-                 dtype=None):
+    def __init__(
+        self, hidden: int, num_heads: int, mesh: Mesh | None = None, bias: bool = True, dtype=None
+    ):
         super().__init__()
         mesh = get_mesh(mesh)
         mode = _mode(mesh)
@@ -68,8 +78,10 @@ class SelfAttentionND(nn.Module):
         if hidden % num_heads:
             raise ValueError(f"hidden={hidden} is not divisible by num_heads={num_heads}")
         if num_heads % q:
-            raise ValueError(f"num_heads={num_heads} is not divisible by q={q} ({mode} mesh of "
-                             f"tp={mesh.tp_size}); use a multiple of {q} heads")
+            raise ValueError(
+                f"num_heads={num_heads} is not divisible by q={q} ({mode} mesh of "
+                f"tp={mesh.tp_size}); use a multiple of {q} heads"
+            )
         self.local_heads, self.head_dim = num_heads // q, hidden // num_heads
         self.qkv, self.out = _pair(mesh, hidden, 3 * hidden, hidden, hidden, bias, dtype)
         self.input_layout = self.output_layout = block_layout(mesh)
@@ -89,8 +101,15 @@ class TransformerBlockND(nn.Module):
     out with :func:`neuron_tp.layers.nd.split_input` / ``gather_output``).
     """
 
-    def __init__(self, hidden: int, num_heads: int, ffn: int | None = None,
-                 mesh: Mesh | None = None, bias: bool = True, dtype=None):
+    def __init__(
+        self,
+        hidden: int,
+        num_heads: int,
+        ffn: int | None = None,
+        mesh: Mesh | None = None,
+        bias: bool = True,
+        dtype=None,
+    ):
         super().__init__()
         mesh = get_mesh(mesh)
         norm = LayerNorm2D if _mode(mesh) == "2d" else LayerNorm3D

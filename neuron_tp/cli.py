@@ -1,4 +1,5 @@
 """``neuron-tp train|generate|consolidate``: the command-line entry point."""
+
 from __future__ import annotations
 
 import argparse
@@ -6,12 +7,15 @@ import sys
 
 
 def _consolidate(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="neuron-tp consolidate",
-                                description="Merge a sharded checkpoint into one HF directory.")
+    p = argparse.ArgumentParser(
+        prog="neuron-tp consolidate",
+        description="Merge a sharded checkpoint into one HF directory.",
+    )
     p.add_argument("checkpoint", help="a checkpoint directory (or an output dir: the newest)")
     p.add_argument("out_dir", help="new (or empty) directory for config.json + model.safetensors")
     args = p.parse_args(argv)
     from .checkpoint import consolidate
+
     try:
         out = consolidate(args.checkpoint, args.out_dir)
     except ValueError as e:
@@ -26,8 +30,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     commands = ("train", "generate", "consolidate")
     if not argv or argv[0] not in commands:
-        print(f"usage: neuron-tp {{{','.join(commands)}}} [options]  (-h after a command for "
-              "its options)", file=sys.stderr)
+        print(
+            f"usage: neuron-tp {{{','.join(commands)}}} [options]  (-h after a command for "
+            "its options)",
+            file=sys.stderr,
+        )
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     cmd, rest = argv[0], argv[1:]
     if cmd == "consolidate":
@@ -35,10 +42,12 @@ def main(argv: list[str] | None = None) -> int:
     if cmd == "train":
         from .train.args import train_parser
         from .train.launch import train_command
+
         train_command(train_parser().parse_args(rest))
         return 0
     from .train.args import generate_parser
     from .train.launch import generate_command
+
     generate_command(generate_parser().parse_args(rest))
     return 0
 

@@ -10,6 +10,7 @@ for virtual (trace-only) meshes, exactly what neuronx-distributed emits (no chan
 multi-device CPU runtime (``xmp.spawn`` with ``CPU_NUM_DEVICES=N``) the channel-id form with
 global device ids, the only one XLA:CPU can execute across its device threads.
 """
+
 from __future__ import annotations
 
 import threading
@@ -19,8 +20,14 @@ import torch
 from . import _xla
 from .mesh import Group
 
-__all__ = ["all_reduce", "all_gather", "reduce_scatter", "local_chunk", "all_reduce_coalesced",
-           "host_all_gather"]
+__all__ = [
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "local_chunk",
+    "all_reduce_coalesced",
+    "host_all_gather",
+]
 
 
 def _replica_groups(group: Group) -> list[list[int]]:
@@ -45,11 +52,13 @@ def _check(x: torch.Tensor, group: Group) -> bool:
     if group.virtual:
         raise RuntimeError(
             f"a virtual (trace-only) mesh can only run on XLA tensors, got a {x.device} tensor; "
-            "move the module and inputs to the XLA device (neuron_tp.xla_device())")
+            "move the module and inputs to the XLA device (neuron_tp.xla_device())"
+        )
     if group.process_group is None:
         raise RuntimeError(
             f"group {group.name!r} has no torch.distributed process group (the job uses the xla "
-            f"backend, or was not initialised with init_mesh); got a {x.device} tensor")
+            f"backend, or was not initialised with init_mesh); got a {x.device} tensor"
+        )
     return False
 
 
@@ -59,6 +68,7 @@ def all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
         return x
     if _check(x, group):
         import torch_xla
+
         # Call the op directly: xm.all_reduce is a no-op when the *runtime* world is one
         # device, which is exactly the virtual (trace-only) case.
         xm = _xla.xm()
@@ -66,12 +76,13 @@ def all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
             # 1-D operand: XLA:CPU fails to lay out some 2-D channel-id all-reduces. The result
             # is a fresh tensor, not a view: callers modify it in place (Falcon's ``+=``),
             # which autograd forbids on a view made inside a Function.
-            flat = torch_xla._XLAC._xla_spmd_all_reduce(xm.REDUCE_SUM, x.reshape(-1), 1.0,
-                                                        _replica_groups(group))
+            flat = torch_xla._XLAC._xla_spmd_all_reduce(
+                xm.REDUCE_SUM, x.reshape(-1), 1.0, _replica_groups(group)
+            )
             return flat.view(x.shape).clone()
-        return torch_xla._XLAC._xla_all_reduce(xm.REDUCE_SUM, x, 1.0, _replica_groups(group),
-                                               False)
+        return torch_xla._XLAC._xla_all_reduce(xm.REDUCE_SUM, x, 1.0, _replica_groups(group), False)
     import torch.distributed as dist
+
     out = x.clone()
     dist.all_reduce(out, group=group.process_group)
     return out
@@ -92,9 +103,11 @@ def all_gather(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
         return x
     dim = dim % x.dim()
     if _check(x, group):
-        return _xla.xm().all_gather(x, dim=dim, groups=_replica_groups(group), pin_layout=False,
-                                    **_channel_kwargs(group))
+        return _xla.xm().all_gather(
+            x, dim=dim, groups=_replica_groups(group), pin_layout=False, **_channel_kwargs(group)
+        )
     import torch.distributed as dist
+
     src = x.contiguous()
     out = src.new_empty((group.size * src.shape[0], *src.shape[1:]))
     dist.all_gather_into_tensor(out, src, group=group.process_group)
@@ -110,14 +123,24 @@ def reduce_scatter(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
         return x
     dim = dim % x.dim()
     if x.shape[dim] % group.size:
-        raise ValueError(f"reduce_scatter: dim {dim} of shape {tuple(x.shape)} is not divisible "
-                         f"by the group size {group.size}")
+        raise ValueError(
+            f"reduce_scatter: dim {dim} of shape {tuple(x.shape)} is not divisible "
+            f"by the group size {group.size}"
+        )
     if _check(x, group):
         xm = _xla.xm()
-        return xm.reduce_scatter(xm.REDUCE_SUM, x, scale=1.0, scatter_dim=dim,
-                                 shard_count=group.size, groups=_replica_groups(group),
-                                 pin_layout=False, **_channel_kwargs(group))
+        return xm.reduce_scatter(
+            xm.REDUCE_SUM,
+            x,
+            scale=1.0,
+            scatter_dim=dim,
+            shard_count=group.size,
+            groups=_replica_groups(group),
+            pin_layout=False,
+            **_channel_kwargs(group),
+        )
     import torch.distributed as dist
+
     src = x.movedim(dim, 0).contiguous()
     out = src.new_empty((src.shape[0] // group.size, *src.shape[1:]))
     dist.reduce_scatter_tensor(out, src, group=group.process_group)
@@ -138,8 +161,9 @@ def local_chunk(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
     dim = dim % x.dim()
     n = x.shape[dim]
     if n % group.size:
-        raise ValueError(f"cannot split dim {dim} of shape {tuple(x.shape)} into "
-                         f"{group.size} equal parts")
+        raise ValueError(
+            f"cannot split dim {dim} of shape {tuple(x.shape)} into {group.size} equal parts"
+        )
     if not _xla.is_xla(x):
         return x.narrow(dim, group.rank * (n // group.size), n // group.size)
     parts = x.unflatten(dim, (group.size, n // group.size))
@@ -149,8 +173,9 @@ def local_chunk(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
 _host_calls = threading.local()  # per rank: ranks may be threads of one process
 
 
-def host_all_gather(key: str, payload: bytes, group: Group,
-                    timeout_s: float = 600.0) -> list[bytes]:
+def host_all_gather(
+    key: str, payload: bytes, group: Group, timeout_s: float = 600.0
+) -> list[bytes]:
     """Every group rank's ``payload`` (in group order), exchanged on the host through the
     job's key-value store, never through a device collective: usable while a device graph is
     pending (e.g. to compare graphs before running them). Every rank must call it with the
@@ -160,6 +185,7 @@ def host_all_gather(key: str, payload: bytes, group: Group,
     import datetime
 
     import torch.distributed as dist
+
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("host_all_gather needs an initialised process group (init_mesh)")
     store = dist.distributed_c10d._get_default_store()

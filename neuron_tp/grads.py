@@ -1,8 +1,9 @@
 """Gradient synchronisation after backward: data parallelism, sequence-parallel replicated
 parameters, and clipping by the true global norm across tp and dp."""
+
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -12,8 +13,9 @@ from .mesh import Group, Mesh, get_mesh
 from .sharding import named_parameter_meta, num_shards
 
 
-def _bucketed_all_reduce(grads: list[torch.Tensor], group: Group, bucket_bytes: int,
-                         scale: float = 1.0) -> None:
+def _bucketed_all_reduce(
+    grads: list[torch.Tensor], group: Group, bucket_bytes: int, scale: float = 1.0
+) -> None:
     """Sum ``grads`` over ``group`` in place, in flat buckets of about ``bucket_bytes``."""
     bucket: list[torch.Tensor] = []
     size = 0
@@ -35,13 +37,15 @@ def _grads(params: Iterable[nn.Parameter]) -> list[torch.Tensor]:
     return [p.grad for p in params if p.grad is not None]
 
 
-def allreduce_data_parallel_grads(model: nn.Module, mesh: Mesh | None = None,
-                                  bucket_mb: float = 25.0) -> None:
+def allreduce_data_parallel_grads(
+    model: nn.Module, mesh: Mesh | None = None, bucket_mb: float = 25.0
+) -> None:
     """Average every gradient over the dp group (bucketed all-reduce). Call after backward."""
     mesh = get_mesh(mesh)
     if mesh.dp_size > 1:
-        _bucketed_all_reduce(_grads(model.parameters()), mesh.dp, int(bucket_mb * 2**20),
-                             1.0 / mesh.dp_size)
+        _bucketed_all_reduce(
+            _grads(model.parameters()), mesh.dp, int(bucket_mb * 2**20), 1.0 / mesh.dp_size
+        )
 
 
 def sync_sequence_parallel_grads(model: nn.Module, mesh: Mesh | None = None) -> None:

@@ -6,6 +6,7 @@ a block of contiguous ranks (the NeuronCores of one node). In 2D mode the tp gro
 (``tp_rank = (i * q + j) * q + l``). Every group of every axis is listed, so the same lists give
 XLA replica groups and torch.distributed process groups.
 """
+
 from __future__ import annotations
 
 import math
@@ -51,8 +52,15 @@ class Group:
         return self._rank_tensors[key]
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
+    """The positive divisors of ``n``, ascending."""
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def valid_tp_degrees(world_size: int, *sizes: int) -> list[int]:
+    """The tp degrees that divide ``world_size`` and every one of ``sizes`` (heads, features...):
+    the list error messages offer when a size cannot be split over the requested tp."""
+    return [d for d in divisors(world_size) if all(s % d == 0 for s in sizes)]
 
 
 def _tp_axes(tp_mode: str, tp: int) -> dict[str, list[list[int]]]:
@@ -84,13 +92,13 @@ def _check_tp(world_size: int, tp: int, tp_mode: str) -> None:
     if tp < 1 or world_size % tp:
         raise ValueError(
             f"tp={tp} does not divide the world size {world_size}; valid tp degrees: "
-            f"{_divisors(world_size)}"
+            f"{divisors(world_size)}"
         )
     if tp_mode == "2d" and math.isqrt(tp) ** 2 != tp:
-        valid = [d for d in _divisors(world_size) if math.isqrt(d) ** 2 == d]
+        valid = [d for d in divisors(world_size) if math.isqrt(d) ** 2 == d]
         raise ValueError(f"tp_mode='2d' needs tp = q*q, got tp={tp}; valid: {valid}")
     if tp_mode == "3d" and round(tp ** (1 / 3)) ** 3 != tp:
-        valid = [d for d in _divisors(world_size) if round(d ** (1 / 3)) ** 3 == d]
+        valid = [d for d in divisors(world_size) if round(d ** (1 / 3)) ** 3 == d]
         raise ValueError(f"tp_mode='3d' needs tp = q*q*q, got tp={tp}; valid: {valid}")
 
 
@@ -101,8 +109,15 @@ class Mesh:
     large job would run, on a single XLA device, without executing it.
     """
 
-    def __init__(self, world_size: int, rank: int, tp: int = 1, tp_mode: str = "1d",
-                 virtual: bool = False, create_process_groups: bool = False):
+    def __init__(
+        self,
+        world_size: int,
+        rank: int,
+        tp: int = 1,
+        tp_mode: str = "1d",
+        virtual: bool = False,
+        create_process_groups: bool = False,
+    ):
         _check_tp(world_size, tp, tp_mode)
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside the world of size {world_size}")
@@ -122,6 +137,7 @@ class Mesh:
             if create_process_groups:
                 # Every rank must create every group, in the same order.
                 import torch.distributed as dist
+
                 for g in groups:
                     if len(g) == world_size:
                         created = dist.group.WORLD
@@ -131,11 +147,12 @@ class Mesh:
                         created = dist.new_group(g)
                     if g == mine:
                         pg = created
-            self.groups[name] = Group(name, tuple(mine), tuple(map(tuple, groups)),
-                                      mine.index(rank), virtual, pg)
+            self.groups[name] = Group(
+                name, tuple(mine), tuple(map(tuple, groups)), mine.index(rank), virtual, pg
+            )
 
     @classmethod
-    def virtual(cls, world_size: int, rank: int, tp: int, tp_mode: str = "1d") -> "Mesh":
+    def virtual(cls, world_size: int, rank: int, tp: int, tp_mode: str = "1d") -> Mesh:
         """A trace-only mesh: layers emit XLA collectives for rank ``rank`` of ``world_size``.
 
         Only XLA tensors may be fed to its layers; the graph is traced, not executed.
@@ -146,8 +163,9 @@ class Mesh:
         try:
             return self.groups[name]
         except KeyError:
-            raise ValueError(f"mesh ({self.tp_mode}) has no axis {name!r}; axes: "
-                             f"{sorted(self.groups)}") from None
+            raise ValueError(
+                f"mesh ({self.tp_mode}) has no axis {name!r}; axes: {sorted(self.groups)}"
+            ) from None
 
     @property
     def tp(self) -> Group:
@@ -175,8 +193,10 @@ class Mesh:
 
     def __repr__(self) -> str:
         kind = "virtual " if self.virtual else ""
-        return (f"{kind}Mesh(world={self.world_size}, rank={self.rank}, dp={self.dp_size}, "
-                f"tp={self.tp_size}, tp_mode={self.tp_mode!r})")
+        return (
+            f"{kind}Mesh(world={self.world_size}, rank={self.rank}, dp={self.dp_size}, "
+            f"tp={self.tp_size}, tp_mode={self.tp_mode!r})"
+        )
 
 
 # The default mesh is per thread: under ``xmp.spawn`` every rank is a thread of one process.
@@ -216,7 +236,8 @@ def get_mesh(mesh: Mesh | None = None) -> Mesh:
                 raise RuntimeError(
                     "no mesh in this thread, and threads of this process hold meshes of "
                     f"different ranks {sorted(set(_holders.values()))} (xmp.spawn): pass mesh= "
-                    "or call neuron_tp.set_default_mesh(mesh) in this thread")
+                    "or call neuron_tp.set_default_mesh(mesh) in this thread"
+                )
             found = _process_default
     if found is None:
         raise RuntimeError("no mesh: call neuron_tp.init_mesh(tp=...) first or pass mesh=")
@@ -225,6 +246,7 @@ def get_mesh(mesh: Mesh | None = None) -> Mesh:
 
 def _init_process_group(backend: str | None, world: int) -> None:
     import torch.distributed as dist
+
     if dist.is_initialized() or world <= 1:
         return
     spawned = _spawned_world()
@@ -234,10 +256,13 @@ def _init_process_group(backend: str | None, world: int) -> None:
         # Devices are threads of one process: an in-memory store (xla:// would listen on a
         # fixed TCP port, MASTER_PORT or 12355, and collide with any other such job).
         import torch_xla.distributed.xla_backend  # noqa: F401  (registers the backend)
-        dist.init_process_group("xla", store=dist.HashStore(), rank=spawned[1],
-                                world_size=spawned[0])
+
+        dist.init_process_group(
+            "xla", store=dist.HashStore(), rank=spawned[1], world_size=spawned[0]
+        )
     elif backend == "xla":
         import torch_xla.distributed.xla_backend  # noqa: F401  (registers the backend)
+
         dist.init_process_group("xla", init_method="xla://")
     else:
         dist.init_process_group(backend)
@@ -249,6 +274,7 @@ def _spawned_world() -> tuple[int, int] | None:
     if "WORLD_SIZE" in os.environ or "torch_xla" not in sys.modules:
         return None
     import torch_xla
+
     if not torch_xla._XLAC._xla_runtime_is_initialized():
         return None
     return _xla.runtime_world()
@@ -265,6 +291,7 @@ def init_mesh(tp: int = 1, tp_mode: str = "1d", backend: str | None = None) -> M
     torchrun they equal torch.distributed's).
     """
     import torch.distributed as dist
+
     with _lock_init:  # xmp.spawn threads: only one may create the process group
         spawned = _spawned_world()
         world = spawned[0] if spawned else int(os.environ.get("WORLD_SIZE", "1"))
@@ -277,8 +304,10 @@ def init_mesh(tp: int = 1, tp_mode: str = "1d", backend: str | None = None) -> M
                 world, rank = dist.get_world_size(), dist.get_rank()
                 runtime = _xla.runtime_world()  # per thread (xmp.spawn); None: runtime world 1
                 if runtime is not None and runtime[0] != world:
-                    raise RuntimeError(f"the xla process group has {world} ranks but the XLA "
-                                       f"runtime has {runtime[0]} devices")
+                    raise RuntimeError(
+                        f"the xla process group has {world} ranks but the XLA "
+                        f"runtime has {runtime[0]} devices"
+                    )
                 world, rank = runtime or (world, rank)
                 needs_groups = False
             else:
@@ -288,4 +317,3 @@ def init_mesh(tp: int = 1, tp_mode: str = "1d", backend: str | None = None) -> M
     mesh = Mesh(world, rank, tp=tp, tp_mode=tp_mode, create_process_groups=needs_groups)
     set_default_mesh(mesh)
     return mesh
-

@@ -8,6 +8,7 @@ reduce-scatter its gradient; one whose consumer is replicated only keeps its chu
 The Megatron role names at the end (``copy_to_tensor_parallel`` ...) are aliases kept for
 readers who know Megatron's 1D layers; everything else uses the operation names.
 """
+
 from __future__ import annotations
 
 import torch
@@ -16,13 +17,21 @@ from . import comm
 from .mesh import Group
 
 __all__ = [
-    "identity_fwd_all_reduce_bwd", "all_reduce_fwd_identity_bwd", "all_reduce_fwd_all_reduce_bwd",
-    "split_fwd_all_gather_bwd", "all_gather_fwd_split_bwd", "all_gather_fwd_reduce_scatter_bwd",
+    "identity_fwd_all_reduce_bwd",
+    "all_reduce_fwd_identity_bwd",
+    "all_reduce_fwd_all_reduce_bwd",
+    "split_fwd_all_gather_bwd",
+    "all_gather_fwd_split_bwd",
+    "all_gather_fwd_reduce_scatter_bwd",
     "reduce_scatter_fwd_all_gather_bwd",
     # Megatron role names (aliases)
-    "copy_to_tensor_parallel", "reduce_from_tensor_parallel", "scatter_to_tensor_parallel",
-    "gather_from_tensor_parallel", "scatter_to_sequence_parallel",
-    "gather_from_sequence_parallel", "reduce_scatter_to_sequence_parallel",
+    "copy_to_tensor_parallel",
+    "reduce_from_tensor_parallel",
+    "scatter_to_tensor_parallel",
+    "gather_from_tensor_parallel",
+    "scatter_to_sequence_parallel",
+    "gather_from_sequence_parallel",
+    "reduce_scatter_to_sequence_parallel",
 ]
 
 
@@ -102,7 +111,6 @@ class _AllReduceBoth(torch.autograd.Function):
         return comm.all_reduce(g, ctx.group), None
 
 
-
 def identity_fwd_all_reduce_bwd(x: torch.Tensor, group: Group) -> torch.Tensor:
     """forward: identity, backward: all-reduce (a replicated input feeding sharded compute)."""
     return x if group.size == 1 else _Copy.apply(x, group)
@@ -144,6 +152,7 @@ def reduce_scatter_fwd_all_gather_bwd(x: torch.Tensor, group: Group, dim: int) -
 # Megatron role names (1D tensor / sequence parallelism). Tensor-parallel regions act on the
 # hidden (last) dim by default, sequence-parallel ones on dim 1 (HF models are batch-first).
 
+
 def copy_to_tensor_parallel(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Alias of :func:`identity_fwd_all_reduce_bwd`."""
     return identity_fwd_all_reduce_bwd(x, group)
@@ -174,7 +183,8 @@ def gather_from_sequence_parallel(x: torch.Tensor, group: Group, dim: int = 1) -
     return all_gather_fwd_reduce_scatter_bwd(x, group, dim)
 
 
-def reduce_scatter_to_sequence_parallel(x: torch.Tensor, group: Group,
-                                        dim: int = 1) -> torch.Tensor:
+def reduce_scatter_to_sequence_parallel(
+    x: torch.Tensor, group: Group, dim: int = 1
+) -> torch.Tensor:
     """Alias of :func:`reduce_scatter_fwd_all_gather_bwd` (sequence dim 1 by default)."""
     return reduce_scatter_fwd_all_gather_bwd(x, group, dim)

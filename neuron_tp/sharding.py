@@ -7,6 +7,7 @@ be silently lost (``../shared/PLATFORM.md``). Layers record their parameters whe
 them; gradient sync and clipping, checkpoints and ``gather_full`` read the records through
 :func:`get_param_meta` / :func:`named_parameter_meta`. No record = replicated over tp.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -50,8 +51,10 @@ class ParamMeta:
 
 def _owner(module: nn.Module, name: str) -> tuple[nn.Module, str]:
     if not isinstance(module, nn.Module) or not isinstance(name, str):
-        raise TypeError("parameter records live on the owning module: pass (module, "
-                        "'weight') or (model, 'layers.0.mlp.up_proj.weight'), not a tensor")
+        raise TypeError(
+            "parameter records live on the owning module: pass (module, "
+            "'weight') or (model, 'layers.0.mlp.up_proj.weight'), not a tensor"
+        )
     parent, _, local = name.rpartition(".")
     return (module.get_submodule(parent) if parent else module), local
 
@@ -104,13 +107,14 @@ def named_parameter_meta(model: nn.Module) -> list[tuple[str, nn.Parameter, Para
 def num_shards(sharding: Sharding | None, mesh: Mesh) -> int:
     """How many distinct pieces of a tensor laid out by ``sharding`` the tp group holds."""
     n = 1
-    for axis, _ in (sharding.splits if sharding else ()):
+    for axis, _ in sharding.splits if sharding else ():
         n *= mesh.group(axis).size
     return n
 
 
-def gather_full(t: torch.Tensor, sharding: Sharding | None, mesh: Mesh | None = None
-                ) -> torch.Tensor:
+def gather_full(
+    t: torch.Tensor, sharding: Sharding | None, mesh: Mesh | None = None
+) -> torch.Tensor:
     """The unsharded tensor from this rank's piece ``t`` laid out by ``sharding`` (a
     parameter, its gradient or an optimizer state), on every rank. Collective over the split
     axes: every rank of the group must call it."""
@@ -122,18 +126,36 @@ def gather_full(t: torch.Tensor, sharding: Sharding | None, mesh: Mesh | None = 
         group = mesh.group(axis)
         t = comm.all_gather(t.contiguous(), group, dim)
         if sharding.segments:
-            per_rank = [s // group.size for s in sharding.segments]
-            pieces = [c.split(per_rank, dim) for c in t.chunk(group.size, dim)]
-            t = torch.cat([pieces[r][i] for i in range(len(per_rank))
-                           for r in range(group.size)], dim)
-    for dim, size in enumerate(sharding.full_shape):
+            t = join_shards(list(t.chunk(group.size, dim)), dim, sharding.segments)
+    return trim_padding(t, sharding.full_shape)
+
+
+def join_shards(
+    shards: list[torch.Tensor], dim: int, segments: tuple[int, ...] | list[int] | None = None
+) -> torch.Tensor:
+    """The tensor split along ``dim`` into ``shards`` (in rank order). For a packed projection
+    each shard holds its chunk of every segment, so the chunks are put back segment by
+    segment (all ranks' q, then all ranks' k, ...)."""
+    if not segments:
+        return torch.cat(shards, dim)
+    n = len(shards)
+    per_rank = [s // n for s in segments]
+    pieces = [s.split(per_rank, dim) for s in shards]
+    return torch.cat([pieces[r][i] for i in range(len(per_rank)) for r in range(n)], dim)
+
+
+def trim_padding(t: torch.Tensor, full_shape: tuple[int, ...] | list[int]) -> torch.Tensor:
+    """``t`` without the zero padding a dim the group does not divide was given
+    (see :func:`shard_of`)."""
+    for dim, size in enumerate(full_shape):
         if t.shape[dim] != size:
             t = t.narrow(dim, 0, size)
     return t
 
 
-def gather_params(model: nn.Module, mesh: Mesh | None = None, grads: bool = False
-                  ) -> dict[str, torch.Tensor]:
+def gather_params(
+    model: nn.Module, mesh: Mesh | None = None, grads: bool = False
+) -> dict[str, torch.Tensor]:
     """Every parameter (or its gradient, when set) of ``model`` unsharded, by name, in
     neuron_tp's layout (HF models: :func:`neuron_tp.hf.loading.gather_hf_state_dict`)."""
     out = {}
@@ -148,10 +170,12 @@ def shard_of(full: torch.Tensor, sharding: Sharding, mesh: Mesh) -> torch.Tensor
     """This rank's piece of the unsharded tensor ``full`` (padding with zeros where needed)."""
     t = full
     if sharding.segments:
-        (axis, dim), = sharding.splits
+        ((axis, dim),) = sharding.splits
         unpacked = Sharding(sharding.splits, sharding.full_shape)
-        return torch.cat([shard_of(piece, unpacked, mesh)
-                          for piece in full.split(list(sharding.segments), dim)], dim)
+        return torch.cat(
+            [shard_of(piece, unpacked, mesh) for piece in full.split(list(sharding.segments), dim)],
+            dim,
+        )
     for axis, dim in sharding.splits:
         g = mesh.group(axis)
         chunk = -(-t.shape[dim] // g.size)  # ceil: a dim the group does not divide is padded

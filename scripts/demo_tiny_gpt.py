@@ -6,6 +6,7 @@ Vocab-parallel embedding -> N transformer blocks (column/row-parallel attention 
 optionally sequence-parallel) -> vocab-parallel lm_head -> parallel cross-entropy, on the
 bytes of this repository's README. Works on gloo CPU ranks and on XLA devices (--device xla).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,20 +22,23 @@ from neuron_tp import regions
 
 
 class TinyGPT(nn.Module):
-    def __init__(self, vocab: int, hidden: int, heads: int, layers: int, seq: int, sp: bool,
-                 mesh: ntp.Mesh):
+    def __init__(
+        self, vocab: int, hidden: int, heads: int, layers: int, seq: int, sp: bool, mesh: ntp.Mesh
+    ):
         super().__init__()
         self.mesh, self.sp = mesh, sp
         self.embed = ntp.VocabParallelEmbedding(vocab, hidden, mesh=mesh)
         self.pos = nn.Parameter(torch.randn(seq, hidden) * 0.02)
-        self.blocks = nn.ModuleList(ntp.blocks.TransformerBlock(hidden, heads, mesh=mesh,
-                                                                sequence_parallel=sp)
-                                    for _ in range(layers))
+        self.blocks = nn.ModuleList(
+            ntp.blocks.TransformerBlock(hidden, heads, mesh=mesh, sequence_parallel=sp)
+            for _ in range(layers)
+        )
         self.norm = nn.LayerNorm(hidden)
         if sp:
             ntp.mark_sequence_parallel(self.norm)
-        self.head = ntp.ColumnParallelLinear(hidden, vocab, bias=False, pad_output=True,
-                                             sequence_parallel=sp, mesh=mesh)
+        self.head = ntp.ColumnParallelLinear(
+            hidden, vocab, bias=False, pad_output=True, sequence_parallel=sp, mesh=mesh
+        )
         self.vocab = vocab
 
     def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -63,11 +67,14 @@ def main() -> None:
     device = ntp.xla_device() if args.device == "xla" else torch.device("cpu")
     mesh = ntp.init_mesh(tp=args.tp)
     torch.manual_seed(0)  # same seed on every rank: TP-invariant initialisation
-    model = TinyGPT(256, args.hidden, 4, args.layers, args.seq_len, args.sequence_parallel,
-                    mesh).to(device)
+    model = TinyGPT(
+        256, args.hidden, 4, args.layers, args.seq_len, args.sequence_parallel, mesh
+    ).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    data = torch.tensor(list(Path(__file__).resolve().parents[1].joinpath("README.md")
-                             .read_bytes()), dtype=torch.long)
+    data = torch.tensor(
+        list(Path(__file__).resolve().parents[1].joinpath("README.md").read_bytes()),
+        dtype=torch.long,
+    )
     g = torch.Generator().manual_seed(1000 + mesh.dp_rank)  # each dp replica its own batches
     rank0 = int(os.environ.get("RANK", "0")) == 0
     if rank0:
@@ -75,7 +82,7 @@ def main() -> None:
     t0 = time.perf_counter()
     for step in range(1, args.steps + 1):
         starts = torch.randint(0, len(data) - args.seq_len - 1, (args.batch,), generator=g)
-        chunk = torch.stack([data[s:s + args.seq_len + 1] for s in starts]).to(device)
+        chunk = torch.stack([data[s : s + args.seq_len + 1] for s in starts]).to(device)
         loss = model(chunk[:, :-1], chunk[:, 1:])
         loss.backward()
         ntp.sync_sequence_parallel_grads(model, mesh)
@@ -85,11 +92,15 @@ def main() -> None:
         opt.zero_grad(set_to_none=True)
         if args.device == "xla":
             import torch_xla
+
             torch_xla.sync()
         if rank0 and (step % 5 == 0 or step == 1):
-            print(f"step {step:4d}  loss {loss.item():.4f}  "
-                  f"{step * args.batch * args.seq_len * mesh.dp_size / (time.perf_counter() - t0):.0f} tok/s",
-                  flush=True)
+            tokens = step * args.batch * args.seq_len * mesh.dp_size
+            print(
+                f"step {step:4d}  loss {loss.item():.4f}  "
+                f"{tokens / (time.perf_counter() - t0):.0f} tok/s",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """Sharded generation with static shapes: ``torchrun --nproc_per_node=TP scripts/generate.py
 --tp TP --model DIR --prompt ...`` (see ``--help``). Same options as ``neuron-tp generate``."""
+
 import os
 import sys
 
@@ -11,4 +12,5 @@ from neuron_tp.train.args import generate_parser  # noqa: E402
 if __name__ == "__main__":
     args = generate_parser().parse_args()
     from neuron_tp.train.launch import generate_command
+
     generate_command(args)

@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
-# Run the whole test suite on this CPU machine (gloo ranks + torch-xla's CPU device).
-# Creates/updates .venv first. Extra arguments go to pytest (e.g. -k linear).
+# Lint (ruff check, ruff format --check; config in pyproject.toml), then run the whole test
+# suite on this CPU machine (gloo ranks + torch-xla's CPU device). Creates/updates .venv
+# first. Extra arguments go to pytest (e.g. -k linear). A lint finding fails the run before
+# any test starts; fix with .venv/bin/ruff check --fix . && .venv/bin/ruff format .
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 "$root/scripts/env.sh"
 cd "$root"
+"$root/.venv/bin/ruff" check .
+"$root/.venv/bin/ruff" format --check .
 export PJRT_DEVICE=CPU OMP_NUM_THREADS=1
 exec "$root/.venv/bin/python" -m pytest -q tests "$@"

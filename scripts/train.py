@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """Train a causal LM with TP (+SP) x DP: ``torchrun --nproc_per_node=N scripts/train.py ...``
 (see ``--help``). Same options as ``neuron-tp train``."""
+
 import os
 import sys
 
@@ -11,4 +12,5 @@ from neuron_tp.train.args import train_parser  # noqa: E402
 if __name__ == "__main__":
     args = train_parser().parse_args()
     from neuron_tp.train.launch import train_command
+
     train_command(args)

@@ -4,6 +4,7 @@ Every check builds full inputs identical on all ranks, computes the unsharded re
 plain torch ops, runs the sharded layer on this rank's block and compares the gathered output,
 the input gradient (through split_input's backward) and every gathered parameter gradient.
 """
+
 from __future__ import annotations
 
 import math
@@ -25,8 +26,9 @@ def _grads_match(module: nn.Module, ref_grads: dict, mesh, what: str, scale: flo
         assert_close(got, ref_grads[name] * scale, f"{what}: grad of {name}")
 
 
-def check_layer(layer: nn.Module, ref: nn.Module, in_layout, out_layout, mesh, x_shape,
-                what: str) -> None:
+def check_layer(
+    layer: nn.Module, ref: nn.Module, in_layout, out_layout, mesh, x_shape, what: str
+) -> None:
     """``layer`` (sharded from ``ref``) vs ``ref``: output, input grad, parameter grads."""
     torch.manual_seed(5)
     x_full = torch.randn(x_shape)
@@ -53,8 +55,11 @@ def check_linears(mesh, batch: int) -> None:
         layer = nd.Linear2D.from_linear(lin, mesh=mesh)
         check_layer(layer, lin, "2d", "2d", mesh, (batch, S, HID), "Linear2D")
         pair = nn.Sequential(nn.Linear(HID, 8), nn.GELU(), nn.Linear(8, HID))
-        sharded = nn.Sequential(nd.Linear2D.from_linear(pair[0], mesh=mesh), nn.GELU(),
-                                nd.Linear2D.from_linear(pair[2], mesh=mesh))
+        sharded = nn.Sequential(
+            nd.Linear2D.from_linear(pair[0], mesh=mesh),
+            nn.GELU(),
+            nd.Linear2D.from_linear(pair[2], mesh=mesh),
+        )
         layout, norm_layouts, lin_cls = "2d", ["2d"], nd.Linear2D
     else:
         lin = nn.Linear(HID, 6)
@@ -64,8 +69,11 @@ def check_linears(mesh, batch: int) -> None:
         layer = nd.Linear3D.from_linear(lin, mesh=mesh, orientation="ba")
         check_layer(layer, lin, "3d-b", "3d-a", mesh, (batch, S, 8), "Linear3D ba")
         pair = nn.Sequential(nn.Linear(HID, 8), nn.GELU(), nn.Linear(8, HID))
-        sharded = nn.Sequential(nd.Linear3D.from_linear(pair[0], mesh=mesh), nn.GELU(),
-                                nd.Linear3D.from_linear(pair[2], mesh=mesh, orientation="ba"))
+        sharded = nn.Sequential(
+            nd.Linear3D.from_linear(pair[0], mesh=mesh),
+            nn.GELU(),
+            nd.Linear3D.from_linear(pair[2], mesh=mesh, orientation="ba"),
+        )
         layout, norm_layouts, lin_cls = "3d-a", ["3d-a", "3d-b"], nd.Linear3D
     check_layer(sharded, pair, layout, layout, mesh, (batch, S, HID), f"{mode} stacked pair")
 
@@ -91,8 +99,11 @@ def check_linears(mesh, batch: int) -> None:
     (emb(ids) * g_full).sum().backward()
     out = emb_nd(nd.split_input(ids, emb_nd.output_layout, mesh, feature_dim=False))
     (out * nd.split_input(g_full, emb_nd.output_layout, mesh)).sum().backward()
-    assert_close(nd.gather_output(out.detach(), emb_nd.output_layout, mesh), emb(ids).detach(),
-                 f"{mode} embedding out")
+    assert_close(
+        nd.gather_output(out.detach(), emb_nd.output_layout, mesh),
+        emb(ids).detach(),
+        f"{mode} embedding out",
+    )
     _grads_match(emb_nd, {"weight": emb.weight.grad}, mesh, f"{mode} embedding")
 
     ln_cls = nd.LayerNorm2D if mode == "2d" else nd.LayerNorm3D
@@ -104,10 +115,24 @@ def check_linears(mesh, batch: int) -> None:
             ln.weight.uniform_(0.5, 1.5)
             ln.bias.uniform_(-0.5, 0.5)
             rms.weight.uniform_(0.5, 1.5)
-        check_layer(ln_cls.from_layernorm(ln, layout=lay, mesh=mesh), ln, lay, lay, mesh,
-                    (batch, S, HID), f"{ln_cls.__name__} {lay}")
-        check_layer(rms_cls.from_layernorm(rms, layout=lay, mesh=mesh), rms, lay, lay, mesh,
-                    (batch, S, HID), f"{rms_cls.__name__} {lay}")
+        check_layer(
+            ln_cls.from_layernorm(ln, layout=lay, mesh=mesh),
+            ln,
+            lay,
+            lay,
+            mesh,
+            (batch, S, HID),
+            f"{ln_cls.__name__} {lay}",
+        )
+        check_layer(
+            rms_cls.from_layernorm(rms, layout=lay, mesh=mesh),
+            rms,
+            lay,
+            lay,
+            mesh,
+            (batch, S, HID),
+            f"{rms_cls.__name__} {lay}",
+        )
 
 
 def _ref_block(p: dict, pre: str, x: torch.Tensor) -> torch.Tensor:
@@ -121,8 +146,11 @@ def _ref_block(p: dict, pre: str, x: torch.Tensor) -> torch.Tensor:
     att = (scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v).transpose(1, 2)
     x = x + F.linear(att.reshape(b, s, h), p[pre + "attn.out.weight"], p[pre + "attn.out.bias"])
     y = F.layer_norm(x, (h,), p[pre + "ln2.weight"], p[pre + "ln2.bias"])
-    y = F.linear(F.gelu(F.linear(y, p[pre + "mlp.up.weight"], p[pre + "mlp.up.bias"])),
-                 p[pre + "mlp.down.weight"], p[pre + "mlp.down.bias"])
+    y = F.linear(
+        F.gelu(F.linear(y, p[pre + "mlp.up.weight"], p[pre + "mlp.up.bias"])),
+        p[pre + "mlp.down.weight"],
+        p[pre + "mlp.down.bias"],
+    )
     return x + y
 
 
@@ -142,8 +170,7 @@ def check_block(mesh, batch: int) -> None:
     block = TransformerBlockND(HID, HEADS, FFN, mesh=mesh)
     _randomize_norms(block)
     layout = block.input_layout
-    full = {n: t.clone().requires_grad_(True)
-            for n, t in ntp.gather_params(block, mesh).items()}
+    full = {n: t.clone().requires_grad_(True) for n, t in ntp.gather_params(block, mesh).items()}
     torch.manual_seed(1)
     x_all = torch.randn(mesh.dp_size * batch, S, HID, requires_grad=True)
     y_ref = _ref_block(full, "", x_all)
@@ -167,15 +194,16 @@ def check_model_loss(mesh, batch: int) -> None:
     """Embedding -> block -> LayerNorm -> classifier -> cross-entropy vs plain torch."""
     two = mesh.tp_mode == "2d"
     torch.manual_seed(0)
-    model = nn.ModuleDict({
-        "emb": (nd.Embedding2D if two else nd.Embedding3D)(VOCAB, HID, mesh=mesh),
-        "block": TransformerBlockND(HID, HEADS, FFN, mesh=mesh),
-        "lnf": (nd.LayerNorm2D if two else nd.LayerNorm3D)(HID, mesh=mesh),
-        "head": (nd.Classifier2D if two else nd.Classifier3D)(HID, VOCAB, mesh=mesh),
-    })
+    model = nn.ModuleDict(
+        {
+            "emb": (nd.Embedding2D if two else nd.Embedding3D)(VOCAB, HID, mesh=mesh),
+            "block": TransformerBlockND(HID, HEADS, FFN, mesh=mesh),
+            "lnf": (nd.LayerNorm2D if two else nd.LayerNorm3D)(HID, mesh=mesh),
+            "head": (nd.Classifier2D if two else nd.Classifier3D)(HID, VOCAB, mesh=mesh),
+        }
+    )
     _randomize_norms(model)
-    full = {n: t.clone().requires_grad_(True)
-            for n, t in ntp.gather_params(model, mesh).items()}
+    full = {n: t.clone().requires_grad_(True) for n, t in ntp.gather_params(model, mesh).items()}
     torch.manual_seed(2)
     ids = torch.randint(0, VOCAB, (batch, S))
     labels = torch.randint(0, VOCAB, (batch, S))
@@ -195,6 +223,7 @@ def check_model_loss(mesh, batch: int) -> None:
     loss = ce(logits_local, nd.split_input(labels, out_layout, mesh, feature_dim=False), mesh)
     loss.backward()
     assert_close(loss.detach(), loss_ref.detach(), "loss")
-    assert_close(nd.gather_output(logits_local.detach(), out_layout, mesh), logits.detach(),
-                 "logits")
+    assert_close(
+        nd.gather_output(logits_local.detach(), out_layout, mesh), logits.detach(), "logits"
+    )
     _grads_match(model, {n: t.grad for n, t in full.items()}, mesh, f"{mesh.tp_mode} model")

@@ -5,19 +5,20 @@ same exchanges, so the ranks stay in step): training options that used to hang o
 silently apart, a rank that fails locally, ``parallelize`` with different weights or options,
 replicas whose weights differ after sharding, ``from_pretrained`` with a truncated file on one
 rank, generation options. The agreeing cases must pass (no false alarm, e.g. tp shards)."""
+
 from __future__ import annotations
 
 import json
 import os
 import sys
 
+import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-import dist  # noqa: E402
+import gloo_dist  # noqa: E402
 
-COMMON = ["--device", "cpu", "--seq-len", "32", "--micro-batch", "2", "--steps", "3",
-          "--tp", "2"]
+COMMON = ["--device", "cpu", "--seq-len", "32", "--micro-batch", "2", "--steps", "3", "--tp", "2"]
 TRAIN_CASES = {  # option: (rank 0's extra arguments, rank 1's)
     "--sequence-parallel": ([], ["--sequence-parallel"]),
     "--seed": (["--seed", "0"], ["--seed", "1"]),
@@ -45,6 +46,7 @@ def _job(tmp: str) -> None:
     from neuron_tp.train.generate import run_cli
     from neuron_tp.train.loop import setup
     from neuron_tp.train.presets import build_model
+
     rank = torch.distributed.get_rank()
     res = {}
 
@@ -59,8 +61,9 @@ def _job(tmp: str) -> None:
 
     mesh = ntp.init_mesh(tp=2)
     world = mesh.group("world")
-    res["scope split"] = _outcome(lambda: check_agreement({"x": rank}, world,
-                                                          scopes={"x": [[0], [1]]}))
+    res["scope split"] = _outcome(
+        lambda: check_agreement({"x": rank}, world, scopes={"x": [[0], [1]]})
+    )
     res["scope whole"] = _outcome(lambda: check_agreement({"x": rank}, world))
 
     def parallelize(perturb: str | None = None, **kw):
@@ -90,57 +93,105 @@ def _job(tmp: str) -> None:
     hf_dir = f"{tmp}/hf" if rank == 0 else f"{tmp}/hf-truncated"
     res["from_pretrained truncated"] = _outcome(lambda: ntp.from_pretrained(hf_dir, mesh))
 
-    gen = ["--device", "cpu", "--tp", "2", "--prompt", "Hi", "--max-new-tokens", "2",
-           "--seed", str(rank)]
+    gen = [
+        "--device",
+        "cpu",
+        "--tp",
+        "2",
+        "--prompt",
+        "Hi",
+        "--max-new-tokens",
+        "2",
+        "--seed",
+        str(rank),
+    ]
     res["generate --seed"] = _outcome(lambda: run_cli(generate_parser().parse_args(gen)))
     with open(f"{tmp}/agree-{rank}.json", "w") as fh:
         json.dump(res, fh)
 
 
-def test_ranks_that_disagree_all_raise_naming_what_differs(tmp_path):
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory) -> list[dict]:
+    """Each rank's outcome of every case, from ONE 2-rank job (the cases run in sequence)."""
     from neuron_tp.train.presets import build_model
+
+    tmp_path = tmp_path_factory.mktemp("agreement")
     build_model("tiny-llama", 257, 0).save_pretrained(tmp_path / "hf")
     (tmp_path / "hf-truncated").mkdir()
     for f in ("config.json", "model.safetensors"):
         data = (tmp_path / "hf" / f).read_bytes()
-        cut = data if f == "config.json" else data[:len(data) // 2]
+        cut = data if f == "config.json" else data[: len(data) // 2]
         (tmp_path / "hf-truncated" / f).write_bytes(cut)
     (tmp_path / "latin1").mkdir()
     (tmp_path / "latin1" / "a.txt").write_bytes("café au lait\n".encode("latin-1") * 50)
-    dist.run(_job, 2, str(tmp_path))
-    r = [json.loads((tmp_path / f"agree-{k}.json").read_text()) for k in range(2)]
+    gloo_dist.run(_job, str(tmp_path), world_size=2)
+    return [json.loads((tmp_path / f"agree-{k}.json").read_text()) for k in range(2)]
 
-    for option in TRAIN_CASES:  # every rank raises, naming the option and both values
-        for k in range(2):
-            assert r[k][option].startswith("RankMismatchError"), (option, r[k][option])
-            assert f"\n  {option}: rank 0: " in r[k][option], r[k][option]
-            assert "rank 1: " in r[k][option]
-    assert "--tp: rank 0: 1; rank 1: 2" in r[0]["--tp"]
-    assert "--sequence-parallel: rank 0: false; rank 1: true" in r[1]["--sequence-parallel"]
-    # A local failure on rank 1: it raises its own error, rank 0 stops with it quoted.
+
+# how a rank words two options' values (rank whose message is checked, expected text)
+OPTION_WORDING = {
+    "--tp": (0, "--tp: rank 0: 1; rank 1: 2"),
+    "--sequence-parallel": (1, "--sequence-parallel: rank 0: false; rank 1: true"),
+}
+
+
+@pytest.mark.parametrize("option", TRAIN_CASES)
+def test_differing_train_option_raises_on_every_rank(outcomes, option):
+    """Every rank raises, naming the option and both values."""
+    r = outcomes
+    for k in range(2):
+        assert r[k][option].startswith("RankMismatchError"), (option, r[k][option])
+        assert f"\n  {option}: rank 0: " in r[k][option], r[k][option]
+        assert "rank 1: " in r[k][option]
+    if option in OPTION_WORDING:
+        k, text = OPTION_WORDING[option]
+        assert text in r[k][option]
+
+
+def test_local_failure_is_raised_on_every_rank(outcomes):
+    """A local failure on rank 1: it raises its own error, rank 0 stops with it quoted."""
+    r = outcomes
     assert r[1]["local failure"].startswith("ValueError") and "a.txt" in r[1]["local failure"]
     assert r[0]["local failure"].startswith("RankMismatchError: neuron-tp train: rank 1 failed")
     assert "not UTF-8" in r[0]["local failure"]
+
+
+def test_agreeing_ranks_pass_and_scopes(outcomes):
     for k in range(2):
-        assert r[k]["agreeing setup"] == "ok"
-        assert r[k]["scope split"] == "ok"
-        assert "x: rank 0: 0; rank 1: 1" in r[k]["scope whole"]
-        # parallelize: the differing parameter is named, the model left unsharded
-        out, sharded = r[k]["parallelize weights"]
+        assert outcomes[k]["agreeing setup"] == "ok"
+        assert outcomes[k]["scope split"] == "ok"
+        assert "x: rank 0: 0; rank 1: 1" in outcomes[k]["scope whole"]
+
+
+def test_parallelize_names_what_differs_and_leaves_the_model(outcomes):
+    for k in range(2):  # the differing parameter is named, the model left unsharded
+        out, sharded = outcomes[k]["parallelize weights"]
         assert out.startswith("RankMismatchError: parallelize(LlamaForCausalLM)") and not sharded
         assert "\n      model.layers.1.mlp.down_proj.weight: rank 0: " in out
-        out, sharded = r[k]["parallelize options"]
+        out, sharded = outcomes[k]["parallelize options"]
         assert "sequence_parallel: rank 0: false; rank 1: true" in out and not sharded
-        assert r[k]["parallelize same"] == "ok" and r[k]["replicas same"] == "ok"
-        assert "weights of replicated parameters (checksums)" in r[k]["replicas norm"]
-        assert "model.norm.weight" in r[k]["replicas norm"]
-        assert "model.layers.0.self_attn.k_proj.weight" in r[k]["replicas weights"]
-        assert "--seed: rank 0: 0; rank 1: 1" in r[k]["generate --seed"]
-    trunc = r[1]["from_pretrained truncated"]
+        assert outcomes[k]["parallelize same"] == "ok"
+
+
+def test_replicas_that_differ_after_sharding(outcomes):
+    for k in range(2):
+        assert outcomes[k]["replicas same"] == "ok"
+        assert "weights of replicated parameters (checksums)" in outcomes[k]["replicas norm"]
+        assert "model.norm.weight" in outcomes[k]["replicas norm"]
+        assert "model.layers.0.self_attn.k_proj.weight" in outcomes[k]["replicas weights"]
+
+
+def test_generate_options(outcomes):
+    for k in range(2):
+        assert "--seed: rank 0: 0; rank 1: 1" in outcomes[k]["generate --seed"]
+
+
+def test_from_pretrained_with_a_truncated_file_on_one_rank(outcomes):
+    trunc = outcomes[1]["from_pretrained truncated"]
     assert trunc.startswith("ValueError") and "hf-truncated/model.safetensors" in trunc
     assert "truncated" in trunc
-    assert r[0]["from_pretrained truncated"].startswith("RankMismatchError")
-    assert "rank 1 failed" in r[0]["from_pretrained truncated"]
+    assert outcomes[0]["from_pretrained truncated"].startswith("RankMismatchError")
+    assert "rank 1 failed" in outcomes[0]["from_pretrained truncated"]
 
 
 def _xla_ranks() -> dict:
@@ -149,14 +200,24 @@ def _xla_ranks() -> dict:
     from neuron_tp.agreement import check_agreement
     from neuron_tp.train.presets import build_model
     from xla_dist import serial
+
     mesh = ntp.init_mesh(tp=2)
     rank, world = mesh.rank, mesh.group("world")
-    res = {"same": _outcome(lambda: check_agreement({"a": 1, "b": [2, "x"]}, world)),
-           "differ": _outcome(lambda: check_agreement(
-               {"a": 1, "lr": [1e-3, 2e-3][rank], "cfg": {"h": 64, "l": 2 + rank}}, world,
-               details={"cfg": {"h": 64, "l": 2 + rank}})),
-           "failed": _outcome(lambda: check_agreement(
-               {"a": 1}, world, error=ValueError("boom on 1") if rank == 1 else None))}
+    res = {
+        "same": _outcome(lambda: check_agreement({"a": 1, "b": [2, "x"]}, world)),
+        "differ": _outcome(
+            lambda: check_agreement(
+                {"a": 1, "lr": [1e-3, 2e-3][rank], "cfg": {"h": 64, "l": 2 + rank}},
+                world,
+                details={"cfg": {"h": 64, "l": 2 + rank}},
+            )
+        ),
+        "failed": _outcome(
+            lambda: check_agreement(
+                {"a": 1}, world, error=ValueError("boom on 1") if rank == 1 else None
+            )
+        ),
+    }
     with serial():  # the global RNG is shared by the threads
         model = build_model("tiny-llama", 257, 0)
     with torch.no_grad():
@@ -167,13 +228,16 @@ def _xla_ranks() -> dict:
 
 def test_agreement_on_xla_devices():
     import xla_dist
-    ranks = xla_dist.run(_xla_ranks, 2, timeout=300)
+
+    ranks = xla_dist.run(_xla_ranks, devices=2, timeout=300)
     for r in ranks:
         assert r["same"] == "ok"
         assert "\n  lr: rank 0: 0.001; rank 1: 0.002" in r["differ"]
         assert "\n  cfg: rank 0 vs rank 1\n      l: rank 0: 2; rank 1: 3" in r["differ"]
         assert "model.norm.weight: rank 0: " in r["parallelize"]
     assert ranks[1]["failed"] == "ValueError: boom on 1"
-    assert ranks[0]["failed"] == ("RankMismatchError: the job: rank 1 failed before the ranks "
-                                  "could agree, so this rank stops too; rank 1: ValueError: "
-                                  "boom on 1")
+    assert ranks[0]["failed"] == (
+        "RankMismatchError: the job: rank 1 failed before the ranks "
+        "could agree, so this rank stops too; rank 1: ValueError: "
+        "boom on 1"
+    )

@@ -1,9 +1,11 @@
 """MLP and attention+MLP transformer blocks built from the layers, against a plain torch
 reference, with SP and with TP x DP; data-parallel gradient averaging and global grad norm."""
+
+import pytest
 import torch
 import torch.nn.functional as F
 
-import dist
+import gloo_dist
 import neuron_tp as ntp
 from neuron_tp import regions
 from reference import assert_close
@@ -21,16 +23,19 @@ def _ref_block(p, x, drop=lambda t: t):
     """The block computed from full weights with plain torch ops (independent reference)."""
     h = F.layer_norm(x, (HID,), p["ln1.weight"], p["ln1.bias"])
     qkv = F.linear(h, p["attn.qkv.weight"], p["attn.qkv.bias"])
-    q, k, v = (t.view(x.shape[0], x.shape[1], HEADS, -1).transpose(1, 2)
-               for t in qkv.chunk(3, -1))
+    q, k, v = (t.view(x.shape[0], x.shape[1], HEADS, -1).transpose(1, 2) for t in qkv.chunk(3, -1))
     scores = (q @ k.transpose(-1, -2)) / (HID // HEADS) ** 0.5
     mask = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).tril()
     att = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v
-    x = x + drop(F.linear(att.transpose(1, 2).reshape(x.shape), p["attn.out.weight"],
-                          p["attn.out.bias"]))
+    x = x + drop(
+        F.linear(att.transpose(1, 2).reshape(x.shape), p["attn.out.weight"], p["attn.out.bias"])
+    )
     h = F.layer_norm(x, (HID,), p["ln2.weight"], p["ln2.bias"])
-    h = F.linear(F.gelu(F.linear(h, p["mlp.up.weight"], p["mlp.up.bias"])),
-                 p["mlp.down.weight"], p["mlp.down.bias"])
+    h = F.linear(
+        F.gelu(F.linear(h, p["mlp.up.weight"], p["mlp.up.bias"])),
+        p["mlp.down.weight"],
+        p["mlp.down.bias"],
+    )
     return x + drop(h)
 
 
@@ -38,14 +43,14 @@ def _block(tp, sp, dropout=False):
     mesh = ntp.init_mesh(tp=tp)
     assert not (dropout and mesh.dp_size > 1), "the reference draws one mask for one batch"
     torch.manual_seed(0)
-    block = ntp.blocks.TransformerBlock(HID, HEADS, FFN, sequence_parallel=sp,
-                                        dropout=P_DROP if dropout else 0.0)
+    block = ntp.blocks.TransformerBlock(
+        HID, HEADS, FFN, sequence_parallel=sp, dropout=P_DROP if dropout else 0.0
+    )
     with torch.no_grad():  # non-trivial norm parameters
         for ln in (block.ln1, block.ln2):
             ln.weight.uniform_(0.5, 1.5)
             ln.bias.uniform_(-0.5, 0.5)
-    full = {n: t.clone().requires_grad_(True)
-            for n, t in ntp.gather_params(block, mesh).items()}
+    full = {n: t.clone().requires_grad_(True) for n, t in ntp.gather_params(block, mesh).items()}
     # every dp replica sees its own batch; the reference sees the concatenation
     torch.manual_seed(1)
     x_all = torch.randn(mesh.dp_size * B, S, HID, requires_grad=True)
@@ -78,18 +83,31 @@ def _block(tp, sp, dropout=False):
     assert_close(ntp.global_grad_norm(block, mesh), ref_norm, "global grad norm")
     norm = ntp.clip_grad_norm_(block, max_norm=0.5 * ref_norm.item(), mesh=mesh)
     assert_close(norm, ref_norm, "norm before clipping")
-    assert_close(ntp.global_grad_norm(block, mesh), 0.5 * ref_norm, "norm after clipping",
-                 atol=1e-4, rtol=1e-4)
+    assert_close(
+        ntp.global_grad_norm(block, mesh),
+        0.5 * ref_norm,
+        "norm after clipping",
+        atol=1e-4,
+        rtol=1e-4,
+    )
 
 
 def _mlp_two_layers(tp):
     """A 2-layer MLP: column -> gelu -> row, repeated, no reference to neuron_tp blocks."""
     mesh = ntp.init_mesh(tp=tp)
     torch.manual_seed(2)
-    refs = [torch.nn.Linear(HID, FFN), torch.nn.Linear(FFN, HID),
-            torch.nn.Linear(HID, FFN), torch.nn.Linear(FFN, HID)]
-    layers = [ntp.ColumnParallelLinear.from_linear(refs[0]), ntp.RowParallelLinear.from_linear(refs[1]),
-              ntp.ColumnParallelLinear.from_linear(refs[2]), ntp.RowParallelLinear.from_linear(refs[3])]
+    refs = [
+        torch.nn.Linear(HID, FFN),
+        torch.nn.Linear(FFN, HID),
+        torch.nn.Linear(HID, FFN),
+        torch.nn.Linear(FFN, HID),
+    ]
+    layers = [
+        ntp.ColumnParallelLinear.from_linear(refs[0]),
+        ntp.RowParallelLinear.from_linear(refs[1]),
+        ntp.ColumnParallelLinear.from_linear(refs[2]),
+        ntp.RowParallelLinear.from_linear(refs[3]),
+    ]
     x = torch.randn(B, S, HID)
     xr = x.clone().requires_grad_(True)
     xs = x.clone().requires_grad_(True)
@@ -104,25 +122,33 @@ def _mlp_two_layers(tp):
             assert_close(got, getattr(ref, n).grad, f"mlp d{n}")
 
 
-def _blocks_2ranks():
-    _block(2, sp=False)
-    _block(2, sp=True)
-    _block(2, sp=True, dropout=True)
-    _block(2, sp=False, dropout=True)
-    _mlp_two_layers(2)
+BLOCK_CASES = {  # world size -> case name -> check
+    2: {
+        "tp2": lambda: _block(2, sp=False),
+        "tp2-sp": lambda: _block(2, sp=True),
+        "tp2-sp-dropout": lambda: _block(2, sp=True, dropout=True),
+        "tp2-dropout": lambda: _block(2, sp=False, dropout=True),
+        "mlp_two_layers-tp2": lambda: _mlp_two_layers(2),
+    },
+    4: {
+        "tp4-sp": lambda: _block(4, sp=True),
+        "tp4-sp-dropout": lambda: _block(4, sp=True, dropout=True),
+        "tp2xdp2-sp": lambda: _block(2, sp=True),
+        "tp2xdp2": lambda: _block(2, sp=False),
+        "dp4": lambda: _block(1, sp=False),
+    },  # no tensor parallelism
+}
 
 
-def _blocks_4ranks():
-    _block(4, sp=True)   # tp=4
-    _block(4, sp=True, dropout=True)
-    _block(2, sp=True)   # tp=2 x dp=2
-    _block(2, sp=False)
-    _block(1, sp=False)  # dp=4, no tensor parallelism
+def _block_case(case: str, world: int) -> None:
+    BLOCK_CASES[world][case]()
 
 
-def test_blocks_tp2():
-    dist.run(_blocks_2ranks, 2)
-
-
-def test_blocks_tp4_and_tp2_dp2():
-    dist.run(_blocks_4ranks, 4)
+@pytest.mark.parametrize(
+    "world, case",
+    [(w, c) for w in BLOCK_CASES for c in BLOCK_CASES[w]],
+    ids=[c for w in BLOCK_CASES for c in BLOCK_CASES[w]],
+)
+def test_block(world, case):
+    """Every case of one world size in one launch (see gloo_dist.run_case), one ID each."""
+    gloo_dist.run_case(_block_case, case, world, cases=list(BLOCK_CASES[world]), world_size=world)

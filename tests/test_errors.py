@@ -1,5 +1,6 @@
 """Bad input fails fast, with a message saying what is wrong and what would be valid,
 before any collective starts (these run without any process group: a hang would be a bug)."""
+
 import pytest
 import torch
 
@@ -80,15 +81,19 @@ def test_cross_entropy_bad_shapes():
     with pytest.raises(ValueError, match="must agree"):
         ntp.parallel_cross_entropy(torch.randn(3, 5), torch.zeros(4, dtype=torch.long), mesh)
     with pytest.raises(ValueError, match="does not fit 2 shards of 5"):
-        ntp.parallel_cross_entropy(torch.randn(3, 5), torch.zeros(3, dtype=torch.long), mesh,
-                                   vocab_size=20)
+        ntp.parallel_cross_entropy(
+            torch.randn(3, 5), torch.zeros(3, dtype=torch.long), mesh, vocab_size=20
+        )
 
 
 def test_import_needs_only_torch():
     import subprocess
     import sys
-    code = ("import sys; import neuron_tp; "
-            "bad = [m for m in ('torch_xla', 'transformers', 'torch_neuronx', "
-            "'neuronx_distributed') if m in sys.modules]; assert not bad, bad")
+
+    code = (
+        "import sys; import neuron_tp; "
+        "bad = [m for m in ('torch_xla', 'transformers', 'torch_neuronx', "
+        "'neuronx_distributed') if m in sys.modules]; assert not bad, bad"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr

@@ -1,6 +1,7 @@
 """XLA path of 2D/3D tensor parallelism: the traced HLO (forward + backward) of one rank of a
 virtual mesh holds exactly the collectives of the documented schedule, with replica groups
 computed here independently from the rank layout (numpy reshapes of the world)."""
+
 import numpy as np
 import pytest
 
@@ -31,19 +32,28 @@ def _summary(colls):
 
 @pytest.mark.parametrize("world,tp,rank", [(32, 16, 21), (64, 64, 45)])
 def test_linear2d_collectives(world, tp, rank):
-    q = int(round(tp ** 0.5))
+    q = int(round(tp**0.5))
     b, s, a, c = q, 3, 4 * q, 2 * q
     grid = np.arange(world).reshape(world // tp, q, q)  # (dp, r, c)
     row = _groups(grid[d, r, :] for d in range(world // tp) for r in range(q))  # vary c
     col = _groups(grid[d, :, k] for d in range(world // tp) for k in range(q))  # vary r
-    colls = collectives_in_fresh_process(TRACE.format(
-        world=world, rank=rank, tp=tp, mode="2d", ctor=f"nd.Linear2D({a}, {c}, mesh=mesh)",
-        x_shape=(b // q, s, a // q)))
-    want = [("all-gather", (b // q, s, a), row),       # fwd: X along the row
-            ("all-gather", (c // q, a), col),          # fwd: W along the column
-            ("reduce-scatter", (b // q, s, a), row),   # bwd: dX
-            ("reduce-scatter", (c // q, a), col),      # bwd: dW
-            ("all-reduce", (c // q,), col)]            # bwd: bias grad over batch shards
+    colls = collectives_in_fresh_process(
+        TRACE.format(
+            world=world,
+            rank=rank,
+            tp=tp,
+            mode="2d",
+            ctor=f"nd.Linear2D({a}, {c}, mesh=mesh)",
+            x_shape=(b // q, s, a // q),
+        )
+    )
+    want = [
+        ("all-gather", (b // q, s, a), row),  # fwd: X along the row
+        ("all-gather", (c // q, a), col),  # fwd: W along the column
+        ("reduce-scatter", (b // q, s, a), row),  # bwd: dX
+        ("reduce-scatter", (c // q, a), col),  # bwd: dW
+        ("all-reduce", (c // q,), col),
+    ]  # bwd: bias grad over batch shards
     assert _summary(colls) == sorted(want)
     assert all(cl.dtype == "f32" for cl in colls)
     ring = sum(cl.ring_bytes for cl in colls if cl.kind != "all-reduce")
@@ -60,20 +70,28 @@ def test_linear3d_collectives(world, tp, rank):
     wgt = _groups(cube[d, i, :, l] for d in dp for i in r for l in r)
     out = _groups(cube[d, i, j, :] for d in dp for i in r for j in r)
     in_out = _groups(cube[d, :, j, :].reshape(-1) for d in dp for j in r)
-    colls = collectives_in_fresh_process(TRACE.format(
-        world=world, rank=rank, tp=tp, mode="3d",
-        ctor=f"nd.Linear3D({a}, {c}, orientation='ab', mesh=mesh)",
-        x_shape=(b // q // q, s, a // q)))
-    want = [("all-gather", (b // q, s, a // q), wgt),      # fwd: X over weight (batch)
-            ("all-gather", (c // q, a // q), inp),          # fwd: W over input
-            ("reduce-scatter", (b // q, s, c // q), out),   # fwd: Y over output (batch)
-            ("all-gather", (b // q, s, c // q), out),       # bwd: dY
-            ("reduce-scatter", (b // q, s, a // q), wgt),   # bwd: dX
-            ("reduce-scatter", (c // q, a // q), inp),      # bwd: dW
-            ("all-reduce", (c // q,), in_out)]              # bwd: bias grad over batch shards
+    colls = collectives_in_fresh_process(
+        TRACE.format(
+            world=world,
+            rank=rank,
+            tp=tp,
+            mode="3d",
+            ctor=f"nd.Linear3D({a}, {c}, orientation='ab', mesh=mesh)",
+            x_shape=(b // q // q, s, a // q),
+        )
+    )
+    want = [
+        ("all-gather", (b // q, s, a // q), wgt),  # fwd: X over weight (batch)
+        ("all-gather", (c // q, a // q), inp),  # fwd: W over input
+        ("reduce-scatter", (b // q, s, c // q), out),  # fwd: Y over output (batch)
+        ("all-gather", (b // q, s, c // q), out),  # bwd: dY
+        ("reduce-scatter", (b // q, s, a // q), wgt),  # bwd: dX
+        ("reduce-scatter", (c // q, a // q), inp),  # bwd: dW
+        ("all-reduce", (c // q,), in_out),
+    ]  # bwd: bias grad over batch shards
     assert _summary(colls) == sorted(want)
     ring = sum(cl.ring_bytes for cl in colls if cl.kind != "all-reduce")
-    assert ring == pytest.approx(2 * (q - 1) / q ** 3 * (b * s * a + a * c + b * s * c) * 4)
+    assert ring == pytest.approx(2 * (q - 1) / q**3 * (b * s * a + a * c + b * s * c) * 4)
 
 
 MODEL = """
@@ -99,15 +117,22 @@ def test_3d_model_traces_one_graph_for_all_ranks():
     import os
     import subprocess
     import sys
+
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONPATH": root}
     texts = []
     for rank in (0, 6):
-        out = subprocess.run([sys.executable, "-c", MODEL.format(rank=rank)], env=env,
-                             capture_output=True, text=True, timeout=300)
+        out = subprocess.run(
+            [sys.executable, "-c", MODEL.format(rank=rank)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert out.returncode == 0, out.stderr[-3000:]
         texts.append(out.stdout)
     assert texts[0] == texts[1]
     from neuron_tp.hlo import parse_collectives
+
     sizes = {c.group_size for c in parse_collectives(texts[0])}
     assert sizes == {2, 4}  # q = 2 axes and the q^2 batch groups; never the whole tp group

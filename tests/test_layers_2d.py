@@ -1,6 +1,7 @@
 """2D (q x q) tensor parallelism on gloo: every layer, the loss and the block against the
 unsharded computation (outputs, input grads, parameter grads), at 4 ranks and dp=2 x 4."""
-import dist
+
+import gloo_dist
 import neuron_tp as ntp
 from nd_reference import check_block, check_linears, check_model_loss
 
@@ -20,11 +21,11 @@ def _dp2_tp4():
 
 
 def test_2d_q2_layers_block_loss():
-    dist.run(_tp4, 4)
+    gloo_dist.run(_tp4, world_size=4)
 
 
 def test_2d_q2_times_dp2():
-    dist.run(_dp2_tp4, 8)
+    gloo_dist.run(_dp2_tp4, world_size=8)
 
 
 # --- bad input: clear errors before any collective (meshes without process groups, so a
@@ -34,7 +35,7 @@ import torch  # noqa: E402
 
 from neuron_tp.blocks_nd import TransformerBlockND  # noqa: E402
 from neuron_tp.layers import nd  # noqa: E402
-from neuron_tp.layers.layout_nd import tag  # noqa: E402
+from neuron_tp.layers.activation_layout import tag  # noqa: E402
 
 
 def test_bad_input_2d_3d():

@@ -1,6 +1,7 @@
 """3D (q x q x q) tensor parallelism on gloo, 8 ranks (q=2): every layer in both orientations,
 the loss and the block against the unsharded computation (outputs, input/parameter grads)."""
-import dist
+
+import gloo_dist
 import neuron_tp as ntp
 from nd_reference import check_block, check_linears, check_model_loss
 
@@ -13,4 +14,4 @@ def _tp8():
 
 
 def test_3d_q2_layers_block_loss():
-    dist.run(_tp8, 8)
+    gloo_dist.run(_tp8, world_size=8)

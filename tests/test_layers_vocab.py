@@ -1,11 +1,13 @@
 """Vocab-parallel embedding and cross-entropy against nn.Embedding / F.cross_entropy."""
+
 import itertools
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-import dist
+import gloo_dist
 import neuron_tp as ntp
 from reference import assert_close, full_param_and_grad
 
@@ -40,21 +42,29 @@ def _cross_entropy(mesh, smoothing, reduction):
     labels = torch.randint(0, V, (B, S))
     labels[0, 1] = -100
     labels[1, 2] = V - 1  # a label in the padded shard
-    ref = F.cross_entropy(logits_full.flatten(0, 1), labels.flatten(), ignore_index=-100,
-                          label_smoothing=smoothing, reduction=reduction).view(
-        labels.shape if reduction == "none" else ())
+    ref = F.cross_entropy(
+        logits_full.flatten(0, 1),
+        labels.flatten(),
+        ignore_index=-100,
+        label_smoothing=smoothing,
+        reduction=reduction,
+    ).view(labels.shape if reduction == "none" else ())
     g = torch.randn_like(ref)
     (ref * g).sum().backward()
     per_rank = -(-V // tp.size)
     padded = F.pad(logits_full.detach(), (0, per_rank * tp.size - V), value=123.0)
     local = padded.chunk(tp.size, -1)[tp.rank].clone().requires_grad_(True)
-    loss = ntp.parallel_cross_entropy(local, labels, vocab_size=V, label_smoothing=smoothing,
-                                      reduction=reduction)
+    loss = ntp.parallel_cross_entropy(
+        local, labels, vocab_size=V, label_smoothing=smoothing, reduction=reduction
+    )
     assert_close(loss, ref.detach(), f"loss smoothing={smoothing} {reduction}")
     (loss * g).sum().backward()
     grad_full = F.pad(logits_full.grad, (0, per_rank * tp.size - V))
-    assert_close(local.grad, grad_full.chunk(tp.size, -1)[tp.rank],
-                 f"dlogits smoothing={smoothing} {reduction}")
+    assert_close(
+        local.grad,
+        grad_full.chunk(tp.size, -1)[tp.rank],
+        f"dlogits smoothing={smoothing} {reduction}",
+    )
 
 
 def _lm_head_padded(mesh):
@@ -67,22 +77,42 @@ def _lm_head_padded(mesh):
     local_head = ntp.ColumnParallelLinear.from_linear(ref, pad_output=True)
     labels = torch.randint(0, V, (B, S))
     loss = ntp.parallel_cross_entropy(local_head(x), labels, vocab_size=V)
-    assert_close(loss, F.cross_entropy(ref(x).flatten(0, 1), labels.flatten()).detach(),
-                 "loss from padded lm_head")
+    assert_close(
+        loss,
+        F.cross_entropy(ref(x).flatten(0, 1), labels.flatten()).detach(),
+        "loss from padded lm_head",
+    )
 
 
-def _vocab(tp):
-    mesh = ntp.init_mesh(tp=tp)
-    for sp, pad in itertools.product([False, True], [None, 2]):
-        _embedding(mesh, sp, pad)
-    for smoothing, reduction in itertools.product([0.0, 0.1], ["mean", "sum", "none"]):
-        _cross_entropy(mesh, smoothing, reduction)
-    _lm_head_padded(mesh)
+# case name -> check(mesh)
+VOCAB_CASES = {
+    **{
+        "embedding"
+        + ("-sp" if sp else "")
+        + (f"-padding_idx{pad}" if pad is not None else ""): lambda mesh, s=sp, p=pad: _embedding(
+            mesh, s, p
+        )
+        for sp, pad in itertools.product([False, True], [None, 2])
+    },
+    **{
+        f"cross_entropy-smoothing{smoothing}-{reduction}": lambda mesh, s=smoothing, r=reduction: (
+            _cross_entropy(mesh, s, r)
+        )
+        for smoothing, reduction in itertools.product([0.0, 0.1], ["mean", "sum", "none"])
+    },
+    "lm_head_padded": _lm_head_padded,
+}
 
 
-def test_vocab_tp2():
-    dist.run(_vocab, 2, 2)
+def _vocab_case(case: str, tp: int) -> None:
+    VOCAB_CASES[case](gloo_dist.shared_mesh(tp))
 
 
-def test_vocab_tp4():
-    dist.run(_vocab, 4, 4)
+@pytest.mark.parametrize(
+    "tp, case",
+    [(tp, c) for tp in (2, 4) for c in VOCAB_CASES],
+    ids=[f"tp{tp}-{c}" for tp in (2, 4) for c in VOCAB_CASES],
+)
+def test_vocab(tp, case):
+    """Every case of one tp in one launch (see gloo_dist.run_case), one test ID each."""
+    gloo_dist.run_case(_vocab_case, case, tp, cases=list(VOCAB_CASES), world_size=tp)

@@ -2,6 +2,7 @@
 Parameter objects: ``module.to(xla_device)`` (every layer type, a patched HF model), and the
 records a checkpoint stores are the same before and after the move. The move runs on a virtual
 tp=2 / tp=4 / 2D / 3D mesh on the real XLA CPU device, in a fresh process."""
+
 from __future__ import annotations
 
 import json
@@ -12,7 +13,7 @@ import sys
 HERE = os.path.dirname(__file__)
 REPO = os.path.dirname(HERE)
 
-SCRIPT = r'''
+SCRIPT = r"""
 import json, math, torch, neuron_tp as ntp
 from torch import nn
 from neuron_tp import layers as L
@@ -72,14 +73,15 @@ for name, mesh, build in cases:
                                          if c.kind == "all-reduce")
         out[name]["sp_elems"] = sum(g.numel() for g in grads)
 print("JSON" + json.dumps(out))
-'''
+"""
 
 
 def _run_fresh(code: str) -> dict:
     """Run ``code`` on the XLA CPU device in a fresh process; its ``JSON...`` line, parsed."""
     env = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONPATH": REPO}
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("JSON"))[4:])
 
@@ -90,14 +92,22 @@ def test_records_survive_move_to_xla_device():
         assert r["same"] and r["meta_same"], f"{name}: records changed by .to(xla): {r}"
         assert r["sharded"] > 0, f"{name}: no sharded parameter recorded at all: {r}"
     # 1D: the SP row bias, the block's norms and row-parallel biases; HF: every norm under SP
-    assert sorted(res["1d"]["sp"]) == sorted([
-        "row.bias", "block.ln1.weight", "block.ln1.bias", "block.ln2.weight", "block.ln2.bias",
-        "block.attn.out.bias", "block.mlp.down.bias"])
+    assert sorted(res["1d"]["sp"]) == sorted(
+        [
+            "row.bias",
+            "block.ln1.weight",
+            "block.ln1.bias",
+            "block.ln2.weight",
+            "block.ln2.bias",
+            "block.attn.out.bias",
+            "block.mlp.down.bias",
+        ]
+    )
     assert res["1d"]["sp_sync_elems"] == res["1d"]["sp_elems"] > 0
     assert any(n.endswith("norm.weight") for n in res["hf"]["sp"])
 
 
-TIED = r'''
+TIED = r"""
 import json, torch, neuron_tp as ntp, transformers as tf
 cfg = tf.GPT2Config(vocab_size=51, n_embd=16, n_layer=1, n_head=2, n_positions=32)
 torch.manual_seed(0)
@@ -112,7 +122,7 @@ print("JSON" + json.dumps({
     "move_to": model.lm_head.weight is model.transformer.wte.weight,
     "device": str(model.lm_head.weight.device),
     "records": repr(ntp.get_sharding(model, "lm_head.weight"))}))
-'''
+"""
 
 
 def test_move_to_keeps_tied_embeddings_tied():

@@ -1,7 +1,9 @@
 """Each region function against its definition, forward and backward, on 2 and 4 gloo ranks."""
+
+import pytest
 import torch
 
-import dist
+import gloo_dist
 import neuron_tp as ntp
 from neuron_tp import regions
 from reference import assert_close
@@ -17,8 +19,8 @@ def _regions(tp):
     mesh = ntp.init_mesh(tp=tp)
     grp, r = mesh.tp, mesh.tp_rank
     base = mesh.dp_rank * tp
-    xs = _per_rank(mesh.world_size, (2, 4, 6), seed=7)[base:base + tp]
-    gs = _per_rank(mesh.world_size, (2, 4, 6), seed=8)[base:base + tp]
+    xs = _per_rank(mesh.world_size, (2, 4, 6), seed=7)[base : base + tp]
+    gs = _per_rank(mesh.world_size, (2, 4, 6), seed=8)[base : base + tp]
     cat_g = torch.cat(gs, 1)
 
     def run(fn, x, g_out):
@@ -40,25 +42,20 @@ def _regions(tp):
     y, gx = run(lambda t: regions.gather_from_tensor_parallel(t, grp, 1), xs[r], cat_g)
     assert_close(y, full, "gather fwd")
     assert_close(gx, gs[r], "gather bwd = split")
-    g_full = _per_rank(mesh.world_size, (2, 4 * tp, 6), seed=9)[base:base + tp]
+    g_full = _per_rank(mesh.world_size, (2, 4 * tp, 6), seed=9)[base : base + tp]
     y, gx = run(lambda t: regions.gather_from_sequence_parallel(t, grp, 1), xs[r], g_full[r])
     assert_close(y, full, "sp gather fwd")
     assert_close(gx, sum(g_full).chunk(tp, 1)[r], "sp gather bwd = reduce-scatter")
-    x_full = _per_rank(mesh.world_size, (2, 4 * tp, 6), seed=10)[base:base + tp]
+    x_full = _per_rank(mesh.world_size, (2, 4 * tp, 6), seed=10)[base : base + tp]
     y, gx = run(lambda t: regions.reduce_scatter_to_sequence_parallel(t, grp, 1), x_full[r], gs[r])
     assert_close(y, sum(x_full).chunk(tp, 1)[r], "reduce-scatter fwd")
     assert_close(gx, cat_g, "reduce-scatter bwd = all-gather")
     # the hidden (last) dim as well as the sequence dim
-    y, gx = run(lambda t: regions.scatter_to_tensor_parallel(t, grp, -1),
-                torch.cat(xs, -1), gs[r])
+    y, gx = run(lambda t: regions.scatter_to_tensor_parallel(t, grp, -1), torch.cat(xs, -1), gs[r])
     assert_close(y, xs[r], "scatter last-dim fwd")
     assert_close(gx, torch.cat(gs, -1), "scatter last-dim bwd")
 
 
-def test_regions_tp2():
-    dist.run(_regions, 2, 2)
-
-
-def test_regions_tp4_and_tp2_dp2():
-    dist.run(_regions, 4, 4)
-    dist.run(_regions, 4, 2)
+@pytest.mark.parametrize("tp, world_size", [(2, 2), (4, 4), (2, 4)], ids=["tp2", "tp4", "tp2xdp2"])
+def test_regions(tp, world_size):
+    gloo_dist.run(_regions, tp, world_size=world_size)

@@ -3,6 +3,7 @@ device; harness in xla_dist.py, cases in xla_multi_cases.py): every region funct
 column/row-parallel linears, vocab-parallel embedding and cross-entropy against the unsharded
 computation, at tp=2, tp=4 and tp2 x dp2. Also pins the two forms of XLA collectives: the
 channel-id form these devices execute, and the form emitted on Neuron (unchanged)."""
+
 from __future__ import annotations
 
 import os
@@ -38,11 +39,11 @@ def _check_run(results: list[dict], world: int, tps: tuple[int, ...]) -> None:
 
 
 def test_executed_tp2():
-    _check_run(xla_dist.run(xla_multi_cases.job, 2, (2,), timeout=300), 2, (2,))
+    _check_run(xla_dist.run(xla_multi_cases.job, (2,), devices=2, timeout=300), 2, (2,))
 
 
 def test_executed_tp4_and_tp2_dp2():
-    _check_run(xla_dist.run(xla_multi_cases.job, 4, (4, 2), timeout=300), 4, (4, 2))
+    _check_run(xla_dist.run(xla_multi_cases.job, (4, 2), devices=4, timeout=300), 4, (4, 2))
 
 
 NEURON_FORM = """
@@ -70,14 +71,18 @@ def test_neuron_form_unchanged():
     did, NxD's form: no channel ids, the mesh's replica groups, the token-ordered all-reduce.
     The HLO equals that of the direct torch-xla calls of that form, text for text."""
     env = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONPATH": xla_dist.REPO}
-    proc = subprocess.run([sys.executable, "-c", NEURON_FORM], env=env, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", NEURON_FORM], env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     ours, direct = proc.stdout.split("=====")
     assert ours.strip() == direct.strip()
     colls = parse_collectives(ours)
     assert [(c.kind, c.shape) for c in colls] == [
-        ("all-reduce", (3, 8)), ("all-gather", (3, 32)), ("reduce-scatter", (3, 8))]
+        ("all-reduce", (3, 8)),
+        ("all-gather", (3, 32)),
+        ("reduce-scatter", (3, 8)),
+    ]
     for c in colls:
         assert c.channel_id is None and not c.global_device_ids, c
         assert c.replica_groups == _tp_groups(8, 4), c

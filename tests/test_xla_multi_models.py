@@ -12,6 +12,7 @@ xla_dist.py, cases xla_multi_model_cases.py), each case against an unsharded CPU
   ``parallel_loss=True``; Llama also at tp2 x dp2.
 
 One process per device count (process start and compiles dominate the run time)."""
+
 from __future__ import annotations
 
 import re
@@ -23,30 +24,38 @@ SP = (False, True)
 
 
 def _run(plan: list[tuple], world: int) -> None:
-    results = xla_dist.run(cases.job, world, plan)
+    results = xla_dist.run(cases.job, plan, devices=world)
     assert [r["rank"] for r in results] == list(range(world))
     assert all(r["world"] == world for r in results)
     names = [[re.sub(r" \[rank \d+\]", "", w) for w in r["checks"]] for r in results]
     assert all(n == names[0] for n in names), "ranks ran different checks"
     for entry in plan:  # every case checked something (out, grads, ...) on every rank
         kind, tp = entry[0], entry[1]
-        tag = {"1d": f"1D block tp={tp} ", "nd": f"{entry[2]} block tp={tp} ",
-               "hf": f"HF {entry[2]} tp={tp} "}[kind]
+        tag = {
+            "1d": f"1D block tp={tp} ",
+            "nd": f"{entry[2]} block tp={tp} ",
+            "hf": f"HF {entry[2]} tp={tp} ",
+        }[kind]
         assert sum(n.startswith(tag) for n in names[0]) >= 10, (entry, names[0])
 
 
 def test_two_devices_blocks_and_hf_tp2():
-    _run([("1d", 2, sp) for sp in SP]
-         + [("hf", 2, name, sp) for name in ("llama", "qwen3", "gpt2", "falcon") for sp in SP],
-         2)
+    _run(
+        [("1d", 2, sp) for sp in SP]
+        + [("hf", 2, name, sp) for name in ("llama", "qwen3", "gpt2", "falcon") for sp in SP],
+        2,
+    )
 
 
 def test_four_devices_tp4_tp2xdp2_2d():
-    _run([("1d", 4, sp) for sp in SP] + [("1d", 2, sp) for sp in SP]
-         + [("nd", 4, "2d", 2, True)]
-         + [("hf", 4, name, sp) for name in ("llama", "falcon") for sp in SP]
-         + [("hf", 2, "llama", True)],
-         4)
+    _run(
+        [("1d", 4, sp) for sp in SP]
+        + [("1d", 2, sp) for sp in SP]
+        + [("nd", 4, "2d", 2, True)]
+        + [("hf", 4, name, sp) for name in ("llama", "falcon") for sp in SP]
+        + [("hf", 2, "llama", True)],
+        4,
+    )
 
 
 def test_eight_devices_3d_and_2d_dp2():

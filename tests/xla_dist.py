@@ -1,6 +1,6 @@
 """Run a test body on N XLA CPU devices of one process: the executed XLA multi-rank harness.
 
-``run(fn, n, *args)`` starts ONE fresh Python process with the environment of
+``run(fn, *args, devices=n)`` starts ONE fresh Python process with the environment of
 ``neuron_tp._xla.cpu_devices_env(n)`` (n CPU devices, a thread pool >= n, no buffer donation,
 LLVM -O0 compiles); it calls ``xmp.spawn``, whose child runs ``fn(*args)`` once per device,
 each in its own thread (the "ranks"), with channel-id collectives between them (see
@@ -12,6 +12,7 @@ runtime. Threads share the process: build reference modules and draw from the gl
 step. A failure on any rank fails ``run`` with that rank's traceback; a hang fails after
 ``timeout`` seconds.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -24,6 +25,7 @@ import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Callable
 
 from neuron_tp._xla import cpu_devices_env
 
@@ -56,7 +58,9 @@ def _exit_soon(grace: float) -> None:
 def _thread_main(index: int, fn, args: tuple, out_dir: str) -> None:
     """Body of each device thread (called by xmp.spawn with the device index)."""
     import torch_xla.runtime as xr
+
     import neuron_tp
+
     rank = xr.global_ordinal()
     try:
         result = fn(*args)
@@ -75,16 +79,19 @@ def _main(job_path: str) -> None:
     with open(job_path, "rb") as f:
         module, qualname, args, out_dir = pickle.load(f)
     import importlib
+
     import torch_xla.distributed.xla_multiprocessing as xmp
+
     from xla_dist import _thread_main  # by module name, not __main__: one copy in the child
+
     fn = importlib.import_module(module)
     for part in qualname.split("."):
         fn = getattr(fn, part)
     xmp.spawn(_thread_main, args=(fn, args, out_dir))
 
 
-def run(fn, n_devices: int, *args, timeout: float = 600) -> list:
-    """Call ``fn(*args)`` on ``n_devices`` XLA CPU devices (one thread each, one process);
+def run(fn: Callable[..., object], *args: object, devices: int, timeout: float = 600) -> list:
+    """Call ``fn(*args)`` on ``devices`` XLA CPU devices (one thread each, one process);
     return the per-rank results in rank order. Raises AssertionError naming every failed rank.
 
     ``fn`` must be a module-level function of an importable module (it is pickled by name);
@@ -92,18 +99,37 @@ def run(fn, n_devices: int, *args, timeout: float = 600) -> list:
     """
     module = sys.modules[fn.__module__]
     paths = [REPO, HERE, os.path.dirname(os.path.abspath(module.__file__))]
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                        "MASTER_PORT", "TORCHELASTIC_RUN_ID")}
-    env.update(cpu_devices_env(n_devices, env), OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join(paths + [env.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k
+        not in (
+            "WORLD_SIZE",
+            "RANK",
+            "LOCAL_RANK",
+            "LOCAL_WORLD_SIZE",
+            "MASTER_ADDR",
+            "MASTER_PORT",
+            "TORCHELASTIC_RUN_ID",
+        )
+    }
+    env.update(
+        cpu_devices_env(devices, env),
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join(paths + [env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+    )
     with tempfile.TemporaryDirectory(prefix="xla_dist-") as tmp:
         job = os.path.join(tmp, "job.pkl")
         _write(job, (fn.__module__, fn.__qualname__, args, tmp))
         # A new session: on timeout the whole tree (xmp.spawn's child too) is killed.
-        proc = subprocess.Popen([sys.executable, __file__, job], env=env, text=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, __file__, job],
+            env=env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         try:
             log, _ = proc.communicate(timeout=timeout)
             status = f"exit code {proc.returncode}"
@@ -121,12 +147,17 @@ def run(fn, n_devices: int, *args, timeout: float = 600) -> list:
                 with open(os.path.join(tmp, name), "rb") as f:
                     (errors if kind == "error" else results)[int(rest[:-4])] = pickle.load(f)
     if errors:
-        raise AssertionError("\n".join(f"rank {r} of {n_devices} XLA devices failed:\n{tb}"
-                                       for r, tb in sorted(errors.items())))
-    if len(results) != n_devices or status != "exit code 0":
-        raise AssertionError(f"{status}; ranks that finished: {sorted(results)} of {n_devices}"
-                             f"\n{log[-4000:]}")
-    return [results[r] for r in range(n_devices)]
+        raise AssertionError(
+            "\n".join(
+                f"rank {r} of {devices} XLA devices failed:\n{tb}"
+                for r, tb in sorted(errors.items())
+            )
+        )
+    if len(results) != devices or status != "exit code 0":
+        raise AssertionError(
+            f"{status}; ranks that finished: {sorted(results)} of {devices}\n{log[-4000:]}"
+        )
+    return [results[r] for r in range(devices)]
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ cases, then ``torch_xla.sync()`` once (one graph, compiled once per device: comp
 the run time) and compares on the CPU. The CPU references use the global RNG, shared by the threads:
 they are built inside ``xla_dist.serial()``.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -64,10 +65,10 @@ def regions_case(c: Checks) -> None:
     mesh = c.mesh
     grp, r, tp = mesh.tp, mesh.tp_rank, mesh.tp_size
     base = mesh.dp_rank * tp
-    xs = _per_rank(mesh.world_size, (2, 4, 6), seed=7)[base:base + tp]
-    gs = _per_rank(mesh.world_size, (2, 4, 6), seed=8)[base:base + tp]
-    g_full = _per_rank(mesh.world_size, (2, 4 * tp, 6), seed=9)[base:base + tp]
-    x_full = _per_rank(mesh.world_size, (2, 4 * tp, 6), seed=10)[base:base + tp]
+    xs = _per_rank(mesh.world_size, (2, 4, 6), seed=7)[base : base + tp]
+    gs = _per_rank(mesh.world_size, (2, 4, 6), seed=8)[base : base + tp]
+    g_full = _per_rank(mesh.world_size, (2, 4 * tp, 6), seed=9)[base : base + tp]
+    x_full = _per_rank(mesh.world_size, (2, 4 * tp, 6), seed=10)[base : base + tp]
     cat_g, full = torch.cat(gs, 1), torch.cat(xs, 1)
 
     def run(what, fn, x, g_out, want_y, want_gx):
@@ -78,22 +79,70 @@ def regions_case(c: Checks) -> None:
         c.add(f"{what} bwd", x.grad, want_gx)
 
     run("copy", lambda t: regions.copy_to_tensor_parallel(t, grp), xs[r], gs[r], xs[r], sum(gs))
-    run("reduce", lambda t: regions.reduce_from_tensor_parallel(t, grp), xs[r], gs[r],
-        sum(xs), gs[r])
-    run("reduce, then in place", lambda t: regions.reduce_from_tensor_parallel(t, grp).add_(1),
-        xs[r], gs[r], sum(xs) + 1, gs[r])  # Falcon's `mlp_output += attention_output`
-    run("all_reduce_fwd_all_reduce_bwd", lambda t: regions.all_reduce_fwd_all_reduce_bwd(t, grp), xs[r], gs[r],
-        sum(xs), sum(gs))
-    run("scatter seq", lambda t: regions.scatter_to_sequence_parallel(t, grp, 1), full, gs[r],
-        xs[r], cat_g)
-    run("scatter last", lambda t: regions.scatter_to_tensor_parallel(t, grp, -1),
-        torch.cat(xs, -1), gs[r], xs[r], torch.cat(gs, -1))
-    run("gather", lambda t: regions.gather_from_tensor_parallel(t, grp, 1), xs[r], cat_g,
-        full, gs[r])
-    run("sp gather", lambda t: regions.gather_from_sequence_parallel(t, grp, 1), xs[r],
-        g_full[r], full, sum(g_full).chunk(tp, 1)[r])
-    run("reduce-scatter", lambda t: regions.reduce_scatter_to_sequence_parallel(t, grp, 1),
-        x_full[r], gs[r], sum(x_full).chunk(tp, 1)[r], cat_g)
+    run(
+        "reduce",
+        lambda t: regions.reduce_from_tensor_parallel(t, grp),
+        xs[r],
+        gs[r],
+        sum(xs),
+        gs[r],
+    )
+    run(
+        "reduce, then in place",
+        lambda t: regions.reduce_from_tensor_parallel(t, grp).add_(1),
+        xs[r],
+        gs[r],
+        sum(xs) + 1,
+        gs[r],
+    )  # Falcon's `mlp_output += attention_output`
+    run(
+        "all_reduce_fwd_all_reduce_bwd",
+        lambda t: regions.all_reduce_fwd_all_reduce_bwd(t, grp),
+        xs[r],
+        gs[r],
+        sum(xs),
+        sum(gs),
+    )
+    run(
+        "scatter seq",
+        lambda t: regions.scatter_to_sequence_parallel(t, grp, 1),
+        full,
+        gs[r],
+        xs[r],
+        cat_g,
+    )
+    run(
+        "scatter last",
+        lambda t: regions.scatter_to_tensor_parallel(t, grp, -1),
+        torch.cat(xs, -1),
+        gs[r],
+        xs[r],
+        torch.cat(gs, -1),
+    )
+    run(
+        "gather",
+        lambda t: regions.gather_from_tensor_parallel(t, grp, 1),
+        xs[r],
+        cat_g,
+        full,
+        gs[r],
+    )
+    run(
+        "sp gather",
+        lambda t: regions.gather_from_sequence_parallel(t, grp, 1),
+        xs[r],
+        g_full[r],
+        full,
+        sum(g_full).chunk(tp, 1)[r],
+    )
+    run(
+        "reduce-scatter",
+        lambda t: regions.reduce_scatter_to_sequence_parallel(t, grp, 1),
+        x_full[r],
+        gs[r],
+        sum(x_full).chunk(tp, 1)[r],
+        cat_g,
+    )
     c.flush()
 
 
@@ -111,8 +160,9 @@ def column_case(c: Checks, in_f, out_f, bias, sp, gather, seed=11) -> None:
     with serial():
         torch.manual_seed(seed)
         ref = nn.Linear(in_f, out_f, bias=bias)
-        layer = ntp.ColumnParallelLinear.from_linear(ref, sequence_parallel=sp,
-                                                     gather_output=gather, mesh=c.mesh)
+        layer = ntp.ColumnParallelLinear.from_linear(
+            ref, sequence_parallel=sp, gather_output=gather, mesh=c.mesh
+        )
     gen = _data_gen(seed, c.mesh)
     x_full = torch.randn(B, S, in_f, generator=gen, requires_grad=True)
     y_ref = ref(x_full)
@@ -133,8 +183,9 @@ def row_case(c: Checks, in_f, out_f, bias, sp, parallel_in, seed=12) -> None:
     with serial():
         torch.manual_seed(seed)
         ref = nn.Linear(in_f, out_f, bias=bias)
-        layer = ntp.RowParallelLinear.from_linear(ref, sequence_parallel=sp, mesh=c.mesh,
-                                                  input_is_parallel=parallel_in)
+        layer = ntp.RowParallelLinear.from_linear(
+            ref, sequence_parallel=sp, mesh=c.mesh, input_is_parallel=parallel_in
+        )
     gen = _data_gen(seed, c.mesh)
     x_full = torch.randn(B, S, in_f, generator=gen, requires_grad=True)
     y_ref = ref(x_full)
@@ -157,15 +208,18 @@ def skip_bias_and_packed_case(c: Checks) -> None:
     with serial():
         torch.manual_seed(0)
         ref = nn.Linear(7, 2 * tp)
-        skip = ntp.ColumnParallelLinear.from_linear(ref, skip_bias_add=True, gather_output=True,
-                                                    mesh=c.mesh)
+        skip = ntp.ColumnParallelLinear.from_linear(
+            ref, skip_bias_add=True, gather_output=True, mesh=c.mesh
+        )
         torch.manual_seed(1)
         segs = (2 * tp, tp, tp)  # fused QKV-style: each segment split separately
         ref_packed = nn.Linear(5, sum(segs))
         packed = ntp.ColumnParallelLinear.from_linear(ref_packed, segments=segs, mesh=c.mesh)
     gen = _data_gen(2, c.mesh)
-    x7, x5 = torch.randn(3, 7, generator=gen), torch.randn(B, 3, 5, generator=gen,
-                                                           requires_grad=True)
+    x7, x5 = (
+        torch.randn(3, 7, generator=gen),
+        torch.randn(B, 3, 5, generator=gen, requires_grad=True),
+    )
     skip.to(dev)
     y, b = skip(_dev(x7))
     full_b = ntp.gather_full(b, ntp.get_sharding(skip, "bias"), c.mesh)
@@ -232,22 +286,34 @@ def cross_entropy_case(c: Checks, smoothing: float, reduction: str, ignore_index
     logits_full = torch.randn(B, S, V, generator=gen, requires_grad=True)
     labels = _shard_edge_ids(tp, gen, B * S).view(B, S)
     labels[1, -1] = labels[1, -4] = ignore_index
-    ref = F.cross_entropy(logits_full.flatten(0, 1), labels.flatten(), reduction=reduction,
-                          ignore_index=ignore_index, label_smoothing=smoothing)
+    ref = F.cross_entropy(
+        logits_full.flatten(0, 1),
+        labels.flatten(),
+        reduction=reduction,
+        ignore_index=ignore_index,
+        label_smoothing=smoothing,
+    )
     ref = ref.view(labels.shape) if reduction == "none" else ref
     g = torch.randn(ref.shape, generator=gen)
     (ref * g).sum().backward()
     per = -(-V // tp)
     padded = F.pad(logits_full.detach(), (0, per * tp - V), value=123.0)  # pad must not count
     local = _dev(padded.chunk(tp, -1)[r], grad=True)
-    loss = ntp.parallel_cross_entropy(local, _dev(labels), mesh=c.mesh, vocab_size=V,
-                                      ignore_index=ignore_index, label_smoothing=smoothing,
-                                      reduction=reduction)
+    loss = ntp.parallel_cross_entropy(
+        local,
+        _dev(labels),
+        mesh=c.mesh,
+        vocab_size=V,
+        ignore_index=ignore_index,
+        label_smoothing=smoothing,
+        reduction=reduction,
+    )
     (loss * _dev(g)).sum().backward()
     what = f"cross-entropy smoothing={smoothing} {reduction} ignore_index={ignore_index}"
     c.add(f"{what} loss", loss, ref)
-    c.add(f"{what} dlogits", local.grad,
-          F.pad(logits_full.grad, (0, per * tp - V)).chunk(tp, -1)[r])
+    c.add(
+        f"{what} dlogits", local.grad, F.pad(logits_full.grad, (0, per * tp - V)).chunk(tp, -1)[r]
+    )
 
 
 def lm_head_padded_case(c: Checks) -> None:
@@ -255,8 +321,9 @@ def lm_head_padded_case(c: Checks) -> None:
     with serial():
         torch.manual_seed(5)
         ref = nn.Linear(H, V, bias=False)
-        head = ntp.ColumnParallelLinear.from_linear(ref, pad_output=True, gather_output=True,
-                                                    mesh=c.mesh)
+        head = ntp.ColumnParallelLinear.from_linear(
+            ref, pad_output=True, gather_output=True, mesh=c.mesh
+        )
         local_head = ntp.ColumnParallelLinear.from_linear(ref, pad_output=True, mesh=c.mesh)
     gen = _data_gen(5, c.mesh)
     x = torch.randn(B, S, H, generator=gen)
@@ -264,10 +331,8 @@ def lm_head_padded_case(c: Checks) -> None:
     head.to(torch_xla.device())
     local_head.to(torch_xla.device())
     c.add("padded lm_head gathered", head(_dev(x)), ref(x))
-    loss = ntp.parallel_cross_entropy(local_head(_dev(x)), _dev(labels), mesh=c.mesh,
-                                      vocab_size=V)
-    c.add("loss from padded lm_head", loss, F.cross_entropy(ref(x).flatten(0, 1),
-                                                           labels.flatten()))
+    loss = ntp.parallel_cross_entropy(local_head(_dev(x)), _dev(labels), mesh=c.mesh, vocab_size=V)
+    c.add("loss from padded lm_head", loss, F.cross_entropy(ref(x).flatten(0, 1), labels.flatten()))
 
 
 def vocab_cases(c: Checks) -> None:
@@ -284,14 +349,20 @@ def collective_form(mesh) -> list:
     """Trace and run one all-reduce / all-gather / reduce-scatter on this mesh's tp group;
     returns the collectives of the traced HLO (their form) after checking the values."""
     c = Checks(mesh)
-    tp, r, dev = mesh.tp_size, mesh.tp_rank, torch_xla.device()
+    tp, r = mesh.tp_size, mesh.tp_rank
     base = mesh.dp_rank * tp
-    xs = _per_rank(mesh.world_size, (3, 4 * tp), seed=20)[base:base + tp]
-    outs = [comm.all_reduce(_dev(xs[r]), mesh.tp), comm.all_gather(_dev(xs[r]), mesh.tp, 0),
-            comm.reduce_scatter(_dev(xs[r]), mesh.tp, 1)]
+    xs = _per_rank(mesh.world_size, (3, 4 * tp), seed=20)[base : base + tp]
+    outs = [
+        comm.all_reduce(_dev(xs[r]), mesh.tp),
+        comm.all_gather(_dev(xs[r]), mesh.tp, 0),
+        comm.reduce_scatter(_dev(xs[r]), mesh.tp, 1),
+    ]
     hlo = trace_hlo(outs)
-    for what, got, want in zip(("all-reduce", "all-gather", "reduce-scatter"), outs,
-                               (sum(xs), torch.cat(xs, 0), sum(xs).chunk(tp, 1)[r])):
+    for what, got, want in zip(
+        ("all-reduce", "all-gather", "reduce-scatter"),
+        outs,
+        (sum(xs), torch.cat(xs, 0), sum(xs).chunk(tp, 1)[r]),
+    ):
         c.add(what, got, want)
     c.flush()
     return parse_collectives(hlo)

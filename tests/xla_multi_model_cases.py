@@ -13,6 +13,7 @@ parallelized deep copy of it. Each case traces forward + backward + the gathers,
 Threads share the process: references, drawings from the global RNG and transformers' lazy
 imports happen inside ``serial()``; nothing collective may run while holding it.
 """
+
 from __future__ import annotations
 
 import copy
@@ -26,8 +27,8 @@ import torch_xla
 import transformers  # noqa: F401  (imported before the device threads start)
 from torch import nn
 
-import neuron_tp as ntp
 import nd_reference as ndr
+import neuron_tp as ntp
 import test_blocks as b1d
 from neuron_tp.blocks_nd import TransformerBlockND
 from neuron_tp.hf import gather_hf_state_dict, parallelize
@@ -36,7 +37,8 @@ from neuron_tp.sharding import named_parameter_meta, shard_of
 from xla_dist import serial
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf"))
-from hf_archs import V as HF_VOCAB, build  # noqa: E402
+from hf_archs import V as HF_VOCAB  # noqa: E402
+from hf_archs import build
 
 TOL = dict(atol=2e-5, rtol=1e-5)  # seen: max |XLA - CPU| about 4e-6
 
@@ -99,11 +101,16 @@ def _check_norm(c: Checks, model, mesh, full: dict, what: str) -> None:
     c.add(f"{what} global grad norm", ntp.global_grad_norm(model, mesh), ref_norm, TOL)
     before = ntp.clip_grad_norm_(model, max_norm=0.5 * ref_norm.item(), mesh=mesh)
     c.add(f"{what} norm returned by clip", before, ref_norm, TOL)
-    c.add(f"{what} norm after clip", ntp.global_grad_norm(model, mesh), 0.5 * ref_norm,
-          dict(atol=1e-4, rtol=1e-4))
+    c.add(
+        f"{what} norm after clip",
+        ntp.global_grad_norm(model, mesh),
+        0.5 * ref_norm,
+        dict(atol=1e-4, rtol=1e-4),
+    )
 
 
 # --- 1D blocks ------------------------------------------------------------------------------
+
 
 def block_1d_case(c: Checks, mesh, sp: bool) -> None:
     """neuron_tp.blocks.TransformerBlock vs tests/test_blocks.py's plain-torch block; each dp
@@ -112,8 +119,9 @@ def block_1d_case(c: Checks, mesh, sp: bool) -> None:
     what = f"1D block tp={tp} dp={dp} sp={sp} [rank {mesh.rank}]"
     with serial():
         torch.manual_seed(0)
-        block = ntp.blocks.TransformerBlock(b1d.HID, b1d.HEADS, b1d.FFN, mesh=mesh,
-                                            sequence_parallel=sp)
+        block = ntp.blocks.TransformerBlock(
+            b1d.HID, b1d.HEADS, b1d.FFN, mesh=mesh, sequence_parallel=sp
+        )
     full = _load_drawn_weights(block, mesh, seed=11)
     for t in full.values():
         t.requires_grad_(True)
@@ -138,6 +146,7 @@ def block_1d_case(c: Checks, mesh, sp: bool) -> None:
 
 
 # --- 2D / 3D blocks -------------------------------------------------------------------------
+
 
 def block_nd_case(c: Checks, mesh, batch: int) -> None:
     """TransformerBlockND vs tests/nd_reference.py's plain-torch block (split_input /
@@ -177,12 +186,16 @@ def model_nd_case(c: Checks, mesh, batch: int) -> None:
     what = f"{mesh.tp_mode} model loss tp={mesh.tp_size} [rank {mesh.rank}]"
     with serial():
         torch.manual_seed(0)
-        model = nn.ModuleDict({
-            "emb": (nd.Embedding2D if two else nd.Embedding3D)(ndr.VOCAB, ndr.HID, mesh=mesh),
-            "block": TransformerBlockND(ndr.HID, ndr.HEADS, ndr.FFN, mesh=mesh),
-            "lnf": (nd.LayerNorm2D if two else nd.LayerNorm3D)(ndr.HID, mesh=mesh),
-            "head": (nd.Classifier2D if two else nd.Classifier3D)(ndr.HID, ndr.VOCAB, mesh=mesh),
-        })
+        model = nn.ModuleDict(
+            {
+                "emb": (nd.Embedding2D if two else nd.Embedding3D)(ndr.VOCAB, ndr.HID, mesh=mesh),
+                "block": TransformerBlockND(ndr.HID, ndr.HEADS, ndr.FFN, mesh=mesh),
+                "lnf": (nd.LayerNorm2D if two else nd.LayerNorm3D)(ndr.HID, mesh=mesh),
+                "head": (nd.Classifier2D if two else nd.Classifier3D)(
+                    ndr.HID, ndr.VOCAB, mesh=mesh
+                ),
+            }
+        )
     full = _load_drawn_weights(model, mesh, seed=31)
     for t in full.values():
         t.requires_grad_(True)
@@ -201,16 +214,15 @@ def model_nd_case(c: Checks, mesh, batch: int) -> None:
     x = model["emb"](nd.split_input(_dev(ids), in_layout, mesh, feature_dim=False))
     logits_local = model["head"](model["lnf"](model["block"](x)))
     ce = nd.cross_entropy_2d if two else nd.cross_entropy_3d
-    loss = ce(logits_local, nd.split_input(_dev(labels), out_layout, mesh, feature_dim=False),
-              mesh)
+    loss = ce(logits_local, nd.split_input(_dev(labels), out_layout, mesh, feature_dim=False), mesh)
     loss.backward()
     c.add(f"{what} loss", loss, loss_ref, TOL)
-    c.add(f"{what} logits", nd.gather_output(logits_local.detach(), out_layout, mesh), logits,
-          TOL)
+    c.add(f"{what} logits", nd.gather_output(logits_local.detach(), out_layout, mesh), logits, TOL)
     _check_params_and_grads(c, model, mesh, full, what)
 
 
 # --- HF models ------------------------------------------------------------------------------
+
 
 def hf_case(c: Checks, mesh, name: str, sp: bool) -> None:
     """A patched transformers model vs the model itself: full logits (parallelize without
@@ -253,9 +265,14 @@ def hf_case(c: Checks, mesh, name: str, sp: bool) -> None:
 
 # --- jobs (one per device count) ------------------------------------------------------------
 
+
 def _summary(c: Checks, mesh) -> dict:
-    return {"rank": mesh.rank, "world": mesh.world_size, "checks": [w for w, _ in c.done],
-            "max_err": max(e for _, e in c.done)}
+    return {
+        "rank": mesh.rank,
+        "world": mesh.world_size,
+        "checks": [w for w, _ in c.done],
+        "max_err": max(e for _, e in c.done),
+    }
 
 
 def job(plan: list[tuple]) -> dict:

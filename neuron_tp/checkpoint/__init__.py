@@ -18,6 +18,7 @@ Modules: :mod:`.format` (names, checksums, durable writes), :mod:`.agree` (failu
 :mod:`.writer` (save), :mod:`.reader` (load), :mod:`.merge` (consolidate), :mod:`.reshard`
 (layouts), :mod:`.outdir` (output directory checks, job lock, resume plan).
 """
+
 from __future__ import annotations
 
 from .format import FORMAT, CheckpointError, latest, read_meta
@@ -25,5 +26,13 @@ from .merge import consolidate
 from .reader import load
 from .writer import dry_run_save, save
 
-__all__ = ["save", "load", "latest", "consolidate", "read_meta", "dry_run_save",
-           "CheckpointError", "FORMAT"]
+__all__ = [
+    "save",
+    "load",
+    "latest",
+    "consolidate",
+    "read_meta",
+    "dry_run_save",
+    "CheckpointError",
+    "FORMAT",
+]

@@ -4,6 +4,7 @@ A failure on one rank must not leave the others waiting in a collective the fail
 never reaches: each phase of a save, a load or the startup checks catches *any* exception,
 then every rank calls :func:`agree`, which raises on every rank when any rank failed.
 """
+
 from __future__ import annotations
 
 import torch
@@ -25,14 +26,15 @@ def _encode(rank: int, world: int, text: str | None) -> torch.Tensor:
     buf = torch.zeros(world * MESSAGE_BYTES)
     if text is not None:
         data = text.encode("utf-8")[: MESSAGE_BYTES - 2]
-        row = buf[rank * MESSAGE_BYTES:(rank + 1) * MESSAGE_BYTES]
+        row = buf[rank * MESSAGE_BYTES : (rank + 1) * MESSAGE_BYTES]
         row[0], row[1] = 1.0, float(len(data))
-        row[2:2 + len(data)] = torch.tensor(list(data), dtype=torch.float32)
+        row[2 : 2 + len(data)] = torch.tensor(list(data), dtype=torch.float32)
     return buf
 
 
 def _has_store(group) -> bool:
     import torch.distributed as dist
+
     return not group.virtual and dist.is_available() and dist.is_initialized()
 
 
@@ -50,22 +52,30 @@ def agree(mesh: Mesh, device: torch.device, what: str, error: BaseException | No
         # replica 0 writing files while the others wait) trip no device collective timeout.
         sent = b"" if mine is None else b"!" + mine.encode()[:MESSAGE_BYTES]
         texts = comm.host_all_gather("checkpoint", sent, world)
-        failed.update({r: t[1:].decode("utf-8", "replace") for r, t in enumerate(texts)
-                       if t and r not in failed})
+        failed.update(
+            {
+                r: t[1:].decode("utf-8", "replace")
+                for r, t in enumerate(texts)
+                if t and r not in failed
+            }
+        )
     elif world.size > 1:
         rows = comm.all_reduce(_encode(world.rank, world.size, mine).to(device), world).cpu()
         rows = rows.view(world.size, MESSAGE_BYTES)
         for r in range(world.size):
             if rows[r, 0] > 0 and r not in failed:
                 n = int(rows[r, 1])
-                failed[r] = bytes(int(v) for v in rows[r, 2:2 + n]).decode("utf-8", "replace")
+                failed[r] = bytes(int(v) for v in rows[r, 2 : 2 + n]).decode("utf-8", "replace")
     if not failed:
         return
     first = world.rank if mine is not None else min(failed)
     if world.size > 1 and len(failed) == world.size:  # e.g. a path no rank can write
         raise CheckpointError(f"{what} failed on every rank: {failed[first]}") from error
     others = sorted(world.ranks[r] for r in set(failed) - {first})
-    also = f" (also failed on rank{'s' if len(others) > 1 else ''} " \
-           f"{', '.join(map(str, others))})" if others else ""
+    also = (
+        f" (also failed on rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))})"
+        if others
+        else ""
+    )
     exc = CheckpointError(f"{what} failed on rank {world.ranks[first]}: {failed[first]}{also}")
     raise exc from error

@@ -5,6 +5,7 @@ Every safetensors file a checkpoint writes carries, in its header metadata under
 damaged or misplaced file is refused on load and consolidate, naming file and tensor. CRC-32
 (zlib, ~2.4 GB/s here, 3x sha256) because it guards against storage damage, not tampering.
 """
+
 from __future__ import annotations
 
 import json
@@ -36,8 +37,9 @@ def step_dirs(root: str) -> list[int]:
 
 def latest(root: str) -> str | None:
     """The newest complete checkpoint under ``root`` (None when there is none)."""
-    done = [s for s in step_dirs(root)
-            if os.path.exists(os.path.join(root, step_name(s), "meta.json"))]
+    done = [
+        s for s in step_dirs(root) if os.path.exists(os.path.join(root, step_name(s), "meta.json"))
+    ]
     return os.path.join(root, step_name(done[-1])) if done else None
 
 
@@ -83,6 +85,7 @@ def write_text(path: str, text: str) -> None:
 def write_tensors(path: str, tensors: dict[str, torch.Tensor], info: dict) -> None:
     """safetensors file with a checksum of every tensor and ``info`` in its header; fsynced."""
     from safetensors import torch as st
+
     record = {**info, "crc32": {k: checksum(t) for k, t in tensors.items()}}
     st.save_file(tensors, path, metadata={"format": "pt", "neuron_tp": json.dumps(record)})
     fsync(path)
@@ -109,10 +112,14 @@ def verify(path: str, key: str, t: torch.Tensor, record: dict | None) -> torch.T
         return t
     want = record["crc32"].get(key)
     if want is None:
-        raise CheckpointError(f"{path}: tensor {key!r} has no checksum in the file header "
-                              "(the file does not belong to this checkpoint, or is damaged)")
+        raise CheckpointError(
+            f"{path}: tensor {key!r} has no checksum in the file header "
+            "(the file does not belong to this checkpoint, or is damaged)"
+        )
     got = checksum(t)
     if got != want:
-        raise CheckpointError(f"{path}: tensor {key!r} is damaged (CRC-32 {got}, recorded "
-                              f"{want}); restore the file or use an earlier checkpoint")
+        raise CheckpointError(
+            f"{path}: tensor {key!r} is damaged (CRC-32 {got}, recorded "
+            f"{want}); restore the file or use an earlier checkpoint"
+        )
     return t

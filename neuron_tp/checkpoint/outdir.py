@@ -8,6 +8,7 @@
   taken over with a warning; a live one makes the second job fail naming the holder;
 - the run's planned checkpoints do not collide or interleave with later existing ones.
 """
+
 from __future__ import annotations
 
 import json
@@ -33,12 +34,15 @@ def check_writable(directory: str, tag: str = "") -> None:
         above = directory
         while above and not os.path.lexists(above):
             above = os.path.dirname(above)
-        raise CheckpointError(f"{above or directory} is a file, not a directory: cannot create "
-                              f"{directory}; choose another --output-dir") from None
+        raise CheckpointError(
+            f"{above or directory} is a file, not a directory: cannot create "
+            f"{directory}; choose another --output-dir"
+        ) from None
     except OSError as e:
-        raise CheckpointError(f"cannot create {directory}: {e.strerror or e} "
-                              f"({e.filename or directory}); choose a writable --output-dir") \
-            from None
+        raise CheckpointError(
+            f"cannot create {directory}: {e.strerror or e} "
+            f"({e.filename or directory}); choose a writable --output-dir"
+        ) from None
     probe = os.path.join(directory, f".write-test-{socket.gethostname()}-{os.getpid()}{tag}")
     try:
         with open(probe, "wb") as fh:
@@ -47,8 +51,9 @@ def check_writable(directory: str, tag: str = "") -> None:
             os.fsync(fh.fileno())
         os.remove(probe)
     except OSError as e:
-        raise CheckpointError(f"cannot write into {directory}: {e.strerror or e}; choose a "
-                              "writable --output-dir") from None
+        raise CheckpointError(
+            f"cannot write into {directory}: {e.strerror or e}; choose a writable --output-dir"
+        ) from None
 
 
 def _proc_start(pid: int) -> str | None:
@@ -95,9 +100,16 @@ class OutputLock:
 
     def _record(self) -> dict:
         pid = os.getpid()
-        return {"pid": pid, "host": socket.gethostname(), "boot_id": _boot_id(),
-                "proc_start": _proc_start(pid), "token": self.token, "run_id": _run_id(),
-                "started": time.strftime("%Y-%m-%d %H:%M:%S %z"), "argv": sys.argv[:8]}
+        return {
+            "pid": pid,
+            "host": socket.gethostname(),
+            "boot_id": _boot_id(),
+            "proc_start": _proc_start(pid),
+            "token": self.token,
+            "run_id": _run_id(),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+            "argv": sys.argv[:8],
+        }
 
     def _read_holder(self) -> dict | None:
         for _ in range(20):  # a lock being written by its creator: wait for the content
@@ -154,8 +166,10 @@ class OutputLock:
                     os.remove(stale)
                 except FileNotFoundError:
                     continue
-                note = (f"took over the stale lock {self.path} of pid {holder.get('pid')} on "
-                        f"{holder.get('host')} (since {holder.get('started')}): {why}")
+                note = (
+                    f"took over the stale lock {self.path} of pid {holder.get('pid')} on "
+                    f"{holder.get('host')} (since {holder.get('started')}): {why}"
+                )
                 continue
             with os.fdopen(fd, "w") as fh:
                 json.dump(self._record(), fh)
@@ -166,18 +180,24 @@ class OutputLock:
             if note:
                 warnings.warn(note, RuntimeWarning, stacklevel=2)
             return note
-        raise CheckpointError(f"could not take the lock {self.path} (it keeps changing): is "
-                              "another job starting in the same --output-dir?")
+        raise CheckpointError(
+            f"could not take the lock {self.path} (it keeps changing): is "
+            "another job starting in the same --output-dir?"
+        )
 
     def _held_message(self, h: dict) -> str:
         if not h:
-            return (f"{self.path} exists but is unreadable: another job may be using this "
-                    f"--output-dir; if none is, delete {self.path}")
-        return (f"--output-dir {os.path.dirname(self.path)} is in use by another job: "
-                f"{self.path} is held by pid {h.get('pid')} on host {h.get('host')} since "
-                f"{h.get('started')} (command: {' '.join(map(str, h.get('argv') or []))}). "
-                f"Use another --output-dir, or wait for that job; if it is no longer running, "
-                f"delete {self.path}")
+            return (
+                f"{self.path} exists but is unreadable: another job may be using this "
+                f"--output-dir; if none is, delete {self.path}"
+            )
+        return (
+            f"--output-dir {os.path.dirname(self.path)} is in use by another job: "
+            f"{self.path} is held by pid {h.get('pid')} on host {h.get('host')} since "
+            f"{h.get('started')} (command: {' '.join(map(str, h.get('argv') or []))}). "
+            f"Use another --output-dir, or wait for that job; if it is no longer running, "
+            f"delete {self.path}"
+        )
 
     def _beat(self) -> None:
         while not self._stop.wait(self.heartbeat):
@@ -200,8 +220,9 @@ class OutputLock:
                 pass
 
 
-def check_resume_plan(root: str, resumed: str | None, start: int, steps: int,
-                      save_every: int) -> None:
+def check_resume_plan(
+    root: str, resumed: str | None, start: int, steps: int, save_every: int
+) -> None:
     """Refuse a run whose checkpoints would collide or interleave with later ones in
     ``root``: it resumes at step ``start`` (from ``resumed``) and saves every ``save_every``
     steps (0: only at the end) up to ``steps``."""
@@ -214,11 +235,16 @@ def check_resume_plan(root: str, resumed: str | None, start: int, steps: int,
     clash = sorted((planned | {steps}) & set(later))
     names = ", ".join(step_name(s) for s in later)
     src = f"resuming from {resumed} (step {start})" if resumed else "starting at step 0"
-    collide = (f" This run (--steps {steps} --save-every {save_every}) would write "
-               f"{', '.join(step_name(s) for s in clash)} again, and checkpoints are never "
-               "overwritten." if clash else "")
+    collide = (
+        f" This run (--steps {steps} --save-every {save_every}) would write "
+        f"{', '.join(step_name(s) for s in clash)} again, and checkpoints are never "
+        "overwritten."
+        if clash
+        else ""
+    )
     raise CheckpointError(
         f"{src}, but {root} already holds later checkpoints: {names}.{collide} The run's "
         "checkpoints would mix with those (--keep-last and --resume auto go by step number). "
         "Continue from the newest with --resume auto, branch off into a new --output-dir "
-        "(--resume accepts a checkpoint anywhere), or move the later step directories away.")
+        "(--resume accepts a checkpoint anywhere), or move the later step directories away."
+    )

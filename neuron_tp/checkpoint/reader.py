@@ -5,6 +5,7 @@ state and checks the scheduler state, modifying nothing; an exception of any typ
 makes every rank raise (model, optimizer, scheduler and RNG untouched everywhere). Phase 2
 applies what was staged.
 """
+
 from __future__ import annotations
 
 import copy
@@ -34,6 +35,7 @@ class Shards:
 
     def _open(self, tp_rank: int):
         from safetensors import safe_open
+
         if tp_rank not in self.handles:
             f = self.file(tp_rank)
             try:
@@ -42,11 +44,15 @@ class Shards:
             except Exception as e:  # noqa: BLE001 - missing/corrupt file: one clear message
                 raise CheckpointError(f"{f}: unreadable checkpoint shard ({e})") from None
             rec = file_record(f, header)
-            if rec is not None and (rec.get("tp_rank") != tp_rank or
-                                    (self.step is not None and rec.get("step") != self.step)):
-                raise CheckpointError(f"{f}: holds tp rank {rec.get('tp_rank')} of step "
-                                      f"{rec.get('step')}, expected tp rank {tp_rank} of step "
-                                      f"{self.step} (a file from another checkpoint?)")
+            if rec is not None and (
+                rec.get("tp_rank") != tp_rank
+                or (self.step is not None and rec.get("step") != self.step)
+            ):
+                raise CheckpointError(
+                    f"{f}: holds tp rank {rec.get('tp_rank')} of step "
+                    f"{rec.get('step')}, expected tp rank {tp_rank} of step "
+                    f"{self.step} (a file from another checkpoint?)"
+                )
             self.handles[tp_rank] = (handle, rec)
         return self.handles[tp_rank]
 
@@ -55,8 +61,9 @@ class Shards:
         try:
             t = handle.get_tensor(key)
         except Exception as e:  # noqa: BLE001
-            raise CheckpointError(f"{self.file(tp_rank)}: tensor {key!r} missing or unreadable "
-                                  f"({e})") from None
+            raise CheckpointError(
+                f"{self.file(tp_rank)}: tensor {key!r} missing or unreadable ({e})"
+            ) from None
         return verify(self.file(tp_rank), key, t, rec)
 
     def keys(self, tp_rank: int) -> set[str]:
@@ -72,14 +79,19 @@ def _check_model(meta: dict, model: torch.nn.Module, path: str) -> None:
     names = {n: (p, m) for n, p, m in named_parameter_meta(model)}
     missing, unexpected = sorted(set(names) - set(saved)), sorted(set(saved) - set(names))
     if missing or unexpected:
-        raise CheckpointError(f"{path} does not match the model: parameters missing from the "
-                              f"checkpoint {missing[:5]}, not in the model {unexpected[:5]}")
-    wrong = [(n, saved[n]["logical_shape"], list(logical_shape(p, m)))
-             for n, (p, m) in names.items()
-             if saved[n]["logical_shape"] != list(logical_shape(p, m))]
+        raise CheckpointError(
+            f"{path} does not match the model: parameters missing from the "
+            f"checkpoint {missing[:5]}, not in the model {unexpected[:5]}"
+        )
+    wrong = [
+        (n, saved[n]["logical_shape"], list(logical_shape(p, m)))
+        for n, (p, m) in names.items()
+        if saved[n]["logical_shape"] != list(logical_shape(p, m))
+    ]
     if wrong:
-        raise CheckpointError(f"{path} does not match the model (name, saved shape, model "
-                              f"shape): {wrong[:5]}")
+        raise CheckpointError(
+            f"{path} does not match the model (name, saved shape, model shape): {wrong[:5]}"
+        )
 
 
 @dataclass
@@ -96,8 +108,10 @@ def _read_tensors(path: str, meta: dict, model, optimizer, mesh: Mesh) -> tuple[
     saved_mesh = meta["mesh"]
     same = saved_mesh["tp"] == mesh.tp_size and saved_mesh["tp_mode"] == mesh.tp_mode
     if not same and saved_mesh["tp_mode"] != "1d":
-        raise CheckpointError(f"{path} was saved with tp_mode={saved_mesh['tp_mode']!r} tp="
-                              f"{saved_mesh['tp']}; it can only be loaded with the same layout")
+        raise CheckpointError(
+            f"{path} was saved with tp_mode={saved_mesh['tp_mode']!r} tp="
+            f"{saved_mesh['tp']}; it can only be loaded with the same layout"
+        )
     shards = Shards(path, saved_mesh["tp"], meta.get("step"))
 
     def piece(name: str, key: str, pmeta: ParamMeta) -> torch.Tensor:
@@ -112,24 +126,41 @@ def _read_tensors(path: str, meta: dict, model, optimizer, mesh: Mesh) -> tuple[
     for name, p, pmeta in named_parameter_meta(model):
         t = piece(name, f"model/{name}", pmeta)
         if tuple(t.shape) != tuple(p.shape):
-            raise CheckpointError(f"{path}: {name} has shape {tuple(t.shape)} for this rank, "
-                                  f"the model's is {tuple(p.shape)}")
+            raise CheckpointError(
+                f"{path}: {name} has shape {tuple(t.shape)} for this rank, "
+                f"the model's is {tuple(p.shape)}"
+            )
         params[name] = t
         if optimizer is not None:
-            keys = [k for k in ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
-                    if f"optim/{name}/{k}" in optim_keys]
-            optim[name] = {k: (shards.get(src, f"optim/{name}/{k}") if k == "step"
-                               else piece(name, f"optim/{name}/{k}", pmeta)) for k in keys}
-    if optimizer is not None and meta["optimizer"] and \
-            meta["optimizer"]["groups"] != len(optimizer.param_groups):
-        raise CheckpointError(f"{path}: optimizer had {meta['optimizer']['groups']} parameter "
-                              f"groups, this one has {len(optimizer.param_groups)}")
+            keys = [
+                k
+                for k in ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+                if f"optim/{name}/{k}" in optim_keys
+            ]
+            optim[name] = {
+                k: (
+                    shards.get(src, f"optim/{name}/{k}")
+                    if k == "step"
+                    else piece(name, f"optim/{name}/{k}", pmeta)
+                )
+                for k in keys
+            }
+    if (
+        optimizer is not None
+        and meta["optimizer"]
+        and meta["optimizer"]["groups"] != len(optimizer.param_groups)
+    ):
+        raise CheckpointError(
+            f"{path}: optimizer had {meta['optimizer']['groups']} parameter "
+            f"groups, this one has {len(optimizer.param_groups)}"
+        )
     return params, optim
 
 
 def _read_rng(path: str, rank: int) -> tuple:
     """This rank's RNG states, checked by applying them to throwaway generators."""
     from safetensors import safe_open
+
     base = os.path.join(path, f"rng-rank{rank:05d}")
     try:
         with safe_open(base + ".safetensors", "pt") as fh:
@@ -160,8 +191,9 @@ def _stage(path: str, model, optimizer, scheduler, mesh: Mesh, restore_rng: bool
         try:  # on a shallow copy: the scheduler itself is not touched
             copy.copy(scheduler).load_state_dict(copy.deepcopy(meta["scheduler"]))
         except Exception as e:  # noqa: BLE001
-            raise CheckpointError(f"{path}: scheduler state does not fit "
-                                  f"{type(scheduler).__name__} ({e})") from None
+            raise CheckpointError(
+                f"{path}: scheduler state does not fit {type(scheduler).__name__} ({e})"
+            ) from None
     rng = None
     if restore_rng and meta["mesh"]["world_size"] == mesh.world_size:
         rng = _read_rng(path, mesh.rank)
@@ -176,13 +208,15 @@ def _apply(model, optimizer, scheduler, s: Staged) -> None:
         random.setstate(s.rng[1])
         if s.rng[2] is not None:
             import torch_xla.core.xla_model as xm
+
             xm.set_rng_state(s.rng[2])
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(s.params[name].to(p.dtype))
     if optimizer is not None:
-        capturable = {id(p): g.get("capturable", False) for g in optimizer.param_groups
-                      for p in g["params"]}
+        capturable = {
+            id(p): g.get("capturable", False) for g in optimizer.param_groups for p in g["params"]
+        }
         for name, p in model.named_parameters():
             st = {}
             for k, v in s.optim.get(name, {}).items():
@@ -192,8 +226,14 @@ def _apply(model, optimizer, scheduler, s: Staged) -> None:
                 optimizer.state[p] = st
 
 
-def load(path: str, model: torch.nn.Module, optimizer=None, scheduler=None,
-         mesh: Mesh | None = None, restore_rng: bool = True) -> dict:
+def load(
+    path: str,
+    model: torch.nn.Module,
+    optimizer=None,
+    scheduler=None,
+    mesh: Mesh | None = None,
+    restore_rng: bool = True,
+) -> dict:
     """Load checkpoint ``path`` into ``model`` (and optimizer, scheduler, RNG); returns its
     metadata. A different tp degree is resharded from the files. Everything is read and
     verified (checksums) before anything is modified; any failure on any rank raises

@@ -1,11 +1,12 @@
 """Turning saved tensor-parallel shards back into full tensors and into the shards of a
 (possibly different) layout, without collectives: everything is read from the files."""
+
 from __future__ import annotations
 
 import torch
 
 from ..mesh import Mesh
-from ..sharding import ParamMeta, Sharding, shard_of
+from ..sharding import ParamMeta, Sharding, join_shards, shard_of, trim_padding
 
 
 def sharding_record(meta: ParamMeta) -> dict | None:
@@ -13,8 +14,11 @@ def sharding_record(meta: ParamMeta) -> dict | None:
     sh = meta.sharding
     rec = None
     if sh is not None:
-        rec = {"splits": [list(s) for s in sh.splits], "full_shape": list(sh.full_shape),
-               "segments": list(sh.segments) if sh.segments else None}
+        rec = {
+            "splits": [list(s) for s in sh.splits],
+            "full_shape": list(sh.full_shape),
+            "segments": list(sh.segments) if sh.segments else None,
+        }
     return rec
 
 
@@ -23,8 +27,10 @@ def hf_record(meta: ParamMeta) -> dict | None:
     lay = meta.hf_layout
     if lay is None:
         return None
-    return {"transpose": lay.transpose,
-            "keep_rows": list(lay.keep_rows) if lay.keep_rows is not None else None}
+    return {
+        "transpose": lay.transpose,
+        "keep_rows": list(lay.keep_rows) if lay.keep_rows is not None else None,
+    }
 
 
 def full_shape(p: torch.Tensor, meta: ParamMeta) -> tuple[int, ...]:
@@ -52,42 +58,37 @@ def assemble(shards: list[torch.Tensor], record: dict | None) -> torch.Tensor:
         return shards[0]
     splits = [tuple(s) for s in record["splits"]]
     if len(splits) != 1 or splits[0][0] != "tp":
-        raise ValueError(f"cannot reshard a tensor split over {splits}: only 1D tensor-parallel "
-                         "layouts (one split over 'tp') can be loaded at another tp degree")
-    dim = splits[0][1]
-    if record.get("segments"):
-        n = len(shards)
-        per_rank = [s // n for s in record["segments"]]
-        pieces = [s.split(per_rank, dim) for s in shards]
-        t = torch.cat([pieces[r][i] for i in range(len(per_rank)) for r in range(n)], dim)
-    else:
-        t = torch.cat(shards, dim)
-    for d, size in enumerate(record["full_shape"]):
-        if t.shape[d] != size:
-            t = t.narrow(d, 0, size)
-    return t
+        raise ValueError(
+            f"cannot reshard a tensor split over {splits}: only 1D tensor-parallel "
+            "layouts (one split over 'tp') can be loaded at another tp degree"
+        )
+    t = join_shards(shards, splits[0][1], record.get("segments"))
+    return trim_padding(t, record["full_shape"])
 
 
 def to_hf(full: torch.Tensor, hf: dict | None) -> torch.Tensor:
     """The HF-named tensor from an assembled one (drops replicated kv rows, un-transposes)."""
     if hf is None:
         return full
-    from ..hf.layout import HFLayout, to_hf as _to_hf
+    from ..hf.slice_map import HFSliceMap
+    from ..hf.slice_map import to_hf as _to_hf
+
     keep = tuple(hf["keep_rows"]) if hf["keep_rows"] is not None else None
-    return _to_hf(full, HFLayout(0, (), hf["transpose"], keep))
+    return _to_hf(full, HFSliceMap(0, (), hf["transpose"], keep))
 
 
-def local_piece(full: torch.Tensor, hf: dict | None, meta: ParamMeta, mesh: Mesh
-                ) -> torch.Tensor:
+def local_piece(full: torch.Tensor, hf: dict | None, meta: ParamMeta, mesh: Mesh) -> torch.Tensor:
     """This rank's piece, for a parameter of the current model recorded as ``meta``, of the
     saved tensor ``full`` (assembled; ``hf`` its HF record or None)."""
     layout = meta.hf_layout
     if layout is not None:  # an HF-parallelized parameter: slice the HF tensor like loading
-        from ..hf.layout import read_local
+        from ..hf.slice_map import read_local
+
         hf_full = to_hf(full, hf)
 
         def read(dim, start, stop):
             return hf_full if dim is None else hf_full.narrow(dim, start, stop - start)
+
         return read_local(read, tuple(hf_full.shape), layout)
     sh = meta.sharding
     if sh is None:  # replicated, or a plain (unparallelized) model holding HF tensors

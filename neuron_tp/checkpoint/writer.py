@@ -4,6 +4,7 @@ Three phases (prepare, write, commit), each ended by :func:`~.agree.agree`: an e
 any type on any rank makes every rank raise ``"saving step N failed on rank R: ..."`` right
 there, and nothing is committed (earlier checkpoints are never touched before the commit).
 """
+
 from __future__ import annotations
 
 import json
@@ -12,15 +13,14 @@ import random
 import shutil
 import sys
 import warnings
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 
 from ..mesh import Mesh, get_mesh
 from ..sharding import named_parameter_meta
 from .agree import agree
-from .format import (FORMAT, CheckpointError, STEP_RE, fsync, step_name, write_text,
-                     write_tensors)
+from .format import FORMAT, STEP_RE, CheckpointError, fsync, step_name, write_tensors, write_text
 from .reshard import full_shape, hf_record, logical_shape, sharding_record
 
 
@@ -46,6 +46,7 @@ def _rng_state() -> tuple[dict, dict]:
     state = {"python": _jsonable(random.getstate())}
     if "torch_xla" in sys.modules:
         import torch_xla.core.xla_model as xm
+
         state["xla_seed"] = int(xm.get_rng_state())
     return tensors, state
 
@@ -66,21 +67,36 @@ def _optimizer_tensors(model, optimizer) -> dict[str, torch.Tensor]:
 def _metadata(model, optimizer, scheduler, step: int, mesh: Mesh, data_state, extra) -> dict:
     config = getattr(model, "config", None)
     return {
-        "format": FORMAT, "step": int(step),
-        "mesh": {"world_size": mesh.world_size, "tp": mesh.tp_size, "dp": mesh.dp_size,
-                 "tp_mode": mesh.tp_mode},
-        "model": {"class": type(model).__name__,
-                  "config": config.to_dict() if hasattr(config, "to_dict") else None,
-                  "sequence_parallel": bool(getattr(model, "_ntp_sequence_parallel", False))},
-        "params": {n: {"shape": list(p.shape), "full_shape": list(full_shape(p, m)),
-                       "logical_shape": list(logical_shape(p, m)),
-                       "dtype": str(p.dtype).replace("torch.", ""),
-                       "sharding": sharding_record(m), "hf": hf_record(m)}
-                   for n, p, m in named_parameter_meta(model)},
-        "optimizer": None if optimizer is None else {
-            "class": type(optimizer).__name__, "groups": len(optimizer.param_groups)},
+        "format": FORMAT,
+        "step": int(step),
+        "mesh": {
+            "world_size": mesh.world_size,
+            "tp": mesh.tp_size,
+            "dp": mesh.dp_size,
+            "tp_mode": mesh.tp_mode,
+        },
+        "model": {
+            "class": type(model).__name__,
+            "config": config.to_dict() if hasattr(config, "to_dict") else None,
+            "sequence_parallel": bool(getattr(model, "_ntp_sequence_parallel", False)),
+        },
+        "params": {
+            n: {
+                "shape": list(p.shape),
+                "full_shape": list(full_shape(p, m)),
+                "logical_shape": list(logical_shape(p, m)),
+                "dtype": str(p.dtype).replace("torch.", ""),
+                "sharding": sharding_record(m),
+                "hf": hf_record(m),
+            }
+            for n, p, m in named_parameter_meta(model)
+        },
+        "optimizer": None
+        if optimizer is None
+        else {"class": type(optimizer).__name__, "groups": len(optimizer.param_groups)},
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
-        "data_state": data_state, "extra": extra or {},
+        "data_state": data_state,
+        "extra": extra or {},
     }
 
 
@@ -89,20 +105,26 @@ def _model_tensors(model) -> dict[str, torch.Tensor]:
     for n, p in model.named_parameters():
         t = p.detach().cpu().contiguous()
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            raise CheckpointError(f"parameter {n} holds non-finite values (NaN/inf): refusing "
-                                  "to save a diverged model")
+            raise CheckpointError(
+                f"parameter {n} holds non-finite values (NaN/inf): refusing "
+                "to save a diverged model"
+            )
         out[f"model/{n}"] = t
     return out
 
 
-def _write_rank_files(tmp: str, model, optimizer, mesh: Mesh, step: int,
-                      meta_text: str | None) -> None:
+def _write_rank_files(
+    tmp: str, model, optimizer, mesh: Mesh, step: int, meta_text: str | None
+) -> None:
     if mesh.dp_rank == 0:  # one copy of each tp shard: the ranks of dp replica 0
         tensors = _model_tensors(model)
         if optimizer is not None:
             tensors.update(_optimizer_tensors(model, optimizer))
-        write_tensors(os.path.join(tmp, f"shard-tp{mesh.tp_rank:05d}.safetensors"), tensors,
-                      {"step": int(step), "tp_rank": mesh.tp_rank, "tp": mesh.tp_size})
+        write_tensors(
+            os.path.join(tmp, f"shard-tp{mesh.tp_rank:05d}.safetensors"),
+            tensors,
+            {"step": int(step), "tp_rank": mesh.tp_rank, "tp": mesh.tp_size},
+        )
     rng_t, rng_j = _rng_state()
     base = os.path.join(tmp, f"rng-rank{mesh.rank:05d}")
     write_tensors(base + ".safetensors", rng_t, {"step": int(step), "rank": mesh.rank})
@@ -129,9 +151,18 @@ def _prune(root: str, keep_last: int, protect: Iterable[str]) -> None:
             shutil.rmtree(os.path.join(root, left), ignore_errors=True)
 
 
-def save(root: str, model: torch.nn.Module, optimizer=None, scheduler=None, step: int = 0,
-         mesh: Mesh | None = None, data_state: dict | None = None, extra: dict | None = None,
-         keep_last: int | None = None, protect: Iterable[str] = ()) -> str:
+def save(
+    root: str,
+    model: torch.nn.Module,
+    optimizer=None,
+    scheduler=None,
+    step: int = 0,
+    mesh: Mesh | None = None,
+    data_state: dict | None = None,
+    extra: dict | None = None,
+    keep_last: int | None = None,
+    protect: Iterable[str] = (),
+) -> str:
     """Write checkpoint ``root/step-<step>`` (collective: every rank calls it); returns its
     path. Refuses to overwrite an existing one and to save non-finite parameters. With
     ``keep_last`` deletes all but the newest ``keep_last`` checkpoints afterwards, except the
@@ -188,5 +219,8 @@ def _after_commit(root: str, keep_last: int | None, protect: Iterable[str]) -> N
         if keep_last is not None:
             _prune(root, keep_last, protect)
     except Exception as e:  # noqa: BLE001
-        warnings.warn(f"checkpoint committed, but cleaning up {root} failed: {e}",
-                      RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"checkpoint committed, but cleaning up {root} failed: {e}",
+            RuntimeWarning,
+            stacklevel=3,
+        )

@@ -1,8 +1,21 @@
 """Tensor parallelism for HuggingFace transformers models: ``parallelize`` a model in place,
-``from_pretrained`` only this rank's slices, ``save_pretrained`` a consolidated checkpoint."""
+``from_pretrained`` only this rank's slices, ``save_pretrained`` a consolidated checkpoint.
+Plans (which module is sharded how, where the layers are) live in :mod:`neuron_tp.hf.plans`."""
+
 from .loading import from_pretrained, gather_hf_state_dict, save_pretrained
 from .parallelize import full_logits, parallelize
-from .plans import BUILTIN_BASE_PLANS, STYLES, resolve_plan
+from .plans import ARCH_PLANS, STYLES, ArchPlan, Style
+from .resolve import resolve_plan
 
-__all__ = ["parallelize", "from_pretrained", "save_pretrained", "gather_hf_state_dict",
-           "full_logits", "resolve_plan", "STYLES", "BUILTIN_BASE_PLANS"]
+__all__ = [
+    "parallelize",
+    "from_pretrained",
+    "save_pretrained",
+    "gather_hf_state_dict",
+    "full_logits",
+    "resolve_plan",
+    "Style",
+    "STYLES",
+    "ArchPlan",
+    "ARCH_PLANS",
+]

@@ -1,5 +1,6 @@
 """Attention heads under tensor parallelism: per-rank head counts, GQA/MQA key/value heads that
 tp does not divide (replicated on as few ranks as needed), and norms over sharded features."""
+
 from __future__ import annotations
 
 import copy
@@ -9,8 +10,8 @@ import torch
 from torch import nn
 
 from .. import comm, regions
-from ..layers.common import divisors
-from ..mesh import Group, Mesh
+from ..layers.activation_layout import SHARDED_FEATURES
+from ..mesh import Mesh, divisors, valid_tp_degrees
 
 SUPPORTED_ATTN = ("eager", "sdpa", None)
 
@@ -29,16 +30,14 @@ def model_heads(config) -> Heads | None:
     q = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None)
     if not q:
         return None
-    kv = (getattr(config, "num_key_value_heads", None) or getattr(config, "num_kv_heads", None))
-    if getattr(config, "multi_query", False) and not getattr(config, "new_decoder_architecture", False):
+    kv = getattr(config, "num_key_value_heads", None) or getattr(config, "num_kv_heads", None)
+    if getattr(config, "multi_query", False) and not getattr(
+        config, "new_decoder_architecture", False
+    ):
         kv = 1
     hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
     dim = getattr(config, "head_dim", None) or hidden // q
     return Heads(q, kv or q, dim)
-
-
-def valid_tp_degrees(heads: Heads, world_size: int) -> list[int]:
-    return [d for d in divisors(world_size) if heads.q % d == 0]
 
 
 def check_heads(heads: Heads, tp: int, world_size: int, where: str) -> None:
@@ -47,7 +46,8 @@ def check_heads(heads: Heads, tp: int, world_size: int, where: str) -> None:
         raise ValueError(
             f"{where}: num_attention_heads={heads.q} cannot be split over tp={tp} (each rank "
             f"must own whole query heads); tp degrees that work with world size {world_size}: "
-            f"{valid_tp_degrees(heads, world_size)}")
+            f"{valid_tp_degrees(world_size, heads.q)}"
+        )
 
 
 def kv_slots(heads: Heads, tp: int) -> list[list[int]]:
@@ -62,8 +62,11 @@ def kv_slots(heads: Heads, tp: int) -> list[list[int]]:
     local_q, group = heads.q // tp, heads.q // heads.kv
     for slots in divisors(local_q):
         block = local_q // slots
-        ok = all(len({(r * local_q + j * block + i) // group for i in range(block)}) == 1
-                 for r in range(tp) for j in range(slots))
+        ok = all(
+            len({(r * local_q + j * block + i) // group for i in range(block)}) == 1
+            for r in range(tp)
+            for j in range(slots)
+        )
         if ok:
             return [[(r * local_q + j * block) // group for j in range(slots)] for r in range(tp)]
     raise AssertionError("unreachable: one slot per query head always works")
@@ -92,14 +95,11 @@ class _SyncReplicatedRows(torch.autograd.Function):
         return g, None, None, None, None
 
 
-def _sq_sum_allreduce(x: torch.Tensor, group: Group) -> torch.Tensor:
-    """Sum over the group, forward and backward (every rank's result feeds its own outputs)."""
-    return regions.copy_to_tensor_parallel(regions.reduce_from_tensor_parallel(x, group), group)
-
-
 class ShardedRMSNorm(nn.Module):
     """RMSNorm over a feature dim that is sharded over tp (OLMo-2's q/k norm over all heads):
     the mean of squares is all-reduced; the weight is sharded like the features."""
+
+    input_layout = output_layout = SHARDED_FEATURES
 
     def __init__(self, norm: nn.Module, mesh: Mesh, full_features: int):
         super().__init__()
@@ -110,7 +110,8 @@ class ShardedRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         h = x.float()
-        ssq = _sq_sum_allreduce(h.pow(2).sum(-1, keepdim=True), self.mesh.tp)
+        # Every rank uses the sum on its own features: all-reduce forward and backward.
+        ssq = regions.all_reduce_fwd_all_reduce_bwd(h.pow(2).sum(-1, keepdim=True), self.mesh.tp)
         h = h * torch.rsqrt(ssq / self.full_features + self.eps)
         return self.weight * h.to(dtype)
 
@@ -120,12 +121,20 @@ def patch_attention_module(attn: nn.Module, heads: Heads, tp: int, slots_per_ran
     local_q = heads.q // tp
     impl = getattr(getattr(attn, "config", None), "_attn_implementation", None)
     if impl not in SUPPORTED_ATTN:
-        raise ValueError(f"{type(attn).__name__}: attention implementation {impl!r} is not "
-                         f"supported under tensor parallelism; use 'sdpa' or 'eager'")
-    updates = {"num_heads": local_q, "num_attention_heads": local_q, "n_head": local_q,
-               "num_key_value_heads": slots_per_rank, "num_kv_heads": slots_per_rank,
-               "num_key_value_groups": local_q // slots_per_rank,
-               "split_size": local_q * heads.dim, "all_head_size": local_q * heads.dim}
+        raise ValueError(
+            f"{type(attn).__name__}: attention implementation {impl!r} is not "
+            f"supported under tensor parallelism; use 'sdpa' or 'eager'"
+        )
+    updates = {
+        "num_heads": local_q,
+        "num_attention_heads": local_q,
+        "n_head": local_q,
+        "num_key_value_heads": slots_per_rank,
+        "num_kv_heads": slots_per_rank,
+        "num_key_value_groups": local_q // slots_per_rank,
+        "split_size": local_q * heads.dim,
+        "all_head_size": local_q * heads.dim,
+    }
     for name, value in updates.items():
         if isinstance(getattr(attn, name, None), int):
             setattr(attn, name, value)

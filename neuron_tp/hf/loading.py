@@ -1,4 +1,5 @@
 """Load only this rank's slices of a safetensors checkpoint; save a consolidated HF one."""
+
 from __future__ import annotations
 
 import contextlib
@@ -10,13 +11,14 @@ import torch
 from torch import nn
 
 from ..mesh import Mesh, get_mesh
-from ..sharding import gather_full, get_param_meta, named_parameter_meta
-from .layout import HFLayout, read_local, to_hf
+from ..sharding import gather_full, named_parameter_meta
 from .parallelize import parallelize
+from .slice_map import WHOLE, get_slice_map, read_local, to_hf
 
 
-def gather_hf_state_dict(model: nn.Module, mesh: Mesh | None = None,
-                         grads: bool = False) -> dict[str, torch.Tensor]:
+def gather_hf_state_dict(
+    model: nn.Module, mesh: Mesh | None = None, grads: bool = False
+) -> dict[str, torch.Tensor]:
     """Full (unsharded) parameters, or their gradients, under their HF names, on every rank.
 
     Collective over tp: every rank must call it. Gradients should be synced first
@@ -28,8 +30,7 @@ def gather_hf_state_dict(model: nn.Module, mesh: Mesh | None = None,
         if t is None:
             continue
         full = gather_full(t, meta.sharding, mesh)
-        out[name] = (to_hf(full, meta.hf_layout or HFLayout(None)) if meta.sharding
-                     else full.clone())
+        out[name] = to_hf(full, meta.hf_layout or WHOLE) if meta.sharding else full.clone()
     return out
 
 
@@ -39,6 +40,7 @@ def save_pretrained(model: nn.Module, out_dir: str, mesh: Mesh | None = None) ->
     Collective over tp (every rank calls it); the files load with plain
     ``AutoModel*.from_pretrained``."""
     from safetensors.torch import save_file
+
     mesh = get_mesh(mesh if mesh is not None else getattr(model, "_ntp_mesh", None))
     state = gather_hf_state_dict(model, mesh)
     if mesh.rank == 0:
@@ -48,8 +50,11 @@ def save_pretrained(model: nn.Module, out_dir: str, mesh: Mesh | None = None) ->
         if gen is not None:
             with contextlib.suppress(Exception):
                 gen.save_pretrained(out_dir)
-        save_file({k: v.contiguous() for k, v in state.items()},
-                  os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+        save_file(
+            {k: v.contiguous() for k, v in state.items()},
+            os.path.join(out_dir, "model.safetensors"),
+            metadata={"format": "pt"},
+        )
 
 
 @contextlib.contextmanager
@@ -74,31 +79,41 @@ def check_model_dir(path: str) -> None:
     """ValueError saying what ``path`` is instead, unless it is a local HF model directory."""
     if not os.path.isdir(path):
         what = "a file" if os.path.exists(path) else "does not exist"
-        raise ValueError(f"model {path!r}: {what}; neuron_tp loads a local HuggingFace model "
-                         "directory (config.json + *.safetensors; download it first, e.g. "
-                         "`huggingface-cli download ORG/NAME --local-dir DIR`)")
+        raise ValueError(
+            f"model {path!r}: {what}; neuron_tp loads a local HuggingFace model "
+            "directory (config.json + *.safetensors; download it first, e.g. "
+            "`huggingface-cli download ORG/NAME --local-dir DIR`)"
+        )
     if not os.path.exists(os.path.join(path, "config.json")):
-        if os.path.exists(os.path.join(path, "meta.json")) or \
-                os.path.isdir(os.path.join(path, "checkpoints")):
-            raise ValueError(f"model {path!r} is a neuron_tp training checkpoint, not a "
-                             "HuggingFace model directory: resume it with --resume PATH, "
-                             "generate from it with `neuron-tp generate --model PATH`, or "
-                             "convert it with `neuron-tp consolidate PATH OUT`")
-        raise ValueError(f"model {path!r}: no config.json; pass a HuggingFace model directory "
-                         "(config.json + *.safetensors)")
+        if os.path.exists(os.path.join(path, "meta.json")) or os.path.isdir(
+            os.path.join(path, "checkpoints")
+        ):
+            raise ValueError(
+                f"model {path!r} is a neuron_tp training checkpoint, not a "
+                "HuggingFace model directory: resume it with --resume PATH, "
+                "generate from it with `neuron-tp generate --model PATH`, or "
+                "convert it with `neuron-tp consolidate PATH OUT`"
+            )
+        raise ValueError(
+            f"model {path!r}: no config.json; pass a HuggingFace model directory "
+            "(config.json + *.safetensors)"
+        )
 
 
 def _open_safetensors(file: str):
     """``safe_open(file)``; ValueError naming the file when it is missing, truncated or not
     safetensors."""
     from safetensors import safe_open
+
     try:
         return safe_open(file, "pt")
     except Exception as e:  # noqa: BLE001 - SafetensorError, OSError: one clear message
         size = os.path.getsize(file) if os.path.exists(file) else None
-        raise ValueError(f"{file}: unreadable safetensors file ({size} bytes: {e}); it is "
-                         "missing, truncated (an interrupted download or copy?) or corrupt: "
-                         "copy or download it again") from None
+        raise ValueError(
+            f"{file}: unreadable safetensors file ({size} bytes: {e}); it is "
+            "missing, truncated (an interrupted download or copy?) or corrupt: "
+            "copy or download it again"
+        ) from None
 
 
 def files_fingerprint(files) -> dict[str, list]:
@@ -124,8 +139,10 @@ def _checkpoint_files(path: str) -> dict[str, str]:
             with open(index) as f:
                 wmap = json.load(f)["weight_map"]
         except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"{index}: unreadable safetensors index ({e!r}); it needs a "
-                             "'weight_map' of tensor name -> file") from None
+            raise ValueError(
+                f"{index}: unreadable safetensors index ({e!r}); it needs a "
+                "'weight_map' of tensor name -> file"
+            ) from None
         return {k: os.path.join(path, v) for k, v in wmap.items()}
     single = os.path.join(path, "model.safetensors")
     if not os.path.exists(single):
@@ -134,15 +151,22 @@ def _checkpoint_files(path: str) -> dict[str, str]:
         return {k: single for k in f.keys()}
 
 
-def from_pretrained(path: str, mesh: Mesh | None = None, auto_class=None,
-                    sequence_parallel: bool = False, parallel_loss: bool = False,
-                    torch_dtype: torch.dtype | None = None, plan: dict[str, str] | None = None,
-                    **config_kwargs) -> nn.Module:
+def from_pretrained(
+    path: str,
+    mesh: Mesh | None = None,
+    auto_class=None,
+    sequence_parallel: bool = False,
+    parallel_loss: bool = False,
+    torch_dtype: torch.dtype | None = None,
+    plan: dict[str, str] | None = None,
+    **config_kwargs,
+) -> nn.Module:
     """Build ``auto_class`` from the config at ``path`` on the meta device, shard it, and read
     only this rank's slices of each tensor from the safetensors files (never the full model)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from ..agreement import check_agreement
+
     auto_class = auto_class or AutoModelForCausalLM
     mesh = get_mesh(mesh)
     error, files, found = None, {}, {}
@@ -156,11 +180,16 @@ def from_pretrained(path: str, mesh: Mesh | None = None, auto_class=None,
             model = auto_class.from_config(config, **kwargs)
     except Exception as e:  # noqa: BLE001 - re-raised on this rank by check_agreement
         error = e
-    check_agreement({"model files (size, header checksum)": found}, mesh.tp, error=error,
-                    details={"model files (size, header checksum)": found},
-                    what=f"from_pretrained({path!r})")
-    model = parallelize(model, mesh, sequence_parallel=sequence_parallel,
-                        parallel_loss=parallel_loss, plan=plan)
+    check_agreement(
+        {"model files (size, header checksum)": found},
+        mesh.tp,
+        error=error,
+        details={"model files (size, header checksum)": found},
+        what=f"from_pretrained({path!r})",
+    )
+    model = parallelize(
+        model, mesh, sequence_parallel=sequence_parallel, parallel_loss=parallel_loss, plan=plan
+    )
     handles: dict[str, object] = {}
     try:
         for mname, mod in model.named_modules():
@@ -175,18 +204,20 @@ def from_pretrained(path: str, mesh: Mesh | None = None, auto_class=None,
                 sl = handles[files[name]].get_slice(name)
                 shape = tuple(sl.get_shape())
 
-                def read(dim, start, stop, sl=sl, n=len(shape)):
+                def read(dim, start, stop, sl=sl, shape=shape):
                     if dim is None:
                         return sl[:]
-                    idx = tuple(slice(start, stop) if d == dim else slice(None)
-                                for d in range(n))
+                    idx = tuple(
+                        slice(start, stop) if d == dim else slice(None) for d in range(len(shape))
+                    )
                     return sl[idx]
 
-                layout = get_param_meta(mod, pname).hf_layout or HFLayout(None)
-                local = read_local(read, shape, layout).to(p.dtype)
+                local = read_local(read, shape, get_slice_map(mod, pname)).to(p.dtype)
                 if local.shape != p.shape:
-                    raise ValueError(f"{name}: checkpoint slice {tuple(local.shape)} does not "
-                                     f"match this rank's parameter {tuple(p.shape)}")
+                    raise ValueError(
+                        f"{name}: checkpoint slice {tuple(local.shape)} does not "
+                        f"match this rank's parameter {tuple(p.shape)}"
+                    )
                 new = nn.Parameter(local.contiguous(), requires_grad=p.requires_grad)
                 # Every module holding this (possibly tied) parameter gets the loaded one.
                 for m2 in model.modules():

@@ -1,24 +1,24 @@
 """Sharded replacements for the linear/embedding modules of a transformers model."""
+
 from __future__ import annotations
 
 from types import SimpleNamespace
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from .. import regions
 from ..layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-from ..layers.common import check_input, divisors
-from ..mesh import Mesh
+from ..layers.activation_layout import REPLICATED
+from ..mesh import Mesh, valid_tp_degrees
 from .attention import _SyncReplicatedRows
-from .layout import HFLayout, even_pieces, set_layout
+from .slice_map import HFSliceMap, even_pieces, set_slice_map
 
 
 class HFColumnLinear(ColumnParallelLinear):
     """Column-parallel linear whose input region (copy / sequence all-gather) may be applied
-    once by its parent module for all its sibling projections (``shared_region``), and whose
-    rows may hold kv heads replicated over ranks (gradients of copies summed in backward)."""
+    once by its parent module for all its sibling projections (``shared_region``: its input is
+    then already replicated), and whose rows may hold kv heads replicated over ranks (gradients
+    of copies summed in backward). Its forward is :class:`ColumnParallelLinear`'s."""
 
     hf_name = ""
     shared_region = False
@@ -44,30 +44,35 @@ class HFColumnLinear(ColumnParallelLinear):
             return t
         tp = self.mesh.tp
         uid = self._uid.to(device)
-        uid = uid[0] if tp.size == 1 else uid.index_select(
-            0, tp.rank_tensor(device).view(1)).squeeze(0)
+        uid = (
+            uid[0]
+            if tp.size == 1
+            else uid.index_select(0, tp.rank_tensor(device).view(1)).squeeze(0)
+        )
         return _SyncReplicatedRows.apply(t, self._rows.to(device), uid, self.replicas, tp)
 
-    def forward(self, x: torch.Tensor):
-        check_input(x, self.weight, self.in_features, -1, self.hf_name or type(self).__name__,
-                    self.mesh)
-        tp = self.mesh.tp
-        if self.shared_region:
-            if x is not self.region_input:
-                raise ValueError(
-                    f"{self.hf_name}: its input is not the input of its parent module, so the "
-                    "shared tensor-parallel input region does not apply (cross-attention or a "
-                    "transformed input); give this module an explicit plan without it")
-        elif self.sequence_parallel:
-            x = regions.gather_from_sequence_parallel(x, tp, self.sequence_dim)
-        else:
-            x = regions.copy_to_tensor_parallel(x, tp)
-        y = F.linear(x, self._sync(self.weight, x.device), self._sync(self.bias, x.device))
-        if self.gather_output:
-            y = regions.gather_from_tensor_parallel(y, tp, -1)
-            if y.shape[-1] != self.out_features:
-                y = y[..., :self.out_features]
-        return y
+    @property
+    def input_layout(self) -> str:
+        return REPLICATED if self.shared_region else super().input_layout
+
+    def _label(self) -> str:
+        return self.hf_name or type(self).__name__
+
+    def _input_region(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.shared_region:
+            return super()._input_region(x)
+        if x is not self.region_input:
+            raise ValueError(
+                f"{self.hf_name}: its input is not the input of its parent module, so the "
+                "shared tensor-parallel input region does not apply (cross-attention or a "
+                "transformed input); give this module an explicit plan without it"
+            )
+        return x
+
+    def _local_weight_and_bias(
+        self, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self._sync(self.weight, device), self._sync(self.bias, device)
 
 
 def linear_view(mod: nn.Module, name: str):
@@ -76,8 +81,10 @@ def linear_view(mod: nn.Module, name: str):
         return mod.weight, mod.bias, False
     if type(mod).__name__ == "Conv1D" and hasattr(mod, "nf"):
         return mod.weight.t(), mod.bias, True
-    raise ValueError(f"{name}: a linear style was planned for a {type(mod).__name__}, which is "
-                     "neither nn.Linear nor Conv1D; fix the plan")
+    raise ValueError(
+        f"{name}: a linear style was planned for a {type(mod).__name__}, which is "
+        "neither nn.Linear nor Conv1D; fix the plan"
+    )
 
 
 def _runs(rows: list[int]) -> list[tuple[int, int]]:
@@ -90,26 +97,49 @@ def _runs(rows: list[int]) -> list[tuple[int, int]]:
     return [tuple(p) for p in out]
 
 
-def require(size: int, tp: int, world: int, name: str, what: str) -> None:
-    if size % tp:
-        ok = [d for d in divisors(world) if size % d == 0]
-        raise ValueError(f"{name}: {what}={size} cannot be split over tp={tp}; tp degrees that "
-                         f"work with world size {world}: {ok}")
+def require_even_split(size: int, mesh: Mesh, name: str, what: str) -> None:
+    """ValueError naming ``name`` and the tp degrees that work unless tp divides ``size``."""
+    if size % mesh.tp_size:
+        raise ValueError(
+            f"{name}: {what}={size} cannot be split over tp={mesh.tp_size}; tp "
+            f"degrees that work with world size {mesh.world_size}: "
+            f"{valid_tp_degrees(mesh.world_size, size)}"
+        )
 
 
-def column(mod: nn.Module, name: str, mesh: Mesh, rows_of_rank: list[list[int]] | None = None,
-           segments: list[int] | None = None, replicated_from: int | None = None,
-           gather_output: bool = False, pad_output: bool = False) -> HFColumnLinear:
+def check_column_linear(
+    mod: nn.Module,
+    name: str,
+    mesh: Mesh,
+    rows_of_rank: list[list[int]] | None = None,
+    segments: list[int] | None = None,
+    pad_output: bool = False,
+) -> None:
+    """The refusals of :func:`build_column_linear` for these arguments, without building."""
+    out = linear_view(mod, name)[0].shape[0]
+    if rows_of_rank is None and not pad_output:
+        for s in segments or [out]:
+            require_even_split(s, mesh, name, "output features")
+
+
+def build_column_linear(
+    mod: nn.Module,
+    name: str,
+    mesh: Mesh,
+    rows_of_rank: list[list[int]] | None = None,
+    segments: list[int] | None = None,
+    replicated_from: int | None = None,
+    gather_output: bool = False,
+    pad_output: bool = False,
+) -> HFColumnLinear:
     """Shard ``mod`` by output rows. ``rows_of_rank[r]``: the HF rows rank r holds (kv heads
     may repeat across ranks); None = the plain contiguous split (of each segment)."""
+    check_column_linear(mod, name, mesh, rows_of_rank, segments, pad_output)
     w, b, transposed = linear_view(mod, name)
     tp, r = mesh.tp_size, mesh.tp_rank
     out = w.shape[0]
     if rows_of_rank is None:
         segs = segments or [out]
-        if not pad_output:
-            for s in segs:
-                require(s, tp, mesh.world_size, name, "output features")
         src, exp_segments, keep = SimpleNamespace(weight=w, bias=b), segments, None
         pieces = []
         off = 0
@@ -124,58 +154,88 @@ def column(mod: nn.Module, name: str, mesh: Mesh, rows_of_rank: list[list[int]] 
         index, off = [], 0
         for p in per:
             for rows in rows_of_rank:
-                index += rows[off:off + p]
+                index += rows[off : off + p]
             off += p
         idx = torch.tensor(index, dtype=torch.long)
-        src = SimpleNamespace(weight=w.index_select(0, idx),
-                              bias=None if b is None else b.index_select(0, idx))
+        src = SimpleNamespace(
+            weight=w.index_select(0, idx), bias=None if b is None else b.index_select(0, idx)
+        )
         exp_segments = [p * tp for p in per] if segments else None
         keep = tuple(index.index(j) for j in range(out))
         pieces = _runs(rows_of_rank[r])
     src.in_features, src.out_features = src.weight.shape[1], src.weight.shape[0]
-    layer = HFColumnLinear.from_linear(src, mesh=mesh, gather_output=gather_output,
-                                       pad_output=pad_output,
-                                       segments=tuple(exp_segments) if exp_segments else None)
+    layer = HFColumnLinear.from_linear(
+        src,
+        mesh=mesh,
+        gather_output=gather_output,
+        pad_output=pad_output,
+        segments=tuple(exp_segments) if exp_segments else None,
+    )
     layer.hf_name = name
     if rows_of_rank is not None and replicated_from is not None:
         mine = rows_of_rank[r]
         rows = [i for i, j in enumerate(mine) if j >= replicated_from]
         table = [[j - replicated_from for j in rr if j >= replicated_from] for rr in rows_of_rank]
         layer.set_replicas(rows, table, out - replicated_from)
-    set_layout(layer, "weight", HFLayout(1 if transposed else 0, tuple(pieces), transposed, keep))
+    set_slice_map(
+        layer, "weight", HFSliceMap(1 if transposed else 0, tuple(pieces), transposed, keep)
+    )
     if layer.bias is not None:
-        set_layout(layer, "bias", HFLayout(0, tuple(pieces), False, keep))
+        set_slice_map(layer, "bias", HFSliceMap(0, tuple(pieces), False, keep))
     return layer
 
 
-def row(mod: nn.Module, name: str, mesh: Mesh, input_is_parallel: bool,
-        sequence_parallel: bool) -> RowParallelLinear:
+def check_row_linear(mod: nn.Module, name: str, mesh: Mesh) -> None:
+    """The refusals of :func:`build_row_linear`, without building."""
+    require_even_split(linear_view(mod, name)[0].shape[1], mesh, name, "input features")
+
+
+def build_row_linear(
+    mod: nn.Module, name: str, mesh: Mesh, input_is_parallel: bool, sequence_parallel: bool
+) -> RowParallelLinear:
+    """Shard ``mod`` by input features (partial outputs summed over tp)."""
+    check_row_linear(mod, name, mesh)
     w, b, transposed = linear_view(mod, name)
-    require(w.shape[1], mesh.tp_size, mesh.world_size, name, "input features")
     src = SimpleNamespace(weight=w, bias=b, in_features=w.shape[1], out_features=w.shape[0])
-    layer = RowParallelLinear.from_linear(src, mesh=mesh, input_is_parallel=input_is_parallel,
-                                          sequence_parallel=sequence_parallel)
+    layer = RowParallelLinear.from_linear(
+        src, mesh=mesh, input_is_parallel=input_is_parallel, sequence_parallel=sequence_parallel
+    )
     pieces = tuple(even_pieces(w.shape[1], mesh.tp_rank, mesh.tp_size))
-    set_layout(layer, "weight", HFLayout(0 if transposed else 1, pieces, transposed))
+    set_slice_map(layer, "weight", HFSliceMap(0 if transposed else 1, pieces, transposed))
     return layer
 
 
-def embedding(mod: nn.Module, name: str, mesh: Mesh) -> VocabParallelEmbedding:
+def _embed_scale(mod: nn.Embedding) -> torch.Tensor | None:
+    """The ``embed_scale`` of a scaled embedding subclass (Gemma), None for nn.Embedding."""
+    return None if type(mod) is nn.Embedding else getattr(mod, "embed_scale", None)
+
+
+def check_vocab_embedding(mod: nn.Module, name: str) -> None:
+    """The refusals of :func:`build_vocab_embedding`, without building."""
     if not isinstance(mod, nn.Embedding):
         raise ValueError(f"{name}: embedding_rowwise planned for a {type(mod).__name__}")
-    scale = None
-    if type(mod) is not nn.Embedding:
-        scale = getattr(mod, "embed_scale", None)
-        if not isinstance(scale, torch.Tensor):
-            raise ValueError(f"{name}: {type(mod).__name__} overrides nn.Embedding.forward in a "
-                             "way the vocab-parallel embedding does not know (only a scaled "
-                             "embedding with an `embed_scale` buffer is supported)")
-    layer = (ScaledVocabParallelEmbedding if scale is not None
-             else VocabParallelEmbedding).from_embedding(mod, mesh=mesh)
+    if type(mod) is not nn.Embedding and not isinstance(_embed_scale(mod), torch.Tensor):
+        raise ValueError(
+            f"{name}: {type(mod).__name__} overrides nn.Embedding.forward in a "
+            "way the vocab-parallel embedding does not know (only a scaled "
+            "embedding with an `embed_scale` buffer is supported)"
+        )
+
+
+def build_vocab_embedding(mod: nn.Module, name: str, mesh: Mesh) -> VocabParallelEmbedding:
+    """Shard an embedding over the vocabulary (rows padded to a multiple of tp)."""
+    check_vocab_embedding(mod, name)
+    scale = _embed_scale(mod)
+    layer = (
+        ScaledVocabParallelEmbedding if scale is not None else VocabParallelEmbedding
+    ).from_embedding(mod, mesh=mesh)
     if scale is not None:
         layer.register_buffer("embed_scale", scale.detach().clone(), persistent=False)
-    set_layout(layer, "weight", HFLayout(0, tuple(even_pieces(mod.num_embeddings, mesh.tp_rank,
-                                                           mesh.tp_size))))
+    set_slice_map(
+        layer,
+        "weight",
+        HFSliceMap(0, tuple(even_pieces(mod.num_embeddings, mesh.tp_rank, mesh.tp_size))),
+    )
     return layer
 
 

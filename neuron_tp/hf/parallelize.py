@@ -1,86 +1,72 @@
-"""``parallelize``: shard a transformers model in place, driven by a tensor-parallel plan."""
+"""``parallelize``: shard a transformers model in place, driven by a tensor-parallel plan.
+
+Three steps, one function each: :func:`_validate` refuses everything that cannot be sharded
+exactly before any module is changed, :func:`_build` makes the sharded replacement modules
+without touching the model, :func:`_install` swaps them in and adds the hooks (shared input
+regions, per-rank head counts, sequence parallelism, the parallel loss)."""
+
 from __future__ import annotations
 
 import contextlib
 import copy
 import functools
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from ..layers import parallel_cross_entropy
-from ..mesh import Mesh, get_mesh
-from ..sharding import (Sharding, copy_param_meta, get_sharding, mark_sequence_parallel,
-                        mark_sharded, shard_of)
-from . import modules as M
-from .attention import (ShardedRMSNorm, check_heads, is_plain_split, kv_slots, model_heads,
-                        patch_attention_module)
-from .layout import HFLayout, even_pieces, set_layout
-from .plans import check_split_pairs, match_modules, resolve_plan
-from .sequence_parallel import (apply_sequence_parallel, check_sequence_parallel, find_layers,
-                                install_input_region)
-
-_COLWISE = ("colwise", "colwise_gather_output", "packed_colwise", "packed_qkv")
-
-
-def _is_attention(mod: nn.Module) -> bool:
-    n = type(mod).__name__.lower()
-    return "attention" in n or "attn" in n
-
-
-def _owns_input(mod: nn.Module) -> bool:
-    """Attention / MLP modules feed their own input to all their column-parallel children,
-    so one input region (one all-reduce or all-gather) serves them all."""
-    n = type(mod).__name__.lower()
-    return any(k in n for k in ("attention", "attn", "mlp", "intermediate", "feedforward"))
-
-
-def _split(name: str) -> tuple[str, str]:
-    return tuple(name.rsplit(".", 1)) if "." in name else ("", name)
-
-
-def _kv_rows(heads, tp: int, offset: int) -> list[list[int]]:
-    return [[offset + h * heads.dim + i for h in slots for i in range(heads.dim)]
-            for slots in kv_slots(heads, tp)]
-
-
-def _attention_column(mod, name, style, heads, mesh):
-    """A q/k/v (or fused qkv) projection of an attention module, split per head."""
-    tp, world = mesh.tp_size, mesh.world_size
-    check_heads(heads, tp, world, name)
-    out = M.linear_view(mod, name)[0].shape[0]
-    q, kv = heads.q * heads.dim, heads.kv * heads.dim
-    plain = is_plain_split(kv_slots(heads, tp), heads.kv)
-    if style == "packed_qkv":
-        if out != q + 2 * kv:
-            raise ValueError(f"{name}: packed_qkv expects {q}+2*{kv} output features, got {out}")
-        if plain:
-            return M.column(mod, name, mesh, segments=[q, kv, kv])
-        qrows = [list(range(r * q // tp, (r + 1) * q // tp)) for r in range(tp)]
-        krows, vrows = _kv_rows(heads, tp, q), _kv_rows(heads, tp, q + kv)
-        rows = [a + b + c for a, b, c in zip(qrows, krows, vrows)]
-        return M.column(mod, name, mesh, rows, segments=[q, len(krows[0]) * tp,
-                                                         len(vrows[0]) * tp], replicated_from=q)
-    if out == kv and heads.kv != heads.q and not plain:
-        return M.column(mod, name, mesh, _kv_rows(heads, tp, 0), replicated_from=0)
-    return M.column(mod, name, mesh, segments=[out // 2] * 2 if style == "packed_colwise" else None)
+from ..mesh import Mesh, get_mesh, valid_tp_degrees
+from ..sharding import (
+    Sharding,
+    copy_param_meta,
+    get_sharding,
+    mark_sequence_parallel,
+    mark_sharded,
+    shard_of,
+)
+from .attention import (
+    SUPPORTED_ATTN,
+    Heads,
+    ShardedRMSNorm,
+    check_heads,
+    is_plain_split,
+    kv_slots,
+    model_heads,
+    patch_attention_module,
+)
+from .modules import (
+    HFColumnLinear,
+    build_column_linear,
+    build_row_linear,
+    build_vocab_embedding,
+    check_column_linear,
+    check_row_linear,
+    check_vocab_embedding,
+    linear_view,
+    require_even_split,
+)
+from .plans import Style
+from .resolve import ModelPlan, check_split_pairs, plan_model
+from .sequence_parallel import (
+    apply_sequence_parallel,
+    check_sequence_parallel,
+    install_input_region,
+)
+from .slice_map import HFSliceMap, even_pieces, set_slice_map
 
 
-def _set(model: nn.Module, name: str, new: nn.Module) -> None:
-    parent, attr = _split(name)
-    setattr(model.get_submodule(parent) if parent else model, attr, new)
+def _parent(name: str) -> str:
+    return name.rpartition(".")[0]
 
 
-def _tie_groups(model: nn.Module) -> list[list[tuple[str, str]]]:
-    seen: dict[int, list[tuple[str, str]]] = {}
-    for mname, mod in model.named_modules(remove_duplicate=False):
-        for pname, p in mod.named_parameters(recurse=False):
-            seen.setdefault(id(p), []).append((mname, pname))
-    return [g for g in seen.values() if len(g) > 1]
-
-
-def parallelize(model: nn.Module, mesh: Mesh | None = None, sequence_parallel: bool = False,
-                parallel_loss: bool = False, plan: dict[str, str] | None = None) -> nn.Module:
+def parallelize(
+    model: nn.Module,
+    mesh: Mesh | None = None,
+    sequence_parallel: bool = False,
+    parallel_loss: bool = False,
+    plan: dict[str, str] | None = None,
+) -> nn.Module:
     """Shard a transformers model over the tensor-parallel group of ``mesh`` (in place).
 
     Every rank must hold the same full model (same weights) or the same meta-device model.
@@ -90,109 +76,277 @@ def parallelize(model: nn.Module, mesh: Mesh | None = None, sequence_parallel: b
     ``sequence_parallel`` the residual stream is sequence-sharded (sequence length must be a
     multiple of tp; generation with a KV cache needs it off). After ``backward`` call
     :func:`neuron_tp.sync_sequence_parallel_grads` (replicated parameters that saw only part
-    of the data on each rank). Collective over tp: first verifies that every tp rank holds
-    the same model, weights (checksums; skipped for meta-device ones) and options
-    (:class:`neuron_tp.agreement.RankMismatchError` on every rank otherwise); then raises
-    ValueError, identically on every rank, for what cannot be sharded exactly.
+    of the data on each rank). ``plan``: ``{module-name pattern: style}`` replacing the
+    architecture's styles (:mod:`neuron_tp.hf.plans`). Collective over tp: first verifies
+    that every tp rank holds the same model, weights (checksums; skipped for meta-device ones)
+    and options (:class:`neuron_tp.agreement.RankMismatchError` on every rank otherwise); then
+    raises ValueError, identically on every rank and before the model is changed, for what
+    cannot be sharded exactly.
     """
     mesh = get_mesh(mesh)
     if getattr(model, "_ntp_parallel", False):
         raise ValueError(f"{type(model).__name__} is already parallelized")
     from ..agreement import check_same_model
-    check_same_model(model, mesh.tp, {"plan": plan, "sequence_parallel": sequence_parallel,
-                                      "parallel_loss": parallel_loss, "tp": mesh.tp_size,
-                                      "tp_mode": mesh.tp_mode},
-                     what=f"parallelize({type(model).__name__})")
+
+    check_same_model(
+        model,
+        mesh.tp,
+        {
+            "plan": plan,
+            "sequence_parallel": sequence_parallel,
+            "parallel_loss": parallel_loss,
+            "tp": mesh.tp_size,
+            "tp_mode": mesh.tp_mode,
+        },
+        what=f"parallelize({type(model).__name__})",
+    )
+    # The ranks agree on model and options, so each step below does the same on every rank.
+    mp, heads = _validate(model, mesh, plan, sequence_parallel)
+    built = _build(model, mp, mesh, heads, sequence_parallel, parallel_loss)
+    _install(model, mp, built, mesh, heads, sequence_parallel, parallel_loss)
+    return model
+
+
+# -- 1. validate ----------------------------------------------------------------------------
+
+
+def _validate(
+    model: nn.Module, mesh: Mesh, plan: dict[str, str] | None, sequence_parallel: bool
+) -> tuple[ModelPlan, Heads | None]:
+    """The plan and head counts for ``model``; ValueError for anything that cannot be sharded
+    exactly (nothing is built or changed)."""
     impl = getattr(model.config, "_attn_implementation", None)
-    if impl not in ("eager", "sdpa", None):
-        raise ValueError(f"{type(model).__name__}: attention implementation {impl!r} is not "
-                         "supported under tensor parallelism; load with attn_implementation="
-                         "'sdpa' or 'eager'")
+    if impl not in SUPPORTED_ATTN:
+        raise ValueError(
+            f"{type(model).__name__}: attention implementation {impl!r} is not "
+            "supported under tensor parallelism; load with attn_implementation="
+            "'sdpa' or 'eager'"
+        )
     heads = model_heads(model.config)
-    resolved = resolve_plan(model, plan)
-    targets = match_modules(model, resolved)
-    if plan is not None:
-        unmatched = [k for k in resolved if not match_modules(model, {k: resolved[k]})]
-        if unmatched:
-            raise ValueError(f"{type(model).__name__}: plan patterns {unmatched} match no "
-                             "module (nothing would be sharded for them); module names look "
-                             f"like {[n for n, _ in model.named_modules()][1:6]}")
-    out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    found = find_layers(model)
-    layers_prefix = found[0] + "." if found else None
-    ties = _tie_groups(model)
-
-    # Validate everything first (the ranks agree on model and options: same outcome on all).
+    mp = plan_model(model, plan)
+    s = mp.structure
     if sequence_parallel:
-        check_sequence_parallel(model)
-    head = [n for n, m in model.named_modules() if out_emb is not None and m is out_emb]
-    check_split_pairs(model, targets, _owns_input, gathered=tuple(head))
-    for name, style in targets.items():
-        mod = model.get_submodule(name)
-        parent = model.get_submodule(_split(name)[0]) if _split(name)[0] else model
-        if style in _COLWISE and mod is not out_emb and _is_attention(parent) and heads is None:
+        check_sequence_parallel(model, s.layers, s.final_norm)
+    check_split_pairs(
+        model, mp.targets, s.units, gathered=(s.lm_head,) if s.lm_head is not None else ()
+    )
+    for name, style in mp.targets.items():
+        if style.is_column and name != s.lm_head and _parent(name) in s.attention and heads is None:
             raise ValueError(f"{name}: attention projection but the config has no head counts")
+    for name, style in mp.targets.items():
+        _check_target(model, name, style, mp, mesh, heads, sequence_parallel)
+    return mp, heads
 
-    plan_parents: dict[str, list[nn.Module]] = {}
-    replacements: list[tuple[str, nn.Module]] = []
-    grad_allreduce: list[nn.Module] = []
-    attn_parents: dict[str, nn.Module] = {}
-    for name, style in targets.items():
-        mod = model.get_submodule(name)
-        pname = _split(name)[0]
-        parent = model.get_submodule(pname) if pname else model
-        in_layers = layers_prefix is not None and name.startswith(layers_prefix)
-        if style in _COLWISE:
-            if mod is out_emb or (style == "colwise_gather_output" and not in_layers):
-                new = M.column(mod, name, mesh, pad_output=True, gather_output=not parallel_loss)
-            elif style == "colwise_gather_output":
-                new = M.column(mod, name, mesh, gather_output=True)
-            elif _is_attention(parent):
-                new = _attention_column(mod, name, style, heads, mesh)
-                attn_parents[pname] = parent
-            else:
-                new = M.column(mod, name, mesh, segments=None if style != "packed_colwise"
-                               else [M.linear_view(mod, name)[0].shape[0] // 2] * 2)
-            if not new.gather_output and pname and _owns_input(parent):
-                plan_parents.setdefault(pname, []).append(new)
-            elif not new.gather_output and sequence_parallel and in_layers:
-                raise ValueError(
-                    f"{name}: sequence_parallel needs column-parallel projections inside an "
-                    f"attention or MLP module (this one sits in {type(parent).__name__}, whose "
-                    "sequence layout is unknown); use sequence_parallel=False for this model")
-        elif style in ("rowwise", "rowwise_split_input"):
-            new = M.row(mod, name, mesh, style == "rowwise", sequence_parallel and in_layers)
-        elif style == "embedding_rowwise":
-            new = M.embedding(mod, name, mesh)
-        elif style == "replicated_with_grad_allreduce":
-            grad_allreduce.append(mod)
-            continue
-        else:  # sharded_norm
-            new = _sharded_norm(mod, name, mesh, heads)
-        replacements.append((name, new))
 
-    # Everything validated and built: only now is the model modified.
-    for name, new in replacements:
-        _set(model, name, new)
-    for mod in grad_allreduce:
-        mark_sequence_parallel(mod)
+def _check_target(
+    model: nn.Module,
+    name: str,
+    style: Style,
+    mp: ModelPlan,
+    mesh: Mesh,
+    heads: Heads | None,
+    sequence_parallel: bool,
+) -> None:
+    """The refusals for sharding module ``name`` as ``style``."""
+    mod = model.get_submodule(name)
+    if style.is_column:
+        role = _column_role(name, style, mp)
+        args = _column_args(mod, name, style, role, heads, mesh, head_gathered=True)
+        check_column_linear(
+            mod,
+            name,
+            mesh,
+            args.get("rows_of_rank"),
+            args.get("segments"),
+            args.get("pad_output", False),
+        )
+        parent = _parent(name)
+        split_output = role in ("attention", "plain")
+        if (
+            split_output
+            and sequence_parallel
+            and mp.structure.in_layers(name)
+            and parent not in mp.structure.prepares_input
+        ):
+            raise ValueError(
+                f"{name}: sequence_parallel needs column-parallel projections inside an "
+                f"attention or MLP module (this one sits in "
+                f"{type(model.get_submodule(parent)).__name__}, whose sequence layout is "
+                "unknown); use sequence_parallel=False for this model"
+            )
+    elif style in (Style.ROW, Style.ROW_SPLIT_INPUT):
+        check_row_linear(mod, name, mesh)
+    elif style is Style.VOCAB_EMBEDDING:
+        check_vocab_embedding(mod, name)
+    elif style is Style.SHARDED_NORM:
+        _check_sharded_norm(mod, name, mesh, heads)
 
+
+def _column_role(name: str, style: Style, mp: ModelPlan) -> str:
+    """How a column-style module is sharded: ``"head"`` (vocab padded, gathered unless
+    parallel_loss), ``"gathered"`` (output gathered), ``"attention"`` (split per head) or
+    ``"plain"`` (contiguous split, of each packed part)."""
+    if name == mp.structure.lm_head or (
+        style is Style.COLUMN_GATHER_OUTPUT and not mp.structure.in_layers(name)
+    ):
+        return "head"
+    if style is Style.COLUMN_GATHER_OUTPUT:
+        return "gathered"
+    return "attention" if _parent(name) in mp.structure.attention else "plain"
+
+
+def _kv_rows(heads: Heads, tp: int, offset: int) -> list[list[int]]:
+    return [
+        [offset + h * heads.dim + i for h in slots for i in range(heads.dim)]
+        for slots in kv_slots(heads, tp)
+    ]
+
+
+def _column_args(
+    mod: nn.Module,
+    name: str,
+    style: Style,
+    role: str,
+    heads: Heads | None,
+    mesh: Mesh,
+    head_gathered: bool,
+) -> dict:
+    """Keyword arguments of :func:`build_column_linear` for ``role`` (refusing head counts
+    tp does not split); ``head_gathered``: the LM head's output is gathered (no
+    ``parallel_loss``)."""
+    if role == "head":
+        return {"pad_output": True, "gather_output": head_gathered}
+    if role == "gathered":
+        return {"gather_output": True}
+    out = linear_view(mod, name)[0].shape[0]
+    if role == "plain":
+        return {"segments": [out // 2] * 2 if style is Style.COLUMN_PACKED else None}
+    # An attention q/k/v (or fused qkv) projection, split per head.
     tp = mesh.tp_size
-    for pname, parent in attn_parents.items():
-        patch_attention_module(parent, heads, tp, len(kv_slots(heads, tp)[0]))
-    for pname, children in plan_parents.items():
-        sp_here = sequence_parallel and layers_prefix is not None and \
-            (pname + ".").startswith(layers_prefix)
-        install_input_region(model.get_submodule(pname), children, mesh, sp_here)
+    check_heads(heads, tp, mesh.world_size, name)
+    q, kv = heads.q * heads.dim, heads.kv * heads.dim
+    plain = is_plain_split(kv_slots(heads, tp), heads.kv)
+    if style is Style.COLUMN_PACKED_QKV:
+        if out != q + 2 * kv:
+            raise ValueError(f"{name}: packed_qkv expects {q}+2*{kv} output features, got {out}")
+        if plain:
+            return {"segments": [q, kv, kv]}
+        qrows = [list(range(r * q // tp, (r + 1) * q // tp)) for r in range(tp)]
+        krows, vrows = _kv_rows(heads, tp, q), _kv_rows(heads, tp, q + kv)
+        return {
+            "rows_of_rank": [a + b + c for a, b, c in zip(qrows, krows, vrows)],
+            "segments": [q, len(krows[0]) * tp, len(vrows[0]) * tp],
+            "replicated_from": q,
+        }
+    if out == kv and heads.kv != heads.q and not plain:
+        return {"rows_of_rank": _kv_rows(heads, tp, 0), "replicated_from": 0}
+    return {"segments": [out // 2] * 2 if style is Style.COLUMN_PACKED else None}
+
+
+# -- 2. build -------------------------------------------------------------------------------
+
+
+@dataclass
+class _Built:
+    """The sharded modules for one model, made without touching it."""
+
+    replacements: dict[str, nn.Module] = field(default_factory=dict)  # name -> sharded module
+    grad_allreduce: list[nn.Module] = field(default_factory=list)  # whole, grads summed
+    attention: list[str] = field(default_factory=list)  # head counts to patch
+    # parent name -> its column projections that read its input (one shared input region)
+    input_regions: dict[str, list[HFColumnLinear]] = field(default_factory=dict)
+
+
+def _build(
+    model: nn.Module,
+    mp: ModelPlan,
+    mesh: Mesh,
+    heads: Heads | None,
+    sequence_parallel: bool,
+    parallel_loss: bool,
+) -> _Built:
+    """The sharded replacement of every planned module (validated by :func:`_validate`)."""
+    built = _Built()
+    s = mp.structure
+    for name, style in mp.targets.items():
+        mod = model.get_submodule(name)
+        if style.is_column:
+            role = _column_role(name, style, mp)
+            new = build_column_linear(
+                mod,
+                name,
+                mesh,
+                **_column_args(
+                    mod, name, style, role, heads, mesh, head_gathered=not parallel_loss
+                ),
+            )
+            parent = _parent(name)
+            if role == "attention" and parent not in built.attention:
+                built.attention.append(parent)
+            if not new.gather_output and parent and parent in s.prepares_input:
+                built.input_regions.setdefault(parent, []).append(new)
+        elif style in (Style.ROW, Style.ROW_SPLIT_INPUT):
+            new = build_row_linear(
+                mod,
+                name,
+                mesh,
+                input_is_parallel=style is Style.ROW,
+                sequence_parallel=sequence_parallel and s.in_layers(name),
+            )
+        elif style is Style.VOCAB_EMBEDDING:
+            new = build_vocab_embedding(mod, name, mesh)
+        elif style is Style.REPLICATED_GRAD_ALLREDUCE:
+            built.grad_allreduce.append(mod)
+            continue
+        else:
+            new = _build_sharded_norm(mod, mesh)
+        built.replacements[name] = new
+    return built
+
+
+# -- 3. install -----------------------------------------------------------------------------
+
+
+def _install(
+    model: nn.Module,
+    mp: ModelPlan,
+    built: _Built,
+    mesh: Mesh,
+    heads: Heads | None,
+    sequence_parallel: bool,
+    parallel_loss: bool,
+) -> None:
+    """Swap the sharded modules in and add the hooks: the only step that changes ``model``."""
+    s = mp.structure
+    ties = _tie_groups(model)
+    for name, new in built.replacements.items():
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent), attr, new)
+    for mod in built.grad_allreduce:
+        mark_sequence_parallel(mod)
+    tp = mesh.tp_size
+    for name in built.attention:
+        patch_attention_module(model.get_submodule(name), heads, tp, len(kv_slots(heads, tp)[0]))
+    for name, children in built.input_regions.items():
+        install_input_region(
+            model.get_submodule(name), children, mesh, sequence_parallel and s.in_layers(name)
+        )
     _retie(model, ties)
     if sequence_parallel:
-        apply_sequence_parallel(model, mesh)
+        apply_sequence_parallel(model, mesh, s.layers, s.final_norm)
     model._ntp_parallel, model._ntp_mesh = True, mesh
     _guard_meta(model)
     model._ntp_parallel_loss, model._ntp_sequence_parallel = parallel_loss, sequence_parallel
     if parallel_loss:
         _wrap_loss(model, mesh)
-    return model
+
+
+def _tie_groups(model: nn.Module) -> list[list[tuple[str, str]]]:
+    seen: dict[int, list[tuple[str, str]]] = {}
+    for mname, mod in model.named_modules(remove_duplicate=False):
+        for pname, p in mod.named_parameters(recurse=False):
+            seen.setdefault(id(p), []).append((mname, pname))
+    return [g for g in seen.values() if len(g) > 1]
 
 
 def _guard_meta(model: nn.Module) -> None:
@@ -208,29 +362,40 @@ def _guard_meta(model: nn.Module) -> None:
                 f"{type(module).__name__}: {len(left)} parameters (e.g. {left[0]}) are still on "
                 "the meta device: the model was parallelized without weights. Load them first: "
                 "neuron_tp.from_pretrained(path, mesh) reads each rank's slices of a HF "
-                "checkpoint; or parallelize a model built with real weights")
+                "checkpoint; or parallelize a model built with real weights"
+            )
         handle.remove()
 
     handle = model.register_forward_pre_hook(check, with_kwargs=True)
 
 
-def _sharded_norm(mod, name, mesh, heads) -> nn.Module:
+def _check_sharded_norm(mod: nn.Module, name: str, mesh: Mesh, heads: Heads | None) -> None:
+    """The refusals of :func:`_build_sharded_norm`."""
+    full = mod.weight.shape[0]
+    require_even_split(full, mesh, name, "normalized features")
+    if heads is not None and full == heads.kv * heads.dim and heads.kv % mesh.tp_size:
+        raise ValueError(
+            f"{name}: a norm over all key/value heads cannot be sharded when "
+            f"num_key_value_heads={heads.kv} is not divisible by tp="
+            f"{mesh.tp_size}; tp degrees that work: "
+            f"{valid_tp_degrees(mesh.world_size, heads.kv, heads.q)}"
+        )
+    _check_plain_rms_norm(mod, name, full)
+
+
+def _build_sharded_norm(mod: nn.Module, mesh: Mesh) -> ShardedRMSNorm:
+    """An RMSNorm whose weight is split over tp like the features it normalizes."""
     w = mod.weight
     full = w.shape[0]
-    M.require(full, mesh.tp_size, mesh.world_size, name, "normalized features")
-    if heads is not None and full == heads.kv * heads.dim and heads.kv % mesh.tp_size:
-        ok = [d for d in range(1, mesh.world_size + 1)
-              if mesh.world_size % d == 0 and heads.kv % d == 0 and heads.q % d == 0]
-        raise ValueError(f"{name}: a norm over all key/value heads cannot be sharded when "
-                         f"num_key_value_heads={heads.kv} is not divisible by tp="
-                         f"{mesh.tp_size}; tp degrees that work: {ok}")
-    _check_plain_rms_norm(mod, name, full)
     sh = Sharding((("tp", 0),), (full,))
     norm = ShardedRMSNorm(mod, mesh, full)
-    norm.weight = nn.Parameter(shard_of(w.detach(), sh, mesh).clone(),
-                               requires_grad=w.requires_grad)
+    norm.weight = nn.Parameter(
+        shard_of(w.detach(), sh, mesh).clone(), requires_grad=w.requires_grad
+    )
     mark_sharded(norm, "weight", sh)
-    set_layout(norm, "weight", HFLayout(0, tuple(even_pieces(full, mesh.tp_rank, mesh.tp_size))))
+    set_slice_map(
+        norm, "weight", HFSliceMap(0, tuple(even_pieces(full, mesh.tp_rank, mesh.tp_size)))
+    )
     return norm
 
 
@@ -245,8 +410,10 @@ def _check_plain_rms_norm(mod: nn.Module, name: str, features: int) -> None:
         want = probe.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
         ok = torch.allclose(probe(x), want, atol=1e-5)
     if not ok:
-        raise ValueError(f"{name}: sharded_norm needs a plain RMSNorm (weight * x / rms(x)); "
-                         f"{type(mod).__name__} computes something else")
+        raise ValueError(
+            f"{name}: sharded_norm needs a plain RMSNorm (weight * x / rms(x)); "
+            f"{type(mod).__name__} computes something else"
+        )
 
 
 def _retie(model: nn.Module, ties) -> None:
@@ -262,8 +429,10 @@ def _retie(model: nn.Module, ties) -> None:
         for (m, p), (o, n), cur in zip(group, owners, params):
             if cur is not keep:
                 if get_sharding(o, n) is not None and cur.shape != keep.shape:
-                    raise ValueError(f"{m}.{p}: tied to a parameter sharded differently "
-                                     f"({tuple(cur.shape)} vs {tuple(keep.shape)})")
+                    raise ValueError(
+                        f"{m}.{p}: tied to a parameter sharded differently "
+                        f"({tuple(cur.shape)} vs {tuple(keep.shape)})"
+                    )
                 setattr(o, n, keep)
                 copy_param_meta(*keep_owner, o, n)
 
@@ -303,9 +472,13 @@ def _wrap_loss(model: nn.Module, mesh: Mesh) -> None:
                 labels = nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
             # HF gradient accumulation (causal LMs' loss_function): sum / num_items_in_batch
             n_items = kwargs.get("num_items_in_batch") if causal else None
-            out.loss = parallel_cross_entropy(logits, labels.to(logits.device), mesh=mesh,
-                                              vocab_size=vocab,
-                                              reduction="mean" if n_items is None else "sum")
+            out.loss = parallel_cross_entropy(
+                logits,
+                labels.to(logits.device),
+                mesh=mesh,
+                vocab_size=vocab,
+                reduction="mean" if n_items is None else "sum",
+            )
             if n_items is not None:
                 out.loss = out.loss / n_items
         return out

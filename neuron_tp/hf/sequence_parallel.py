@@ -2,37 +2,20 @@
 linears is sharded on the sequence (dim 1). The model computes positions, rotary tables and
 masks for the full sequence; the first decoder layer's input is scattered, norms run on
 shards, the attention/MLP input is all-gathered once (in its parent's input hook), row-parallel
-outputs are reduce-scattered, and the final norm's output is gathered back for the head."""
+outputs are reduce-scattered, and the final norm's output is gathered back for the head.
+
+The hooks are small classes that, like the layers, state the activation layouts they take and
+return (``input_layout`` / ``output_layout``)."""
+
 from __future__ import annotations
 
 import torch
 from torch import nn
 
 from .. import regions
-from ..mesh import Mesh
+from ..layers.activation_layout import REPLICATED, SHARDED_SEQUENCE
+from ..mesh import Group, Mesh
 from ..sharding import get_sharding, mark_sequence_parallel
-
-_FINAL_NORMS = ("norm", "ln_f", "final_layernorm", "final_layer_norm", "decoder.final_layer_norm")
-
-
-def find_layers(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
-    """The decoder-layer list of ``model`` (the longest ModuleList)."""
-    best = None
-    for name, mod in model.named_modules():
-        if isinstance(mod, nn.ModuleList) and len(mod) and (best is None or len(mod) > len(best[1])):
-            best = (name, mod)
-    return best
-
-
-def find_final_norm(model: nn.Module) -> nn.Module | None:
-    base = getattr(model, getattr(model, "base_model_prefix", ""), model)
-    for attr in _FINAL_NORMS:
-        mod = base
-        for part in attr.split("."):
-            mod = getattr(mod, part, None)
-        if isinstance(mod, nn.Module):
-            return mod
-    return None
 
 
 def _first_input(args, kwargs):
@@ -44,33 +27,60 @@ def _first_input(args, kwargs):
     raise ValueError("tensor-parallel input hook: the module got no hidden-states input")
 
 
-def check_sequence_parallel(model: nn.Module) -> tuple[nn.ModuleList, nn.Module]:
-    """The decoder layers and final norm sequence parallelism hooks into, or a ValueError."""
-    found, norm = find_layers(model), find_final_norm(model)
-    if found is None or norm is None:
-        raise ValueError(f"{type(model).__name__}: sequence_parallel needs a decoder with a "
-                         "list of layers and a final norm (norm / ln_f / final_layernorm)")
-    return found[1], norm
+def check_sequence_parallel(
+    model: nn.Module, layers_name: str | None, norm_name: str | None
+) -> tuple[nn.ModuleList, nn.Module]:
+    """The decoder layers and final norm sequence parallelism hooks into (their module names
+    from the plan's :class:`~neuron_tp.hf.plans.ModelStructure`), or a ValueError."""
+    if layers_name is None or norm_name is None:
+        raise ValueError(
+            f"{type(model).__name__}: sequence_parallel needs a decoder with a "
+            "list of layers and a final norm (norm / ln_f / final_layernorm)"
+        )
+    return model.get_submodule(layers_name), model.get_submodule(norm_name)
 
 
-def apply_sequence_parallel(model: nn.Module, mesh: Mesh) -> nn.ModuleList:
-    """Install the scatter/gather hooks and mark the partial-gradient parameters."""
-    layers, norm = check_sequence_parallel(model)
-    tp = mesh.tp
+class ScatterSequence:
+    """Forward pre-hook of the first decoder layer: keep this rank's chunk of the sequence
+    (backward: all-gather)."""
 
-    def scatter(_mod, args, kwargs):
+    input_layout, output_layout = REPLICATED, SHARDED_SEQUENCE
+
+    def __init__(self, tp: Group):
+        self.tp = tp
+
+    def __call__(self, _mod: nn.Module, args, kwargs):
         x, put = _first_input(args, kwargs)
+        tp = self.tp
         if x.shape[1] % tp.size:
-            raise ValueError(f"sequence_parallel: sequence length {x.shape[1]} is not divisible "
-                             f"by tp={tp.size}; pad the sequence to a multiple of {tp.size} "
-                             "(generation with a KV cache needs sequence_parallel=False)")
-        return put(regions.scatter_to_sequence_parallel(x, tp, 1))
+            raise ValueError(
+                f"sequence_parallel: sequence length {x.shape[1]} is not divisible "
+                f"by tp={tp.size}; pad the sequence to a multiple of {tp.size} "
+                "(generation with a KV cache needs sequence_parallel=False)"
+            )
+        return put(regions.split_fwd_all_gather_bwd(x, tp, dim=1))
 
-    def gather(_mod, _args, out):
-        return regions.gather_from_tensor_parallel(out, tp, 1)
 
-    layers[0].register_forward_pre_hook(scatter, with_kwargs=True)
-    norm.register_forward_hook(gather)
+class GatherSequence:
+    """Forward hook of the final norm: the full sequence for the head (backward: keep this
+    rank's chunk)."""
+
+    input_layout, output_layout = SHARDED_SEQUENCE, REPLICATED
+
+    def __init__(self, tp: Group):
+        self.tp = tp
+
+    def __call__(self, _mod: nn.Module, _args, out: torch.Tensor) -> torch.Tensor:
+        return regions.all_gather_fwd_split_bwd(out, self.tp, dim=1)
+
+
+def apply_sequence_parallel(
+    model: nn.Module, mesh: Mesh, layers_name: str | None, norm_name: str | None
+) -> nn.ModuleList:
+    """Install the scatter/gather hooks and mark the partial-gradient parameters."""
+    layers, norm = check_sequence_parallel(model, layers_name, norm_name)
+    layers[0].register_forward_pre_hook(ScatterSequence(mesh.tp), with_kwargs=True)
+    norm.register_forward_hook(GatherSequence(mesh.tp))
     for mod in (layers, norm):
         for name, _ in mod.named_parameters():
             if get_sharding(mod, name) is None:
@@ -78,22 +88,35 @@ def apply_sequence_parallel(model: nn.Module, mesh: Mesh) -> nn.ModuleList:
     return layers
 
 
-def install_input_region(parent: nn.Module, children: list[nn.Module], mesh: Mesh,
-                         sequence_parallel: bool) -> None:
-    """One input region for all column-parallel children of ``parent``: copy (backward
-    all-reduce), or with SP all-gather of the sequence (backward reduce-scatter)."""
-    tp = mesh.tp
+class SharedInputRegion:
+    """Forward pre-hook of a module whose column-parallel children all read its input: their
+    input region, applied once. Copy (backward all-reduce), or with SP all-gather of the
+    sequence (backward reduce-scatter)."""
 
-    def hook(_mod, args, kwargs):
+    output_layout = REPLICATED
+
+    def __init__(self, tp: Group, children: list[nn.Module], sequence_parallel: bool):
+        self.tp, self.children, self.sequence_parallel = tp, children, sequence_parallel
+        self.input_layout = SHARDED_SEQUENCE if sequence_parallel else REPLICATED
+
+    def __call__(self, _mod: nn.Module, args, kwargs):
         x, put = _first_input(args, kwargs)
-        if sequence_parallel:
-            x = regions.gather_from_sequence_parallel(x, tp, 1)
+        if self.sequence_parallel:
+            x = regions.all_gather_fwd_reduce_scatter_bwd(x, self.tp, dim=1)
         else:
-            x = regions.copy_to_tensor_parallel(x, tp)
-        for c in children:
+            x = regions.identity_fwd_all_reduce_bwd(x, self.tp)
+        for c in self.children:
             c.region_input = x
         return put(x)
 
+
+def install_input_region(
+    parent: nn.Module, children: list[nn.Module], mesh: Mesh, sequence_parallel: bool
+) -> None:
+    """One input region (:class:`SharedInputRegion`) for all column-parallel children of
+    ``parent``."""
     for c in children:
         c.shared_region = True
-    parent.register_forward_pre_hook(hook, with_kwargs=True)
+    parent.register_forward_pre_hook(
+        SharedInputRegion(mesh.tp, children, sequence_parallel), with_kwargs=True
+    )

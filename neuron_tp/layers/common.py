@@ -1,32 +1,48 @@
 """Shared pieces of the layers: TP-invariant parameter creation and input checks."""
+
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
-from ..mesh import Group, Mesh
+from ..mesh import Group, Mesh, valid_tp_degrees
 from ..sharding import Sharding, get_sharding, mark_sharded, shard_of
-
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def require_divisible(size: int, group: Group, what: str, world_size: int) -> None:
     """Raise a clear error when ``group`` cannot split ``size`` evenly."""
     if size % group.size:
-        ok = [d for d in divisors(world_size) if size % d == 0]
-        raise ValueError(f"{what}={size} is not divisible by {group.name} size {group.size}; "
-                         f"degrees that divide both it and the world size {world_size}: {ok}")
+        raise ValueError(
+            f"{what}={size} is not divisible by {group.name} size {group.size}; "
+            f"degrees that divide both it and the world size {world_size}: "
+            f"{valid_tp_degrees(world_size, size)}"
+        )
 
 
-def make_parameter(module: nn.Module, name: str, full_shape: tuple[int, ...],
-                   splits: tuple[tuple[str, int], ...], mesh: Mesh,
-                   init_fn: Callable[[torch.Tensor], object] | None,
-                   device=None, dtype=None, segments=None) -> nn.Parameter:
+def require_multiple(size: int, q: int, what: str, layer: str) -> None:
+    """A clear error (before any collective) when ``size`` is not a multiple of ``q`` (the
+    side of a 2D grid or 3D cube)."""
+    if size % q:
+        raise ValueError(
+            f"{layer}: {what}={size} is not divisible by {q}; use a multiple of "
+            f"{q} (e.g. {size + (-size) % q})"
+        )
+
+
+def make_parameter(
+    module: nn.Module,
+    name: str,
+    full_shape: tuple[int, ...],
+    splits: tuple[tuple[str, int], ...],
+    mesh: Mesh,
+    init_fn: Callable[[torch.Tensor], object] | None,
+    device=None,
+    dtype=None,
+    segments=None,
+) -> nn.Parameter:
     """Register on ``module`` as ``name`` this rank's shard of a parameter whose *full*
     tensor is initialised by ``init_fn``, and record its sharding on ``module``.
 
@@ -48,6 +64,52 @@ def make_parameter(module: nn.Module, name: str, full_shape: tuple[int, ...],
     return p
 
 
+def make_linear_parameters(
+    module: nn.Module,
+    in_features: int,
+    out_features: int,
+    bias: bool,
+    weight_splits: tuple[tuple[str, int], ...],
+    bias_splits: tuple[tuple[str, int], ...],
+    mesh: Mesh,
+    init_method: Callable[[torch.Tensor], object] | None,
+    device=None,
+    dtype=None,
+    segments=None,
+) -> tuple[nn.Parameter, nn.Parameter | None]:
+    """This rank's shards of a linear's ``weight`` ``[out, in]`` (``init_method``, default
+    ``nn.Linear``'s) and ``bias`` ``[out]`` (``nn.Linear``'s, or None), registered on ``module``
+    with :func:`make_parameter`."""
+    init = linear_weight_init if init_method is None else init_method
+    weight = make_parameter(
+        module,
+        "weight",
+        (out_features, in_features),
+        weight_splits,
+        mesh,
+        init,
+        device,
+        dtype,
+        segments,
+    )
+    b = (
+        make_parameter(
+            module,
+            "bias",
+            (out_features,),
+            bias_splits,
+            mesh,
+            linear_bias_init(in_features),
+            device,
+            dtype,
+            segments,
+        )
+        if bias
+        else None
+    )
+    return weight, b
+
+
 def linear_weight_init(w: torch.Tensor) -> None:
     """nn.Linear's default initialisation of a full ``[out, in]`` weight."""
     nn.init.kaiming_uniform_(w, a=math.sqrt(5))
@@ -61,30 +123,47 @@ def linear_bias_init(fan_in: int) -> Callable[[torch.Tensor], object]:
 def check_device(x: torch.Tensor, mesh: Mesh, layer: str) -> None:
     """A virtual (trace-only) mesh only makes sense on XLA tensors."""
     if mesh.virtual and x.device.type != "xla":
-        raise RuntimeError(f"{layer}: {mesh} is virtual (trace-only) and needs XLA tensors, got "
-                           f"a {x.device} tensor; move module and input to ntp.xla_device()")
+        raise RuntimeError(
+            f"{layer}: {mesh} is virtual (trace-only) and needs XLA tensors, got "
+            f"a {x.device} tensor; move module and input to ntp.xla_device()"
+        )
 
 
-def check_input(x: torch.Tensor, weight: torch.Tensor, features: int, dim: int,
-                layer: str, mesh: Mesh) -> None:
+def check_input(
+    x: torch.Tensor, weight: torch.Tensor, features: int, dim: int, layer: str, mesh: Mesh
+) -> None:
     """Device, shape and dtype checks made before any collective runs."""
     check_device(x, mesh, layer)
     if x.shape[dim] != features:
-        raise ValueError(f"{layer}: expected {features} features on dim {dim} of the input, got "
-                         f"shape {tuple(x.shape)}")
+        raise ValueError(
+            f"{layer}: expected {features} features on dim {dim} of the input, got "
+            f"shape {tuple(x.shape)}"
+        )
+    check_dtype(x, weight, layer)
+
+
+def check_dtype(x: torch.Tensor, weight: torch.Tensor, layer: str) -> None:
+    """The input has the weight's dtype (a mismatch would fail inside the matmul)."""
     if x.dtype != weight.dtype:
-        raise TypeError(f"{layer}: input dtype {x.dtype} does not match weight dtype "
-                        f"{weight.dtype}; cast the input or the module")
+        raise TypeError(
+            f"{layer}: input dtype {x.dtype} does not match weight dtype "
+            f"{weight.dtype}; cast the input or the module"
+        )
 
 
 def load_shards_from(layer: nn.Module, full: nn.Module) -> nn.Module:
     """Give ``layer`` (built on meta) this rank's slices of the same-named parameters of the
     unsharded module ``full``; the sharding records of ``layer`` say how to slice."""
-    for name, p in list(layer.named_parameters(recurse=False)):
+    for name, _ in list(layer.named_parameters(recurse=False)):
         src = getattr(full, name)
         sh = get_sharding(layer, name) or Sharding((), tuple(src.shape))
-        setattr(layer, name, nn.Parameter(shard_of(src.detach(), sh, layer.mesh).clone(),
-                                          requires_grad=src.requires_grad))
+        setattr(
+            layer,
+            name,
+            nn.Parameter(
+                shard_of(src.detach(), sh, layer.mesh).clone(), requires_grad=src.requires_grad
+            ),
+        )
     return layer
 
 
@@ -96,6 +175,13 @@ class FromLinear:
     def from_linear(cls, linear: nn.Linear, mesh: Mesh | None = None, **kwargs):
         """Shard an existing ``nn.Linear`` (every rank holds the same full module); extra
         keyword arguments go to the constructor."""
-        layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                    mesh=mesh, device="meta", dtype=linear.weight.dtype, **kwargs)
+        layer = cls(
+            linear.in_features,
+            linear.out_features,
+            bias=linear.bias is not None,
+            mesh=mesh,
+            device="meta",
+            dtype=linear.weight.dtype,
+            **kwargs,
+        )
         return load_shards_from(layer, linear)

@@ -7,6 +7,7 @@ device-side rank index), and no per-rank RNG state has to be tracked or checkpoi
 is drawing ``group.size`` times more random numbers than the shard needs, which is small next
 to the block's matmuls.
 """
+
 from __future__ import annotations
 
 import torch
@@ -15,8 +16,9 @@ from .. import comm
 from ..mesh import Group
 
 
-def sharded_dropout(x: torch.Tensor, p: float, group: Group | None, dim: int = 1,
-                    training: bool = True) -> torch.Tensor:
+def sharded_dropout(
+    x: torch.Tensor, p: float, group: Group | None, dim: int = 1, training: bool = True
+) -> torch.Tensor:
     """Dropout of ``x``, this rank's chunk along ``dim`` of a full tensor split over ``group``
     (``None``: ``x`` is the full tensor, e.g. replicated over tp)."""
     if not 0.0 <= p < 1.0:

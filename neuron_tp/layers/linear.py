@@ -1,4 +1,9 @@
-"""Column- and row-parallel linear layers (1D, Megatron-style), with optional sequence parallelism."""
+"""Column- and row-parallel linear layers (1D, Megatron-style), with optional sequence parallelism.
+
+The communication uses the Megatron role names of :mod:`neuron_tp.regions` (e.g.
+``copy_to_tensor_parallel`` = ``identity_fwd_all_reduce_bwd``).
+"""
+
 from __future__ import annotations
 
 import torch
@@ -8,8 +13,8 @@ from torch import nn
 from .. import regions
 from ..mesh import Mesh, get_mesh
 from ..sharding import mark_sequence_parallel
-from .common import (FromLinear, check_input, linear_bias_init, linear_weight_init,
-                     make_parameter, require_divisible)
+from .activation_layout import REPLICATED, SHARDED_FEATURES, SHARDED_SEQUENCE
+from .common import FromLinear, check_input, make_linear_parameters, require_divisible
 
 
 class ColumnParallelLinear(FromLinear, nn.Module):
@@ -17,63 +22,107 @@ class ColumnParallelLinear(FromLinear, nn.Module):
 
     Input: replicated ``[..., in]`` (or sequence-sharded when ``sequence_parallel``).
     Output: ``[..., out/tp]`` sharded on the last dim, or the full ``[..., out]`` when
-    ``gather_output``. ``segments`` packs several projections in one (fused QKV: sizes
-    ``(q, k, v)``; gate_up: ``(ffn, ffn)``): each piece is split over tp separately, so a rank
-    holds its heads of q, k and v, not a block of rows. ``pad_output`` allows an ``out_features`` that tp does not divide
-    (a vocabulary): the weight is zero-padded to a multiple of tp and a gathered output is
-    trimmed back to ``out_features``.
+    ``gather_output`` (``input_layout`` / ``output_layout`` say which). ``segments`` packs
+    several projections in one (fused QKV: sizes ``(q, k, v)``; gate_up: ``(ffn, ffn)``): each
+    piece is split over tp separately, so a rank holds its heads of q, k and v, not a block of
+    rows. ``pad_output`` allows an ``out_features`` that tp does not divide (a vocabulary): the
+    weight is zero-padded to a multiple of tp and a gathered output is trimmed back to
+    ``out_features``.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True,
-                 gather_output: bool = False, sequence_parallel: bool = False,
-                 sequence_dim: int = 1, skip_bias_add: bool = False, pad_output: bool = False,
-                 segments: tuple[int, ...] | None = None,
-                 mesh: Mesh | None = None, device=None, dtype=None, init_method=None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        gather_output: bool = False,
+        sequence_parallel: bool = False,
+        sequence_dim: int = 1,
+        skip_bias_add: bool = False,
+        pad_output: bool = False,
+        segments: tuple[int, ...] | None = None,
+        mesh: Mesh | None = None,
+        device=None,
+        dtype=None,
+        init_method=None,
+    ):
         super().__init__()
         self.mesh = get_mesh(mesh)
         tp = self.mesh.tp
         if segments is not None:
             if sum(segments) != out_features or pad_output:
-                raise ValueError(f"segments {segments} must sum to out_features={out_features} "
-                                 "and cannot be combined with pad_output")
+                raise ValueError(
+                    f"segments {segments} must sum to out_features={out_features} "
+                    "and cannot be combined with pad_output"
+                )
             for size in segments:
                 require_divisible(size, tp, "ColumnParallelLinear segment", self.mesh.world_size)
         elif not pad_output:
-            require_divisible(out_features, tp, "ColumnParallelLinear out_features",
-                              self.mesh.world_size)
+            require_divisible(
+                out_features, tp, "ColumnParallelLinear out_features", self.mesh.world_size
+            )
         if gather_output and segments is not None:
             raise ValueError("gather_output is not supported for a packed (segments) projection")
         self.in_features, self.out_features = in_features, out_features
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
         self.sequence_dim, self.skip_bias_add = sequence_dim, skip_bias_add
-        init = linear_weight_init if init_method is None else init_method
-        self.weight = make_parameter(
-            self, "weight", (out_features, in_features), (("tp", 0),), self.mesh, init, device,
-            dtype, segments)
-        self.bias = (make_parameter(self, "bias", (out_features,), (("tp", 0),), self.mesh,
-                                    linear_bias_init(in_features), device, dtype, segments)
-                     if bias else None)
+        self.weight, self.bias = make_linear_parameters(
+            self,
+            in_features,
+            out_features,
+            bias,
+            (("tp", 0),),
+            (("tp", 0),),
+            self.mesh,
+            init_method,
+            device,
+            dtype,
+            segments,
+        )
 
+    @property
+    def input_layout(self) -> str:
+        return SHARDED_SEQUENCE if self.sequence_parallel else REPLICATED
+
+    @property
+    def output_layout(self) -> str:
+        return REPLICATED if self.gather_output else SHARDED_FEATURES
 
     def forward(self, x: torch.Tensor):
-        check_input(x, self.weight, self.in_features, -1, type(self).__name__, self.mesh)
-        tp = self.mesh.tp
-        if self.sequence_parallel:
-            x = regions.gather_from_sequence_parallel(x, tp, self.sequence_dim)
-        else:
-            x = regions.copy_to_tensor_parallel(x, tp)
-        bias = None if self.skip_bias_add else self.bias
-        y = F.linear(x, self.weight, bias)
+        check_input(x, self.weight, self.in_features, -1, self._label(), self.mesh)
+        x = self._input_region(x)
+        weight, bias = self._local_weight_and_bias(x.device)
+        y = F.linear(x, weight, None if self.skip_bias_add else bias)
         if self.gather_output:
-            y = regions.gather_from_tensor_parallel(y, tp, -1)
+            y = regions.gather_from_tensor_parallel(y, self.mesh.tp, -1)
             if y.shape[-1] != self.out_features:
-                y = y[..., :self.out_features]
+                y = y[..., : self.out_features]
         return (y, self.bias) if self.skip_bias_add else y
 
+    # The steps of forward a subclass may change (neuron_tp.hf.modules.HFColumnLinear).
+    def _label(self) -> str:
+        """The layer's name in error messages."""
+        return type(self).__name__
+
+    def _input_region(self, x: torch.Tensor) -> torch.Tensor:
+        """Replicated input: copy (backward all-reduce); sequence-sharded: all-gather the
+        sequence (backward reduce-scatter)."""
+        if self.sequence_parallel:
+            return regions.gather_from_sequence_parallel(x, self.mesh.tp, self.sequence_dim)
+        return regions.copy_to_tensor_parallel(x, self.mesh.tp)
+
+    def _local_weight_and_bias(
+        self, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The weight and bias the matmul uses."""
+        return self.weight, self.bias
+
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"tp={self.mesh.tp_size}, gather_output={self.gather_output}, "
-                f"sequence_parallel={self.sequence_parallel}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"tp={self.mesh.tp_size}, gather_output={self.gather_output}, "
+            f"sequence_parallel={self.sequence_parallel}"
+        )
 
 
 class RowParallelLinear(FromLinear, nn.Module):
@@ -81,33 +130,56 @@ class RowParallelLinear(FromLinear, nn.Module):
 
     Input: ``[..., in/tp]`` sharded on the last dim (``input_is_parallel``) or the full
     ``[..., in]``, which is then split. Output: replicated ``[..., out]``, or sequence-sharded
-    (reduce-scatter along ``sequence_dim``) when ``sequence_parallel``. The bias is added after
-    the reduction.
+    (reduce-scatter along ``sequence_dim``) when ``sequence_parallel`` (``input_layout`` /
+    ``output_layout`` say which). The bias is added after the reduction.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True,
-                 input_is_parallel: bool = True, sequence_parallel: bool = False,
-                 sequence_dim: int = 1, skip_bias_add: bool = False,
-                 mesh: Mesh | None = None, device=None, dtype=None, init_method=None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        input_is_parallel: bool = True,
+        sequence_parallel: bool = False,
+        sequence_dim: int = 1,
+        skip_bias_add: bool = False,
+        mesh: Mesh | None = None,
+        device=None,
+        dtype=None,
+        init_method=None,
+    ):
         super().__init__()
         self.mesh = get_mesh(mesh)
-        require_divisible(in_features, self.mesh.tp, "RowParallelLinear in_features",
-                          self.mesh.world_size)
+        require_divisible(
+            in_features, self.mesh.tp, "RowParallelLinear in_features", self.mesh.world_size
+        )
         if sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence_parallel needs input_is_parallel=True")
         self.in_features, self.out_features = in_features, out_features
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
         self.sequence_dim, self.skip_bias_add = sequence_dim, skip_bias_add
-        init = linear_weight_init if init_method is None else init_method
-        self.weight = make_parameter(
-            self, "weight", (out_features, in_features), (("tp", 1),), self.mesh, init, device,
-            dtype)
-        self.bias = (make_parameter(self, "bias", (out_features,), (), self.mesh,
-                                    linear_bias_init(in_features), device, dtype)
-                     if bias else None)
+        self.weight, self.bias = make_linear_parameters(
+            self,
+            in_features,
+            out_features,
+            bias,
+            (("tp", 1),),
+            (),
+            self.mesh,
+            init_method,
+            device,
+            dtype,
+        )
         if self.bias is not None and sequence_parallel:
             mark_sequence_parallel(self, "bias")
 
+    @property
+    def input_layout(self) -> str:
+        return SHARDED_FEATURES if self.input_is_parallel else REPLICATED
+
+    @property
+    def output_layout(self) -> str:
+        return SHARDED_SEQUENCE if self.sequence_parallel else REPLICATED
 
     def forward(self, x: torch.Tensor):
         tp = self.mesh.tp
@@ -117,7 +189,8 @@ class RowParallelLinear(FromLinear, nn.Module):
             raise ValueError(
                 f"RowParallelLinear: sequence length {x.shape[self.sequence_dim]} (dim "
                 f"{self.sequence_dim}) is not divisible by tp={tp.size} under sequence "
-                f"parallelism; pad the sequence to a multiple of {tp.size}")
+                f"parallelism; pad the sequence to a multiple of {tp.size}"
+            )
         if not self.input_is_parallel:
             x = regions.scatter_to_tensor_parallel(x, tp, -1)
         y = F.linear(x, self.weight)
@@ -130,7 +203,8 @@ class RowParallelLinear(FromLinear, nn.Module):
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"tp={self.mesh.tp_size}, input_is_parallel={self.input_is_parallel}, "
-                f"sequence_parallel={self.sequence_parallel}")
-
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"tp={self.mesh.tp_size}, input_is_parallel={self.input_is_parallel}, "
+            f"sequence_parallel={self.sequence_parallel}"
+        )

@@ -1,4 +1,5 @@
 """Cross-entropy over vocabulary-sharded logits, without gathering the full vocabulary."""
+
 from __future__ import annotations
 
 import torch
@@ -9,17 +10,32 @@ from ..mesh import Group, Mesh, get_mesh
 _NEG = -1e30  # finite "minus infinity": a shard made only of padding stays NaN-free
 
 
+def check_loss_inputs(logits: torch.Tensor, labels: torch.Tensor, reduction: str) -> None:
+    """The checks of every sharded cross-entropy, made before any collective runs."""
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    if logits.shape[:-1] != labels.shape:
+        raise ValueError(
+            f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} "
+            "must agree on every dim but the last"
+        )
+
+
 class _VocabParallelCE(torch.autograd.Function):
     """Per-token loss from this rank's vocab slice; the backward is analytic and local
     (``softmax - onehot``, with the global log-sum-exp), so it needs no communication."""
 
     @staticmethod
-    def forward(ctx, logits, labels, tp: Group, vocab_size: int, ignore_index: int,
-                smoothing: float):
+    def forward(
+        ctx, logits, labels, tp: Group, vocab_size: int, ignore_index: int, smoothing: float
+    ):
         z = logits.float()
         local_v = z.shape[-1]
-        start = (tp.rank_tensor(z.device) * local_v if tp.size > 1
-                 else torch.zeros((), dtype=torch.long, device=z.device))
+        start = (
+            tp.rank_tensor(z.device) * local_v
+            if tp.size > 1
+            else torch.zeros((), dtype=torch.long, device=z.device)
+        )
         padded = None
         if vocab_size != local_v * tp.size:
             padded = torch.arange(local_v, device=z.device) + start >= vocab_size
@@ -52,10 +68,15 @@ class _VocabParallelCE(torch.autograd.Function):
         return grad.to(ctx.dtype), None, None, None, None, None
 
 
-def parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, mesh: Mesh | None = None,
-                           ignore_index: int = -100, label_smoothing: float = 0.0,
-                           vocab_size: int | None = None,
-                           reduction: str = "mean") -> torch.Tensor:
+def parallel_cross_entropy(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    mesh: Mesh | None = None,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    vocab_size: int | None = None,
+    reduction: str = "mean",
+) -> torch.Tensor:
     """``F.cross_entropy(full_logits, labels)`` computed from this rank's vocab slice.
 
     ``logits``: ``[..., V/tp]``, rank r holding columns ``[r*V/tp, (r+1)*V/tp)``; ``labels``:
@@ -64,11 +85,7 @@ def parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, mesh: Mes
     vocabulary (not the local slice). Communication: one all-gather of ``[..., tp]`` local
     log-sum-exps and one all-reduce of the target (and mean) logits.
     """
-    if reduction not in ("mean", "sum", "none"):
-        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
-    if logits.shape[:-1] != labels.shape:
-        raise ValueError(f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} "
-                         "must agree on every dim but the last")
+    check_loss_inputs(logits, labels, reduction)
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
     tp = get_mesh(mesh).tp
@@ -76,8 +93,7 @@ def parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, mesh: Mes
     vocab_size = vocab_size or local_v * tp.size
     if not (tp.size - 1) * local_v < vocab_size <= tp.size * local_v:
         raise ValueError(f"vocab_size={vocab_size} does not fit {tp.size} shards of {local_v}")
-    loss = _VocabParallelCE.apply(logits, labels, tp, vocab_size, ignore_index,
-                                  label_smoothing)
+    loss = _VocabParallelCE.apply(logits, labels, tp, vocab_size, ignore_index, label_smoothing)
     valid = labels != ignore_index
     if reduction == "none":
         return loss

@@ -7,80 +7,75 @@ embeddings are reduce-scattered back to the batch shards (backward: all-gather).
 Classifier: a :class:`Linear2D` / :class:`Linear3D` (``ab``) without bias: its logits have the
 vocabulary split over the output layout's feature axis. Cross-entropy then never gathers them.
 """
+
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .. import comm, regions
 from ..mesh import Mesh, get_mesh
-from .common import load_shards_from, make_parameter
-from .layout_nd import (LAYOUT_2D, LAYOUT_3D_A, LAYOUT_3D_B, Layout, check_mode, get_layout,
-                        tag)
-from .mesh2d import Linear2D, require_multiple
-from .mesh3d import Linear3D
+from .activation_layout import (
+    LAYOUT_2D,
+    LAYOUT_3D_A,
+    LAYOUT_3D_B,
+    ActivationLayout,
+    check_mode,
+    get_layout,
+    tag,
+)
+from .common import make_parameter, require_multiple
+from .embedding import FromEmbedding, check_ids, embedding_init, lookup_vocab_slice
+from .linear_2d import Linear2D
+from .linear_3d import Linear3D
+from .loss import check_loss_inputs
 
 
-class _EmbeddingND(nn.Module):
-    layout: Layout = LAYOUT_2D
+class _EmbeddingND(FromEmbedding, nn.Module):
+    layout: ActivationLayout = LAYOUT_2D
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None,
-                 mesh: Mesh | None = None, device=None, dtype=None, init_method=None):
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        padding_idx: int | None = None,
+        mesh: Mesh | None = None,
+        device=None,
+        dtype=None,
+        init_method=None,
+    ):
         super().__init__()
         self.mesh = get_mesh(mesh)
         name = type(self).__name__
         check_mode(self.mesh, self.layout, name)
-        require_multiple(num_embeddings, self.layout.batch_split(self.mesh), "num_embeddings",
-                         name)
-        require_multiple(embedding_dim, self.layout.feature_split(self.mesh), "embedding_dim",
-                         name)
+        require_multiple(num_embeddings, self.layout.batch_split(self.mesh), "num_embeddings", name)
+        require_multiple(embedding_dim, self.layout.feature_split(self.mesh), "embedding_dim", name)
         if padding_idx is not None and padding_idx < 0:
             padding_idx += num_embeddings
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.padding_idx = padding_idx
-        self.output_layout = self.layout
+        # ids: this rank's batch shard of the layout (no feature dim); output: the layout.
+        self.input_layout = self.output_layout = self.layout
         self.rows_per_rank = num_embeddings // self.layout.batch_split(self.mesh)
-
-        def init(w: torch.Tensor) -> None:
-            (init_method or nn.init.normal_)(w)
-            if padding_idx is not None:
-                with torch.no_grad():
-                    w[padding_idx].zero_()
-
-        self.weight = make_parameter(self, "weight", (num_embeddings, embedding_dim),
-            ((self.layout.batch_group, 0), (self.layout.feature_axis, 1)), self.mesh, init,
-            device, dtype)
-
-    @classmethod
-    def from_embedding(cls, embedding: nn.Embedding, mesh: Mesh | None = None) -> "_EmbeddingND":
-        """Shard an existing ``nn.Embedding`` (every rank holds the same full module)."""
-        if embedding.max_norm is not None or embedding.scale_grad_by_freq or embedding.sparse:
-            raise ValueError(f"{cls.__name__} supports neither max_norm, scale_grad_by_freq "
-                             "nor sparse gradients")
-        layer = cls(embedding.num_embeddings, embedding.embedding_dim,
-                    padding_idx=embedding.padding_idx, mesh=mesh, device="meta",
-                    dtype=embedding.weight.dtype)
-        return load_shards_from(layer, embedding)
+        self.weight = make_parameter(
+            self,
+            "weight",
+            (num_embeddings, embedding_dim),
+            ((self.layout.batch_group, 0), (self.layout.feature_axis, 1)),
+            self.mesh,
+            embedding_init(init_method, padding_idx),
+            device,
+            dtype,
+        )
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """``ids``: this rank's batch shard ``[b/nb, ...]`` (``split_input(ids, layout, mesh,
         feature_dim=False)``); returns ``[b/nb, ..., h/q]`` in the layout."""
-        name = type(self).__name__
-        if ids.dtype not in (torch.int64, torch.int32):
-            raise TypeError(f"{name}: ids must be int64/int32, got {ids.dtype}")
-        if self.mesh.virtual and ids.device.type != "xla":
-            raise RuntimeError(f"{name}: a virtual mesh needs XLA tensors, got {ids.device}")
+        check_ids(ids, self.mesh, type(self).__name__)
         batch = self.mesh.group(self.layout.batch_group)
         all_ids = comm.all_gather(ids.contiguous(), batch, 0)
-        start = batch.rank_tensor(ids.device) * self.rows_per_rank
-        local = all_ids - start if batch.size > 1 else all_ids
-        outside = (local < 0) | (local >= self.rows_per_rank)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
-        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        if self.padding_idx is not None:
-            out = torch.where((all_ids == self.padding_idx).unsqueeze(-1), out.detach(), out)
-        out = regions.reduce_scatter_to_sequence_parallel(out, batch, 0)
+        out = lookup_vocab_slice(all_ids, self.weight, batch, self.rows_per_rank, self.padding_idx)
+        out = regions.reduce_scatter_fwd_all_gather_bwd(out, batch, dim=0)
         return tag(out, self.layout)
 
 
@@ -111,9 +106,14 @@ class Classifier3D(Linear3D):
         super().__init__(hidden, vocab_size, bias=bias, **kwargs)
 
 
-def cross_entropy_nd(logits: torch.Tensor, labels: torch.Tensor, layout: Layout | str,
-                     mesh: Mesh | None = None, ignore_index: int = -100,
-                     reduction: str = "mean") -> torch.Tensor:
+def cross_entropy_nd(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    layout: ActivationLayout | str,
+    mesh: Mesh | None = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+) -> torch.Tensor:
     """``F.cross_entropy`` of the full logits from this rank's block in ``layout``.
 
     ``logits``: ``[b/nb, ..., V/q]`` (vocab split over the layout's feature axis), ``labels``:
@@ -123,11 +123,7 @@ def cross_entropy_nd(logits: torch.Tensor, labels: torch.Tensor, layout: Layout 
     mesh = get_mesh(mesh)
     layout = get_layout(layout)
     check_mode(mesh, layout, "cross_entropy_nd")
-    if reduction not in ("mean", "sum", "none"):
-        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
-    if logits.shape[:-1] != labels.shape:
-        raise ValueError(f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} "
-                         "must agree on every dim but the last")
+    check_loss_inputs(logits, labels, reduction)
     vocab, batch = mesh.group(layout.feature_axis), mesh.group(layout.batch_group)
     z = logits.float()
     local_v = z.shape[-1]
@@ -135,26 +131,28 @@ def cross_entropy_nd(logits: torch.Tensor, labels: torch.Tensor, layout: Layout 
     if vocab.size > 1:
         cols = cols + vocab.rank_tensor(z.device) * local_v
     local_lse = torch.logsumexp(z, dim=-1, keepdim=True)
-    lse = torch.logsumexp(regions.gather_from_tensor_parallel(local_lse, vocab, -1), dim=-1)
+    lse = torch.logsumexp(regions.all_gather_fwd_split_bwd(local_lse, vocab, dim=-1), dim=-1)
     valid = labels != ignore_index
     hit = (labels.unsqueeze(-1) == cols) & valid.unsqueeze(-1)
-    target = regions.reduce_from_tensor_parallel((z * hit).sum(-1), vocab)
+    target = regions.all_reduce_fwd_identity_bwd((z * hit).sum(-1), vocab)
     loss = (lse - target) * valid
     if reduction == "none":
         return loss
-    total = regions.reduce_from_tensor_parallel(loss.sum(), batch)
+    total = regions.all_reduce_fwd_identity_bwd(loss.sum(), batch)
     if reduction == "sum":
         return total
     return total / comm.all_reduce(valid.sum().to(z.dtype), batch)
 
 
-def cross_entropy_2d(logits: torch.Tensor, labels: torch.Tensor, mesh: Mesh | None = None,
-                     **kwargs) -> torch.Tensor:
+def cross_entropy_2d(
+    logits: torch.Tensor, labels: torch.Tensor, mesh: Mesh | None = None, **kwargs
+) -> torch.Tensor:
     """:func:`cross_entropy_nd` of :class:`Classifier2D` logits (layout ``2d``)."""
     return cross_entropy_nd(logits, labels, LAYOUT_2D, mesh, **kwargs)
 
 
-def cross_entropy_3d(logits: torch.Tensor, labels: torch.Tensor, mesh: Mesh | None = None,
-                     **kwargs) -> torch.Tensor:
+def cross_entropy_3d(
+    logits: torch.Tensor, labels: torch.Tensor, mesh: Mesh | None = None, **kwargs
+) -> torch.Tensor:
     """:func:`cross_entropy_nd` of :class:`Classifier3D` logits (layout ``3d-b``)."""
     return cross_entropy_nd(logits, labels, LAYOUT_3D_B, mesh, **kwargs)

@@ -1,13 +1,15 @@
 """Command-line options of ``scripts/train.py`` / ``neuron-tp train`` and of
 ``scripts/generate.py`` / ``neuron-tp generate`` (names are a contract with the deployment
 templates). Imports nothing beyond the standard library."""
+
 from __future__ import annotations
 
 import argparse
 import os
 
-REPO_DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__)))), "data")
+REPO_DATA = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "data"
+)
 
 
 def _positive(kind):
@@ -16,6 +18,7 @@ def _positive(kind):
         if value <= 0:
             raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
         return value
+
     return parse
 
 
@@ -25,6 +28,7 @@ def _non_negative(kind):
         if value < 0:
             raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
         return value
+
     return parse
 
 
@@ -32,31 +36,50 @@ def _buckets(text: str) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"buckets must be comma-separated integers, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"buckets must be comma-separated integers, got {text!r}"
+        ) from None
     if not values or any(v <= 0 for v in values):
         raise argparse.ArgumentTypeError(f"buckets must be positive integers, got {text!r}")
     return sorted(set(values))
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="tiny-llama",
-                   help="local HF model directory or a built-in preset (tiny-llama, tiny-gpt2, "
-                        "tiny-qwen3)")
+    p.add_argument(
+        "--model",
+        default="tiny-llama",
+        help="local HF model directory or a built-in preset (tiny-llama, tiny-gpt2, tiny-qwen3)",
+    )
     p.add_argument("--tp", type=_positive(int), default=1, help="tensor-parallel degree")
-    p.add_argument("--device", choices=("xla", "cpu"), default="xla",
-                   help="xla: NeuronCore when present, else the XLA CPU device; cpu: eager torch")
-    p.add_argument("--tokenizer", default=None,
-                   help="local HF tokenizer directory (default: byte-level fallback)")
+    p.add_argument(
+        "--device",
+        choices=("xla", "cpu"),
+        default="xla",
+        help="xla: NeuronCore when present, else the XLA CPU device; cpu: eager torch",
+    )
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="local HF tokenizer directory (default: byte-level fallback)",
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--xla-cpu-devices", type=_non_negative(int), default=0, metavar="N",
-                   help="run N ranks as XLA CPU devices of this one process (no torchrun): "
-                        "the graphs and collectives of an N-NeuronCore job, on a laptop")
+    p.add_argument(
+        "--xla-cpu-devices",
+        type=_non_negative(int),
+        default=0,
+        metavar="N",
+        help="run N ranks as XLA CPU devices of this one process (no torchrun): "
+        "the graphs and collectives of an N-NeuronCore job, on a laptop",
+    )
 
 
 def train_parser() -> argparse.ArgumentParser:
     """Parser of the training script (dp = world size / tp)."""
-    p = argparse.ArgumentParser(prog="neuron-tp train", allow_abbrev=False,
-                                description="Train a causal LM with TP (+SP) x DP.")
+    p = argparse.ArgumentParser(
+        prog="neuron-tp train",
+        allow_abbrev=False,
+        description="Train a causal LM with TP (+SP) x DP.",
+    )
     _common(p)
     p.add_argument("--sequence-parallel", action="store_true")
     p.add_argument("--data", default=REPO_DATA, help="a .txt/.jsonl file or a directory of them")
@@ -68,34 +91,55 @@ def train_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-lr", type=_non_negative(float), default=1e-4)
     p.add_argument("--warmup-steps", type=_non_negative(int), default=10)
     p.add_argument("--weight-decay", type=_non_negative(float), default=0.01)
-    p.add_argument("--max-grad-norm", type=_non_negative(float), default=1.0,
-                   help="clip by the global norm across all shards (0 = off)")
+    p.add_argument(
+        "--max-grad-norm",
+        type=_non_negative(float),
+        default=1.0,
+        help="clip by the global norm across all shards (0 = off)",
+    )
     p.add_argument("--bf16", action="store_true", help="bfloat16 parameters and compute")
     p.add_argument("--log-every", type=_positive(int), default=10)
     p.add_argument("--save-every", type=_non_negative(int), default=0, help="0 = only at the end")
-    p.add_argument("--keep-last", type=_positive(int), default=2,
-                   help="keep the newest N checkpoints (and always the one resumed from)")
+    p.add_argument(
+        "--keep-last",
+        type=_positive(int),
+        default=2,
+        help="keep the newest N checkpoints (and always the one resumed from)",
+    )
     p.add_argument("--output-dir", default="runs/train")
-    p.add_argument("--resume", default="auto",
-                   help="auto (newest complete checkpoint in --output-dir), none, or a path")
+    p.add_argument(
+        "--resume",
+        default="auto",
+        help="auto (newest complete checkpoint in --output-dir), none, or a path",
+    )
     p.add_argument("--tensorboard", action="store_true", help="write TensorBoard scalars")
-    p.add_argument("--skip-nonfinite", action="store_true",
-                   help="skip (undo on the device) the update of a step whose loss or grad "
-                        "norm is NaN/inf instead of stopping the run; holds a copy of params "
-                        "and optimizer states during each step")
+    p.add_argument(
+        "--skip-nonfinite",
+        action="store_true",
+        help="skip (undo on the device) the update of a step whose loss or grad "
+        "norm is NaN/inf instead of stopping the run; holds a copy of params "
+        "and optimizer states during each step",
+    )
     return p
 
 
 def generate_parser() -> argparse.ArgumentParser:
     """Parser of the generation script (tp ranks launched by torchrun)."""
-    p = argparse.ArgumentParser(prog="neuron-tp generate", allow_abbrev=False,
-                                description="Sharded generation with static shapes.")
+    p = argparse.ArgumentParser(
+        prog="neuron-tp generate",
+        allow_abbrev=False,
+        description="Sharded generation with static shapes.",
+    )
     _common(p)
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     p.add_argument("--prompts-file", default=None, help="one prompt per line")
     p.add_argument("--max-new-tokens", type=_positive(int), default=32)
-    p.add_argument("--buckets", type=_buckets, default=_buckets("32,128,512"),
-                   help="comma-separated prompt length buckets")
+    p.add_argument(
+        "--buckets",
+        type=_buckets,
+        default=_buckets("32,128,512"),
+        help="comma-separated prompt length buckets",
+    )
     p.add_argument("--do-sample", action="store_true")
     p.add_argument("--temperature", type=_positive(float), default=1.0)
     p.add_argument("--top-k", type=_non_negative(int), default=0, help="0 = no top-k filter")

@@ -2,6 +2,7 @@
 directory or a byte-level fallback), packed into fixed-length sequences, shuffled per epoch by
 the seed, split over data-parallel ranks, incomplete batches dropped. The position in the
 stream is one integer (:meth:`PackedData.state_dict`), so a resumed run sees the same batches."""
+
 from __future__ import annotations
 
 import json
@@ -28,9 +29,12 @@ def load_tokenizer(path: str | None):
     if path is None:
         return ByteTokenizer()
     if not os.path.isdir(path):
-        raise ValueError(f"--tokenizer {path!r} is not a directory; pass a local HF tokenizer "
-                         "directory or omit it for the byte-level tokenizer")
+        raise ValueError(
+            f"--tokenizer {path!r} is not a directory; pass a local HF tokenizer "
+            "directory or omit it for the byte-level tokenizer"
+        )
     from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(path)
 
 
@@ -61,9 +65,11 @@ def read_text(f: str) -> str:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         line = raw.count(b"\n", 0, e.start) + 1
-        raise ValueError(f"{f}: not UTF-8 text: byte {e.start} (line {line}) is "
-                         f"{raw[e.start:e.start + 1]!r} ({e.reason}); convert the file to UTF-8 "
-                         f"(e.g. iconv -f latin1 -t utf-8) or leave it out") from None
+        raise ValueError(
+            f"{f}: not UTF-8 text: byte {e.start} (line {line}) is "
+            f"{raw[e.start : e.start + 1]!r} ({e.reason}); convert the file to UTF-8 "
+            f"(e.g. iconv -f latin1 -t utf-8) or leave it out"
+        ) from None
     return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
@@ -93,8 +99,16 @@ class PackedData:
     chunks. So dp=2 x micro_batch=m sees the same sequences as dp=1 x micro_batch=2m.
     """
 
-    def __init__(self, path: str, tokenizer, seq_len: int, micro_batch: int, dp_size: int = 1,
-                 dp_rank: int = 0, seed: int = 0):
+    def __init__(
+        self,
+        path: str,
+        tokenizer,
+        seq_len: int,
+        micro_batch: int,
+        dp_size: int = 1,
+        dp_rank: int = 0,
+        seed: int = 0,
+    ):
         ids: list[int] = []
         eos = getattr(tokenizer, "eos_token_id", None)
         for doc in read_documents(path):
@@ -107,10 +121,12 @@ class PackedData:
         self.global_batch = micro_batch * dp_size
         self.batches_per_epoch = n // self.global_batch
         if self.batches_per_epoch == 0:
-            raise ValueError(f"{path}: {len(ids)} tokens make {n} sequences of {seq_len}, fewer "
-                             f"than one global batch ({self.global_batch} = micro_batch x dp); "
-                             "use more data or a smaller --seq-len / --micro-batch")
-        self.chunks = torch.tensor(ids[:n * seq_len], dtype=torch.long).view(n, seq_len)
+            raise ValueError(
+                f"{path}: {len(ids)} tokens make {n} sequences of {seq_len}, fewer "
+                f"than one global batch ({self.global_batch} = micro_batch x dp); "
+                "use more data or a smaller --seq-len / --micro-batch"
+            )
+        self.chunks = torch.tensor(ids[: n * seq_len], dtype=torch.long).view(n, seq_len)
         self.position = 0  # global batches consumed so far
         self._perm_epoch, self._perm = -1, None
 
@@ -126,16 +142,22 @@ class PackedData:
         perm = self._permutation(epoch)
         start = b * self.global_batch + self.dp_rank * self.micro_batch
         self.position += 1
-        return self.chunks[perm[start:start + self.micro_batch]]
+        return self.chunks[perm[start : start + self.micro_batch]]
 
     def state_dict(self) -> dict:
-        return {"position": self.position, "seed": self.seed, "seq_len": self.seq_len,
-                "global_batch": self.global_batch}
+        return {
+            "position": self.position,
+            "seed": self.seed,
+            "seq_len": self.seq_len,
+            "global_batch": self.global_batch,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         for key in ("seed", "seq_len", "global_batch"):
             if state.get(key) != getattr(self, key):
-                raise ValueError(f"checkpoint data position was recorded with {key}="
-                                 f"{state.get(key)}, this run has {getattr(self, key)}; "
-                                 "resume with the same --seed/--seq-len/--micro-batch x dp")
+                raise ValueError(
+                    f"checkpoint data position was recorded with {key}="
+                    f"{state.get(key)}, this run has {getattr(self, key)}; "
+                    "resume with the same --seed/--seq-len/--micro-batch x dp"
+                )
         self.position = int(state["position"])

@@ -8,6 +8,7 @@ ranks compare digests through the job's host-side store (no device collective: t
 the pending graph). A mismatch raises on every rank, naming the ranks that differ and the first
 op where they part.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -31,6 +32,7 @@ class GraphMismatchError(RuntimeError):
 def graph_ops(tensors: list[torch.Tensor]) -> list[str]:
     """The pending XLA graph computing ``tensors`` as a list of rank-comparable op lines."""
     import torch_xla
+
     hlo = torch_xla._XLAC._get_xla_tensors_hlo(tensors)
     ops = []
     for line in hlo.splitlines():
@@ -44,8 +46,10 @@ def graph_ops(tensors: list[torch.Tensor]) -> list[str]:
 def _first_difference(a: list[str], b: list[str]) -> str:
     """The first differing computation (inputs and the signature are listed in order of first
     use, so the op that uses a different input tells more than the input itself)."""
+
     def body(ops):
         return [op for op in ops if " parameter(" not in op and not op.startswith("ENTRY")]
+
     a, b = body(a), body(b)
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:
@@ -64,17 +68,21 @@ def check_same_graph(tensors: list[torch.Tensor], group: Group, what: str = "ste
     if len(set(digests)) == 1:
         return
     mine = zlib.compress(json.dumps(ops).encode())
-    listings = [json.loads(zlib.decompress(p)) for p in
-                comm.host_all_gather(f"graph/{what}/ops", mine, group)]
+    listings = [
+        json.loads(zlib.decompress(p))
+        for p in comm.host_all_gather(f"graph/{what}/ops", mine, group)
+    ]
     classes: dict[str, list[int]] = {}
     for rank, d in zip(group.ranks, digests):
         classes.setdefault(d, []).append(rank)
     groups = sorted(classes.values())
     ref, other = groups[0], groups[1]
-    diff = _first_difference(listings[group.ranks.index(ref[0])],
-                             listings[group.ranks.index(other[0])])
+    diff = _first_difference(
+        listings[group.ranks.index(ref[0])], listings[group.ranks.index(other[0])]
+    )
     raise GraphMismatchError(
         f"ranks traced different {what} graphs and would hang in their first collective: "
         f"{' | '.join(f'ranks {g}' for g in groups)}; first difference (ranks {ref[0]} vs "
         f"{other[0]}) at {diff}. Every rank must run the same code with the same options "
-        "(no rank-dependent Python values in the step).")
+        "(no rank-dependent Python values in the step)."
+    )

@@ -5,13 +5,16 @@
 ``xmp.spawn``, channel-id collectives between them (see :mod:`neuron_tp.comm`). For trying a
 Neuron configuration's numerics and graph counts on a laptop; far slower than real hardware.
 """
+
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import threading
-from typing import Callable
+from collections.abc import Callable
 
+from .config import GenerateConfig, TrainConfig
 from .presets import preload
 
 
@@ -23,17 +26,25 @@ def run_on_xla_cpu_devices(n: int, fn: Callable, *args) -> None:
     if n < 1:
         raise ValueError(f"--xla-cpu-devices must be >= 1, got {n}")
     if os.environ.get("WORLD_SIZE", "1") != "1":
-        raise ValueError("--xla-cpu-devices runs all ranks in this one process: do not launch "
-                         "it with torchrun (WORLD_SIZE is set)")
+        raise ValueError(
+            "--xla-cpu-devices runs all ranks in this one process: do not launch "
+            "it with torchrun (WORLD_SIZE is set)"
+        )
     if os.environ.get("PJRT_DEVICE", "CPU").upper() != "CPU":
-        raise ValueError(f"--xla-cpu-devices needs PJRT_DEVICE=CPU, got "
-                         f"{os.environ['PJRT_DEVICE']!r}; on NeuronCores launch with torchrun")
+        raise ValueError(
+            f"--xla-cpu-devices needs PJRT_DEVICE=CPU, got "
+            f"{os.environ['PJRT_DEVICE']!r}; on NeuronCores launch with torchrun"
+        )
     if "torch_xla" in sys.modules and sys.modules["torch_xla"]._XLAC._xla_runtime_is_initialized():
-        raise RuntimeError("the XLA runtime already started in this process; "
-                           "--xla-cpu-devices must be set up before any XLA tensor exists")
+        raise RuntimeError(
+            "the XLA runtime already started in this process; "
+            "--xla-cpu-devices must be set up before any XLA tensor exists"
+        )
     from .. import _xla
+
     os.environ.update(_xla.cpu_devices_env(n))
     import torch_xla.distributed.xla_multiprocessing as xmp
+
     xmp.spawn(_per_device, args=(fn, args))
 
 
@@ -46,23 +57,27 @@ def _per_device(_index: int, fn: Callable, args: tuple) -> None:
     fn(*args)
 
 
-def _command(args, fn: Callable) -> None:
-    """Run ``fn(args)`` as this process's rank, or as N ranks with ``--xla-cpu-devices N``."""
-    if not args.xla_cpu_devices:
-        fn(args)
+def _command(config: TrainConfig | GenerateConfig, fn: Callable) -> None:
+    """Run ``fn(config)`` as this process's rank, or as N ranks with ``--xla-cpu-devices N``."""
+    if not config.xla_cpu_devices:
+        fn(config)
         return
-    if args.device != "xla":
+    if config.device != "xla":
         raise ValueError("--xla-cpu-devices runs the XLA path: use it with --device xla")
-    run_on_xla_cpu_devices(args.xla_cpu_devices, fn, args)
+    run_on_xla_cpu_devices(config.xla_cpu_devices, fn, config)
 
 
-def train_command(args) -> None:
-    """``neuron-tp train``: this process's rank(s) of the job described by ``args``."""
+def train_command(args: argparse.Namespace | TrainConfig) -> None:
+    """``neuron-tp train``: this process's rank(s) of the job described by the parsed
+    options ``args`` (turned into a :class:`~neuron_tp.train.config.TrainConfig` here)."""
     from .loop import train
-    _command(args, train)
+
+    _command(TrainConfig.from_args(args), train)
 
 
-def generate_command(args) -> None:
-    """``neuron-tp generate``: this process's rank(s) of the generation job."""
+def generate_command(args: argparse.Namespace | GenerateConfig) -> None:
+    """``neuron-tp generate``: this process's rank(s) of the generation job (the parsed
+    options become a :class:`~neuron_tp.train.config.GenerateConfig` here)."""
     from .generate import run_cli
-    _command(args, run_cli)
+
+    _command(GenerateConfig.from_args(args), run_cli)

@@ -14,9 +14,10 @@ a non-finite step's optimizer update is undone on the device (``torch.where`` ov
 and optimizer states, no host read; it holds a copy of them during the step): parameters and
 AdamW moments stay as before the step, the data and the learning-rate schedule move on.
 """
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -54,8 +55,11 @@ class NonFiniteGuard:
         for group in optimizer.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
-                    old = {k: v.clone() for k, v in optimizer.state.get(p, {}).items()
-                           if isinstance(v, torch.Tensor)}
+                    old = {
+                        k: v.clone()
+                        for k, v in optimizer.state.get(p, {}).items()
+                        if isinstance(v, torch.Tensor)
+                    }
                     saved.append((p, p.detach().clone(), old))
         optimizer.step()
         with torch.no_grad():
@@ -95,4 +99,5 @@ class NonFiniteGuard:
         raise NonFiniteError(
             f"non-finite loss or gradient norm at step {self.base + first} ({bad} such "
             f"step(s) up to step {step}); stopped without saving ({where}). Lower --lr or "
-            "--max-grad-norm, check the data, or pass --skip-nonfinite to skip such steps")
+            "--max-grad-norm, check the data, or pass --skip-nonfinite to skip such steps"
+        )

@@ -1,4 +1,5 @@
 """Built-in tiny model presets (transformers configs, random init) and model construction."""
+
 from __future__ import annotations
 
 import os
@@ -6,20 +7,36 @@ import os
 import torch
 
 PRESETS = {
-    "tiny-llama": dict(model_type="llama", hidden_size=64, intermediate_size=176,
-                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                       max_position_embeddings=1024, tie_word_embeddings=False),
+    "tiny-llama": dict(
+        model_type="llama",
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+    ),
     "tiny-gpt2": dict(model_type="gpt2", n_embd=64, n_layer=2, n_head=4, n_positions=1024),
     # per-head q/k norms: replicated parameters whose gradients are partial on each tp rank
-    "tiny-qwen3": dict(model_type="qwen3", hidden_size=64, intermediate_size=176,
-                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                       head_dim=16, max_position_embeddings=1024, tie_word_embeddings=False),
+    "tiny-qwen3": dict(
+        model_type="qwen3",
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+    ),
 }
 
 
 def model_config(name: str, vocab_size: int):
     """The transformers config of preset ``name`` or of the local model directory ``name``."""
     from transformers import AutoConfig
+
     if name in PRESETS:
         kw = dict(PRESETS[name])
         cfg = AutoConfig.for_model(kw.pop("model_type"), vocab_size=vocab_size, **kw)
@@ -27,8 +44,9 @@ def model_config(name: str, vocab_size: int):
         return cfg
     if os.path.isdir(name):
         return AutoConfig.from_pretrained(name)
-    raise ValueError(f"--model {name!r} is neither a preset ({', '.join(PRESETS)}) nor a "
-                     "local model directory")
+    raise ValueError(
+        f"--model {name!r} is neither a preset ({', '.join(PRESETS)}) nor a local model directory"
+    )
 
 
 def is_preset(name: str) -> bool:
@@ -39,6 +57,7 @@ def build_model(name: str, vocab_size: int, seed: int, dtype: torch.dtype = torc
     """A causal LM: random init (from ``seed``, identical on every rank and tp degree) for a
     preset, the full weights for a local directory (to be sharded by ``parallelize``)."""
     from transformers import AutoModelForCausalLM
+
     if name in PRESETS:
         torch.manual_seed(seed)
         return AutoModelForCausalLM.from_config(model_config(name, vocab_size), dtype=dtype)

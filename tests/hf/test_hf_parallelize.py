@@ -1,19 +1,26 @@
 """HF patcher vs the unsharded transformers model: logits, loss, every parameter gradient,
 greedy generation and checkpoints, on gloo ranks (tp 2 and 4), tiny random configs."""
+
 from __future__ import annotations
 
 import copy
 import os
 import sys
 
+import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-import dist  # noqa: E402
+import gloo_dist  # noqa: E402
 import neuron_tp as ntp  # noqa: E402
 from hf_archs import ARCHS, V, build  # noqa: E402
-from neuron_tp.hf import (from_pretrained, full_logits, gather_hf_state_dict,  # noqa: E402
-                          parallelize, save_pretrained)
+from neuron_tp.hf import (  # noqa: E402
+    from_pretrained,
+    full_logits,
+    gather_hf_state_dict,
+    parallelize,
+    save_pretrained,
+)
 
 ATOL = 1e-5
 
@@ -33,8 +40,11 @@ def _check_arch(name: str, sp: bool, ids: torch.Tensor) -> None:
     ref_loss, loss = ref(ids, labels=ids).loss, m(ids, labels=ids).loss
     _close(loss, ref_loss, f"{tag} loss")
     n = torch.tensor(5)  # HF gradient-accumulation normalisation: sum / num_items_in_batch
-    _close(m(ids, labels=ids, num_items_in_batch=n).loss,
-           ref(ids, labels=ids, num_items_in_batch=n).loss, f"{tag} loss / num_items")
+    _close(
+        m(ids, labels=ids, num_items_in_batch=n).loss,
+        ref(ids, labels=ids, num_items_in_batch=n).loss,
+        f"{tag} loss / num_items",
+    )
     ref_loss.backward()
     loss.backward()
     ntp.sync_sequence_parallel_grads(m)
@@ -48,8 +58,16 @@ def _check_arch(name: str, sp: bool, ids: torch.Tensor) -> None:
 def _gqa_uneven(tp: int) -> None:
     """12 query heads over 3 kv heads: tp=2 and tp=4 both need replicated, uneven kv slots."""
     import transformers as tf
-    cfg = tf.LlamaConfig(vocab_size=V, hidden_size=36, intermediate_size=40, num_hidden_layers=1,
-                         num_attention_heads=12, num_key_value_heads=3, head_dim=4)
+
+    cfg = tf.LlamaConfig(
+        vocab_size=V,
+        hidden_size=36,
+        intermediate_size=40,
+        num_hidden_layers=1,
+        num_attention_heads=12,
+        num_key_value_heads=3,
+        head_dim=4,
+    )
     torch.manual_seed(1)
     ref = tf.AutoModelForCausalLM.from_config(cfg).eval()
     ids = torch.randint(0, V, (2, 8))
@@ -64,14 +82,20 @@ def _gqa_uneven(tp: int) -> None:
     _close(parallelize(copy.deepcopy(ref))(ids).logits, ref(ids).logits, "gqa 12/3 logits")
 
 
-def _all_archs(tp: int) -> None:
-    ntp.init_mesh(tp=tp)
-    torch.manual_seed(123)
-    ids = torch.randint(2, V, (2, 8))
-    for name, (_, _, sp_ok) in ARCHS.items():
-        for sp in ((False, True) if sp_ok else (False,)):
-            _check_arch(name, sp, ids)
-    _gqa_uneven(tp)
+# Every architecture without and (where supported) with sequence parallelism, then uneven GQA.
+ARCH_CASES = [
+    name + sp for name, (_, _, sp_ok) in ARCHS.items() for sp in (("", "-sp") if sp_ok else ("",))
+] + ["gqa_12_3_uneven"]
+
+
+def _arch_case(case: str, tp: int) -> None:
+    """One of ``ARCH_CASES`` on this rank (all of them run in one launch per tp)."""
+    gloo_dist.shared_mesh(tp)
+    if case == "gqa_12_3_uneven":
+        _gqa_uneven(tp)
+        return
+    ids = torch.randint(2, V, (2, 8), generator=torch.Generator().manual_seed(123))
+    _check_arch(case.removesuffix("-sp"), case.endswith("-sp"), ids)
 
 
 def _generate_and_checkpoints(tmp: str) -> None:
@@ -99,14 +123,23 @@ def _generate_and_checkpoints(tmp: str) -> None:
 
 def _gqa_model():
     import transformers as tf
+
     torch.manual_seed(1)
-    cfg = tf.LlamaConfig(vocab_size=V, hidden_size=36, intermediate_size=40, num_hidden_layers=1,
-                         num_attention_heads=12, num_key_value_heads=3, head_dim=4)
+    cfg = tf.LlamaConfig(
+        vocab_size=V,
+        hidden_size=36,
+        intermediate_size=40,
+        num_hidden_layers=1,
+        num_attention_heads=12,
+        num_key_value_heads=3,
+        head_dim=4,
+    )
     return tf.AutoModelForCausalLM.from_config(cfg).eval()
 
 
 def _checkpoints(ref, tmp: str, rank: int) -> None:
     import transformers as tf
+
     single, sharded, out = (os.path.join(tmp, d) for d in ("single", "sharded", "out"))
     if rank == 0:
         ref.save_pretrained(single)
@@ -132,13 +165,14 @@ def _checkpoints(ref, tmp: str, rank: int) -> None:
         assert torch.equal(back.state_dict()[n], p), n
 
 
-def test_all_architectures_tp2():
-    dist.run(_all_archs, 2, 2)
-
-
-def test_all_architectures_tp4():
-    dist.run(_all_archs, 4, 4)
+@pytest.mark.parametrize(
+    "tp, case",
+    [(tp, case) for tp in (2, 4) for case in ARCH_CASES],
+    ids=lambda v: f"tp{v}" if isinstance(v, int) else v,
+)
+def test_architecture(tp, case):
+    gloo_dist.run_case(_arch_case, case, tp, cases=ARCH_CASES, world_size=tp)
 
 
 def test_generate_and_checkpoints(tmp_path):
-    dist.run(_generate_and_checkpoints, 2, str(tmp_path))
+    gloo_dist.run(_generate_and_checkpoints, str(tmp_path), world_size=2)

@@ -1,5 +1,6 @@
 """What the HF patcher cannot shard exactly is refused, before any communication, with a
 message naming the module, the reason and the tp degrees that would work."""
+
 from __future__ import annotations
 
 import os
@@ -19,8 +20,14 @@ MESH4 = ntp.Mesh(world_size=4, rank=0, tp=4)
 
 
 def _llama(**kw):
-    base = dict(vocab_size=51, hidden_size=48, intermediate_size=40, num_hidden_layers=1,
-                num_attention_heads=6, num_key_value_heads=2)
+    base = dict(
+        vocab_size=51,
+        hidden_size=48,
+        intermediate_size=40,
+        num_hidden_layers=1,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+    )
     base.update(kw)
     return tf.AutoModelForCausalLM.from_config(tf.LlamaConfig(**base))
 
@@ -28,7 +35,9 @@ def _llama(**kw):
 def test_heads_not_divisible_lists_working_degrees():
     model = _llama()
     before = {n: type(m) for n, m in model.named_modules()}
-    with pytest.raises(ValueError, match=r"self_attn\.q_proj.*num_attention_heads=6.*tp=4.*\[1, 2\]"):
+    with pytest.raises(
+        ValueError, match=r"self_attn\.q_proj.*num_attention_heads=6.*tp=4.*\[1, 2\]"
+    ):
         parallelize(model, mesh=MESH4)
     assert {n: type(m) for n, m in model.named_modules()} == before, "model modified on refusal"
 
@@ -44,8 +53,11 @@ def test_unknown_style_and_unmatched_pattern_and_wrong_module_type():
     with pytest.raises(ValueError, match=r"qq_proj.*match no module"):
         parallelize(_llama(), mesh=MESH4, plan={"model.layers.*.self_attn.qq_proj": "colwise"})
     with pytest.raises(ValueError, match=r"input_layernorm.*LlamaRMSNorm.*neither nn.Linear"):
-        parallelize(_llama(num_attention_heads=8), mesh=MESH4,
-                    plan={"model.layers.*.input_layernorm": "colwise"})
+        parallelize(
+            _llama(num_attention_heads=8),
+            mesh=MESH4,
+            plan={"model.layers.*.input_layernorm": "colwise"},
+        )
 
 
 def test_no_plan_and_attention_implementation():
@@ -54,8 +66,11 @@ def test_no_plan_and_attention_implementation():
     model.config.model_type = "my_custom_llama"
     with pytest.raises(ValueError, match="no tensor-parallel plan.*plan="):
         parallelize(model, mesh=MESH4)
-    falcon = tf.AutoModelForCausalLM.from_config(tf.FalconConfig(
-        vocab_size=51, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, alibi=True))
+    falcon = tf.AutoModelForCausalLM.from_config(
+        tf.FalconConfig(
+            vocab_size=51, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, alibi=True
+        )
+    )
     with pytest.raises(ValueError, match="falcon: new_decoder_architecture / alibi"):
         parallelize(falcon, mesh=MESH4)
     model = _llama(num_attention_heads=8)
@@ -72,15 +87,23 @@ def test_sequence_parallel_and_norm_refusals():
     gemma = build("gemma")  # Gemma's RMSNorm scales by (1 + weight): not a plain RMSNorm
     with pytest.raises(ValueError, match=r"input_layernorm: sharded_norm needs a plain RMSNorm"):
         parallelize(gemma, mesh=MESH4, plan={"model.layers.*.input_layernorm": "sharded_norm"})
-    olmo = tf.AutoModelForCausalLM.from_config(tf.Olmo2Config(
-        vocab_size=51, hidden_size=32, intermediate_size=40, num_hidden_layers=1,
-        num_attention_heads=4, num_key_value_heads=2))
+    olmo = tf.AutoModelForCausalLM.from_config(
+        tf.Olmo2Config(
+            vocab_size=51,
+            hidden_size=32,
+            intermediate_size=40,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+    )
     with pytest.raises(ValueError, match=r"k_norm.*num_key_value_heads=2.*tp=4.*\[1, 2\]"):
         parallelize(olmo, mesh=MESH4)
 
 
-@pytest.mark.parametrize("q,kv,tp", [(8, 2, 4), (8, 2, 8), (12, 3, 2), (12, 3, 4), (8, 8, 4),
-                                     (6, 1, 3), (16, 4, 2)])
+@pytest.mark.parametrize(
+    "q,kv,tp", [(8, 2, 4), (8, 2, 8), (12, 3, 2), (12, 3, 4), (8, 8, 4), (6, 1, 3), (16, 4, 2)]
+)
 def test_kv_slots_cover_every_query_head(q, kv, tp):
     """Independent check of the slot table: local query head i of rank r must read kv head
     (global q index) // (q/kv); a rank never holds more kv heads than its query heads."""

@@ -2,6 +2,7 @@
 emits exactly the collectives the design implies, per layer; tp=1 runs on the real XLA CPU
 device and matches the CPU model. Each trace runs in a fresh process (torch-xla threads an
 ordering token through collectives until the next step)."""
+
 from __future__ import annotations
 
 import json
@@ -20,8 +21,13 @@ GROUPS = [list(range(g * TP, (g + 1) * TP)) for g in range(32 // TP)]
 
 def _trace(*flags: str) -> dict:
     env = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONPATH": REPO}
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "xla_trace_llama.py"), *flags],
-                          env=env, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(HERE, "xla_trace_llama.py"), *flags],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("JSON"))
     return json.loads(line[4:])
@@ -38,8 +44,11 @@ def _expected(sp: bool) -> list[tuple[str, tuple[int, ...]]]:
     # backward: LM head input; per layer (last first) MLP, replicated kv rows of k and v, attn
     bwd = [(AR, act)]
     kv = [(AR, (KV_ROWS, H))] * 2
-    per_layer = ([(AG, act), (RS, act), (AG, act)] + kv + [(RS, act)] if sp
-                 else [(AR, act)] + kv + [(AR, act)])
+    per_layer = (
+        [(AG, act), (RS, act), (AG, act)] + kv + [(RS, act)]
+        if sp
+        else [(AR, act)] + kv + [(AR, act)]
+    )
     bwd += per_layer * LAYERS
     bwd += [(AG, act)] if sp else []  # the first layer's sequence scatter, backward
     return fwd + loss + bwd
@@ -59,4 +68,3 @@ def test_virtual_rank_collectives(sp):
         other = _trace("--backward", "--sp", "--rank", "12")
         assert other["collectives"] == report["collectives"]
         assert other["hlo_sha"] == report["hlo_sha"]
-

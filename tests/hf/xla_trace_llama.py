@@ -1,6 +1,8 @@
 """Run in a fresh process (PJRT_DEVICE=CPU): trace a patched tiny Llama for rank 3 of a
-virtual 32-rank job with tp=8 (or ``--rank N``) and print its collectives as JSON; with ``--tp1`` first run the
-tp=1 patched model on the real XLA CPU device and compare with the CPU model."""
+virtual 32-rank job with tp=8 (or ``--rank N``) and print its collectives as JSON; with
+``--tp1`` first run the tp=1 patched model on the real XLA CPU device and compare with the CPU
+model."""
+
 from __future__ import annotations
 
 import hashlib
@@ -19,8 +21,15 @@ B, S, H, V, LAYERS = 2, 16, 64, 100, 2
 
 def _model():
     torch.manual_seed(0)
-    cfg = tf.LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=96, num_hidden_layers=LAYERS,
-                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=64)
+    cfg = tf.LlamaConfig(
+        vocab_size=V,
+        hidden_size=H,
+        intermediate_size=96,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     cfg._attn_implementation = "sdpa"
     return tf.AutoModelForCausalLM.from_config(cfg).eval()
 
@@ -32,6 +41,7 @@ def main() -> None:
     report = {}
     if tp1:
         import torch_xla
+
         ref = _model()
         want = ref(ids).logits
         m = parallelize(_model(), mesh=ntp.Mesh(1, 0, tp=1)).to(dev)
@@ -50,8 +60,9 @@ def main() -> None:
         tensors = [m(x).logits]
     hlo = trace_hlo(tensors)
     report["hlo_sha"] = hashlib.sha256(hlo.encode()).hexdigest()
-    report["collectives"] = [[c.kind, list(c.shape), [list(g) for g in c.replica_groups]]
-                             for c in parse_collectives(hlo)]
+    report["collectives"] = [
+        [c.kind, list(c.shape), [list(g) for g in c.replica_groups]] for c in parse_collectives(hlo)
+    ]
     print("JSON" + json.dumps(report))
 
 

@@ -1,6 +1,7 @@
 """An independent reference for the training loop: the plain (unsharded) transformers model
 trained with stock torch pieces (AdamW, LambdaLR, torch.nn.utils.clip_grad_norm_) on one
 process, on the same sequences. Returns the mean loss and gradient norm of every step."""
+
 from __future__ import annotations
 
 import math
@@ -19,16 +20,22 @@ def reference_run(args, global_micro_batch: int) -> tuple[list[float], list[floa
     """``global_micro_batch`` = micro_batch x dp of the run being checked."""
     from neuron_tp.train.data import ByteTokenizer, PackedData
     from neuron_tp.train.presets import build_model
+
     model = build_model(args.model, ByteTokenizer.vocab_size, args.seed)
     model.train()
-    data = PackedData(args.data, ByteTokenizer(), args.seq_len, global_micro_batch, 1, 0,
-                      args.seed)
+    data = PackedData(args.data, ByteTokenizer(), args.seq_len, global_micro_batch, 1, 0, args.seed)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     rest = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                             {"params": rest, "weight_decay": 0.0}], lr=args.lr)
+    opt = torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": args.weight_decay},
+            {"params": rest, "weight_decay": 0.0},
+        ],
+        lr=args.lr,
+    )
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: lr_factor(s, args.lr, args.min_lr, args.warmup_steps, args.steps))
+        opt, lambda s: lr_factor(s, args.lr, args.min_lr, args.warmup_steps, args.steps)
+    )
     losses, norms = [], []
     for _ in range(args.steps):
         total = 0.0
@@ -37,8 +44,7 @@ def reference_run(args, global_micro_batch: int) -> tuple[list[float], list[floa
             loss = model(input_ids=ids, labels=ids).loss / args.grad_accum
             loss.backward()
             total += loss.item()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(),
-                                                          args.max_grad_norm)))
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)))
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)

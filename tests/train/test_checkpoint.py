@@ -6,6 +6,7 @@ Integrity: a damaged tensor is refused by load and consolidate naming file and t
 diverged (non-finite) model is never saved or consolidated, consolidate refuses an impossible
 target before reading any shard, --keep-last spares protected checkpoints, a bad scheduler or
 RNG state changes nothing; the output-dir lock and the resume plan on their own."""
+
 from __future__ import annotations
 
 import json
@@ -18,7 +19,7 @@ import torch
 import neuron_tp as ntp
 from neuron_tp import checkpoint
 from neuron_tp.cli import main as cli_main
-from neuron_tp.train.loop import WarmupCosine, make_optimizer
+from neuron_tp.train.optim import WarmupCosine, make_optimizer
 from neuron_tp.train.presets import build_model
 
 MESH = ntp.Mesh(1, 0)
@@ -46,13 +47,18 @@ def test_round_trip_and_rng(tmp_path):
     model, opt, sched = _trained()
     torch.manual_seed(11)
     random.seed(12)
-    path = checkpoint.save(str(tmp_path), model, opt, sched, step=2, mesh=MESH,
-                           data_state={"position": 7}, keep_last=3)
+    path = checkpoint.save(
+        str(tmp_path), model, opt, sched, step=2, mesh=MESH, data_state={"position": 7}, keep_last=3
+    )
     expect_torch, expect_py = torch.rand(3), random.random()
     assert os.path.basename(path) == "step-00000002" and checkpoint.latest(str(tmp_path)) == path
     files = sorted(os.listdir(path))
-    assert files == ["meta.json", "rng-rank00000.json", "rng-rank00000.safetensors",
-                     "shard-tp00000.safetensors"]
+    assert files == [
+        "meta.json",
+        "rng-rank00000.json",
+        "rng-rank00000.safetensors",
+        "shard-tp00000.safetensors",
+    ]
     meta = json.loads(open(os.path.join(path, "meta.json")).read())
     assert meta["mesh"]["tp"] == 1 and meta["model"]["config"]["model_type"] == "llama"
     assert set(meta["params"]) == set(_params(model))
@@ -63,8 +69,9 @@ def test_round_trip_and_rng(tmp_path):
     for n, p in other.named_parameters():
         assert torch.equal(p, dict(model.named_parameters())[n]), n
         for key in ("exp_avg", "exp_avg_sq", "step"):
-            assert torch.equal(opt2.state[p][key],
-                               opt.state[dict(model.named_parameters())[n]][key])
+            assert torch.equal(
+                opt2.state[p][key], opt.state[dict(model.named_parameters())[n]][key]
+            )
     assert sched2.step_count == sched.step_count == 2
     assert torch.equal(torch.rand(3), expect_torch) and random.random() == expect_py
 
@@ -79,6 +86,7 @@ def test_refusals_interrupted_save_and_keep_last(tmp_path, monkeypatch):
 
     def killed(*a):  # the job dies after writing every file, before the rename
         raise KeyboardInterrupt
+
     monkeypatch.setattr(os, "replace", killed)
     with pytest.raises(KeyboardInterrupt):
         checkpoint.save(root, model, opt, sched, step=2, mesh=MESH)
@@ -95,8 +103,15 @@ def test_mismatch_and_damaged_files_modify_nothing(tmp_path):
     model, opt, sched = _trained()
     path = checkpoint.save(str(tmp_path), model, opt, sched, step=5, mesh=MESH)
     import transformers as tf
-    cfg = tf.LlamaConfig(vocab_size=257, hidden_size=64, intermediate_size=160,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+
+    cfg = tf.LlamaConfig(
+        vocab_size=257,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     wrong = tf.AutoModelForCausalLM.from_config(cfg)
     before = _params(wrong)
     with pytest.raises(ValueError, match="does not match the model"):
@@ -131,11 +146,11 @@ def test_consolidate_cli_refuses_non_empty_target(tmp_path, capsys):
     assert cli_main(["consolidate", str(tmp_path / "run"), str(tmp_path / "o3")]) == 0
     assert sorted(os.listdir(tmp_path / "o3")) == ["config.json", "model.safetensors"]
     import transformers as tf
+
     loaded = tf.AutoModelForCausalLM.from_pretrained(str(tmp_path / "o3"))
     ids = torch.arange(12).view(2, 6)
     with torch.no_grad():
-        assert torch.allclose(loaded(input_ids=ids).logits, model(input_ids=ids).logits,
-                              atol=1e-6)
+        assert torch.allclose(loaded(input_ids=ids).logits, model(input_ids=ids).logits, atol=1e-6)
     assert cli_main(["bogus"]) == 2
 
 
@@ -143,7 +158,7 @@ def _damage(shard: str, key: str) -> None:
     """Flip one bit inside tensor ``key``'s bytes (the header stays valid)."""
     data = bytearray(open(shard, "rb").read())
     n = int.from_bytes(data[:8], "little")
-    start, end = json.loads(data[8:8 + n])[key]["data_offsets"]
+    start, end = json.loads(data[8 : 8 + n])[key]["data_offsets"]
     data[8 + n + (start + end) // 2] ^= 0x01
     open(shard, "wb").write(bytes(data))
 
@@ -173,12 +188,15 @@ def test_checksums_refuse_damaged_tensors_and_nonfinite_models(tmp_path, capsys)
     # a diverged model: save refuses on the spot, nothing is left behind
     with torch.no_grad():
         fresh.model.norm.weight[3] = float("inf")
-    with pytest.raises(ValueError, match="saving step 5 failed on rank 0: parameter "
-                                         "model.norm.weight holds non-finite"):
+    with pytest.raises(
+        ValueError,
+        match="saving step 5 failed on rank 0: parameter model.norm.weight holds non-finite",
+    ):
         checkpoint.save(str(tmp_path / "ck"), fresh, opt2, sched2, step=5, mesh=MESH)
     assert sorted(os.listdir(tmp_path / "ck")) == ["step-00000004"]
     # ... and so does consolidate, for a checkpoint written before this check existed
     from safetensors.torch import load_file, save_file
+
     good = checkpoint.save(str(tmp_path / "ck2"), model, step=1, mesh=MESH)
     tensors = load_file(os.path.join(good, "shard-tp00000.safetensors"))
     tensors["model/model.norm.weight"][0] = float("nan")
@@ -195,9 +213,11 @@ def test_consolidate_refuses_impossible_targets_before_reading(tmp_path, capsys)
     path = checkpoint.save(str(tmp_path / "ck"), model, step=1, mesh=MESH)
     os.remove(os.path.join(path, "shard-tp00000.safetensors"))  # reading it would fail
     (tmp_path / "afile").write_text("x")
-    for target, text in ((tmp_path / "afile", "exists and is not a directory"),
-                         (tmp_path / "afile" / "out", "Not a directory"),
-                         ("/sys/neuron-tp-consolidate-test", "cannot write the consolidated")):
+    for target, text in (
+        (tmp_path / "afile", "exists and is not a directory"),
+        (tmp_path / "afile" / "out", "Not a directory"),
+        ("/sys/neuron-tp-consolidate-test", "cannot write the consolidated"),
+    ):
         assert cli_main(["consolidate", path, str(target)]) == 2
         err = capsys.readouterr().err
         assert text in err and "shard" not in err, (target, err)
@@ -211,11 +231,9 @@ def test_keep_last_spares_protected_and_bad_states_change_nothing(tmp_path):
     root = str(tmp_path / "ck")
     first = checkpoint.save(root, model, opt, sched, step=1, mesh=MESH)
     for step in (2, 3, 4):
-        checkpoint.save(root, model, opt, sched, step=step, mesh=MESH, keep_last=2,
-                        protect=[first])
+        checkpoint.save(root, model, opt, sched, step=step, mesh=MESH, keep_last=2, protect=[first])
     assert sorted(os.listdir(root)) == ["step-00000001", "step-00000003", "step-00000004"]
-    for name, damage in (("sched", lambda m: m.update(scheduler={"warmup": 1})),
-                         ("rng", None)):
+    for name, damage in (("sched", lambda m: m.update(scheduler={"warmup": 1})), ("rng", None)):
         path = os.path.join(root, "step-00000004")
         fresh, opt2, sched2 = _trained(seed=5, steps=1)
         before, rng, step_count = _params(fresh), _rng_now(), sched2.step_count
@@ -232,8 +250,9 @@ def test_keep_last_spares_protected_and_bad_states_change_nothing(tmp_path):
             checkpoint.load(path, fresh, opt2, sched2, mesh=MESH)
         assert all(torch.equal(p, before[n]) for n, p in fresh.named_parameters()), name
         assert sched2.step_count == step_count, name
-        assert all(torch.equal(opt2.state[p]["exp_avg"], m)
-                   for p, m in zip(fresh.parameters(), moments)), name
+        assert all(
+            torch.equal(opt2.state[p]["exp_avg"], m) for p, m in zip(fresh.parameters(), moments)
+        ), name
         assert torch.equal(_rng_now()[0], rng[0]) and _rng_now()[1] == rng[1], name
         open(os.path.join(path, "meta.json"), "w").write(saved_meta)
         open(os.path.join(path, "rng-rank00000.json"), "w").write(saved_rng)
@@ -245,6 +264,7 @@ def test_output_lock_and_resume_plan(tmp_path, monkeypatch):
     import time
 
     from neuron_tp.checkpoint.outdir import LOCK_NAME, OutputLock, check_resume_plan
+
     lock_file = tmp_path / LOCK_NAME
     a = OutputLock(str(tmp_path))
     assert a.acquire() is None
@@ -256,17 +276,27 @@ def test_output_lock_and_resume_plan(tmp_path, monkeypatch):
     assert not lock_file.exists()
 
     def holder(**kw):
-        lock_file.write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                                         "started": "then", "token": "other", **kw}))
+        lock_file.write_text(
+            json.dumps(
+                {
+                    "pid": os.getpid(),
+                    "host": socket.gethostname(),
+                    "started": "then",
+                    "token": "other",
+                    **kw,
+                }
+            )
+        )
+
     child = subprocess.Popen(["sleep", "30"])
     try:
         cases = [  # (holder record, mtime age in s, taken over?)
-            ({"pid": child.pid}, 0, False),                        # a live job on this host
-            ({"pid": child.pid, "proc_start": "1"}, 0, True),      # its pid now another process
+            ({"pid": child.pid}, 0, False),  # a live job on this host
+            ({"pid": child.pid, "proc_start": "1"}, 0, True),  # its pid now another process
             ({"pid": child.pid, "boot_id": "another-boot"}, 0, True),  # rebooted since
-            ({"host": "elsewhere", "pid": 1}, 0, False),           # another host, heartbeat fresh
-            ({"host": "elsewhere", "pid": 1}, 3600, True),         # another host, no heartbeat
-            ({}, 0, True),                                         # our pid, not our token
+            ({"host": "elsewhere", "pid": 1}, 0, False),  # another host, heartbeat fresh
+            ({"host": "elsewhere", "pid": 1}, 3600, True),  # another host, no heartbeat
+            ({}, 0, True),  # our pid, not our token
             ({"host": "elsewhere", "pid": 1, "run_id": "job-a"}, 0, True),  # restarted job
             ({"host": "elsewhere", "pid": 1, "run_id": "job-b"}, 0, False),  # another job
         ]
@@ -295,12 +325,12 @@ def test_output_lock_and_resume_plan(tmp_path, monkeypatch):
     root = str(tmp_path / "ck")
     for s in (2, 4, 6):
         os.makedirs(os.path.join(root, f"step-{s:08d}"))
-    check_resume_plan(root, "x/step-00000006", 6, 10, 2)          # resuming the newest
-    check_resume_plan(root, "x/step-00000002", 8, 8, 1)           # nothing left to train
+    check_resume_plan(root, "x/step-00000006", 6, 10, 2)  # resuming the newest
+    check_resume_plan(root, "x/step-00000002", 8, 8, 1)  # nothing left to train
     with pytest.raises(ValueError, match="would write step-00000004, step-00000006 again"):
         check_resume_plan(root, "x/step-00000002", 2, 8, 1)
     with pytest.raises(ValueError, match="later checkpoints: step-00000004, step-00000006"):
-        check_resume_plan(root, "x/step-00000002", 2, 9, 5)       # no collision, still mixing
+        check_resume_plan(root, "x/step-00000002", 2, 9, 5)  # no collision, still mixing
 
 
 def test_save_fsyncs_every_file_and_the_directory_before_the_rename(tmp_path, monkeypatch):
@@ -314,6 +344,7 @@ def test_save_fsyncs_every_file_and_the_directory_before_the_rename(tmp_path, mo
     def replace(src, dst):
         events.append(("replace", src))
         return real_replace(src, dst)
+
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "replace", replace)
     root = str(tmp_path / "ck")

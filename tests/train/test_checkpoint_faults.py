@@ -6,6 +6,7 @@ loading. Every rank must raise promptly ``"saving step N failed on rank R: ..."`
 ``loading ...``), nothing may be committed (the earlier checkpoint byte-identical, no leftover
 directory), and a failed load leaves model, optimizer, scheduler and RNG untouched everywhere.
 All cases run in one spawned two-rank job."""
+
 from __future__ import annotations
 
 import contextlib
@@ -21,7 +22,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-import dist  # noqa: E402
+import gloo_dist  # noqa: E402
 
 SAVE_CASES = {  # name: (failing rank, text the error must carry)
     "disk_full_r1": (1, "No space left on device"),
@@ -55,6 +56,7 @@ def patched(obj, name: str, fn, active: bool):
 def _raiser(exc):
     def fn(*a, **k):
         raise exc
+
     return fn
 
 
@@ -81,17 +83,31 @@ def _attempt(fn) -> dict:
 def _save_fault(name: str, rank: int, root: str, save) -> dict:
     import safetensors
     import safetensors.torch as st
+
     if name == "rmtree_leftover_r0" and rank == 0:
         os.makedirs(os.path.join(root, ".tmp-step-00000002"))
     faults = {
-        "disk_full_r1": (st, "save_file", _raiser(safetensors.SafetensorError(
-            "Error while serializing: I/O error: No space left on device (os error 28)"))),
+        "disk_full_r1": (
+            st,
+            "save_file",
+            _raiser(
+                safetensors.SafetensorError(
+                    "Error while serializing: I/O error: No space left on device (os error 28)"
+                )
+            ),
+        ),
         "fsync_r1": (os, "fsync", _raiser(OSError(errno.EIO, "Input/output error"))),
         "replace_r0": (os, "replace", _raiser(OSError(errno.EIO, "Input/output error"))),
-        "makedirs_r0": (os, "makedirs", _raiser(PermissionError(errno.EACCES,
-                                                                "Permission denied"))),
-        "rmtree_leftover_r0": (shutil, "rmtree", _raiser(PermissionError(
-            errno.EPERM, "Operation not permitted"))),
+        "makedirs_r0": (
+            os,
+            "makedirs",
+            _raiser(PermissionError(errno.EACCES, "Permission denied")),
+        ),
+        "rmtree_leftover_r0": (
+            shutil,
+            "rmtree",
+            _raiser(PermissionError(errno.EPERM, "Operation not permitted")),
+        ),
     }
     obj, attr, fn = faults.get(name, (os, "getcwd", None))
     active = fn is not None and rank == SAVE_CASES[name][0]
@@ -101,6 +117,7 @@ def _save_fault(name: str, rank: int, root: str, save) -> dict:
 
 def _case_save(tmp: str, res: dict, mesh, model, opt, sched) -> None:
     from neuron_tp import checkpoint
+
     for name in SAVE_CASES:
         root = f"{tmp}/{name}"
         checkpoint.save(root, model, opt, sched, step=1, mesh=mesh)
@@ -112,8 +129,12 @@ def _case_save(tmp: str, res: dict, mesh, model, opt, sched) -> None:
             saved = next(model.parameters()).detach().clone()
             with torch.no_grad():
                 next(model.parameters())[0].fill_(float("nan"))
-        out = _save_fault(name, mesh.rank, root, lambda: checkpoint.save(
-            target, model, opt, sched, step=2, mesh=mesh, extra=extra))
+        out = _save_fault(
+            name,
+            mesh.rank,
+            root,
+            lambda: checkpoint.save(target, model, opt, sched, step=2, mesh=mesh, extra=extra),
+        )
         if name == "nonfinite_r1" and mesh.rank == 1:
             with torch.no_grad():
                 next(model.parameters()).copy_(saved)
@@ -128,23 +149,35 @@ def _case_save(tmp: str, res: dict, mesh, model, opt, sched) -> None:
 
 
 def _state(model, opt, sched) -> dict:
-    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
-            "optim": {n: {k: v.clone() for k, v in opt.state[p].items()}
-                      for n, p in model.named_parameters()},
-            "sched": sched.step_count, "rng": torch.get_rng_state(), "py": random.getstate()}
+    return {
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "optim": {
+            n: {k: v.clone() for k, v in opt.state[p].items()} for n, p in model.named_parameters()
+        },
+        "sched": sched.step_count,
+        "rng": torch.get_rng_state(),
+        "py": random.getstate(),
+    }
 
 
 def _same(a: dict, b: dict) -> bool:
-    return (all(torch.equal(a["params"][n], b["params"][n]) for n in a["params"])
-            and all(torch.equal(a["optim"][n][k], b["optim"][n][k])
-                    for n in a["optim"] for k in a["optim"][n])
-            and a["sched"] == b["sched"] and torch.equal(a["rng"], b["rng"])
-            and a["py"] == b["py"])
+    return (
+        all(torch.equal(a["params"][n], b["params"][n]) for n in a["params"])
+        and all(
+            torch.equal(a["optim"][n][k], b["optim"][n][k])
+            for n in a["optim"]
+            for k in a["optim"][n]
+        )
+        and a["sched"] == b["sched"]
+        and torch.equal(a["rng"], b["rng"])
+        and a["py"] == b["py"]
+    )
 
 
 def _case_load(tmp: str, res: dict, mesh, model, opt, sched, step) -> None:
     from neuron_tp import checkpoint
     from neuron_tp.checkpoint import reader
+
     for name in LOAD_CASES:
         path = checkpoint.save(f"{tmp}/load-{name}", model, opt, sched, step=5, mesh=mesh)
         if mesh.rank == 1 and name == "rng_damaged_r1":
@@ -154,8 +187,9 @@ def _case_load(tmp: str, res: dict, mesh, model, opt, sched, step) -> None:
             f = f"{path}/shard-tp00001.safetensors"
             data = bytearray(open(f, "rb").read())
             n = int.from_bytes(data[:8], "little")
-            start = json.loads(data[8:8 + n])["model/model.layers.1.mlp.down_proj.weight"][
-                "data_offsets"][0]
+            start = json.loads(data[8 : 8 + n])["model/model.layers.1.mlp.down_proj.weight"][
+                "data_offsets"
+            ][0]
             data[8 + n + start + 4] ^= 0x40
             open(f, "wb").write(bytes(data))
         step()  # the live state moves on: a load that modified anything would show
@@ -177,8 +211,9 @@ def _case_load(tmp: str, res: dict, mesh, model, opt, sched, step) -> None:
 def _faults(tmp: str) -> None:
     import neuron_tp as ntp
     from neuron_tp import hf
-    from neuron_tp.train.loop import WarmupCosine, make_optimizer
+    from neuron_tp.train.optim import WarmupCosine, make_optimizer
     from neuron_tp.train.presets import build_model
+
     mesh = ntp.init_mesh(tp=2)
     if mesh.rank == 0:
         open(f"{tmp}/afile", "w").write("a regular file")
@@ -196,6 +231,7 @@ def _faults(tmp: str) -> None:
         opt.zero_grad()
         torch.rand(1)
         random.random()
+
     step()
     res = {}
     _case_save(tmp, res, mesh, model, opt, sched)
@@ -205,7 +241,7 @@ def _faults(tmp: str) -> None:
 
 
 def test_save_and_load_faults_on_one_rank(tmp_path):
-    dist.run(_faults, 2, str(tmp_path), timeout=120)
+    gloo_dist.run(_faults, str(tmp_path), world_size=2, timeout=120)
     ranks = [json.loads((tmp_path / f"faults-{r}.json").read_text()) for r in (0, 1)]
     for name, (bad, text) in SAVE_CASES.items():
         for r, res in enumerate(ranks):
@@ -215,8 +251,11 @@ def test_save_and_load_faults_on_one_rank(tmp_path):
             assert text in out["msg"], (name, r, out)
             assert out["seconds"] < 30, (name, r, out)
             # nothing committed, no leftover (but the pre-existing one rmtree failed to remove)
-            left = [d for d in out["listing"]
-                    if not (name == "rmtree_leftover_r0" and d == ".tmp-step-00000002")]
+            left = [
+                d
+                for d in out["listing"]
+                if not (name == "rmtree_leftover_r0" and d == ".tmp-step-00000002")
+            ]
             assert left == ["step-00000001"], (name, r, out)
             assert out["step1_intact"], (name, r)
     for res in ranks:

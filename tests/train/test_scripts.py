@@ -3,6 +3,7 @@
 tool does to the trial run (sets NEURON_EXTRACT_GRAPHS_ONLY=1, runs the command): the trial
 writes nothing, the real run logs a decreasing loss and writes a checkpoint, and
 ``neuron-tp consolidate`` turns it into a directory transformers loads."""
+
 from __future__ import annotations
 
 import os
@@ -18,14 +19,37 @@ def test_compile_and_train_script_then_consolidate(tmp_path):
     fake.parent.mkdir()
     fake.write_text('#!/bin/sh\nexport NEURON_EXTRACT_GRAPHS_ONLY=1\nexec "$@"\n')
     fake.chmod(0o755)
-    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1",
-           "PATH": f"{fake.parent}:{os.path.dirname(sys.executable)}:{os.environ['PATH']}"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": REPO,
+        "OMP_NUM_THREADS": "1",
+        "PATH": f"{fake.parent}:{os.path.dirname(sys.executable)}:{os.environ['PATH']}",
+    }
     out = tmp_path / "run"
     proc = subprocess.run(
-        [os.path.join(REPO, "scripts", "compile_and_train.sh"), "2", "--device", "cpu",
-         "--tp", "2", "--steps", "16", "--log-every", "4", "--seq-len", "64",
-         "--lr", "3e-3", "--output-dir", str(out)],
-        env=env, capture_output=True, text=True, timeout=300)
+        [
+            os.path.join(REPO, "scripts", "compile_and_train.sh"),
+            "2",
+            "--device",
+            "cpu",
+            "--tp",
+            "2",
+            "--steps",
+            "16",
+            "--log-every",
+            "4",
+            "--seq-len",
+            "64",
+            "--lr",
+            "3e-3",
+            "--output-dir",
+            str(out),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     trial, real = proc.stdout.split("== train:")
     assert "NEURON_EXTRACT_GRAPHS_ONLY" in trial and "step 3/3 traced" in trial
@@ -34,7 +58,11 @@ def test_compile_and_train_script_then_consolidate(tmp_path):
     assert len(losses) == 4 and losses[-1] < losses[0] - 0.3, real
     assert os.listdir(out / "checkpoints") == ["step-00000016"]
     assert "resumed" not in real  # the trial left nothing to resume from
-    cons = subprocess.run([sys.executable, "-m", "neuron_tp.cli", "consolidate", str(out),
-                           str(tmp_path / "hf")], env=env, capture_output=True, text=True)
+    cons = subprocess.run(
+        [sys.executable, "-m", "neuron_tp.cli", "consolidate", str(out), str(tmp_path / "hf")],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert cons.returncode == 0, cons.stderr
     assert sorted(os.listdir(tmp_path / "hf")) == ["config.json", "model.safetensors"]

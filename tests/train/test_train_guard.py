@@ -11,6 +11,7 @@
   --skip-nonfinite the step is skipped and the run equals an independent plain-torch reference
   that skips the same step, on the XLA device too (undone by device-side selects; no graph
   compiles after step 2)."""
+
 from __future__ import annotations
 
 import builtins
@@ -25,13 +26,30 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-import dist  # noqa: E402
+import gloo_dist  # noqa: E402
 from neuron_tp.checkpoint.outdir import LOCK_NAME, OutputLock  # noqa: E402
 from neuron_tp.train.args import train_parser  # noqa: E402
 
-COMMON = ["--device", "cpu", "--tp", "2", "--seq-len", "32", "--micro-batch", "2",
-          "--log-every", "1", "--warmup-steps", "2", "--lr", "3e-3", "--min-lr", "1e-4",
-          "--max-grad-norm", "1.0"]
+COMMON = [
+    "--device",
+    "cpu",
+    "--tp",
+    "2",
+    "--seq-len",
+    "32",
+    "--micro-batch",
+    "2",
+    "--log-every",
+    "1",
+    "--warmup-steps",
+    "2",
+    "--lr",
+    "3e-3",
+    "--min-lr",
+    "1e-4",
+    "--max-grad-norm",
+    "1.0",
+]
 POISONED = "model.layers.0.mlp.down_proj.weight"  # NaN gradient on rank 1 at one step
 
 
@@ -42,6 +60,7 @@ def _args(out, *extra):
 def _run(mesh, out, *extra, poison_at=None, printer=None) -> dict:
     """One train() call; what it returned or raised, the steps it trained."""
     from neuron_tp.train.loop import train
+
     steps, hooks = [], []
 
     def on_step(run):
@@ -52,16 +71,24 @@ def _run(mesh, out, *extra, poison_at=None, printer=None) -> dict:
         if poison_at is not None and run.step == poison_at - 1 and mesh.rank == 1:
             p = run.model.get_parameter(POISONED)
             hooks.append(p.register_hook(lambda g: g * float("nan")))
+
     t0 = time.perf_counter()
     try:
-        s = train(_args(out, *extra), mesh, printer=printer or (lambda *a, **k: None),
-                  on_step=on_step)
-        res = {"raised": None, "ckpts": [os.path.basename(c) for c in s["checkpoints"]],
-               "log": s["log"]}
+        s = train(
+            _args(out, *extra), mesh, printer=printer or (lambda *a, **k: None), on_step=on_step
+        )
+        res = {
+            "raised": None,
+            "ckpts": [os.path.basename(c) for c in s["checkpoints"]],
+            "log": s["log"],
+        }
     except Exception as e:  # noqa: BLE001 - recorded for the parent
         res = {"raised": type(e).__name__, "msg": str(e)}
-    res.update(steps=steps, seconds=time.perf_counter() - t0,
-               lock_left=os.path.exists(os.path.join(str(out), LOCK_NAME)))
+    res.update(
+        steps=steps,
+        seconds=time.perf_counter() - t0,
+        lock_left=os.path.exists(os.path.join(str(out), LOCK_NAME)),
+    )
     ck = os.path.join(str(out), "checkpoints")
     res["listing"] = sorted(os.listdir(ck)) if os.path.isdir(ck) else None
     return res
@@ -69,22 +96,36 @@ def _run(mesh, out, *extra, poison_at=None, printer=None) -> dict:
 
 def _job(tmp: str) -> None:
     import neuron_tp as ntp
+
     mesh = ntp.init_mesh(tp=2)
     res = {}
     if mesh.rank == 0:
         open(f"{tmp}/afile", "w").write("a regular file")
     torch.distributed.barrier()
     # keep-last and resume: the issue's sequence, then the protection of the resume source
-    res["kl_first"] = _run(mesh, f"{tmp}/kl", "--steps", "6", "--save-every", "2",
-                           "--keep-last", "3")
+    res["kl_first"] = _run(
+        mesh, f"{tmp}/kl", "--steps", "6", "--save-every", "2", "--keep-last", "3"
+    )
     torch.distributed.barrier()
-    res["kl_collide"] = _run(mesh, f"{tmp}/kl", "--steps", "8", "--save-every", "1",
-                             "--keep-last", "3", "--resume", f"{tmp}/kl/checkpoints/step-00000002")
-    res["kp_first"] = _run(mesh, f"{tmp}/kp", "--steps", "4", "--save-every", "2",
-                           "--keep-last", "1")
+    res["kl_collide"] = _run(
+        mesh,
+        f"{tmp}/kl",
+        "--steps",
+        "8",
+        "--save-every",
+        "1",
+        "--keep-last",
+        "3",
+        "--resume",
+        f"{tmp}/kl/checkpoints/step-00000002",
+    )
+    res["kp_first"] = _run(
+        mesh, f"{tmp}/kp", "--steps", "4", "--save-every", "2", "--keep-last", "1"
+    )
     torch.distributed.barrier()
-    res["kp_resumed"] = _run(mesh, f"{tmp}/kp", "--steps", "7", "--save-every", "1",
-                             "--keep-last", "1")
+    res["kp_resumed"] = _run(
+        mesh, f"{tmp}/kp", "--steps", "7", "--save-every", "1", "--keep-last", "1"
+    )
     # output directories that cannot work
     res["out_file"] = _run(mesh, f"{tmp}/afile", "--steps", "2")
     res["out_readonly"] = _run(mesh, "/sys/neuron-tp-test-out", "--steps", "2")
@@ -94,6 +135,7 @@ def _job(tmp: str) -> None:
         if ".write-test" in str(path):
             raise PermissionError(13, "Permission denied", str(path))
         return real_open(path, *a, **k)
+
     builtins.open = no_write if mesh.rank == 1 else real_open
     try:
         res["out_rank1"] = _run(mesh, f"{tmp}/r1", "--steps", "2")
@@ -102,15 +144,20 @@ def _job(tmp: str) -> None:
     # locks: held by the live parent process; stale (dead pid on this host)
     res["locked"] = _run(mesh, f"{tmp}/locked", "--steps", "2")
     notes = []
-    res["stale"] = _run(mesh, f"{tmp}/stale", "--steps", "2",
-                        printer=lambda *a, **k: notes.append(" ".join(map(str, a))))
+    res["stale"] = _run(
+        mesh,
+        f"{tmp}/stale",
+        "--steps",
+        "2",
+        printer=lambda *a, **k: notes.append(" ".join(map(str, a))),
+    )
     res["stale"]["notes"] = notes
     # non-finite: stop at the step-4 checkpoint (not a log step), stop at a log step, skip
-    res["nf_save"] = _run(mesh, f"{tmp}/nf1", "--steps", "8", "--save-every", "2",
-                          "--log-every", "3", poison_at=4)
+    res["nf_save"] = _run(
+        mesh, f"{tmp}/nf1", "--steps", "8", "--save-every", "2", "--log-every", "3", poison_at=4
+    )
     res["nf_log"] = _run(mesh, f"{tmp}/nf2", "--steps", "8", "--log-every", "3", poison_at=2)
-    res["nf_skip"] = _run(mesh, f"{tmp}/nf3", "--steps", "6", "--skip-nonfinite",
-                          poison_at=3)
+    res["nf_skip"] = _run(mesh, f"{tmp}/nf3", "--steps", "6", "--skip-nonfinite", poison_at=3)
     with open(f"{tmp}/guard-{mesh.rank}.json", "w") as fh:
         json.dump(res, fh)
 
@@ -118,18 +165,25 @@ def _job(tmp: str) -> None:
 def _reference(args, skip_step: int | None) -> list[float]:
     """Plain transformers + torch AdamW / LambdaLR / clip_grad_norm_ on one process, the
     optimizer update of ``skip_step`` left out (data and schedule move on)."""
-    from reference_train import lr_factor
-
     from neuron_tp.train.data import ByteTokenizer, PackedData
     from neuron_tp.train.presets import build_model
+    from reference_train import lr_factor
+
     model = build_model(args.model, ByteTokenizer.vocab_size, args.seed).train()
     data = PackedData(args.data, ByteTokenizer(), args.seq_len, args.micro_batch, 1, 0, args.seed)
-    opt = torch.optim.AdamW([{"params": [p for p in model.parameters() if p.dim() >= 2],
-                              "weight_decay": args.weight_decay},
-                             {"params": [p for p in model.parameters() if p.dim() < 2],
-                              "weight_decay": 0.0}], lr=args.lr)
+    opt = torch.optim.AdamW(
+        [
+            {
+                "params": [p for p in model.parameters() if p.dim() >= 2],
+                "weight_decay": args.weight_decay,
+            },
+            {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0},
+        ],
+        lr=args.lr,
+    )
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: lr_factor(s, args.lr, args.min_lr, args.warmup_steps, args.steps))
+        opt, lambda s: lr_factor(s, args.lr, args.min_lr, args.warmup_steps, args.steps)
+    )
     losses = []
     for step in range(1, args.steps + 1):
         ids = data.next_batch()
@@ -151,10 +205,13 @@ def test_resume_plan_output_dir_lock_and_nonfinite(tmp_path):
     dead = subprocess.Popen(["true"])
     dead.wait()
     os.makedirs(tmp_path / "stale")
-    (tmp_path / "stale" / LOCK_NAME).write_text(json.dumps(
-        {"pid": dead.pid, "host": socket.gethostname(), "started": "earlier", "token": "old"}))
+    (tmp_path / "stale" / LOCK_NAME).write_text(
+        json.dumps(
+            {"pid": dead.pid, "host": socket.gethostname(), "started": "earlier", "token": "old"}
+        )
+    )
     try:
-        dist.run(_job, 2, str(tmp_path), timeout=180)
+        gloo_dist.run(_job, str(tmp_path), world_size=2, timeout=180)
     finally:
         held.release()
     r0, r1 = (json.loads((tmp_path / f"guard-{r}.json").read_text()) for r in (0, 1))
@@ -171,12 +228,13 @@ def test_resume_plan_output_dir_lock_and_nonfinite(tmp_path):
         assert res["kp_first"]["listing"] == ["step-00000004"]
         assert res["kp_resumed"]["steps"] == [5, 6, 7]
         assert res["kp_resumed"]["listing"] == ["step-00000004", "step-00000007"]
-        for name, text in (("out_file", "failed on every rank: /tmp/"),
-                           ("out_file", "afile is a file, not a directory"),
-                           ("out_readonly", "cannot create /sys/neuron-tp-test-out"),
-                           ("out_rank1", "failed on rank 1: cannot write into"),
-                           ("locked", f"held by pid {os.getpid()} on host "
-                                      f"{socket.gethostname()}")):
+        for name, text in (
+            ("out_file", "failed on every rank: /tmp/"),
+            ("out_file", "afile is a file, not a directory"),
+            ("out_readonly", "cannot create /sys/neuron-tp-test-out"),
+            ("out_rank1", "failed on rank 1: cannot write into"),
+            ("locked", f"held by pid {os.getpid()} on host {socket.gethostname()}"),
+        ):
             assert res[name]["raised"] == "CheckpointError", (name, res[name])
             assert text in res[name]["msg"] and res[name]["steps"] == [], (name, res[name])
             assert res[name]["seconds"] < 60, (name, res[name])
@@ -189,13 +247,15 @@ def test_resume_plan_output_dir_lock_and_nonfinite(tmp_path):
         assert s["raised"] == "NonFiniteError" and "at step 2" in s["msg"], s
         assert "up to step 3" in s["msg"], s  # seen at the step-3 log, before on_step(3)
         assert s["steps"] == [1, 2] and s["listing"] == [], s
-    assert any("took over the stale lock" in n and f"pid {dead.pid}" in n
-               for n in r0["stale"]["notes"]), r0["stale"]["notes"]
+    assert any(
+        "took over the stale lock" in n and f"pid {dead.pid}" in n for n in r0["stale"]["notes"]
+    ), r0["stale"]["notes"]
     skip = r0["nf_skip"]
     assert skip["raised"] is None and skip["ckpts"] == ["step-00000006"], skip
     assert [e["skipped_steps"] for e in skip["log"]] == [0, 0, 1, 1, 1, 1]
-    assert r1["nf_skip"]["log"] == skip["log"] or \
-        [e["loss"] for e in r1["nf_skip"]["log"]] == [e["loss"] for e in skip["log"]]
+    assert r1["nf_skip"]["log"] == skip["log"] or [e["loss"] for e in r1["nf_skip"]["log"]] == [
+        e["loss"] for e in skip["log"]
+    ]
     args = _args(tmp_path / "ref", "--steps", "6")
     ref = _reference(args, skip_step=3)
     losses = [e["loss"] for e in skip["log"]]
@@ -204,15 +264,36 @@ def test_resume_plan_output_dir_lock_and_nonfinite(tmp_path):
 
 
 def test_skip_nonfinite_on_the_xla_device(tmp_path):
-    argv = ["--device", "xla", "--seq-len", "32", "--micro-batch", "2", "--log-every", "1",
-            "--warmup-steps", "2", "--lr", "3e-3", "--min-lr", "1e-4", "--max-grad-norm", "1.0",
-            "--steps", "6", "--skip-nonfinite"]
+    argv = [
+        "--device",
+        "xla",
+        "--seq-len",
+        "32",
+        "--micro-batch",
+        "2",
+        "--log-every",
+        "1",
+        "--warmup-steps",
+        "2",
+        "--lr",
+        "3e-3",
+        "--min-lr",
+        "1e-4",
+        "--max-grad-norm",
+        "1.0",
+        "--steps",
+        "6",
+        "--skip-nonfinite",
+    ]
     here = os.path.dirname(__file__)
-    env = {**os.environ, "PJRT_DEVICE": "CPU",
-           "PYTHONPATH": os.path.dirname(os.path.dirname(here))}
-    proc = subprocess.run([sys.executable, os.path.join(here, "xla_guard_run.py"),
-                           str(tmp_path / "out"), *argv], env=env, capture_output=True,
-                          text=True, timeout=300)
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONPATH": os.path.dirname(os.path.dirname(here))}
+    proc = subprocess.run(
+        [sys.executable, os.path.join(here, "xla_guard_run.py"), str(tmp_path / "out"), *argv],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("JSON"))[4:])
     assert [e["skipped_steps"] for e in res["log"]] == [0, 0, 1, 1, 1, 1]

@@ -1,8 +1,11 @@
 """Pieces of the training scripts in one process: data packing / dp split / resume position,
 NEURON_CC_FLAGS merging (never clobbering), extract-mode detection, the LR schedule, option
 validation, and ``scripts/*.py --help`` with torch alone."""
+
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -11,18 +14,21 @@ import sys
 import pytest
 import torch
 
-from neuron_tp.train import compile as C
 from neuron_tp.train.args import generate_parser, train_parser
+from neuron_tp.train.config import GenerateConfig, TrainConfig
 from neuron_tp.train.data import ByteTokenizer, PackedData
-from neuron_tp.train.loop import WarmupCosine
+from neuron_tp.train.graphs import apply_neuron_defaults, extract_graphs_only, merged_cc_flags
+from neuron_tp.train.optim import WarmupCosine
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 
 
 def _corpus(tmp_path, n_docs=40):
     f = tmp_path / "d.jsonl"
-    f.write_text("\n".join(json.dumps({"text": f"document {i} " * (i % 7 + 3)})
-                           for i in range(n_docs)) + "\n")
+    f.write_text(
+        "\n".join(json.dumps({"text": f"document {i} " * (i % 7 + 3)}) for i in range(n_docs))
+        + "\n"
+    )
     return str(f)
 
 
@@ -40,7 +46,7 @@ def test_packing_dp_split_and_resume_position(tmp_path):
     # the packed stream is the documents' bytes joined by end-of-text tokens
     docs = [json.loads(line)["text"] for line in open(path)]
     stream = [t for d in docs for t in [*d.encode(), 256]]
-    assert whole.chunks.flatten().tolist() == stream[:whole.chunks.numel()]
+    assert whole.chunks.flatten().tolist() == stream[: whole.chunks.numel()]
     state = whole.state_dict()
     again = PackedData(path, tok, 13, 4, 1, 0, seed=3)
     again.load_state_dict(state)
@@ -67,27 +73,29 @@ def test_data_errors(tmp_path):
 
 
 def test_cc_flags_never_clobbered(monkeypatch):
-    assert C.merged_cc_flags("") == "--model-type=transformer"
-    assert C.merged_cc_flags("--model-type=cnn -O1") == "--model-type=cnn -O1"
-    assert C.merged_cc_flags("-O1  --cache_dir=/x", cache_dir="/y") == \
-        "-O1 --cache_dir=/x --model-type=transformer"
-    assert C.merged_cc_flags("-O2", cache_dir="/y") == "-O2 --model-type=transformer --cache_dir=/y"
+    assert merged_cc_flags("") == "--model-type=transformer"
+    assert merged_cc_flags("--model-type=cnn -O1") == "--model-type=cnn -O1"
+    assert (
+        merged_cc_flags("-O1  --cache_dir=/x", cache_dir="/y")
+        == "-O1 --cache_dir=/x --model-type=transformer"
+    )
+    assert merged_cc_flags("-O2", cache_dir="/y") == "-O2 --model-type=transformer --cache_dir=/y"
     env = {"NEURON_CC_FLAGS": "--model-type=unet-inference -O1"}
     monkeypatch.setenv("PJRT_DEVICE", "NEURON")
-    C.apply_neuron_defaults(env)
+    apply_neuron_defaults(env)
     assert env["NEURON_CC_FLAGS"] == "--model-type=unet-inference -O1"
     monkeypatch.setenv("PJRT_DEVICE", "CPU")
     env = {}
-    C.apply_neuron_defaults(env)
+    apply_neuron_defaults(env)
     assert env == {}  # off Neuron nothing is set
 
 
 def test_extract_mode_detection(monkeypatch):
     for value, expected in (("1", True), ("true", True), ("0", False), ("", False)):
         monkeypatch.setenv("NEURON_EXTRACT_GRAPHS_ONLY", value)
-        assert C.extract_graphs_only() is expected
+        assert extract_graphs_only() is expected
     monkeypatch.delenv("NEURON_EXTRACT_GRAPHS_ONLY")
-    assert C.extract_graphs_only() is False
+    assert extract_graphs_only() is False
 
 
 def test_schedule_warmup_then_cosine():
@@ -111,31 +119,88 @@ def test_option_validation_and_help():
         generate_parser().parse_args(["--buckets", "32,x"])
     assert generate_parser().parse_args(["--buckets", "128,32,32"]).buckets == [32, 128]
     for script in ("train.py", "generate.py"):
-        proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", script), "--help"],
-                              capture_output=True, text=True, timeout=60,
-                              env={**os.environ, "PYTHONPATH": REPO})
+        proc = subprocess.run(
+            [sys.executable, os.path.join(REPO, "scripts", script), "--help"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "PYTHONPATH": REPO},
+        )
         assert proc.returncode == 0 and "--tp" in proc.stdout, proc.stderr
     from neuron_tp.train.loop import setup
-    args = train_parser().parse_args(["--device", "cpu", "--tp", "2", "--sequence-parallel",
-                                      "--seq-len", "33"])
+
+    args = train_parser().parse_args(
+        ["--device", "cpu", "--tp", "2", "--sequence-parallel", "--seq-len", "33"]
+    )
     with pytest.raises(ValueError, match="divisible by --tp"):
         setup(args)
+
+
+@pytest.mark.parametrize(
+    "parser, config_type",
+    [(train_parser, TrainConfig), (generate_parser, GenerateConfig)],
+    ids=["train", "generate"],
+)
+def test_config_has_exactly_the_parser_options(parser, config_type):
+    """The typed config is the parsed options field for field: same names, same values, same
+    ``--option`` keys the ranks agree on; frozen; an unknown option is refused."""
+    args = parser().parse_args(["--tp", "2", "--seed", "5"])
+    config = config_type.from_args(args)
+    assert {f.name for f in dataclasses.fields(config)} == set(vars(args))
+    assert dataclasses.asdict(config) == vars(args)
+    assert config.option_values() == {
+        "--" + k.replace("_", "-"): v for k, v in sorted(vars(args).items())
+    }
+    assert list(config.option_values()) == sorted(config.option_values())
+    assert config_type.from_args(config) is config
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.tp = 4
+    with pytest.raises(TypeError, match="unknown"):
+        config_type.from_args(argparse.Namespace(**vars(args), unknown=1))
 
 
 def test_cli_train_bf16_one_rank_and_device_refusal(tmp_path, monkeypatch, capsys):
     import neuron_tp as ntp
     from neuron_tp.cli import main
     from neuron_tp.train.loop import setup, train
-    args = train_parser().parse_args(["--device", "cpu", "--bf16", "--steps", "3",
-                                      "--log-every", "1", "--seq-len", "32", "--micro-batch",
-                                      "2", "--output-dir", str(tmp_path / "bf16")])
+
+    args = train_parser().parse_args(
+        [
+            "--device",
+            "cpu",
+            "--bf16",
+            "--steps",
+            "3",
+            "--log-every",
+            "1",
+            "--seq-len",
+            "32",
+            "--micro-batch",
+            "2",
+            "--output-dir",
+            str(tmp_path / "bf16"),
+        ]
+    )
     runs = []
     s = train(args, mesh=ntp.Mesh(1, 0), printer=lambda *a, **k: None, on_step=runs.append)
     assert all(p.dtype == torch.bfloat16 for p in runs[-1].model.parameters())
     assert len(s["log"]) == 3 and all(torch.isfinite(torch.tensor(e["loss"])) for e in s["log"])
     # the CLI entry point, and a rerun that finds the job already done (no overwrite attempt)
-    cmd = ["train", "--device", "cpu", "--steps", "2", "--log-every", "1", "--seq-len", "32",
-           "--micro-batch", "2", "--output-dir", str(tmp_path / "cli")]
+    cmd = [
+        "train",
+        "--device",
+        "cpu",
+        "--steps",
+        "2",
+        "--log-every",
+        "1",
+        "--seq-len",
+        "32",
+        "--micro-batch",
+        "2",
+        "--output-dir",
+        str(tmp_path / "cli"),
+    ]
     try:
         assert main(cmd) == 0 and "loss" in capsys.readouterr().out
         assert main(cmd) == 0 and "nothing to do" in capsys.readouterr().out
@@ -158,18 +223,22 @@ def test_hf_tokenizer_directory(tmp_path):
 
     from neuron_tp.train.data import load_tokenizer, vocab_size
     from neuron_tp.train.presets import build_model
+
     bpe = Tokenizer(models.BPE(unk_token="<unk>"))
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.train([os.path.join(REPO, "data", "corpus.txt")],
-              trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "</s>"]))
-    PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="</s>",
-                            unk_token="<unk>").save_pretrained(str(tmp_path / "tok"))
+    bpe.train(
+        [os.path.join(REPO, "data", "corpus.txt")],
+        trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "</s>"]),
+    )
+    PreTrainedTokenizerFast(
+        tokenizer_object=bpe, eos_token="</s>", unk_token="<unk>"
+    ).save_pretrained(str(tmp_path / "tok"))
     tok = load_tokenizer(str(tmp_path / "tok"))
     path = _corpus(tmp_path, n_docs=30)
     data = PackedData(path, tok, 16, 2)
     docs = [json.loads(line)["text"] for line in open(path)]
     stream = [t for d in docs for t in [*tok.encode(d), tok.eos_token_id]]
-    assert data.chunks.flatten().tolist() == stream[:data.chunks.numel()]
+    assert data.chunks.flatten().tolist() == stream[: data.chunks.numel()]
     assert vocab_size(tok) == 300
     assert build_model("tiny-llama", vocab_size(tok), 0).config.vocab_size == 300
     with pytest.raises(ValueError, match="not a directory"):

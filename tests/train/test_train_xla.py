@@ -3,6 +3,7 @@ compile a fixed small number of graphs and none after step 2, read nothing from 
 outside log steps and checkpoint saves (whose transfers are exactly the saved tensors), and
 ``NEURON_EXTRACT_GRAPHS_ONLY=1`` writes no checkpoint and produces the same graph hashes
 (persistent XLA cache keys) as the real run."""
+
 from __future__ import annotations
 
 import json
@@ -18,9 +19,18 @@ N_PARAMS = 21  # tiny-llama: embed, 2 x (q, k, v, o, gate, up, down, 2 norms), n
 def _run(tmp, cache, **env_extra):
     env = {k: v for k, v in os.environ.items() if k != "NEURON_EXTRACT_GRAPHS_ONLY"}
     env.update(PJRT_DEVICE="CPU", PYTHONPATH=REPO, **env_extra)
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "xla_train_run.py"),
-                           str(tmp / "out"), str(tmp / cache)], env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(HERE, "xla_train_run.py"),
+            str(tmp / "out"),
+            str(tmp / cache),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("JSON"))
     return json.loads(line[4:]), proc.stdout
@@ -44,8 +54,7 @@ def test_xla_graphs_transfers_and_extract_mode(tmp_path):
     assert [e["step"] for e in real["log"]] == [5, 10, 15, 20]
     losses = [e["loss"] for e in real["log"]]
     assert losses[-1] < losses[0]
-    assert [os.path.basename(c) for c in real["checkpoints"]] == ["step-00000010",
-                                                                  "step-00000020"]
+    assert [os.path.basename(c) for c in real["checkpoints"]] == ["step-00000010", "step-00000020"]
     assert len(real["graphs"]) == compiles[1]  # one persistent-cache entry per graph
 
     # The trial run in the same output directory: it neither resumes from nor writes
@@ -60,8 +69,13 @@ def test_xla_graphs_transfers_and_extract_mode(tmp_path):
 
 def _trace_step(rank: int) -> dict:
     env = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONPATH": REPO}
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "xla_trace_step.py"), str(rank)],
-                          env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(HERE, "xla_trace_step.py"), str(rank)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("JSON"))[4:])
 
@@ -74,6 +88,9 @@ def test_every_rank_traces_the_same_step_graph():
     assert r0["hash"] == r3["hash"]
     tp_groups, dp_groups = [[0, 1], [2, 3]], [[0, 2], [1, 3]]
     kinds = {(k, str(g)) for k, g in r0["collectives"]}
-    assert {("all-gather", str(tp_groups)), ("reduce-scatter", str(tp_groups)),
-            ("all-reduce", str(tp_groups))} <= kinds
+    assert {
+        ("all-gather", str(tp_groups)),
+        ("reduce-scatter", str(tp_groups)),
+        ("all-reduce", str(tp_groups)),
+    } <= kinds
     assert [k for k, g in r0["collectives"] if g == dp_groups] == ["all-reduce"]

@@ -4,6 +4,7 @@ independent single-process reference and the same run on gloo ranks, step by ste
 compiled per rank; host transfers only at log steps and checkpoint saves; replicated
 parameters (Qwen3's q/k norms) identical on every rank; a checkpoint saved on XLA at tp=2
 resumes bit-identically and reshards to tp=1 and tp=4."""
+
 from __future__ import annotations
 
 import os
@@ -12,7 +13,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-import dist  # noqa: E402
+import gloo_dist  # noqa: E402
 import xla_dist  # noqa: E402
 import xla_multi_train_cases as cases  # noqa: E402
 from reference_train import reference_run  # noqa: E402
@@ -23,6 +24,7 @@ N_PARAMS = {"tiny-llama": 21, "tiny-qwen3": 25}
 def _gloo_rank(tp: int, out: str, extra: list[str], result: str) -> None:
     import neuron_tp as ntp
     from neuron_tp.train.loop import train
+
     mesh = ntp.init_mesh(tp=tp)
     args = cases.args_for(out, "--tp", str(tp), *extra)
     args.device = "cpu"
@@ -33,7 +35,7 @@ def _gloo_rank(tp: int, out: str, extra: list[str], result: str) -> None:
 
 def _gloo_log(tmp, world: int, tp: int, extra: list[str]) -> list[dict]:
     res = str(tmp / f"gloo-{world}-{tp}.pt")
-    dist.run(_gloo_rank, world, tp, str(tmp / f"gloo-{world}-{tp}"), extra, res)
+    gloo_dist.run(_gloo_rank, tp, str(tmp / f"gloo-{world}-{tp}"), extra, res, world_size=world)
     return torch.load(res)
 
 
@@ -51,42 +53,57 @@ def _at(values: list[float], steps: list[int]) -> list[float]:
 
 
 def test_tp2_qwen3_on_two_xla_devices_resume_and_reshard(tmp_path):
-    extra = ["--model", "tiny-qwen3", "--micro-batch", "2", "--steps", "8", "--log-every", "2",
-             "--save-every", "4"]
-    res = xla_dist.run(cases.run_train, 2, 2, str(tmp_path / "xla"), extra, None)
+    extra = [
+        "--model",
+        "tiny-qwen3",
+        "--micro-batch",
+        "2",
+        "--steps",
+        "8",
+        "--log-every",
+        "2",
+        "--save-every",
+        "4",
+    ]
+    res = xla_dist.run(cases.run_train, 2, str(tmp_path / "xla"), extra, None, devices=2)
     log = res[0]["log"]
     steps = [e["step"] for e in log]
     assert steps == [2, 4, 6, 8]
-    assert [(e["loss"], e["grad_norm"]) for e in res[1]["log"]] == \
-        [(e["loss"], e["grad_norm"]) for e in log]          # every rank sees the same values
+    assert [(e["loss"], e["grad_norm"]) for e in res[1]["log"]] == [
+        (e["loss"], e["grad_norm"]) for e in log
+    ]  # every rank sees the same values
     args = cases.args_for(str(tmp_path / "ref"), "--tp", "2", *extra)
     losses, norms = reference_run(args, global_micro_batch=2)
-    torch.testing.assert_close([e["loss"] for e in log], _at(losses, steps), rtol=2e-4,
-                               atol=2e-4)
-    torch.testing.assert_close([e["grad_norm"] for e in log], _at(norms, steps), rtol=2e-3,
-                               atol=1e-5)
+    torch.testing.assert_close([e["loss"] for e in log], _at(losses, steps), rtol=2e-4, atol=2e-4)
+    torch.testing.assert_close(
+        [e["grad_norm"] for e in log], _at(norms, steps), rtol=2e-3, atol=1e-5
+    )
     gloo = _gloo_log(tmp_path, 2, 2, extra)
-    torch.testing.assert_close([e["loss"] for e in log], [e["loss"] for e in gloo],
-                               rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close([e["grad_norm"] for e in log], [e["grad_norm"] for e in gloo],
-                               rtol=1e-3, atol=1e-5)
+    torch.testing.assert_close(
+        [e["loss"] for e in log], [e["loss"] for e in gloo], rtol=1e-4, atol=1e-4
+    )
+    torch.testing.assert_close(
+        [e["grad_norm"] for e in log], [e["grad_norm"] for e in gloo], rtol=1e-3, atol=1e-5
+    )
     _check_same_replicas(res, 2)
     # per rank (process-wide counters / 2): no compile after step 2; host reads only at log
     # steps (loss + grad norm) and in the step-4 checkpoint (counted with step 5)
     per = res[0]["per_step"]
     compiles = [p["compiles"] // 2 for p in per]
     assert compiles[1:] == [compiles[1]] * 7 and 1 <= compiles[1] <= 8, compiles
-    moved = [(per[i]["transfers_to_host"] - per[i - 1]["transfers_to_host"]) / 2
-             for i in range(1, 8)]                                  # steps 2..8
+    moved = [
+        (per[i]["transfers_to_host"] - per[i - 1]["transfers_to_host"]) / 2 for i in range(1, 8)
+    ]  # steps 2..8
     assert [m for i, m in enumerate(moved, 2) if i != 5] == [2, 0, 2, 2, 0, 2], moved
-    assert moved[3] >= 4 * N_PARAMS["tiny-qwen3"], moved   # params + AdamW step/m/v
+    assert moved[3] >= 4 * N_PARAMS["tiny-qwen3"], moved  # params + AdamW step/m/v
 
     # resume the step-4 checkpoint written on XLA: steps 6 and 8 bit-identical
     import shutil
+
     ckpt4 = next(c for c in res[0]["checkpoints"] if c.endswith("step-00000004"))
     os.makedirs(tmp_path / "resumed" / "checkpoints")
     shutil.copytree(ckpt4, tmp_path / "resumed" / "checkpoints" / "step-00000004")
-    again = xla_dist.run(cases.run_train, 2, 2, str(tmp_path / "resumed"), extra, None)
+    again = xla_dist.run(cases.run_train, 2, str(tmp_path / "resumed"), extra, None, devices=2)
     assert [e["step"] for e in again[0]["log"]] == [6, 8]
     assert again[0]["log"][0]["loss"] == log[2]["loss"]
     assert again[0]["log"][1]["loss"] == log[3]["loss"]
@@ -95,16 +112,19 @@ def test_tp2_qwen3_on_two_xla_devices_resume_and_reshard(tmp_path):
     # reshard: tp=4 (kv heads replicated) on 4 devices resumes the same checkpoint
     os.makedirs(tmp_path / "tp4" / "checkpoints")
     shutil.copytree(ckpt4, tmp_path / "tp4" / "checkpoints" / "step-00000004")
-    tp4 = xla_dist.run(cases.run_train, 4, 4, str(tmp_path / "tp4"), extra, None)
-    torch.testing.assert_close([e["loss"] for e in tp4[0]["log"]],
-                               [e["loss"] for e in log[2:]], rtol=1e-4, atol=1e-4)
+    tp4 = xla_dist.run(cases.run_train, 4, str(tmp_path / "tp4"), extra, None, devices=4)
+    torch.testing.assert_close(
+        [e["loss"] for e in tp4[0]["log"]], [e["loss"] for e in log[2:]], rtol=1e-4, atol=1e-4
+    )
     # and tp=1: the unsharded model loaded from the XLA checkpoint gives the loss of step 5
     import neuron_tp as ntp
     from neuron_tp import checkpoint
     from neuron_tp.train.presets import build_model
+
     plain = build_model("tiny-qwen3", 257, seed=123)
     checkpoint.load(ckpt4, plain, mesh=ntp.Mesh(1, 0), restore_rng=False)
     from neuron_tp.train.data import ByteTokenizer, PackedData
+
     data = PackedData(args.data, ByteTokenizer(), args.seq_len, 2, 1, 0, args.seed)
     for _ in range(5):
         ids = data.next_batch()
@@ -114,22 +134,34 @@ def test_tp2_qwen3_on_two_xla_devices_resume_and_reshard(tmp_path):
 
 
 def test_tp2_dp2_sp_grad_accum_on_four_xla_devices(tmp_path):
-    extra = ["--micro-batch", "2", "--grad-accum", "2", "--steps", "6", "--sequence-parallel",
-             "--save-every", "0"]
-    res = xla_dist.run(cases.run_train, 4, 2, str(tmp_path / "xla"), extra, None)
+    extra = [
+        "--micro-batch",
+        "2",
+        "--grad-accum",
+        "2",
+        "--steps",
+        "6",
+        "--sequence-parallel",
+        "--save-every",
+        "0",
+    ]
+    res = xla_dist.run(cases.run_train, 2, str(tmp_path / "xla"), extra, None, devices=4)
     log = res[0]["log"]
     args = cases.args_for(str(tmp_path / "ref"), "--tp", "2", *extra)
     losses, norms = reference_run(args, global_micro_batch=4)
     torch.testing.assert_close([e["loss"] for e in log], losses, rtol=2e-4, atol=2e-4)
     torch.testing.assert_close([e["grad_norm"] for e in log], norms, rtol=2e-3, atol=1e-5)
     gloo = _gloo_log(tmp_path, 4, 2, extra)
-    torch.testing.assert_close([e["grad_norm"] for e in log], [e["grad_norm"] for e in gloo],
-                               rtol=1e-3, atol=1e-5)
+    torch.testing.assert_close(
+        [e["grad_norm"] for e in log], [e["grad_norm"] for e in gloo], rtol=1e-3, atol=1e-5
+    )
     _check_same_replicas(res, 2)
 
 
 def test_ranks_with_different_step_graphs_fail_instead_of_hanging(tmp_path):
-    errors = xla_dist.run(cases.run_train_rank1_differs, 2, str(tmp_path / "run"), timeout=120)
+    errors = xla_dist.run(
+        cases.run_train_rank1_differs, str(tmp_path / "run"), devices=2, timeout=120
+    )
     for e in errors:  # every rank raises the same clear error
         assert "ranks traced different step graphs" in e, e
         assert "ranks [0] | ranks [1]" in e and "first difference (ranks 0 vs 1) at op" in e, e
@@ -141,15 +173,20 @@ def test_tp2_generation_on_two_xla_devices_equals_transformers():
     the same on both ranks, and no new graph for more tokens."""
     from neuron_tp.train.presets import build_model
     from test_generate import hf_sample
-    res = xla_dist.run(cases.run_generate, 2, 2, timeout=300)
+
+    res = xla_dist.run(cases.run_generate, 2, devices=2, timeout=300)
     assert res[0] == res[1]
     full = build_model("tiny-llama", 257, 4).eval()
     for key, n in (("greedy", 10), ("greedy_long", 20)):
-        ref = [full.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False)[0, len(p):]
-               .tolist() for p in cases.GEN_PROMPTS]
+        ref = [
+            full.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False)[
+                0, len(p) :
+            ].tolist()
+            for p in cases.GEN_PROMPTS
+        ]
         assert res[0][key] == ref, key
     ref = hf_sample(full, cases.GEN_PROMPTS, 10, temperature=0.8, top_k=20, seed=9)
     assert res[0]["sample"] == ref and ref != res[0]["greedy"]
     first, longer, sampled = res[0]["compiles"]
-    assert longer == first, res[0]["compiles"]       # 20 tokens reuse the 10-token graphs
-    assert sampled > first                            # sampling is a different graph
+    assert longer == first, res[0]["compiles"]  # 20 tokens reuse the 10-token graphs
+    assert sampled > first  # sampling is a different graph

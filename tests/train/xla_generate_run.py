@@ -1,15 +1,15 @@
 """Run by test_generate.py in a fresh process: generation on the XLA CPU device; prints the
 compile count after each call and whether greedy tokens equal the eager CPU model's."""
+
 import copy
 import json
-
 
 import neuron_tp as ntp
 
 dev = ntp.xla_device()
 from neuron_tp import hf  # noqa: E402
-from neuron_tp.train.compile import graph_counters  # noqa: E402
 from neuron_tp.train.generate import generate  # noqa: E402
+from neuron_tp.train.graphs import graph_counters  # noqa: E402
 from neuron_tp.train.presets import build_model  # noqa: E402
 
 cpu_model = build_model("tiny-llama", 257, 0).eval()

@@ -1,13 +1,14 @@
 """Run by tests/train/test_train_guard.py in a fresh process: --skip-nonfinite on the XLA CPU
 device, NaN gradients at step 3; prints the logged losses / skipped counts and the
 compile counter after every step (JSON)."""
+
 import json
 import sys
 
 import torch
 
 from neuron_tp.train.args import train_parser
-from neuron_tp.train.compile import graph_counters
+from neuron_tp.train.graphs import graph_counters
 from neuron_tp.train.loop import train
 
 out_dir, argv = sys.argv[1], sys.argv[2:]
@@ -26,7 +27,14 @@ def on_step(run):
         p.register_hook(lambda g: g * scale["t"])
 
 
-summary = train(train_parser().parse_args([*argv, "--output-dir", out_dir]), on_step=on_step,
-                printer=lambda *a, **k: None)
-print("JSON" + json.dumps({"log": summary["log"], "compiles": per_step,
-                           "checkpoints": summary["checkpoints"]}))
+summary = train(
+    train_parser().parse_args([*argv, "--output-dir", out_dir]),
+    on_step=on_step,
+    printer=lambda *a, **k: None,
+)
+print(
+    "JSON"
+    + json.dumps(
+        {"log": summary["log"], "compiles": per_step, "checkpoints": summary["checkpoints"]}
+    )
+)

@@ -2,20 +2,33 @@
 test_train_xla_multi.py: each rank runs ``neuron_tp.train.loop.train`` exactly as a Neuron job
 would; rank 0 also records the process-wide compile / host-transfer counters after every step
 (all ranks meet at a barrier first, so a step's counts are complete)."""
+
 from __future__ import annotations
 
 import threading
 
-import torch
-
 import neuron_tp as ntp
 from neuron_tp.sharding import named_parameter_meta
 from neuron_tp.train.args import train_parser
-from neuron_tp.train.compile import graph_counters
+from neuron_tp.train.graphs import graph_counters
 from neuron_tp.train.loop import train
 
-COMMON = ["--device", "xla", "--seq-len", "32", "--log-every", "1", "--warmup-steps", "3",
-          "--lr", "3e-3", "--min-lr", "1e-4", "--max-grad-norm", "1.0"]
+COMMON = [
+    "--device",
+    "xla",
+    "--seq-len",
+    "32",
+    "--log-every",
+    "1",
+    "--warmup-steps",
+    "3",
+    "--lr",
+    "3e-3",
+    "--min-lr",
+    "1e-4",
+    "--max-grad-norm",
+    "1.0",
+]
 _barriers: dict[int, threading.Barrier] = {}
 _barrier_lock = threading.Lock()
 
@@ -33,6 +46,7 @@ def run_train(tp: int, out: str, extra: list[str], stop_at: int | None = None) -
     """One rank of a training run; returns the log (every rank), per-step counters (rank 0),
     and every replicated parameter (to compare across ranks)."""
     import torch_xla.runtime as xr
+
     world = xr.world_size()
     mesh = ntp.init_mesh(tp=tp)
     per_step, barrier, holder = [], _barrier(world), {}
@@ -44,14 +58,27 @@ def run_train(tp: int, out: str, extra: list[str], stop_at: int | None = None) -
             per_step.append({"step": run.step, **graph_counters()})
         barrier.wait()
 
-    s = train(args_for(out, "--tp", str(tp), *extra), mesh, stop_at=stop_at,
-              printer=lambda *a, **k: None, on_step=on_step)
+    s = train(
+        args_for(out, "--tp", str(tp), *extra),
+        mesh,
+        stop_at=stop_at,
+        printer=lambda *a, **k: None,
+        on_step=on_step,
+    )
     replicated = {}
     if "run" in holder:
-        replicated = {n: p.detach().cpu() for n, p, m in named_parameter_meta(holder["run"].model)
-                      if m.sharding is None}
-    return {"rank": mesh.rank, "log": s["log"], "per_step": per_step,
-            "checkpoints": s["checkpoints"], "replicated": replicated}
+        replicated = {
+            n: p.detach().cpu()
+            for n, p, m in named_parameter_meta(holder["run"].model)
+            if m.sharding is None
+        }
+    return {
+        "rank": mesh.rank,
+        "log": s["log"],
+        "per_step": per_step,
+        "checkpoints": s["checkpoints"],
+        "replicated": replicated,
+    }
 
 
 def run_train_rank1_differs(out: str) -> str:
@@ -59,6 +86,7 @@ def run_train_rank1_differs(out: str) -> str:
     a per-node option would make): ranks trace different step graphs. Returns the error."""
     from neuron_tp import hf
     from neuron_tp.train.graph_guard import GraphMismatchError
+
     original = hf.parallelize
 
     def parallelize(model, mesh=None, **kw):
@@ -86,21 +114,24 @@ def run_generate(tp: int) -> dict:
     the process-wide compile count after each call (to show decode graphs are reused)."""
     import copy
 
-    from xla_dist import serial
-
     from neuron_tp import hf
     from neuron_tp.train.generate import generate
     from neuron_tp.train.presets import build_model
+    from xla_dist import serial
+
     mesh = ntp.init_mesh(tp=tp)
     with serial():  # the global RNG; parallelize's host agreement must run outside the lock
         full = build_model("tiny-llama", 257, 4).eval()
     model = hf.parallelize(copy.deepcopy(full), mesh)
     model = ntp.move_to(model.eval(), ntp.xla_device())
     res, compiles = {}, []
-    for name, n, kw in (("greedy", 10, {}), ("greedy_long", 20, {}),
-                        ("sample", 10, dict(do_sample=True, temperature=0.8, top_k=20, seed=9))):
+    for name, n, kw in (
+        ("greedy", 10, {}),
+        ("greedy_long", 20, {}),
+        ("sample", 10, dict(do_sample=True, temperature=0.8, top_k=20, seed=9)),
+    ):
         res[name] = generate(model, GEN_PROMPTS, n, [16], **kw)
-        _barrier(mesh.world_size).wait()   # every rank's graphs are counted before reading
+        _barrier(mesh.world_size).wait()  # every rank's graphs are counted before reading
         compiles.append(graph_counters()["compiles"])
         _barrier(mesh.world_size).wait()
     res["compiles"] = compiles

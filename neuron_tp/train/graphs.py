@@ -7,11 +7,12 @@
 - ``NEURON_CC_FLAGS`` defaults on Neuron that never replace a flag the user set;
 - graph / compile / transfer counters read from ``torch_xla.debug.metrics``.
 """
+
 from __future__ import annotations
 
 import os
 import shlex
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -25,8 +26,9 @@ def extract_graphs_only() -> bool:
     return os.environ.get("NEURON_EXTRACT_GRAPHS_ONLY", "").lower() not in ("", "0", "false")
 
 
-def merged_cc_flags(user: str, defaults: tuple[str, ...] = DEFAULT_CC_FLAGS,
-                    cache_dir: str | None = None) -> str:
+def merged_cc_flags(
+    user: str, defaults: tuple[str, ...] = DEFAULT_CC_FLAGS, cache_dir: str | None = None
+) -> str:
     """``user`` flags plus each default whose option the user did not set (space-separated).
 
     The user's flags come first and are kept verbatim; a default is skipped when the same
@@ -62,6 +64,7 @@ def on_step_end(device: torch.device, fn: Callable, *tensors: torch.Tensor) -> N
 
 def _metric_count(name: str) -> int:
     import torch_xla.debug.metrics as met
+
     data = met.metric_data(name)
     return int(data[0]) if data else 0
 
@@ -70,10 +73,13 @@ def graph_counters() -> dict[str, int]:
     """``compiles`` (XLA graph compilations) and ``transfers_to_host`` so far in this process;
     zeros when torch-xla was never imported (eager CPU runs)."""
     import sys
+
     if "torch_xla" not in sys.modules:
         return {"compiles": 0, "transfers_to_host": 0}
-    return {"compiles": _metric_count("CompileTime"),
-            "transfers_to_host": _metric_count("TransferFromDeviceTime")}
+    return {
+        "compiles": _metric_count("CompileTime"),
+        "transfers_to_host": _metric_count("TransferFromDeviceTime"),
+    }
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -87,4 +93,5 @@ def peak_memory_mb(device: torch.device) -> float:
         except Exception:  # noqa: BLE001 - not every PJRT plugin reports memory
             pass
     import resource
+
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -7,6 +7,7 @@ references: the Kubernetes OpenAPI schemas (kubernetes-validate), the Kubeflow t
 operator's admission rules, torchrun's own argument parser, the training and generation
 scripts' own parsers, AWS instance facts, hadolint and checkov.
 """
+
 from __future__ import annotations
 
 import json
@@ -21,7 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "k8s"
 TEMPLATES = ("cluster", "train", "precompile", "consolidate", "inference")
 VARIANTS = {"trn1": (), "trn1n": ("trn1n.env",)}
@@ -30,8 +31,10 @@ IMAGE_ROOT = "/opt/neuron_tp"  # WORKDIR of the Dockerfile: scripts/ is copied b
 INSTANCES = {
     "trn1.32xlarge": (16, 32, 8),
     "trn1n.32xlarge": (16, 32, 16),
-    "inf2.xlarge": (1, 2, 0), "inf2.8xlarge": (1, 2, 0),
-    "inf2.24xlarge": (6, 12, 0), "inf2.48xlarge": (12, 24, 0),
+    "inf2.xlarge": (1, 2, 0),
+    "inf2.8xlarge": (1, 2, 0),
+    "inf2.24xlarge": (6, 12, 0),
+    "inf2.48xlarge": (12, 24, 0),
 }
 VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
@@ -94,19 +97,24 @@ def env_of(container) -> dict:
 
 # ----------------------------------------------------------------------------- rendering
 
+
 def test_render_script_matches_and_rejects_bad_input(tmp_path):
     for template in TEMPLATES:
         for overrides in VARIANTS.values():
-            out = subprocess.run(["sh", str(K8S / "render.sh"), template,
-                                  *[str(K8S / o) for o in overrides]],
-                                 capture_output=True, text=True, check=True).stdout
+            out = subprocess.run(
+                ["sh", str(K8S / "render.sh"), template, *[str(K8S / o) for o in overrides]],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
             assert out.rstrip("\n") == render(template, *overrides).rstrip("\n"), template
     bad = subprocess.run(["sh", str(K8S / "render.sh"), "nonsense"], capture_output=True, text=True)
     assert bad.returncode == 2 and "|".join(TEMPLATES) in bad.stderr
     shutil.copytree(K8S, tmp_path / "k8s")
     (tmp_path / "k8s" / "broken.yaml").write_text("a: ${NOT_A_PARAM}\nb: ${TP}\n")
-    unset = subprocess.run(["sh", str(tmp_path / "k8s" / "render.sh"), "broken"],
-                           capture_output=True, text=True)
+    unset = subprocess.run(
+        ["sh", str(tmp_path / "k8s" / "render.sh"), "broken"], capture_output=True, text=True
+    )
     assert unset.returncode == 1 and "NOT_A_PARAM" in unset.stderr
 
 
@@ -129,19 +137,23 @@ def test_params_are_the_one_place():
 
 # ----------------------------------------------------------------------------- schemas
 
+
 def test_manifests_validate_against_kubernetes_schemas(variant):
     import kubernetes_validate as kv
 
     _, _, docs = variant
     version = kv.latest_version()
     checked = 0
-    for template, items in docs.items():
+    for items in docs.values():
         for doc in items:
             if doc["apiVersion"].startswith("kubeflow.org/"):
                 for rtype, spec in doc["spec"]["pytorchReplicaSpecs"].items():
-                    pt = {"apiVersion": "v1", "kind": "PodTemplate",
-                          "metadata": {"name": f"{doc['metadata']['name']}-{rtype.lower()}"},
-                          "template": spec["template"]}
+                    pt = {
+                        "apiVersion": "v1",
+                        "kind": "PodTemplate",
+                        "metadata": {"name": f"{doc['metadata']['name']}-{rtype.lower()}"},
+                        "template": spec["template"],
+                    }
                     kv.validate(pt, version, strict=True)
                     checked += 1
             else:
@@ -179,13 +191,14 @@ def test_pytorchjobs_have_what_the_training_operator_requires(variant):
         assert "pytorchjob-port" in ports and port == ports["pytorchjob-port"]
         # the operator exports PET_RDZV_ENDPOINT=<job>-worker-0:<port>; the flags must agree
         cmd = argv(containers["pytorch"])
-        launch, _ = parse_launch(cmd[cmd.index("torchrun"):], "train.py")
+        launch, _ = parse_launch(cmd[cmd.index("torchrun") :], "train.py")
         assert launch.rdzv_backend == "c10d" and launch.rdzv_endpoint == f"{name}-worker-0:{port}"
         assert launch.nnodes == str(worker["replicas"])
         assert launch.max_restarts == elastic["maxRestarts"]
 
 
 # ----------------------------------------------------------------------------- resources
+
 
 def test_trainium_pods_request_all_devices_and_efa(variant):
     _, params, docs = variant
@@ -200,20 +213,26 @@ def test_trainium_pods_request_all_devices_and_efa(variant):
         assert res["requests"] == res["limits"], "requests must equal limits"
         assert res["limits"]["aws.amazon.com/neuron"] == devices
         assert res["limits"]["vpc.amazonaws.com/efa"] == efa
-        launch, _ = parse_launch(argv(c)[argv(c).index("torchrun"):], "train.py")
+        launch, _ = parse_launch(argv(c)[argv(c).index("torchrun") :], "train.py")
         env = env_of(c)
         per_process = int(env["NEURON_RT_NUM_CORES"]["value"])
         assert per_process * int(launch.nproc_per_node) == cores, "use every NeuronCore once"
-        for k, v in {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1",
-                     "FI_EFA_FORK_SAFE": "1", "MALLOC_ARENA_MAX": "64"}.items():
+        for k, v in {
+            "FI_PROVIDER": "efa",
+            "FI_EFA_USE_DEVICE_RDMA": "1",
+            "FI_EFA_FORK_SAFE": "1",
+            "MALLOC_ARENA_MAX": "64",
+        }.items():
             assert env[k]["value"] == v, k
         volumes = {v["name"]: v for v in pod["volumes"]}
         mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
         assert volumes[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory"
         shared = [p for p, n in mounts.items() if "persistentVolumeClaim" in volumes[n]]
         assert len(shared) == 1
-        assert volumes[mounts[shared[0]]]["persistentVolumeClaim"]["claimName"] == \
-            pvc["metadata"]["name"]
+        assert (
+            volumes[mounts[shared[0]]]["persistentVolumeClaim"]["claimName"]
+            == pvc["metadata"]["name"]
+        )
         # compile cache: on the shared volume, one directory per node slot (replica index),
         # and NEURON_CC_FLAGS well-formed (space-separated flags, cache_dir == cache URL)
         names = [e["name"] for e in c["env"]]
@@ -259,15 +278,27 @@ def test_precompile_runs_the_same_command_under_neuron_parallel_compile(variant)
     assert p["resume"] == "none" and p["output_dir"] != t["output_dir"]
     assert p["steps"] <= t["steps"]
     t_l, p_l = vars(t_launch), vars(p_launch)
-    assert {k for k in t_l if t_l[k] != p_l[k]} <= {"rdzv_id", "rdzv_endpoint",
-                                                   "training_script_args"}
+    assert {k for k in t_l if t_l[k] != p_l[k]} <= {
+        "rdzv_id",
+        "rdzv_endpoint",
+        "training_script_args",
+    }
+
     # identical pods otherwise: same nodes, devices, env (compile flags, cache dirs), volumes
-    strip = lambda tmpl: {**tmpl["spec"], "containers": [
-        {k: v for k, v in c.items() if k not in ("command", "args")}
-        for c in tmpl["spec"]["containers"]]}
+    def strip(tmpl):
+        return {
+            **tmpl["spec"],
+            "containers": [
+                {k: v for k, v in c.items() if k not in ("command", "args")}
+                for c in tmpl["spec"]["containers"]
+            ],
+        }
+
     assert strip(worker_template(train_job)) == strip(worker_template(pre_job))
-    assert train_job["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == \
-        pre_job["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"]
+    assert (
+        train_job["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"]
+        == pre_job["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"]
+    )
 
 
 def test_inference_job_runs_generate_with_tp_over_neuroncores(variant):
@@ -305,6 +336,7 @@ def test_consolidate_job_feeds_the_inference_model(variant):
 
 # ----------------------------------------------------------------------------- image
 
+
 def _tool(name: str) -> str:
     path = Path(sys.executable).parent / name
     assert path.exists(), f"{name} not installed: pip install -r requirements-dev.txt"
@@ -312,12 +344,18 @@ def _tool(name: str) -> str:
 
 
 def test_dockerfile_is_hadolint_clean(tmp_path):
-    res = subprocess.run([_tool("hadolint"), "--no-color", str(REPO / "Dockerfile")],
-                         capture_output=True, text=True, cwd=tmp_path)
+    res = subprocess.run(
+        [_tool("hadolint"), "--no-color", str(REPO / "Dockerfile")],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
     assert res.returncode == 0 and res.stdout.strip() == "", res.stdout + res.stderr
     bad = tmp_path / "Dockerfile"  # and it does report problems
     bad.write_text("FROM ubuntu:latest\nRUN pip install torch\n")
-    res = subprocess.run([_tool("hadolint"), "--no-color", str(bad)], capture_output=True, text=True)
+    res = subprocess.run(
+        [_tool("hadolint"), "--no-color", str(bad)], capture_output=True, text=True
+    )
     assert res.returncode != 0 and "DL3007" in res.stdout
 
 
@@ -364,6 +402,7 @@ def test_dockerfile_copies_what_exists_and_keeps_the_neuron_stack():
 
 # ----------------------------------------------------------------------------- security scan
 
+
 def test_security_scan_reports_nothing_unexplained(tmp_path):
     """checkov over the Dockerfile and every rendered manifest; PyTorchJob pod templates are
     scanned as Pods (checkov does not know the CRD). Skips must carry a written reason."""
@@ -376,22 +415,44 @@ def test_security_scan_reports_nothing_unexplained(tmp_path):
             for doc in yaml.safe_load_all(render(t, *overrides)):
                 if doc and doc["kind"] == "PyTorchJob":
                     tmpl = worker_template(doc)
-                    doc = {"apiVersion": "v1", "kind": "Pod", "spec": tmpl["spec"], "metadata": {
-                        **tmpl["metadata"], "name": doc["metadata"]["name"] + "-worker",
-                        "namespace": doc["metadata"]["namespace"]}}
+                    doc = {
+                        "apiVersion": "v1",
+                        "kind": "Pod",
+                        "spec": tmpl["spec"],
+                        "metadata": {
+                            **tmpl["metadata"],
+                            "name": doc["metadata"]["name"] + "-worker",
+                            "namespace": doc["metadata"]["namespace"],
+                        },
+                    }
                 docs.append(doc)
             (scan / f"{name}-{t}.yaml").write_text(yaml.safe_dump_all(docs))
     env = {**os.environ, "CHECKOV_PARALLELIZATION_TYPE": "none", "BC_SKIP_MAPPING": "TRUE"}
-    res = subprocess.run([_tool("checkov"), "-d", str(scan), "--framework", "kubernetes",
-                          "dockerfile", "-o", "json", "--skip-download"],
-                         capture_output=True, text=True, env=env, timeout=300)
+    res = subprocess.run(
+        [
+            _tool("checkov"),
+            "-d",
+            str(scan),
+            "--framework",
+            "kubernetes",
+            "dockerfile",
+            "-o",
+            "json",
+            "--skip-download",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     reports = json.loads(res.stdout)
     reports = reports if isinstance(reports, list) else [reports]
     assert {r["check_type"] for r in reports} == {"kubernetes", "dockerfile"}, res.stderr[-2000:]
     for r in reports:
         assert r["summary"]["parsing_errors"] == 0 and r["summary"]["passed"] > 10
-        failed = [(c["check_id"], c["file_path"], c["check_name"])
-                  for c in r["results"]["failed_checks"]]
+        failed = [
+            (c["check_id"], c["file_path"], c["check_name"]) for c in r["results"]["failed_checks"]
+        ]
         assert not failed, failed
         skipped = r["results"]["skipped_checks"]
         assert skipped, "inline skip annotations were not read"

@@ -1,7 +1,7 @@
 """2D tensor parallelism (SUMMA / Optimus layouts) on a ``q x q`` grid, P = q^2.
 
 Grid rank ``(r, c)`` holds activation block ``X[r, c]`` (batch chunk r, feature chunk c, see
-:data:`~neuron_tp.layers.layout_nd.LAYOUT_2D`) and weight block ``W^T[r, c]`` (input-feature
+:data:`~neuron_tp.layers.activation_layout.LAYOUT_2D`) and weight block ``W^T[r, c]`` (input-feature
 chunk r, output-feature chunk c). ``Y[r, c] = sum_k X[r, k] W^T[k, c]``.
 
 Schedule (all-gather / reduce-scatter form of SUMMA), per rank, ring bytes, ``a``/``c`` the
@@ -21,6 +21,7 @@ barrier, and on Neuron small GEMMs underuse the engines, so one all-gather + one
 better schedule; the price is holding the gathered ``X[r, :]`` (1/q of the activation) until
 backward.
 """
+
 from __future__ import annotations
 
 import torch
@@ -29,15 +30,8 @@ from torch import nn
 
 from .. import regions
 from ..mesh import Mesh, get_mesh
-from .common import FromLinear, linear_bias_init, linear_weight_init, make_parameter
-from .layout_nd import LAYOUT_2D, Layout, check_layout, check_mode, tag
-
-
-def require_multiple(size: int, q: int, what: str, layer: str) -> None:
-    """A clear error (before any collective) when ``size`` is not a multiple of ``q``."""
-    if size % q:
-        raise ValueError(f"{layer}: {what}={size} is not divisible by {q}; use a multiple of "
-                         f"{q} (e.g. {size + (-size) % q})")
+from .activation_layout import LAYOUT_2D, ActivationLayout, check_layout, check_mode, tag
+from .common import FromLinear, check_dtype, make_linear_parameters, require_multiple
 
 
 class Linear2D(FromLinear, nn.Module):
@@ -49,11 +43,19 @@ class Linear2D(FromLinear, nn.Module):
     over the batch shards of the column group).
     """
 
-    input_layout: Layout = LAYOUT_2D
-    output_layout: Layout = LAYOUT_2D
+    input_layout: ActivationLayout = LAYOUT_2D
+    output_layout: ActivationLayout = LAYOUT_2D
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True,
-                 mesh: Mesh | None = None, device=None, dtype=None, init_method=None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        mesh: Mesh | None = None,
+        device=None,
+        dtype=None,
+        init_method=None,
+    ):
         super().__init__()
         self.mesh = get_mesh(mesh)
         name = type(self).__name__
@@ -62,28 +64,33 @@ class Linear2D(FromLinear, nn.Module):
         require_multiple(in_features, q, "in_features", name)
         require_multiple(out_features, q, "out_features", name)
         self.in_features, self.out_features = in_features, out_features
-        init = linear_weight_init if init_method is None else init_method
-        self.weight = make_parameter(
-            self, "weight", (out_features, in_features), (("row", 0), ("col", 1)), self.mesh, init,
-            device, dtype)
-        self.bias = (make_parameter(self, "bias", (out_features,), (("row", 0),), self.mesh,
-                                    linear_bias_init(in_features), device, dtype)
-                     if bias else None)
-
+        self.weight, self.bias = make_linear_parameters(
+            self,
+            in_features,
+            out_features,
+            bias,
+            (("row", 0), ("col", 1)),
+            (("row", 0),),
+            self.mesh,
+            init_method,
+            device,
+            dtype,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        check_layout(x, LAYOUT_2D, self.in_features, self.mesh, type(self).__name__)
-        if x.dtype != self.weight.dtype:
-            raise TypeError(f"{type(self).__name__}: input dtype {x.dtype} does not match "
-                            f"weight dtype {self.weight.dtype}")
+        name = type(self).__name__
+        check_layout(x, LAYOUT_2D, self.in_features, self.mesh, name)
+        check_dtype(x, self.weight, name)
         row, col = self.mesh.group("row"), self.mesh.group("col")
-        x_row = regions.gather_from_sequence_parallel(x, row, -1)  # fwd AG, bwd RS
-        w_col = regions.gather_from_sequence_parallel(self.weight, col, 1)
+        x_row = regions.all_gather_fwd_reduce_scatter_bwd(x, row, dim=-1)
+        w_col = regions.all_gather_fwd_reduce_scatter_bwd(self.weight, col, dim=1)
         y = F.linear(x_row, w_col)
-        if self.bias is not None:
-            y = y + regions.copy_to_tensor_parallel(self.bias, col)  # bwd: sum over batch shards
+        if self.bias is not None:  # backward: the bias gradient is summed over the batch shards
+            y = y + regions.identity_fwd_all_reduce_bwd(self.bias, col)
         return tag(y, LAYOUT_2D)
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"q={self.mesh.group('row').size}, bias={self.bias is not None}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"q={self.mesh.group('row').size}, bias={self.bias is not None}"
+        )

@@ -1,7 +1,7 @@
 """3D tensor parallelism (Agarwal et al.; Bian et al. 2021) on a ``q x q x q`` cube, P = q^3.
 
 Cube rank ``(i, j, l)``. A :class:`Linear3D` with orientation ``"ab"`` maps
-:data:`~neuron_tp.layers.layout_nd.LAYOUT_3D_A` (batch chunk ``(i, j)``, features ``l``) to
+:data:`~neuron_tp.layers.activation_layout.LAYOUT_3D_A` (batch chunk ``(i, j)``, features ``l``) to
 ``LAYOUT_3D_B`` (batch ``(i, l)``, features ``j``); ``"ba"`` maps B back to A by swapping the
 roles of the ``weight`` and ``output`` axes. The weight block ``W^T[l, j]`` (in chunk of the
 input's feature axis, out chunk of the other) is further split over ``input`` (i).
@@ -18,6 +18,7 @@ Total ``2 (q-1)/q^3 * (N a + a c + N c)``: six collectives per linear (Colossal-
 ``6(q-1)/q^3`` for square operands), every one a single op over q ranks, against 1D's
 ``2 * 2(P-1)/P * N a`` for a column/row pair over all P ranks.
 """
+
 from __future__ import annotations
 
 import torch
@@ -26,9 +27,8 @@ from torch import nn
 
 from .. import regions
 from ..mesh import Mesh, get_mesh
-from .common import FromLinear, linear_bias_init, linear_weight_init, make_parameter
-from .layout_nd import LAYOUT_3D_A, LAYOUT_3D_B, check_layout, check_mode, tag
-from .mesh2d import require_multiple
+from .activation_layout import LAYOUT_3D_A, LAYOUT_3D_B, check_layout, check_mode, tag
+from .common import FromLinear, check_dtype, make_linear_parameters, require_multiple
 
 ORIENTATIONS = {"ab": (LAYOUT_3D_A, LAYOUT_3D_B), "ba": (LAYOUT_3D_B, LAYOUT_3D_A)}
 
@@ -43,16 +43,26 @@ class Linear3D(FromLinear, nn.Module):
     shards, gradient summed over them).
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True,
-                 orientation: str = "ab", mesh: Mesh | None = None, device=None, dtype=None,
-                 init_method=None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        orientation: str = "ab",
+        mesh: Mesh | None = None,
+        device=None,
+        dtype=None,
+        init_method=None,
+    ):
         super().__init__()
         self.mesh = get_mesh(mesh)
         name = type(self).__name__
         check_mode(self.mesh, LAYOUT_3D_A, name)
         if orientation not in ORIENTATIONS:
-            raise ValueError(f"{name}: orientation must be 'ab' (layout 3d-a -> 3d-b) or 'ba' "
-                             f"(3d-b -> 3d-a), got {orientation!r}")
+            raise ValueError(
+                f"{name}: orientation must be 'ab' (layout 3d-a -> 3d-b) or 'ba' "
+                f"(3d-b -> 3d-a), got {orientation!r}"
+            )
         self.orientation = orientation
         self.input_layout, self.output_layout = ORIENTATIONS[orientation]
         q = self.mesh.group("input").size
@@ -60,34 +70,39 @@ class Linear3D(FromLinear, nn.Module):
         require_multiple(out_features, q, "out_features", name)
         self.in_features, self.out_features = in_features, out_features
         f_in, f_out = self.input_layout.feature_axis, self.output_layout.feature_axis
-        init = linear_weight_init if init_method is None else init_method
-        self.weight = make_parameter(self, "weight", (out_features, in_features),
-                                     ((f_out, 0), (f_in, 1), ("input", 1)), self.mesh, init,
-                                     device, dtype)
-        self.bias = (make_parameter(self, "bias", (out_features,), ((f_out, 0),), self.mesh,
-                                    linear_bias_init(in_features), device, dtype)
-                     if bias else None)
-
+        self.weight, self.bias = make_linear_parameters(
+            self,
+            in_features,
+            out_features,
+            bias,
+            ((f_out, 0), (f_in, 1), ("input", 1)),
+            ((f_out, 0),),
+            self.mesh,
+            init_method,
+            device,
+            dtype,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         name = type(self).__name__
         check_layout(x, self.input_layout, self.in_features, self.mesh, name)
-        if x.dtype != self.weight.dtype:
-            raise TypeError(f"{name}: input dtype {x.dtype} does not match weight dtype "
-                            f"{self.weight.dtype}")
+        check_dtype(x, self.weight, name)
         m = self.mesh
         gather_x = m.group(self.output_layout.feature_axis)  # inner batch axis of the input
         scatter_y = m.group(self.input_layout.feature_axis)  # summed-over in-feature axis
-        x_blk = regions.gather_from_sequence_parallel(x, gather_x, 0)  # fwd AG, bwd RS
-        w_blk = regions.gather_from_sequence_parallel(self.weight, m.group("input"), 1)
+        x_blk = regions.all_gather_fwd_reduce_scatter_bwd(x, gather_x, dim=0)
+        w_blk = regions.all_gather_fwd_reduce_scatter_bwd(self.weight, m.group("input"), dim=1)
         y = F.linear(x_blk, w_blk)  # partial sum over in-feature chunks
-        y = regions.reduce_scatter_to_sequence_parallel(y, scatter_y, 0)  # fwd RS, bwd AG
-        if self.bias is not None:
-            y = y + regions.copy_to_tensor_parallel(self.bias,
-                                                    m.group(self.output_layout.batch_group))
+        y = regions.reduce_scatter_fwd_all_gather_bwd(y, scatter_y, dim=0)
+        if self.bias is not None:  # backward: the bias gradient is summed over the batch shards
+            y = y + regions.identity_fwd_all_reduce_bwd(
+                self.bias, m.group(self.output_layout.batch_group)
+            )
         return tag(y, self.output_layout)
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"q={self.mesh.group('input').size}, orientation={self.orientation!r}, "
-                f"bias={self.bias is not None}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"q={self.mesh.group('input').size}, orientation={self.orientation!r}, "
+            f"bias={self.bias is not None}"
+        )

@@ -1,0 +1,271 @@
+"""A plan applied to one model: ``{module name: Style}`` for every module to shard and the
+model's :class:`~neuron_tp.hf.plans.ModelStructure`, every path checked to exist (a clear
+ValueError otherwise, before anything is modified); and the check that every split output
+has a consumer."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .fallback import guess_structure, shipped_styles
+from .plans import STYLES, ArchPlan, ModelStructure, Style, arch_plan
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    """What ``parallelize`` does to one model."""
+
+    targets: dict[str, Style]  # module name -> style, in module order
+    structure: ModelStructure
+
+
+def _compile(pattern: str) -> re.Pattern:
+    return re.compile("^" + r"[^.]+".join(re.escape(p) for p in pattern.split("*")) + "$")
+
+
+def _base_prefix(model: nn.Module) -> str:
+    """The base model's name in ``model`` (``"model"`` in a ``LlamaForCausalLM``), or ``""``."""
+    prefix = getattr(model, "base_model_prefix", "")
+    return prefix if prefix and hasattr(model, prefix) else ""
+
+
+def _join(*parts: str | None) -> str:
+    return ".".join(p for p in parts if p)
+
+
+def _checked_styles(model: nn.Module, plan: dict[str, str]) -> dict[str, Style]:
+    bad = {k: v for k, v in plan.items() if v not in STYLES}
+    if bad:
+        raise ValueError(
+            f"{type(model).__name__}: unsupported tensor-parallel styles {bad}; "
+            f"supported styles: {STYLES}"
+        )
+    return {k: Style(v) for k, v in plan.items()}
+
+
+def _arch_styles(model: nn.Module, arch: ArchPlan, lm_head: str | None) -> dict[str, Style]:
+    base = _base_prefix(model)
+    styles = {_join(base, arch.embedding): Style.VOCAB_EMBEDDING}
+    styles.update({_join(base, arch.layers, "*", k): v for k, v in arch.layer_styles.items()})
+    if lm_head is not None:
+        styles[lm_head] = Style.COLUMN_GATHER_OUTPUT
+    return styles
+
+
+def resolve_plan(model: nn.Module, plan: dict[str, str] | None = None) -> dict[str, Style]:
+    """The plan for ``model`` as ``{full module-name pattern: style}``: ``plan`` if given,
+    else the explicit one for its architecture, else the one transformers ships."""
+    if plan is not None:
+        return _checked_styles(model, plan)
+    arch = arch_plan(model.config)
+    if arch is None:
+        return _checked_styles(model, shipped_styles(model))
+    if arch.unsupported:
+        raise ValueError(arch.unsupported)
+    return _arch_styles(model, arch, _explicit_structure(model, arch).lm_head)
+
+
+def match_modules(model: nn.Module, plan: dict[str, Style]) -> dict[str, Style]:
+    """``{module name: style}`` for every module a plan pattern names (exact full names)."""
+    compiled = [(_compile(k), v) for k, v in plan.items()]
+    found: dict[str, Style] = {}
+    for name, _ in model.named_modules():
+        for rx, style in compiled:
+            if rx.match(name):
+                found[name] = style
+    return found
+
+
+def plan_model(model: nn.Module, plan: dict[str, str] | None = None) -> ModelPlan:
+    """The modules to shard and the structure of ``model``. ``plan`` replaces the styles; the
+    structure comes from the architecture's explicit plan, else it is guessed."""
+    styles = resolve_plan(model, plan)
+    targets = match_modules(model, styles)
+    if plan is not None:
+        unmatched = [k for k in styles if not match_modules(model, {k: styles[k]})]
+        if unmatched:
+            raise ValueError(
+                f"{type(model).__name__}: plan patterns {unmatched} match no "
+                "module (nothing would be sharded for them); module names look "
+                f"like {[n for n, _ in model.named_modules()][1:6]}"
+            )
+    arch = arch_plan(model.config)
+    structure = guess_structure(model) if arch is None else _explicit_structure(model, arch)
+    return ModelPlan(targets, structure)
+
+
+_MISSING = object()
+
+
+def _lookup(model: nn.Module, path: str) -> object:
+    """The attribute at dotted ``path`` (``_MISSING`` where a component does not exist)."""
+    obj: object = model
+    for part in path.split(".") if path else ():
+        obj = getattr(obj, part, _MISSING) if isinstance(obj, nn.Module) else _MISSING
+        if obj is _MISSING:
+            break
+    return obj
+
+
+def _module(
+    model: nn.Module, path: str, field: str, source: str, may_be_none: bool = False
+) -> nn.Module | None:
+    """The module at ``path``, or a ValueError naming the plan field and what exists there.
+    ``may_be_none``: an attribute set to None (a config without that module) gives None."""
+    obj = _lookup(model, path)
+    if isinstance(obj, nn.Module) or (may_be_none and obj is None):
+        return obj
+    parent = path
+    while parent and not isinstance(_lookup(model, parent), nn.Module):
+        parent = parent.rpartition(".")[0]
+    children = [n for n, _ in model.get_submodule(parent).named_children()]
+    what = "does not exist" if obj is _MISSING else f"is a {type(obj).__name__}, not a module"
+    raise ValueError(
+        f"{source}: {field} {path!r} {what} in {type(model).__name__}; "
+        f"{parent or 'the model'} has {children}; fix the plan"
+    )
+
+
+def _explicit_structure(model: nn.Module, arch: ArchPlan) -> ModelStructure:
+    """The structure an :class:`ArchPlan` states, every path checked against ``model``."""
+    model_type = getattr(model.config, "model_type", None)
+    source = f"plan for model_type {model_type!r} (neuron_tp.hf.plans.ARCH_PLANS)"
+    base = _base_prefix(model)
+    layers = _join(base, arch.layers)
+    layer_list = _module(model, layers, "layers", source)
+    if not isinstance(layer_list, nn.ModuleList):
+        raise ValueError(
+            f"{source}: layers {layers!r} is a {type(layer_list).__name__}, not "
+            "the ModuleList of decoder layers; fix the plan"
+        )
+    _module(model, _join(base, arch.embedding), "embedding", source)
+    final_norm = None
+    if arch.final_norm is not None:
+        final_norm = _join(base, arch.final_norm)
+        if _module(model, final_norm, "final_norm", source, may_be_none=True) is None:
+            final_norm = None
+    attention, prepares, units = set(), set(), set()
+    for i in range(len(layer_list)):
+        layer = f"{layers}.{i}"
+        paths = [("attention", arch.attention), ("mlp", arch.mlp)]
+        paths += [("prepares_input", p) for p in arch.prepares_input]
+        paths += [("layer_styles", p) for p in arch.layer_styles]
+        for field, rel in paths:
+            if rel is not None:
+                _module(model, _join(layer, rel), field, source)
+        attention.add(_join(layer, arch.attention))
+        prepares.update(_join(layer, p) for p in arch.prepares_input)
+        units.update(
+            _join(layer, p)
+            for p in (arch.attention, arch.mlp, *arch.prepares_input)
+            if p is not None
+        )
+    return ModelStructure(
+        source=source,
+        layers=layers,
+        final_norm=final_norm,
+        lm_head=_explicit_lm_head(model, arch, source),
+        attention=frozenset(attention),
+        prepares_input=frozenset(prepares),
+        units=frozenset(units),
+    )
+
+
+def _explicit_lm_head(model: nn.Module, arch: ArchPlan, source: str) -> str | None:
+    """``arch.lm_head`` when it is the model's output embedding; None for a model without
+    one (a base model, a classifier)."""
+    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if out is None:
+        return None
+    if _lookup(model, arch.lm_head) is out:
+        return arch.lm_head
+    actual = next((n for n, m in model.named_modules() if m is out), None)
+    raise ValueError(
+        f"{source}: lm_head {arch.lm_head!r} is not the output embedding of "
+        f"{type(model).__name__} ({actual!r}); fix the plan"
+    )
+
+
+def _pattern(name: str) -> str:
+    return re.sub(r"\.\d+(?=\.|$)", ".*", name)
+
+
+def check_split_pairs(
+    model: nn.Module,
+    targets: dict[str, Style],
+    units: frozenset[str],
+    gathered: tuple[str, ...] = (),
+) -> None:
+    """Refuse a plan whose split activations have no consumer (ValueError naming the module
+    and the plan entry that would work): a projection whose output stays split over tp
+    (``colwise``) needs a ``rowwise`` one after it, and a ``rowwise`` one needs a split
+    producer before it. Judged on the module tree: the nearest ancestor of a projection that
+    contains a partner decides; its partners must come after (before) it in registration order
+    unless the ancestor is an attention / MLP module (in ``units``), which is self contained.
+    ``gathered``: modules whose output is gathered whatever their style (LM head)."""
+    order = {name: i for i, (name, _) in enumerate(model.named_modules())}
+
+    def linear(n: str) -> bool:  # other modules are refused with their own error later
+        w = getattr(model.get_submodule(n), "weight", None)
+        return isinstance(w, torch.Tensor) and w.dim() == 2
+
+    for name, style in targets.items():
+        if name in gathered or not (style.splits_output or style is Style.ROW) or not linear(name):
+            continue
+        producer = style.splits_output
+        partners = [
+            n
+            for n, s in targets.items()
+            if n not in gathered and linear(n) and (s is Style.ROW if producer else s.splits_output)
+        ]
+        parts = name.split(".")
+        ok = False
+        for depth in range(len(parts) - 1, -1, -1):
+            scope = ".".join(parts[:depth])
+            inside = [n for n in partners if n.startswith(scope + ".") or not scope]
+            if inside:
+                ok = scope in units or any((order[n] > order[name]) == producer for n in inside)
+                break
+        if ok:
+            continue
+        home = next(
+            (
+                ".".join(parts[:d])
+                for d in range(len(parts) - 1, 0, -1)
+                if ".".join(parts[:d]) in units
+            ),
+            ".".join(parts[:-1]),
+        )
+        where = f"{home} ({type(model.get_submodule(home)).__name__})" if home else "the model"
+        cands = [
+            _pattern(n)
+            for n, m in model.get_submodule(home).named_modules(prefix=home)
+            if n != name and n in order and linear(n) and (order[n] > order[name]) == producer
+        ]
+        if producer:
+            fix = (
+                f"put {{{cands[-1]!r}: 'rowwise'}} (the projection that reads its output)"
+                if cands
+                else "put the projection that reads its output as 'rowwise'"
+            )
+            raise ValueError(
+                f"plan: {name} is {style.value!r} (its output stays split over tp) but nothing "
+                f"after it in {where} is 'rowwise' to consume the split features, so the next "
+                f"module would get 1/tp of them; {fix} to the plan, or use "
+                f"'colwise_gather_output' for {_pattern(name)!r}"
+            )
+        entries = ", ".join(f"{c!r}: 'colwise'" for c in cands)
+        fix = (
+            f"mark the projection(s) feeding it 'colwise' ({{{entries}}})"
+            if cands
+            else "mark the projection feeding it 'colwise'"
+        )
+        raise ValueError(
+            f"plan: {name} is 'rowwise' (it expects its input split over tp) but nothing before "
+            f"it in {where} is colwise; {fix}, or use 'rowwise_split_input' for "
+            f"{_pattern(name)!r} to split a replicated input"
+        )

@@ -1,0 +1,128 @@
+"""Where and when a training run checkpoints, and what it resumes from.
+
+Before training every rank together claims ``--output-dir`` (:func:`claim_output`): writable,
+this job's lock taken, the resume source chosen (:func:`resume_source`) and the planned
+checkpoints checked against those already there. During training :func:`save` writes one after
+each ``--save-every`` step (:func:`periodic_save_due`) and :func:`save_at_end` the final one;
+none is written after a non-finite step (:func:`check_finite`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+from .. import checkpoint
+from .config import TrainConfig
+from .graphs import extract_graphs_only
+
+if TYPE_CHECKING:
+    from ..checkpoint.outdir import OutputLock
+    from .loop import Run
+    from .step_log import Printer
+
+
+def checkpoint_root(config: TrainConfig) -> str:
+    """The directory holding a run's ``step-*`` checkpoints."""
+    return os.path.join(config.output_dir, "checkpoints")
+
+
+def resume_source(config: TrainConfig) -> str | None:
+    """The checkpoint ``--resume`` names (None: start from scratch); ValueError for ``none``
+    when checkpoints exist (they are never overwritten) and for a path that is none."""
+    if config.resume == "none":
+        existing = checkpoint.latest(checkpoint_root(config))
+        if existing is not None:  # refuse now rather than at the first colliding save
+            raise ValueError(
+                f"--resume none but {existing} exists; checkpoints are never "
+                "overwritten: use --resume auto or another --output-dir"
+            )
+        return None
+    if config.resume == "auto":
+        return checkpoint.latest(checkpoint_root(config))
+    if not os.path.isdir(config.resume):
+        raise ValueError(
+            f"--resume {config.resume!r}: not a checkpoint directory (or use auto/none)"
+        )
+    return config.resume
+
+
+def claim_output(run: Run, say: Printer) -> OutputLock | None:
+    """Before training, every rank together (one agreement): --output-dir writable, this
+    job's lock taken (rank 0; the caller releases the returned lock), and unless tracing only,
+    ``run.resumed_from`` chosen and the planned checkpoints checked against those there."""
+    from ..checkpoint import outdir
+    from ..checkpoint.agree import agree
+
+    config, root, lock, error = run.config, checkpoint_root(run.config), None, None
+    try:
+        outdir.check_writable(root, tag=f"-rank{run.mesh.rank}")
+        if run.mesh.rank == 0:
+            lock = outdir.OutputLock(config.output_dir)
+            note = lock.acquire()
+            if note:
+                say(f"warning: {note}")
+        if not extract_graphs_only():
+            run.resumed_from = resume_source(config)
+            start = checkpoint.read_meta(run.resumed_from)["step"] if run.resumed_from else 0
+            outdir.check_resume_plan(root, run.resumed_from, start, config.steps, config.save_every)
+    except Exception as e:  # noqa: BLE001 - every rank learns about it, none trains
+        error = e
+    try:
+        agree(run.mesh, run.device, f"checking --output-dir {config.output_dir}", error)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    return lock
+
+
+def restore(run: Run, say: Printer) -> None:
+    """Load ``run.resumed_from`` (if any) into the run: weights, optimizer, schedule, data
+    position and step."""
+    if run.resumed_from:
+        meta = checkpoint.load(
+            run.resumed_from, run.model, run.optimizer, run.schedule, mesh=run.mesh
+        )
+        run.step = meta["step"]
+        run.data.load_state_dict(meta["data_state"])
+        say(f"resumed from {run.resumed_from} at step {run.step}")
+
+
+def check_finite(run: Run, sync: bool = True) -> None:
+    """Stop (every rank alike) when a non-finite step is known; with ``sync`` read the device
+    counters first (one transfer, unless this step was logged): never save after one."""
+    if sync:
+        run.guard.sync(run.step)
+    run.guard.check(lambda: checkpoint.latest(checkpoint_root(run.config)))
+
+
+def save(run: Run) -> str:
+    """Checkpoint the run at its current step (after the non-finite check); returns the path."""
+    if run.guard is not None:
+        check_finite(run)
+    return checkpoint.save(
+        checkpoint_root(run.config),
+        run.model,
+        run.optimizer,
+        run.schedule,
+        run.step,
+        mesh=run.mesh,
+        data_state=run.data.state_dict(),
+        keep_last=run.config.keep_last,
+        protect=[run.resumed_from] if run.resumed_from else (),
+    )
+
+
+def periodic_save_due(config: TrainConfig, step: int) -> bool:
+    """True after each ``--save-every`` step (never with 0)."""
+    return bool(config.save_every) and step % config.save_every == 0
+
+
+def save_at_end(run: Run, saved: list[str], finished: bool, trained: bool) -> None:
+    """After this process's last step: never end silently after a non-finite step, and save
+    a finished run's last step unless the periodic save just did (appended to ``saved``)."""
+    if trained and run.guard is not None:
+        check_finite(run)
+    if finished and trained and not (saved and saved[-1].endswith(f"{run.step:08d}")):
+        saved.append(save(run))

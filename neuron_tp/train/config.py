@@ -1,0 +1,86 @@
+"""The options of a training or generation run as typed, frozen records.
+
+The command-line parsers (:mod:`.args`) stay the one home of option names, defaults, help and
+validation; these records are what the rest of the code reads. Each field is the parser's
+destination of one option (``--seq-len`` -> ``seq_len``), so ``config.seq_len`` reads like the
+option it came from. Built once at the entry point::
+
+    config = TrainConfig.from_args(train_parser().parse_args(argv))
+
+Imports nothing beyond the standard library.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields
+from typing import TypeVar
+
+_Config = TypeVar("_Config", bound="_CommonConfig")
+
+
+@dataclass(frozen=True)
+class _CommonConfig:
+    """Options shared by ``neuron-tp train`` and ``neuron-tp generate``."""
+
+    model: str  # a preset name or a local directory
+    tp: int
+    device: str  # "xla" or "cpu"
+    tokenizer: str | None  # None: the byte-level fallback
+    seed: int
+    xla_cpu_devices: int  # 0: this process is one rank
+
+    @classmethod
+    def from_args(cls: type[_Config], args: argparse.Namespace | _Config) -> _Config:
+        """The config of parsed options (returned unchanged when already one). A TypeError
+        names any option the record lacks or misses, so the two cannot drift apart."""
+        if isinstance(args, cls):
+            return args
+        return cls(**vars(args))
+
+    def option_values(self) -> dict[str, object]:
+        """Every option by its command-line name, sorted (``{"--seq-len": 128, ...}``): what
+        the ranks of a job must agree on."""
+        return {
+            "--" + name.replace("_", "-"): getattr(self, name)
+            for name in sorted(f.name for f in fields(self))
+        }
+
+
+@dataclass(frozen=True)
+class TrainConfig(_CommonConfig):
+    """``neuron-tp train`` options (see :func:`~neuron_tp.train.args.train_parser`)."""
+
+    sequence_parallel: bool
+    data: str  # a .txt/.jsonl file or a directory of them
+    seq_len: int
+    micro_batch: int  # sequences per rank
+    grad_accum: int
+    steps: int  # optimizer steps (global, counting resumed ones)
+    lr: float
+    min_lr: float
+    warmup_steps: int
+    weight_decay: float
+    max_grad_norm: float  # 0: no clipping
+    bf16: bool
+    log_every: int
+    save_every: int  # 0: only at the end
+    keep_last: int
+    output_dir: str
+    resume: str  # "auto", "none" or a checkpoint directory
+    tensorboard: bool
+    skip_nonfinite: bool
+
+
+@dataclass(frozen=True)
+class GenerateConfig(_CommonConfig):
+    """``neuron-tp generate`` options (see :func:`~neuron_tp.train.args.generate_parser`)."""
+
+    prompt: list[str]
+    prompts_file: str | None
+    max_new_tokens: int
+    buckets: list[int]  # prompt length buckets, sorted
+    do_sample: bool
+    temperature: float
+    top_k: int  # 0: no top-k filter
+    dtype: str  # "float32" or "bfloat16"

@@ -1,0 +1,150 @@
+"""Run a test body on several CPU processes joined by gloo (the multi-rank test harness):
+``gloo_dist.run(fn, *args, world_size=4)``.
+
+Starting the ranks costs seconds, so a test module that checks many cases at one world size
+runs them all in one launch and reports each under its own test ID with
+``gloo_dist.run_case(check, case, *args, cases=ALL, world_size=4)``: a failing case does not
+hide the others.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import socket
+import tempfile
+import traceback
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, fn, args, errors) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+    )
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        fn(*args)
+    except BaseException:  # noqa: BLE001 - report every failure to the parent
+        errors.put((rank, traceback.format_exc()))
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        import neuron_tp
+
+        neuron_tp.set_default_mesh(None)
+
+
+def run(fn: Callable[..., object], *args: object, world_size: int, timeout: float = 300) -> None:
+    """Call ``fn(*args)`` on ``world_size`` gloo ranks (one process each); re-raise the first
+    rank's failure.
+
+    ``fn`` must be a module-level function (it is pickled into spawned processes); inside it
+    ``neuron_tp.init_mesh`` finds the process group already initialised.
+    """
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, errors), daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    if not errors.empty():
+        rank, tb = errors.get()
+        raise AssertionError(f"rank {rank} failed:\n{tb}")
+    bad = [p.exitcode for p in procs if p.exitcode != 0]
+    if bad:
+        raise AssertionError(f"ranks exited with codes {bad} (timeout {timeout}s?)")
+
+
+def _run_cases(check: Callable[..., None], cases: Sequence[str], args: tuple, out_dir: str) -> None:
+    """Rank body of :func:`run_case`: every case in turn, each failure recorded, none fatal."""
+    failures = {}
+    for case in cases:
+        try:
+            check(case, *args)
+        except Exception:  # noqa: BLE001 - reported under the case's own test ID
+            failures[case] = traceback.format_exc()
+    with open(os.path.join(out_dir, f"rank-{dist.get_rank()}.json"), "w") as f:
+        json.dump(failures, f)
+
+
+@functools.cache
+def shared_mesh(tp: int):
+    """This rank's ``neuron_tp.init_mesh(tp=tp)``, made on first use: the cases of one
+    :func:`run_case` launch share it (each new mesh would create new process groups)."""
+    import neuron_tp
+
+    return neuron_tp.init_mesh(tp=tp)
+
+
+_launches: dict[tuple, dict[str, str] | str] = {}  # one launch per (check, cases, args, world)
+
+
+def run_case(
+    check: Callable[..., None],
+    case: str,
+    *args: object,
+    cases: Sequence[str],
+    world_size: int,
+    timeout: float = 300,
+) -> None:
+    """Fail (AssertionError with every failing rank's traceback) unless ``check(case, *args)``
+    passed on all ``world_size`` gloo ranks.
+
+    The first call for a given ``check``, ``cases``, ``args`` and ``world_size`` runs
+    ``check(c, *args)`` for every ``c`` in ``cases`` in ONE launch (in order, a failing case
+    does not stop the next) and keeps the outcome for the later calls; a launch that fails as
+    a whole (a crash, a hang) fails every one of its cases with the same error.
+    ``check`` must be a module-level function; it may cache per-process setup (a mesh).
+    """
+    assert case in cases, f"{case!r} is not one of the cases {list(cases)}"
+    key = (check.__module__, check.__qualname__, tuple(cases), repr(args), world_size)
+    if key not in _launches:
+        with tempfile.TemporaryDirectory(prefix="gloo_dist-") as out:
+            try:
+                run(
+                    _run_cases,
+                    check,
+                    tuple(cases),
+                    args,
+                    out,
+                    world_size=world_size,
+                    timeout=timeout,
+                )
+                outcome: dict[str, str] | str = {}
+                for rank in range(world_size):
+                    with open(os.path.join(out, f"rank-{rank}.json")) as f:
+                        for name, tb in json.load(f).items():
+                            outcome[name] = outcome.get(name, "") + f"rank {rank}:\n{tb}"
+            except AssertionError as e:
+                outcome = f"the launch of all {len(cases)} cases failed: {e}"
+        _launches[key] = outcome
+    outcome = _launches[key]
+    if isinstance(outcome, str):
+        raise AssertionError(outcome)
+    if case in outcome:
+        raise AssertionError(f"case {case!r} failed on {world_size} ranks:\n{outcome[case]}")
