@@ -27,6 +27,7 @@ from .layers import (
     parallel_cross_entropy,
 )
 from .mesh import Group, Mesh, get_mesh, init_mesh, set_default_mesh
+from .recompute import Recompute, apply_activation_checkpointing
 from .sharding import (
     gather_full,
     gather_params,
@@ -35,6 +36,7 @@ from .sharding import (
     mark_sequence_parallel,
     move_to,
 )
+from .zero1 import Zero1, gather_full_state
 
 __version__ = "0.1.0"
 
@@ -54,6 +56,8 @@ __all__ = [
     "sync_sequence_parallel_grads",
     "clip_grad_norm_",
     "global_grad_norm",
+    "Zero1",
+    "gather_full_state",
     "gather_full",
     "gather_params",
     "get_sharding",
@@ -63,6 +67,8 @@ __all__ = [
     "parallelize",
     "from_pretrained",
     "save_pretrained",
+    "Recompute",
+    "apply_activation_checkpointing",
     "blocks",
     "blocks_nd",
     "checkpoint",

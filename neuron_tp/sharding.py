@@ -41,7 +41,7 @@ class ParamMeta:
     ``sharding``: how it is split (None = replicated over tp). ``sum_grad_over_tp``: a
     replicated parameter whose gradient is partial on each tp rank (used on sequence shards,
     or ``replicated_with_grad_allreduce`` in an HF plan): summed over tp after backward.
-    ``hf_layout``: where its rows come from in the HF checkpoint (:mod:`neuron_tp.hf.layout`).
+    ``hf_layout``: where its rows come from in the HF checkpoint (:mod:`neuron_tp.hf.slice_map`).
     """
 
     sharding: Sharding | None = None

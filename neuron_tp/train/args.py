@@ -98,6 +98,13 @@ def train_parser() -> argparse.ArgumentParser:
         help="clip by the global norm across all shards (0 = off)",
     )
     p.add_argument("--bf16", action="store_true", help="bfloat16 parameters and compute")
+    p.add_argument(
+        "--activation-checkpointing",
+        choices=["none", "full", "selective"],
+        default="none",
+        help="recompute activations in backward: every decoder layer (full) or the attention "
+        "core only (selective); saves activation memory for extra compute",
+    )
     p.add_argument("--log-every", type=_positive(int), default=10)
     p.add_argument("--save-every", type=_non_negative(int), default=0, help="0 = only at the end")
     p.add_argument(

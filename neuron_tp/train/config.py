@@ -63,6 +63,7 @@ class TrainConfig(_CommonConfig):
     weight_decay: float
     max_grad_norm: float  # 0: no clipping
     bf16: bool
+    activation_checkpointing: str  # "none", "full" or "selective" (neuron_tp.recompute)
     log_every: int
     save_every: int  # 0: only at the end
     keep_last: int

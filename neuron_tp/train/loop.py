@@ -24,6 +24,7 @@ from ..grads import (
     sync_sequence_parallel_grads,
 )
 from ..mesh import Mesh, init_mesh
+from ..recompute import apply_activation_checkpointing
 from ..sharding import move_to
 from .checkpoint_policy import (
     check_finite,
@@ -153,6 +154,7 @@ def setup(args: TrainConfig | argparse.Namespace, mesh: Mesh | None = None) -> R
         error = e
     # Same shard on data-parallel replicas, same replicated parameters everywhere.
     agreement.check_model_replicas(model, mesh, error=error, what="neuron-tp train")
+    apply_activation_checkpointing(model, config.activation_checkpointing)
     move_to(model, device).train()  # keeps tied embeddings tied (CPU -> XLA unties them)
     optimizer = make_optimizer(model, config.lr, config.weight_decay, device)
     schedule = WarmupCosine(optimizer, config.lr, config.min_lr, config.warmup_steps, config.steps)

@@ -190,3 +190,26 @@ def test_tp2_generation_on_two_xla_devices_equals_transformers():
     first, longer, sampled = res[0]["compiles"]
     assert longer == first, res[0]["compiles"]  # 20 tokens reuse the 10-token graphs
     assert sampled > first  # sampling is a different graph
+
+
+def test_activation_recompute_trains_like_the_reference_on_xla_and_gloo(tmp_path):
+    """--activation-checkpointing full (with SP) and selective at tp=2 on two XLA CPU devices,
+    and full on gloo ranks: the losses and grad norms of the run without recompute (the
+    independent unsharded reference), step by step; the recompute is really in the graph
+    (tests/test_recompute.py checks the compiled HLO)."""
+    base = ["--micro-batch", "2", "--steps", "4", "--save-every", "0"]
+    args = cases.args_for(str(tmp_path / "ref"), "--tp", "2", *base)
+    losses, norms = reference_run(args, global_micro_batch=2)
+    runs = {
+        "xla-full-sp": ["--activation-checkpointing", "full", "--sequence-parallel"],
+        "xla-selective": ["--activation-checkpointing", "selective"],
+    }
+    for name, extra in runs.items():
+        log = xla_dist.run(cases.run_train, 2, str(tmp_path / name), base + extra, None, devices=2)[
+            0
+        ]["log"]
+        torch.testing.assert_close([e["loss"] for e in log], losses, rtol=2e-4, atol=2e-4)
+        torch.testing.assert_close([e["grad_norm"] for e in log], norms, rtol=2e-3, atol=1e-5)
+    gloo = _gloo_log(tmp_path, 2, 2, base + ["--activation-checkpointing", "full"])
+    torch.testing.assert_close([e["loss"] for e in gloo], losses, rtol=2e-4, atol=2e-4)
+    torch.testing.assert_close([e["grad_norm"] for e in gloo], norms, rtol=2e-3, atol=1e-5)
