@@ -42,11 +42,18 @@ class ParallelMLP(nn.Module):
         sequence_parallel: bool = False,
         bias: bool = True,
         dtype=None,
+        sequence_parallel_regather: bool = True,
     ):
         super().__init__()
         mesh = get_mesh(mesh)
         self.up = ColumnParallelLinear(
-            hidden, ffn, bias=bias, sequence_parallel=sequence_parallel, mesh=mesh, dtype=dtype
+            hidden,
+            ffn,
+            bias=bias,
+            sequence_parallel=sequence_parallel,
+            mesh=mesh,
+            dtype=dtype,
+            sequence_parallel_regather=sequence_parallel_regather,
         )
         self.down = RowParallelLinear(
             ffn, hidden, bias=bias, sequence_parallel=sequence_parallel, mesh=mesh, dtype=dtype
@@ -68,6 +75,7 @@ class ParallelSelfAttention(nn.Module):
         sequence_parallel: bool = False,
         bias: bool = True,
         dtype=None,
+        sequence_parallel_regather: bool = True,
     ):
         super().__init__()
         mesh = get_mesh(mesh)
@@ -89,6 +97,7 @@ class ParallelSelfAttention(nn.Module):
             sequence_parallel=sequence_parallel,
             mesh=mesh,
             dtype=dtype,
+            sequence_parallel_regather=sequence_parallel_regather,
         )
         self.out = RowParallelLinear(
             hidden, hidden, bias=bias, sequence_parallel=sequence_parallel, mesh=mesh, dtype=dtype
@@ -110,6 +119,10 @@ class TransformerBlock(nn.Module):
 
     Dropout masks equal the unsharded block's for the same RNG state (see
     :func:`neuron_tp.layers.dropout.sharded_dropout`), with or without sequence parallelism.
+    With ``sequence_parallel`` the column-parallel linears save their sequence shard and
+    all-gather it again in backward (activation memory / tp);
+    ``sequence_parallel_regather=False`` keeps their gathered inputs instead (see
+    :class:`~neuron_tp.layers.ColumnParallelLinear`).
     """
 
     def __init__(
@@ -122,15 +135,21 @@ class TransformerBlock(nn.Module):
         bias: bool = True,
         dropout: float = 0.0,
         dtype=None,
+        sequence_parallel_regather: bool = True,
     ):
         super().__init__()
         mesh = get_mesh(mesh)
         self.mesh, self.dropout, self.sequence_parallel = mesh, dropout, sequence_parallel
         self.input_layout = self.output_layout = _residual_layout(sequence_parallel)
         self.ln1 = _norm(hidden, sequence_parallel, dtype)
-        self.attn = ParallelSelfAttention(hidden, num_heads, mesh, sequence_parallel, bias, dtype)
+        regather = sequence_parallel_regather
+        self.attn = ParallelSelfAttention(
+            hidden, num_heads, mesh, sequence_parallel, bias, dtype, regather
+        )
         self.ln2 = _norm(hidden, sequence_parallel, dtype)
-        self.mlp = ParallelMLP(hidden, ffn or 4 * hidden, mesh, sequence_parallel, bias, dtype)
+        self.mlp = ParallelMLP(
+            hidden, ffn or 4 * hidden, mesh, sequence_parallel, bias, dtype, regather
+        )
 
     def _drop(self, x: torch.Tensor) -> torch.Tensor:
         group = self.mesh.tp if self.sequence_parallel else None  # else replicated over tp

@@ -130,3 +130,16 @@ def test_move_to_keeps_tied_embeddings_tied():
     assert res["before"] and res["move_to"] and res["device"].startswith("xla")
     assert not res["plain_to"]  # the hazard move_to exists for (if torch changes, drop it)
     assert "splits=(('tp', 0),)" in res["records"]
+
+
+def test_cpu_shards_do_not_keep_the_full_weight_alive():
+    """A rank's shard owns its storage: a view of the full initial weight would keep all t
+    shards' memory alive on every CPU rank."""
+    import neuron_tp as ntp
+    from neuron_tp.layers import ColumnParallelLinear, RowParallelLinear
+
+    mesh = ntp.Mesh.virtual(world_size=4, rank=1, tp=4)
+    for layer in (ColumnParallelLinear(16, 32, mesh=mesh), RowParallelLinear(32, 16, mesh=mesh)):
+        for name, p in layer.named_parameters():
+            own = p.numel() * p.element_size()
+            assert p.untyped_storage().nbytes() == own, (type(layer).__name__, name)

@@ -40,15 +40,17 @@ def test_mlp_collectives_virtual_world32_tp8(sp):
     colls = collectives_in_fresh_process(MLP_TRACE.format(sp=sp))
     full = (B, S, H)
     if sp:
-        # fwd: all-gather before col, reduce-scatter after row; bwd: the reverse pair
-        want = [("all-gather", full)] * 2 + [("reduce-scatter", full)] * 2
+        # fwd: all-gather before col, reduce-scatter after row; bwd: the reverse pair, and
+        # col's input all-gathered again for its weight gradient (it saved only its shard)
+        want = [("all-gather", full)] * 3 + [("reduce-scatter", full)] * 2
     else:
         # fwd: all-reduce after row; bwd: all-reduce of col's input gradient
         want = [("all-reduce", full)] * 2
     assert _summary(colls) == sorted((k, s, _expected_groups()) for k, s in want)
     assert all(c.dtype == "f32" for c in colls)
-    # SP moves the same ring bytes as plain TP: 4 x (p-1)/p x b*s*h*4 bytes per rank
-    assert sum(c.ring_bytes for c in colls) == 4 * (TP - 1) / TP * B * S * H * 4
+    # plain TP: 4 x (p-1)/p x b*s*h*4 bytes per rank; SP 5 x (the backward re-gather)
+    steps = 5 if sp else 4
+    assert sum(c.ring_bytes for c in colls) == steps * (TP - 1) / TP * B * S * H * 4
 
 
 def test_tp1_block_runs_on_xla_cpu_device():

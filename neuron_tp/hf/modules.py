@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
+from .. import regions
 from ..layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from ..layers.activation_layout import REPLICATED
 from ..mesh import Mesh, valid_tp_degrees
@@ -22,7 +23,7 @@ class HFColumnLinear(ColumnParallelLinear):
 
     hf_name = ""
     shared_region = False
-    region_input = None
+    region_input = None  # weakref to the parent's region output (not kept after forward)
     replicas = None  # (rows, uid_table, n_unique)
 
     def set_replicas(self, rows: list[int], uid_table: list[list[int]], n_unique: int) -> None:
@@ -58,10 +59,18 @@ class HFColumnLinear(ColumnParallelLinear):
     def _label(self) -> str:
         return self.hf_name or type(self).__name__
 
+    def _linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        if not self.shared_region:
+            return super()._linear(x, weight, bias)
+        # A sequence-gathered shared input (regather): save its shard, not ``x``.
+        return regions.shared_gathered_linear(self._input_region(x), weight, bias)
+
     def _input_region(self, x: torch.Tensor) -> torch.Tensor:
         if not self.shared_region:
             return super()._input_region(x)
-        if x is not self.region_input:
+        if self.region_input is None or x is not self.region_input():
             raise ValueError(
                 f"{self.hf_name}: its input is not the input of its parent module, so the "
                 "shared tensor-parallel input region does not apply (cross-attention or a "

@@ -66,6 +66,7 @@ def parallelize(
     sequence_parallel: bool = False,
     parallel_loss: bool = False,
     plan: dict[str, str] | None = None,
+    sequence_parallel_regather: bool = True,
 ) -> nn.Module:
     """Shard a transformers model over the tensor-parallel group of ``mesh`` (in place).
 
@@ -75,13 +76,16 @@ def parallelize(
     given, the loss is computed by :func:`neuron_tp.parallel_cross_entropy`. With
     ``sequence_parallel`` the residual stream is sequence-sharded (sequence length must be a
     multiple of tp; generation with a KV cache needs it off). After ``backward`` call
-    :func:`neuron_tp.sync_sequence_parallel_grads` (replicated parameters that saw only part
-    of the data on each rank). ``plan``: ``{module-name pattern: style}`` replacing the
-    architecture's styles (:mod:`neuron_tp.hf.plans`). Collective over tp: first verifies
-    that every tp rank holds the same model, weights (checksums; skipped for meta-device ones)
-    and options (:class:`neuron_tp.agreement.RankMismatchError` on every rank otherwise); then
-    raises ValueError, identically on every rank and before the model is changed, for what
-    cannot be sharded exactly.
+    :func:`neuron_tp.sync_sequence_parallel_grads` (replicated parameters that saw only part of
+    the data on each rank). Under sequence parallelism the column-parallel projections save
+    only the sequence shard of their input and all-gather it again in backward;
+    ``sequence_parallel_regather=False`` keeps the gathered input (tp times that memory, one
+    all-gather per attention/MLP fewer in backward). ``plan``: ``{module-name pattern: style}``
+    replacing the architecture's styles (:mod:`neuron_tp.hf.plans`). Collective over tp: first
+    verifies that every tp rank holds the same model, weights (checksums; skipped for
+    meta-device ones) and options (:class:`neuron_tp.agreement.RankMismatchError` on every rank
+    otherwise); then raises ValueError, identically on every rank and before the model is
+    changed, for what cannot be sharded exactly.
     """
     mesh = get_mesh(mesh)
     if getattr(model, "_ntp_parallel", False):
@@ -94,6 +98,7 @@ def parallelize(
         {
             "plan": plan,
             "sequence_parallel": sequence_parallel,
+            "sequence_parallel_regather": sequence_parallel_regather,
             "parallel_loss": parallel_loss,
             "tp": mesh.tp_size,
             "tp_mode": mesh.tp_mode,
@@ -103,7 +108,9 @@ def parallelize(
     # The ranks agree on model and options, so each step below does the same on every rank.
     mp, heads = _validate(model, mesh, plan, sequence_parallel)
     built = _build(model, mp, mesh, heads, sequence_parallel, parallel_loss)
-    _install(model, mp, built, mesh, heads, sequence_parallel, parallel_loss)
+    _install(
+        model, mp, built, mesh, heads, sequence_parallel, parallel_loss, sequence_parallel_regather
+    )
     return model
 
 
@@ -315,6 +322,7 @@ def _install(
     heads: Heads | None,
     sequence_parallel: bool,
     parallel_loss: bool,
+    sequence_parallel_regather: bool = True,
 ) -> None:
     """Swap the sharded modules in and add the hooks: the only step that changes ``model``."""
     s = mp.structure
@@ -329,7 +337,11 @@ def _install(
         patch_attention_module(model.get_submodule(name), heads, tp, len(kv_slots(heads, tp)[0]))
     for name, children in built.input_regions.items():
         install_input_region(
-            model.get_submodule(name), children, mesh, sequence_parallel and s.in_layers(name)
+            model.get_submodule(name),
+            children,
+            mesh,
+            sequence_parallel and s.in_layers(name),
+            sequence_parallel_regather,
         )
     _retie(model, ties)
     if sequence_parallel:

@@ -9,6 +9,8 @@ return (``input_layout`` / ``output_layout``)."""
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import nn
 
@@ -91,32 +93,52 @@ def apply_sequence_parallel(
 class SharedInputRegion:
     """Forward pre-hook of a module whose column-parallel children all read its input: their
     input region, applied once. Copy (backward all-reduce), or with SP all-gather of the
-    sequence (backward reduce-scatter)."""
+    sequence (backward reduce-scatter).
+
+    With SP and ``regather`` (the default) the children save only the sequence shard and
+    all-gather it again in backward, once for all of them
+    (:func:`neuron_tp.regions.gather_for_shared_linears`): still one all-gather forward, one
+    more in backward, and 1/tp of the gathered input's memory. ``regather=False`` lets the
+    children save the gathered input (no backward all-gather)."""
 
     output_layout = REPLICATED
 
-    def __init__(self, tp: Group, children: list[nn.Module], sequence_parallel: bool):
+    def __init__(
+        self,
+        tp: Group,
+        children: list[nn.Module],
+        sequence_parallel: bool,
+        regather: bool = True,
+    ):
         self.tp, self.children, self.sequence_parallel = tp, children, sequence_parallel
+        self.regather = regather
         self.input_layout = SHARDED_SEQUENCE if sequence_parallel else REPLICATED
 
     def __call__(self, _mod: nn.Module, args, kwargs):
         x, put = _first_input(args, kwargs)
-        if self.sequence_parallel:
+        if self.sequence_parallel and self.regather:
+            x = regions.gather_for_shared_linears(x, self.tp, dim=1)
+        elif self.sequence_parallel:
             x = regions.all_gather_fwd_reduce_scatter_bwd(x, self.tp, dim=1)
         else:
             x = regions.identity_fwd_all_reduce_bwd(x, self.tp)
+        ref = weakref.ref(x)  # a strong reference would keep the gathered input alive
         for c in self.children:
-            c.region_input = x
+            c.region_input = ref
         return put(x)
 
 
 def install_input_region(
-    parent: nn.Module, children: list[nn.Module], mesh: Mesh, sequence_parallel: bool
+    parent: nn.Module,
+    children: list[nn.Module],
+    mesh: Mesh,
+    sequence_parallel: bool,
+    regather: bool = True,
 ) -> None:
     """One input region (:class:`SharedInputRegion`) for all column-parallel children of
     ``parent``."""
     for c in children:
         c.shared_region = True
     parent.register_forward_pre_hook(
-        SharedInputRegion(mesh.tp, children, sequence_parallel), with_kwargs=True
+        SharedInputRegion(mesh.tp, children, sequence_parallel, regather), with_kwargs=True
     )

@@ -58,7 +58,13 @@ def make_parameter(
     else:
         full = torch.empty(full_shape, dtype=torch.float32)
         init_fn(full)
-        p = nn.Parameter(shard_of(full, sharding, mesh).to(device=device, dtype=dtype))
+        # clone: a CPU shard is a view of ``full`` and would keep the whole tensor alive
+        shard = shard_of(full, sharding, mesh).to(device=device, dtype=dtype)
+        if shard.device.type == "cpu" and (
+            shard.untyped_storage().data_ptr() == full.untyped_storage().data_ptr()
+        ):
+            shard = shard.clone(memory_format=torch.contiguous_format)
+        p = nn.Parameter(shard)
     module.register_parameter(name, p)
     mark_sharded(module, name, sharding if splits else None)
     return p

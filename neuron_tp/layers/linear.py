@@ -28,6 +28,12 @@ class ColumnParallelLinear(FromLinear, nn.Module):
     rows. ``pad_output`` allows an ``out_features`` that tp does not divide (a vocabulary): the
     weight is zero-padded to a multiple of tp and a gathered output is trimmed back to
     ``out_features``.
+
+    With ``sequence_parallel`` the all-gathered input is not saved for backward: the layer
+    saves its sequence shard and all-gathers it again in backward for the weight gradient
+    (:func:`neuron_tp.regions.gathered_linear`; Megatron's choice, activation memory / tp).
+    ``sequence_parallel_regather=False`` keeps the gathered input instead (tp times the
+    memory of that activation, one all-gather fewer in backward).
     """
 
     def __init__(
@@ -45,6 +51,7 @@ class ColumnParallelLinear(FromLinear, nn.Module):
         device=None,
         dtype=None,
         init_method=None,
+        sequence_parallel_regather: bool = True,
     ):
         super().__init__()
         self.mesh = get_mesh(mesh)
@@ -66,6 +73,7 @@ class ColumnParallelLinear(FromLinear, nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
         self.sequence_dim, self.skip_bias_add = sequence_dim, skip_bias_add
+        self.sequence_parallel_regather = sequence_parallel_regather
         self.weight, self.bias = make_linear_parameters(
             self,
             in_features,
@@ -90,9 +98,8 @@ class ColumnParallelLinear(FromLinear, nn.Module):
 
     def forward(self, x: torch.Tensor):
         check_input(x, self.weight, self.in_features, -1, self._label(), self.mesh)
-        x = self._input_region(x)
         weight, bias = self._local_weight_and_bias(x.device)
-        y = F.linear(x, weight, None if self.skip_bias_add else bias)
+        y = self._linear(x, weight, None if self.skip_bias_add else bias)
         if self.gather_output:
             y = regions.gather_from_tensor_parallel(y, self.mesh.tp, -1)
             if y.shape[-1] != self.out_features:
@@ -103,6 +110,15 @@ class ColumnParallelLinear(FromLinear, nn.Module):
     def _label(self) -> str:
         """The layer's name in error messages."""
         return type(self).__name__
+
+    def _linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The input region and the matmul; fused (saving the sequence shard) under sequence
+        parallelism with ``sequence_parallel_regather``."""
+        if self.sequence_parallel and self.sequence_parallel_regather:
+            return regions.gathered_linear(x, weight, self.mesh.tp, self.sequence_dim, bias)
+        return F.linear(self._input_region(x), weight, bias)
 
     def _input_region(self, x: torch.Tensor) -> torch.Tensor:
         """Replicated input: copy (backward all-reduce); sequence-sharded: all-gather the
@@ -122,6 +138,7 @@ class ColumnParallelLinear(FromLinear, nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"tp={self.mesh.tp_size}, gather_output={self.gather_output}, "
             f"sequence_parallel={self.sequence_parallel}"
+            + ("" if self.sequence_parallel_regather else ", sequence_parallel_regather=False")
         )
 
 

@@ -42,10 +42,11 @@ def _expected(sp: bool) -> list[tuple[str, tuple[int, ...]]]:
     # parallel cross-entropy: gather of per-rank log-sum-exps, all-reduce of target logits
     loss = [(AG, (B, S, TP)), (AR, (B, S))]
     # backward: LM head input; per layer (last first) MLP, replicated kv rows of k and v, attn
+    # (SP: the input of gate/up and of q/k/v is all-gathered again for their weight grads)
     bwd = [(AR, act)]
     kv = [(AR, (KV_ROWS, H))] * 2
     per_layer = (
-        [(AG, act), (RS, act), (AG, act)] + kv + [(RS, act)]
+        [(AG, act), (AG, act), (RS, act), (AG, act), (AG, act)] + kv + [(RS, act)]
         if sp
         else [(AR, act)] + kv + [(AR, act)]
     )
