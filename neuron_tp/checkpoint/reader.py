@@ -134,7 +134,7 @@ def _read_tensors(path: str, meta: dict, model, optimizer, mesh: Mesh) -> tuple[
         if optimizer is not None:
             keys = [
                 k
-                for k in ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+                for k in ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master")
                 if f"optim/{name}/{k}" in optim_keys
             ]
             optim[name] = {
@@ -213,17 +213,40 @@ def _apply(model, optimizer, scheduler, s: Staged) -> None:
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(s.params[name].to(p.dtype))
-    if optimizer is not None:
+    if hasattr(optimizer, "load_full_state_dict"):  # ZeRO-1: this rank's dp chunks
+        _apply_zero1(model, optimizer, s)
+    elif optimizer is not None:
         capturable = {
             id(p): g.get("capturable", False) for g in optimizer.param_groups for p in g["params"]
         }
         for name, p in model.named_parameters():
             st = {}
             for k, v in s.optim.get(name, {}).items():
+                if k == "master":  # a ZeRO-1 fp32 master: the parameter holds its value
+                    continue
+                if k != "step" and v.is_floating_point():  # ZeRO-1 saves fp32 moments
+                    v = v.to(p.dtype)
                 on_device = k != "step" or capturable.get(id(p), False)
                 st[k] = v.to(p.device) if on_device else v
             if st:
                 optimizer.state[p] = st
+
+
+def _apply_zero1(model, optimizer, s: Staged) -> None:
+    """The per-parameter state (saved with or without ZeRO-1, at any dp degree) into a
+    :class:`~neuron_tp.zero1.Zero1`; its hyperparameters stay (the schedule sets the lr)."""
+    from ..zero1 import FULL_FORMAT
+
+    params = {}
+    for name, p in model.named_parameters():
+        if name not in optimizer.slots:
+            continue
+        st = dict(s.optim.get(name, {}))
+        master = st.pop("master", None)
+        params[name] = {"shape": tuple(p.shape), "state": st, "master": master}
+    optimizer.load_full_state_dict(
+        {"format": FULL_FORMAT, "params": params, "param_groups": optimizer._groups_meta()}
+    )
 
 
 def load(

@@ -113,12 +113,42 @@ def _model_tensors(model) -> dict[str, torch.Tensor]:
     return out
 
 
+def zero1_tensors(optimizer) -> dict[str, torch.Tensor]:
+    """A :class:`~neuron_tp.zero1.Zero1`'s state in the per-parameter format of a plain
+    optimizer (``optim/<name>/<key>``, this rank's tp shard, full over dp), plus the fp32
+    master of a parameter of another dtype as ``optim/<name>/master``. Collective over dp:
+    every rank calls it, and every rank runs the gathers (one graph on XLA) before reading."""
+    full = optimizer.full_state_dict()
+    tensors = {
+        f"optim/{name}/{key}": v
+        for name, entry in full["params"].items()
+        for key, v in (
+            *entry["state"].items(),
+            *((("master", entry["master"]),) if entry["master"] is not None else ()),
+        )
+        if isinstance(v, torch.Tensor)
+    }
+    if any(t.device.type == "xla" for t in tensors.values()):
+        from .. import _xla
+
+        _xla.xm().mark_step()  # the gathers run on every dp rank, not only on the writing one
+    return {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+
+
 def _write_rank_files(
-    tmp: str, model, optimizer, mesh: Mesh, step: int, meta_text: str | None
+    tmp: str,
+    model,
+    optimizer,
+    mesh: Mesh,
+    step: int,
+    meta_text: str | None,
+    optim_tensors: dict[str, torch.Tensor] | None = None,
 ) -> None:
     if mesh.dp_rank == 0:  # one copy of each tp shard: the ranks of dp replica 0
         tensors = _model_tensors(model)
-        if optimizer is not None:
+        if optim_tensors is not None:
+            tensors.update(optim_tensors)
+        elif optimizer is not None:
             tensors.update(_optimizer_tensors(model, optimizer))
         write_tensors(
             os.path.join(tmp, f"shard-tp{mesh.tp_rank:05d}.safetensors"),
@@ -172,6 +202,8 @@ def save(
         raise ValueError(f"keep_last must be >= 1 (or None to keep all), got {keep_last}")
     mesh, device = mesh_of(model, mesh), device_of(model)
     what = f"saving step {int(step)}"
+    # ZeRO-1: gathered over dp by every rank first (dp replica 0 writes it below).
+    optim_tensors = zero1_tensors(optimizer) if hasattr(optimizer, "full_state_dict") else None
     final = os.path.join(root, step_name(step))
     tmp = os.path.join(root, ".tmp-" + step_name(step))
     error, meta_text = None, None
@@ -189,7 +221,7 @@ def save(
     agree(mesh, device, what, error)
     error = None
     try:
-        _write_rank_files(tmp, model, optimizer, mesh, step, meta_text)
+        _write_rank_files(tmp, model, optimizer, mesh, step, meta_text, optim_tensors)
     except Exception as e:  # noqa: BLE001 - e.g. disk full on one rank
         error = e
     try:

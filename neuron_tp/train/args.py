@@ -127,6 +127,13 @@ def train_parser() -> argparse.ArgumentParser:
         "norm is NaN/inf instead of stopping the run; holds a copy of params "
         "and optimizer states during each step",
     )
+    p.add_argument(
+        "--zero1",
+        action="store_true",
+        help="ZeRO-1: shard the AdamW state and fp32 master weights over the data-parallel "
+        "ranks (reduce-scatter + all-gather instead of the gradient all-reduce); at dp=1 "
+        "plain AdamW with fp32 master weights; checkpoints load with or without it",
+    )
     return p
 
 

@@ -71,6 +71,7 @@ class TrainConfig(_CommonConfig):
     resume: str  # "auto", "none" or a checkpoint directory
     tensorboard: bool
     skip_nonfinite: bool
+    zero1: bool  # ZeRO-1: AdamW state and fp32 masters sharded over dp (neuron_tp.zero1)
 
 
 @dataclass(frozen=True)

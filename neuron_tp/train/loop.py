@@ -60,7 +60,7 @@ class Run:
     mesh: Mesh
     device: torch.device
     model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
+    optimizer: torch.optim.Optimizer  # or a neuron_tp.zero1.Zero1 (--zero1)
     schedule: WarmupCosine
     data: PackedData
     tokenizer: object
@@ -156,7 +156,9 @@ def setup(args: TrainConfig | argparse.Namespace, mesh: Mesh | None = None) -> R
     agreement.check_model_replicas(model, mesh, error=error, what="neuron-tp train")
     apply_activation_checkpointing(model, config.activation_checkpointing)
     move_to(model, device).train()  # keeps tied embeddings tied (CPU -> XLA unties them)
-    optimizer = make_optimizer(model, config.lr, config.weight_decay, device)
+    optimizer = make_optimizer(
+        model, config.lr, config.weight_decay, device, zero1_mesh=mesh if config.zero1 else None
+    )
     schedule = WarmupCosine(optimizer, config.lr, config.min_lr, config.warmup_steps, config.steps)
     return Run(
         config,
@@ -225,11 +227,18 @@ def train_step(run: Run, log_this_step: bool, on_log: Callable | None) -> None:
     # Replicated parameters with partial gradients: SP norms, but also e.g. Qwen3's q/k norms
     # (replicated_with_grad_allreduce) without SP. A no-op when the model has none.
     sync_sequence_parallel_grads(model, mesh)
-    allreduce_data_parallel_grads(model, mesh)
-    if config.max_grad_norm > 0:
-        norm = clip_grad_norm_(model, config.max_grad_norm, mesh)
+    zero = run.optimizer if config.zero1 else None
+    if zero is not None:  # reduce-scatter over dp (the mean) instead of the all-reduce
+        if config.max_grad_norm > 0:
+            norm = zero.clip_grad_norm_(config.max_grad_norm)
+        else:
+            norm = zero.grad_norm()
     else:
-        norm = global_grad_norm(model, mesh)
+        allreduce_data_parallel_grads(model, mesh)
+        if config.max_grad_norm > 0:
+            norm = clip_grad_norm_(model, config.max_grad_norm, mesh)
+        else:
+            norm = global_grad_norm(model, mesh)
     # Computed at every step (so every step traces the same graph), read only at log steps,
     # after the graph ran (step closure): the dp-mean loss and the global gradient norm.
     mean_loss = comm.all_reduce(loss_sum.float().reshape(1), mesh.dp) / mesh.dp_size
@@ -238,7 +247,11 @@ def train_step(run: Run, log_this_step: bool, on_log: Callable | None) -> None:
     if guard is None:
         run.optimizer.step()
     else:  # non-finite steps counted on the device (and undone there with --skip-nonfinite)
-        guard.optimizer_step(run.optimizer, guard.observe(mean_loss, norm))
+        ok = guard.observe(mean_loss, norm)
+        if zero is not None:
+            zero.step(ok if guard.skip else None)
+        else:
+            guard.optimizer_step(run.optimizer, ok)
         mean_loss, norm = guard.pack(mean_loss, norm)  # the counters travel with the values
     run.schedule.step()
     run.step += 1

@@ -53,20 +53,38 @@ class WarmupCosine:
         self.step_count = int(state["step_count"])
 
 
-def make_optimizer(
+def _param_groups(
     model: torch.nn.Module, lr: float, weight_decay: float, device: torch.device
-) -> torch.optim.AdamW:
-    """AdamW; on XLA with a tensor learning rate and ``capturable`` (the step count stays on
-    the device: no host read, no step-dependent constant in the graph). Matrices decay,
-    vectors (norms, biases) do not."""
+) -> list[dict]:
+    """Matrices decay, vectors (norms, biases) do not; on XLA the learning rate is a device
+    tensor (graph data)."""
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     rest = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    xla = device.type == "xla"
     groups = [
         {"params": decay, "weight_decay": weight_decay},
         {"params": rest, "weight_decay": 0.0},
     ]
-    if xla:
+    if device.type == "xla":
         for g in groups:
             g["lr"] = torch.tensor([lr], dtype=torch.float32, device=device)
+    return groups
+
+
+def make_optimizer(
+    model: torch.nn.Module,
+    lr: float,
+    weight_decay: float,
+    device: torch.device,
+    zero1_mesh=None,
+):
+    """AdamW; on XLA with a tensor learning rate and ``capturable`` (the step count stays on
+    the device: no host read, no step-dependent constant in the graph). Matrices decay,
+    vectors (norms, biases) do not. With ``zero1_mesh`` the same AdamW as a
+    :class:`neuron_tp.zero1.Zero1` over that mesh's dp group (state sharded, fp32 masters)."""
+    groups = _param_groups(model, lr, weight_decay, device)
+    xla = device.type == "xla"
+    if zero1_mesh is not None:
+        from ..zero1 import Zero1
+
+        return Zero1(groups, zero1_mesh, lr=lr, model=model, capturable=xla, foreach=False)
     return torch.optim.AdamW(groups, lr=lr, capturable=xla, foreach=False)

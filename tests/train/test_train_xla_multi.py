@@ -213,3 +213,49 @@ def test_activation_recompute_trains_like_the_reference_on_xla_and_gloo(tmp_path
     gloo = _gloo_log(tmp_path, 2, 2, base + ["--activation-checkpointing", "full"])
     torch.testing.assert_close([e["loss"] for e in gloo], losses, rtol=2e-4, atol=2e-4)
     torch.testing.assert_close([e["grad_norm"] for e in gloo], norms, rtol=2e-3, atol=1e-5)
+
+
+def test_zero1_dp2_on_two_xla_devices_vs_reference_and_resume(tmp_path):
+    """--zero1 at tp=1 x dp=2 on two XLA CPU devices: the reference's losses and grad norms;
+    one graph per step (the checkpoint's dp gather compiles once, at the first save); host
+    reads only at log steps and saves; the step-4 checkpoint resumes to the same losses."""
+    extra = [
+        "--zero1",
+        "--micro-batch",
+        "1",
+        "--steps",
+        "8",
+        "--log-every",
+        "2",
+        "--save-every",
+        "4",
+    ]
+    res = xla_dist.run(cases.run_train, 1, str(tmp_path / "xla"), extra, None, devices=2)
+    log = res[0]["log"]
+    steps = [e["step"] for e in log]
+    assert steps == [2, 4, 6, 8]
+    args = cases.args_for(str(tmp_path / "ref"), "--tp", "1", *extra)
+    losses, norms = reference_run(args, global_micro_batch=2)
+    torch.testing.assert_close([e["loss"] for e in log], _at(losses, steps), rtol=2e-4, atol=2e-4)
+    torch.testing.assert_close(
+        [e["grad_norm"] for e in log], _at(norms, steps), rtol=2e-3, atol=1e-5
+    )
+    per = res[0]["per_step"]
+    compiles = [p["compiles"] // 2 for p in per]
+    assert compiles[1:4] == [compiles[1]] * 3, compiles  # steps 2..4: one step graph
+    assert compiles[4:] == [compiles[4]] * 4, compiles  # after the first save: none new
+    moved = [
+        (per[i]["transfers_to_host"] - per[i - 1]["transfers_to_host"]) / 2 for i in range(1, 8)
+    ]  # steps 2..8
+    assert [m for i, m in enumerate(moved, 2) if i != 5] == [2, 0, 2, 2, 0, 2], moved
+
+    import shutil
+
+    ckpt4 = next(c for c in res[0]["checkpoints"] if c.endswith("step-00000004"))
+    os.makedirs(tmp_path / "resumed" / "checkpoints")
+    shutil.copytree(ckpt4, tmp_path / "resumed" / "checkpoints" / "step-00000004")
+    again = xla_dist.run(cases.run_train, 1, str(tmp_path / "resumed"), extra, None, devices=2)
+    assert [e["step"] for e in again[0]["log"]] == [6, 8]
+    torch.testing.assert_close(
+        [e["loss"] for e in again[0]["log"]], [e["loss"] for e in log[2:]], rtol=1e-5, atol=1e-5
+    )
