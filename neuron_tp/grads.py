@@ -10,7 +10,7 @@ from torch import nn
 
 from . import comm
 from .mesh import Group, Mesh, get_mesh
-from .sharding import named_parameter_meta, num_shards
+from .sharding import get_param_meta, named_parameter_meta, num_shards
 
 
 def _bucketed_all_reduce(
@@ -57,13 +57,16 @@ def sync_sequence_parallel_grads(model: nn.Module, mesh: Mesh | None = None) -> 
         _bucketed_all_reduce(grads, mesh.tp, 2**62)
 
 
-def _distinct_row_weights(model: nn.Module, name: str) -> torch.Tensor | None:
-    """Per-row weights of a parameter some of whose rows are copies held by several tp ranks
-    (kv heads replicated when tp > num_key_value_heads): 1/copies, so each counts once."""
+def norm_weights(model: nn.Module, name: str, mesh: Mesh) -> tuple[float, torch.Tensor | None]:
+    """How parameter ``name``'s local square sum counts in the global grad norm, so each
+    distinct element counts once: a factor (num_shards / tp: 1/tp for a parameter replicated
+    over tp) and, for a parameter some of whose rows are copies held by several tp ranks (kv
+    heads replicated when tp > num_key_value_heads), per-row weights 1/copies (else None)."""
+    factor = num_shards(get_param_meta(model, name).sharding, mesh) / mesh.tp_size
     parent, _, local = name.rpartition(".")
     owner = model.get_submodule(parent) if parent else model
     weights = getattr(owner, "distinct_row_weights", None)
-    return weights(local) if weights is not None else None
+    return factor, (weights(local) if weights is not None else None)
 
 
 def global_grad_norm(model: nn.Module, mesh: Mesh | None = None) -> torch.Tensor:
@@ -78,12 +81,12 @@ def global_grad_norm(model: nn.Module, mesh: Mesh | None = None) -> torch.Tensor
     if not entries:
         return torch.zeros(())
     total = torch.zeros((), dtype=torch.float32, device=entries[0][1].grad.device)
-    for name, p, meta in entries:
+    for name, p, _meta in entries:
         sq = p.grad.detach().float().pow(2)
-        rows = _distinct_row_weights(model, name)
+        factor, rows = norm_weights(model, name, mesh)
         if rows is not None:
             sq = sq.reshape(rows.shape[0], -1).sum(1) * rows.to(sq.device)
-        total = total + sq.sum() * (num_shards(meta.sharding, mesh) / mesh.tp_size)
+        total = total + sq.sum() * factor
     return comm.all_reduce(total, mesh.tp).sqrt()
 
 

@@ -32,9 +32,8 @@ import torch
 from torch import nn
 
 from . import comm
-from .grads import _distinct_row_weights
+from .grads import norm_weights
 from .mesh import Mesh, get_mesh
-from .sharding import get_param_meta, num_shards
 
 __all__ = ["Zero1", "gather_full_state"]
 
@@ -203,9 +202,7 @@ class Zero1:
                 factor = 1.0 / self.mesh.tp_size  # no records: replicated over tp
                 rows = None
             else:
-                meta = get_param_meta(self.model, s.name)
-                factor = num_shards(meta.sharding, self.mesh) / self.mesh.tp_size
-                rows = _distinct_row_weights(self.model, s.name)
+                factor, rows = norm_weights(self.model, s.name, self.mesh)
             if rows is not None:
                 per_elem = rows.float().repeat_interleave(s.numel // rows.shape[0])
                 w = _chunk_of(per_elem.to(s.shard.device), s.chunk, self.group) * factor
