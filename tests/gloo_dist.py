@@ -13,7 +13,6 @@ import functools
 import json
 import os
 import socket
-import sys
 import tempfile
 import traceback
 from collections.abc import Callable, Sequence
@@ -38,26 +37,18 @@ def _worker(rank: int, world: int, port: int, fn, args, errors) -> None:
         WORLD_SIZE=str(world),
     )
     torch.set_num_threads(1)
-    code = 0
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world)
         fn(*args)
     except BaseException:  # noqa: BLE001 - report every failure to the parent
         errors.put((rank, traceback.format_exc()))
-        code = 1
+        raise
     finally:
-        import neuron_tp
-
-        # Drop every mesh (and its process groups) before destroying the default group.
-        shared_mesh.cache_clear()
-        neuron_tp.set_default_mesh(None)
         if dist.is_initialized():
             dist.destroy_process_group()
-    # Skip the interpreter's teardown: a gloo thread of a destroyed subgroup can abort it
-    # ("terminate called without an active exception", exit -6) after every check passed.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+        import neuron_tp
+
+        neuron_tp.set_default_mesh(None)
 
 
 def run(fn: Callable[..., object], *args: object, world_size: int, timeout: float = 300) -> None:
