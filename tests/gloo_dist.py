@@ -10,12 +10,17 @@ hide the others.
 from __future__ import annotations
 
 import functools
+import gc
 import json
 import os
 import socket
+import sys
 import tempfile
+import threading
+import time
 import traceback
 from collections.abc import Callable, Sequence
+from multiprocessing.connection import wait
 
 import torch
 import torch.distributed as dist
@@ -28,7 +33,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, fn, args, errors) -> None:
+def _worker(rank: int, world: int, port: int, fn, args, errors, exit_barrier) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -40,15 +45,31 @@ def _worker(rank: int, world: int, port: int, fn, args, errors) -> None:
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world)
         fn(*args)
+        dist.barrier()  # every rank is done with every collective before any group goes away
     except BaseException:  # noqa: BLE001 - report every failure to the parent
         errors.put((rank, traceback.format_exc()))
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        import neuron_tp
+        _exit(1)  # the parent stops the other ranks (they may wait in a collective)
+    import neuron_tp
 
-        neuron_tp.set_default_mesh(None)
+    # Drop every mesh (and its process groups) before the default group is destroyed.
+    shared_mesh.cache_clear()
+    neuron_tp.set_default_mesh(None)
+    gc.collect()
+    dist.destroy_process_group()
+    # Rank 0 hosts the c10d store: nobody leaves before every rank has finished destroying.
+    try:
+        exit_barrier.wait(timeout=60)
+    except threading.BrokenBarrierError:
+        pass
+    _exit(0)
+
+
+def _exit(code: int) -> None:
+    """End a rank process without the interpreter's teardown: a gloo thread of a destroyed
+    subgroup can abort it ("terminate called without an active exception", exit -6)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def run(fn: Callable[..., object], *args: object, world_size: int, timeout: float = 300) -> None:
@@ -56,22 +77,33 @@ def run(fn: Callable[..., object], *args: object, world_size: int, timeout: floa
     rank's failure.
 
     ``fn`` must be a module-level function (it is pickled into spawned processes); inside it
-    ``neuron_tp.init_mesh`` finds the process group already initialised.
+    ``neuron_tp.init_mesh`` finds the process group already initialised. When a rank fails the
+    others get a few seconds to report too, then are stopped (they may wait in a collective).
     """
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
+    exit_barrier = ctx.Barrier(world_size)
     port = _free_port()
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, errors), daemon=True)
+        ctx.Process(
+            target=_worker,
+            args=(r, world_size, port, fn, args, errors, exit_barrier),
+            daemon=True,
+        )
         for r in range(world_size)
     ]
     for p in procs:
         p.start()
-    for p in procs:
-        p.join(timeout)
+    deadline = time.monotonic() + timeout
+    stop_at = deadline
+    while (alive := [p for p in procs if p.is_alive()]) and time.monotonic() < stop_at:
+        if any(p.exitcode not in (None, 0) for p in procs):
+            stop_at = min(stop_at, time.monotonic() + 5)  # a rank failed: grace for the others
+        wait([p.sentinel for p in alive], timeout=0.5)
     for p in procs:
         if p.is_alive():
             p.kill()
+            p.join()
     if not errors.empty():
         rank, tb = errors.get()
         raise AssertionError(f"rank {rank} failed:\n{tb}")
