@@ -27,6 +27,7 @@ __all__ = [
     "local_chunk",
     "all_reduce_coalesced",
     "host_all_gather",
+    "accumulation_dtype",
 ]
 
 
@@ -62,10 +63,27 @@ def _check(x: torch.Tensor, group: Group) -> bool:
     return False
 
 
+def accumulation_dtype(x: torch.Tensor, group: Group) -> torch.dtype:
+    """The dtype a sum of ``x`` over ``group`` accumulates in: the group's ``reduce_dtype`` for
+    floats of fewer bits, else ``x.dtype``."""
+    rd = group.reduce_dtype
+    if rd is None or not x.is_floating_point() or x.dtype.itemsize >= rd.itemsize:
+        return x.dtype
+    return rd
+
+
 def all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
-    """Sum ``x`` over the group; returns a new tensor."""
+    """Sum ``x`` over the group (in the group's ``reduce_dtype`` if wider); returns a new
+    tensor."""
     if group.size == 1:
         return x
+    wide = accumulation_dtype(x, group)
+    if wide != x.dtype:
+        return _all_reduce(x.to(wide), group).to(x.dtype)
+    return _all_reduce(x, group)
+
+
+def _all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
     if _check(x, group):
         import torch_xla
 
@@ -118,7 +136,8 @@ def all_gather(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
 
 
 def reduce_scatter(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
-    """Sum ``x`` over the group and keep this rank's chunk along ``dim``."""
+    """Sum ``x`` over the group (in the group's ``reduce_dtype`` if wider) and keep this rank's
+    chunk along ``dim``."""
     if group.size == 1:
         return x
     dim = dim % x.dim()
@@ -127,6 +146,13 @@ def reduce_scatter(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
             f"reduce_scatter: dim {dim} of shape {tuple(x.shape)} is not divisible "
             f"by the group size {group.size}"
         )
+    wide = accumulation_dtype(x, group)
+    if wide != x.dtype:
+        return _reduce_scatter(x.to(wide), group, dim).to(x.dtype)
+    return _reduce_scatter(x, group, dim)
+
+
+def _reduce_scatter(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
     if _check(x, group):
         xm = _xla.xm()
         return xm.reduce_scatter(

@@ -33,6 +33,9 @@ class Group:
     rank: int  # this rank's index inside ``ranks``
     virtual: bool = False  # trace-only: XLA tensors only, nothing executes
     process_group: Any = field(default=None, repr=False)
+    # Sums (all-reduce, reduce-scatter) of lower-precision floats accumulate in this dtype
+    # (e.g. fp32 for a bf16 model), then cast back; None: in the tensor's own dtype.
+    reduce_dtype: torch.dtype | None = None
     _rank_tensors: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -117,8 +120,12 @@ class Mesh:
         tp_mode: str = "1d",
         virtual: bool = False,
         create_process_groups: bool = False,
+        reduce_dtype: torch.dtype | None = None,
     ):
         _check_tp(world_size, tp, tp_mode)
+        if reduce_dtype is not None and not reduce_dtype.is_floating_point:
+            raise ValueError(f"reduce_dtype must be a floating dtype (or None), got {reduce_dtype}")
+        self.reduce_dtype = reduce_dtype
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside the world of size {world_size}")
         self.world_size, self.rank, self.tp_mode, self.virtual = world_size, rank, tp_mode, virtual
@@ -148,16 +155,31 @@ class Mesh:
                     if g == mine:
                         pg = created
             self.groups[name] = Group(
-                name, tuple(mine), tuple(map(tuple, groups)), mine.index(rank), virtual, pg
+                name,
+                tuple(mine),
+                tuple(map(tuple, groups)),
+                mine.index(rank),
+                virtual,
+                pg,
+                reduce_dtype,
             )
 
     @classmethod
-    def virtual(cls, world_size: int, rank: int, tp: int, tp_mode: str = "1d") -> Mesh:
+    def virtual(
+        cls,
+        world_size: int,
+        rank: int,
+        tp: int,
+        tp_mode: str = "1d",
+        reduce_dtype: torch.dtype | None = None,
+    ) -> Mesh:
         """A trace-only mesh: layers emit XLA collectives for rank ``rank`` of ``world_size``.
 
         Only XLA tensors may be fed to its layers; the graph is traced, not executed.
         """
-        return cls(world_size, rank, tp=tp, tp_mode=tp_mode, virtual=True)
+        return cls(
+            world_size, rank, tp=tp, tp_mode=tp_mode, virtual=True, reduce_dtype=reduce_dtype
+        )
 
     def group(self, name: str) -> Group:
         try:
@@ -280,8 +302,18 @@ def _spawned_world() -> tuple[int, int] | None:
     return _xla.runtime_world()
 
 
-def init_mesh(tp: int = 1, tp_mode: str = "1d", backend: str | None = None) -> Mesh:
+def init_mesh(
+    tp: int = 1,
+    tp_mode: str = "1d",
+    backend: str | None = None,
+    reduce_dtype: torch.dtype | None = None,
+) -> Mesh:
     """Build the mesh of this job (world = dp x tp) and make it the default.
+
+    ``reduce_dtype`` (e.g. ``torch.float32`` for a bf16 model): every sum over a group of this
+    mesh (row-parallel outputs, sequence-parallel reduce-scatters, input and data-parallel
+    gradients, ZeRO-1's reduce-scatter) accumulates lower-precision floats in that dtype, at
+    twice the bytes on the wire for bf16; None sums in the tensor's own dtype.
 
     Uses the existing torch.distributed process group (``xla``, gloo or NCCL); when none
     exists and torchrun's environment says the world is larger than one, creates it
@@ -314,6 +346,13 @@ def init_mesh(tp: int = 1, tp_mode: str = "1d", backend: str | None = None) -> M
                 world, rank, needs_groups = dist.get_world_size(), dist.get_rank(), True
         else:
             world, rank, needs_groups = 1, 0, False
-    mesh = Mesh(world, rank, tp=tp, tp_mode=tp_mode, create_process_groups=needs_groups)
+    mesh = Mesh(
+        world,
+        rank,
+        tp=tp,
+        tp_mode=tp_mode,
+        create_process_groups=needs_groups,
+        reduce_dtype=reduce_dtype,
+    )
     set_default_mesh(mesh)
     return mesh

@@ -368,6 +368,35 @@ def collective_form(mesh) -> list:
     return parse_collectives(hlo)
 
 
+def reduce_dtype_case(mesh) -> None:
+    """With ``reduce_dtype=fp32``, sums of bf16 values over the tp group equal the exact sum
+    rounded once to bf16 (all-reduce, reduce-scatter: values in [0.5, 2), whose fp32 sum of
+    up to 4 is exact in any order), and a bf16 row-parallel layer's output is within half a
+    bf16 ulp of the fp32 product (XLA may even skip rounding the partial products, its
+    "excess precision"; a bf16 sum over 4 ranks is off by more on some elements)."""
+    wide = ntp.Mesh(mesh.world_size, mesh.rank, tp=mesh.tp_size, reduce_dtype=torch.float32)
+    tp, r, base = mesh.tp_size, mesh.tp_rank, mesh.dp_rank * mesh.tp_size
+    g = torch.Generator().manual_seed(30)
+    xs = [(torch.rand(2, 512, generator=g) * 1.5 + 0.5).bfloat16() for _ in range(mesh.world_size)]
+    xs = xs[base : base + tp]
+    exact = sum(x.float() for x in xs).bfloat16()
+    got_ar = comm.all_reduce(_dev(xs[r]), wide.tp)
+    got_rs = comm.reduce_scatter(_dev(xs[r]), wide.tp, 1)
+    with serial():
+        torch.manual_seed(31)
+        ref = nn.Linear(256, 128, bias=False).bfloat16()
+        layer = ntp.RowParallelLinear.from_linear(ref, mesh=wide, input_is_parallel=False)
+    x = xs[0][:, :256]
+    got_row = layer.to(torch_xla.device())(_dev(x))
+    torch_xla.sync()
+    assert got_ar.dtype == torch.bfloat16 and torch.equal(got_ar.cpu(), exact), "all-reduce"
+    assert torch.equal(got_rs.cpu(), exact.chunk(tp, 1)[r]), "reduce-scatter"
+    want = F.linear(x.float(), ref.weight.float())
+    half_ulp = torch.exp2(torch.floor(torch.log2(want.abs())) - 8)
+    err = (got_row.cpu().float() - want).abs()
+    assert (err <= half_ulp * 1.01).all(), f"row-parallel: {(err > half_ulp).sum()} off > 0.5 ulp"
+
+
 def job(tps: tuple[int, ...]) -> dict:
     """The whole tier on this device thread, for each tp degree in ``tps``."""
     out = {"checks": 0, "forms": {}}
@@ -375,6 +404,8 @@ def job(tps: tuple[int, ...]) -> dict:
         mesh = ntp.init_mesh(tp=tp)
         assert ntp.get_mesh() is mesh and dist.get_backend() == "xla"
         out["forms"][tp] = collective_form(mesh)
+        if tp >= 3:  # two bf16 values add exactly: only 3+ ranks tell the dtypes apart
+            reduce_dtype_case(mesh)
         c = Checks(mesh)
         regions_case(c)
         linear_cases(c)

@@ -97,7 +97,21 @@ def train_parser() -> argparse.ArgumentParser:
         default=1.0,
         help="clip by the global norm across all shards (0 = off)",
     )
-    p.add_argument("--bf16", action="store_true", help="bfloat16 parameters and compute")
+    p.add_argument(
+        "--bf16",
+        action="store_true",
+        help="bfloat16 parameters and compute, fp32 master weights and AdamW state (kept by "
+        "ZeRO-1, sharded over the data-parallel ranks: the same bytes on the wire as the "
+        "gradient all-reduce)",
+    )
+    p.add_argument(
+        "--reduce-dtype",
+        choices=["param", "fp32"],
+        default="param",
+        help="dtype every cross-rank sum accumulates in (row-parallel outputs, sequence-"
+        "parallel reduce-scatters, gradients): the tensors' own (param) or fp32 (more "
+        "accurate for --bf16, twice the bytes of those collectives)",
+    )
     p.add_argument(
         "--activation-checkpointing",
         choices=["none", "full", "selective"],
@@ -132,7 +146,8 @@ def train_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="ZeRO-1: shard the AdamW state and fp32 master weights over the data-parallel "
         "ranks (reduce-scatter + all-gather instead of the gradient all-reduce); at dp=1 "
-        "plain AdamW with fp32 master weights; checkpoints load with or without it",
+        "plain AdamW with fp32 master weights; checkpoints load with or without it "
+        "(always on with --bf16)",
     )
     return p
 

@@ -62,7 +62,8 @@ class TrainConfig(_CommonConfig):
     warmup_steps: int
     weight_decay: float
     max_grad_norm: float  # 0: no clipping
-    bf16: bool
+    bf16: bool  # bf16 params/compute; fp32 masters + AdamW state (Zero1, sharded over dp)
+    reduce_dtype: str  # "param" (sums in the tensors' dtype) or "fp32"
     activation_checkpointing: str  # "none", "full" or "selective" (neuron_tp.recompute)
     log_every: int
     save_every: int  # 0: only at the end
@@ -72,6 +73,19 @@ class TrainConfig(_CommonConfig):
     tensorboard: bool
     skip_nonfinite: bool
     zero1: bool  # ZeRO-1: AdamW state and fp32 masters sharded over dp (neuron_tp.zero1)
+
+    @property
+    def uses_zero1(self) -> bool:
+        """The optimizer is a :class:`neuron_tp.zero1.Zero1`: asked for, or the keeper of the
+        fp32 master weights of a bf16 model."""
+        return self.zero1 or self.bf16
+
+    @property
+    def mesh_reduce_dtype(self):
+        """The mesh's ``reduce_dtype`` (a torch dtype or None) for ``--reduce-dtype``."""
+        import torch
+
+        return torch.float32 if self.reduce_dtype == "fp32" else None
 
 
 @dataclass(frozen=True)

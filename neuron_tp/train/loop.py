@@ -60,7 +60,7 @@ class Run:
     mesh: Mesh
     device: torch.device
     model: torch.nn.Module
-    optimizer: torch.optim.Optimizer  # or a neuron_tp.zero1.Zero1 (--zero1)
+    optimizer: torch.optim.Optimizer  # or a neuron_tp.zero1.Zero1 (--zero1, --bf16)
     schedule: WarmupCosine
     data: PackedData
     tokenizer: object
@@ -96,6 +96,12 @@ def setup(args: TrainConfig | argparse.Namespace, mesh: Mesh | None = None) -> R
         layout = mesh or Mesh(world.size, world.rank, tp=config.tp)  # valid tp? dp rank
         if layout.tp_size != config.tp:
             raise ValueError(f"mesh has tp={layout.tp_size} but --tp={config.tp}")
+        if mesh is not None and mesh.reduce_dtype != config.mesh_reduce_dtype:
+            raise ValueError(
+                f"mesh has reduce_dtype={mesh.reduce_dtype} but --reduce-dtype="
+                f"{config.reduce_dtype}: pass init_mesh(..., reduce_dtype="
+                f"{config.mesh_reduce_dtype})"
+            )
         if config.tensorboard:
             import importlib.util
 
@@ -118,7 +124,7 @@ def setup(args: TrainConfig | argparse.Namespace, mesh: Mesh | None = None) -> R
         error = e
     agreement.check_agreement(values, world, details=details, error=error, what="neuron-tp train")
     device = rank_device(config.device)  # before any backward (see neuron_tp.xla_device)
-    mesh = mesh or init_mesh(tp=config.tp)
+    mesh = mesh or init_mesh(tp=config.tp, reduce_dtype=config.mesh_reduce_dtype)
     dtype = torch.bfloat16 if config.bf16 else torch.float32
     from .. import hf
 
@@ -157,7 +163,11 @@ def setup(args: TrainConfig | argparse.Namespace, mesh: Mesh | None = None) -> R
     apply_activation_checkpointing(model, config.activation_checkpointing)
     move_to(model, device).train()  # keeps tied embeddings tied (CPU -> XLA unties them)
     optimizer = make_optimizer(
-        model, config.lr, config.weight_decay, device, zero1_mesh=mesh if config.zero1 else None
+        model,
+        config.lr,
+        config.weight_decay,
+        device,
+        zero1_mesh=mesh if config.uses_zero1 else None,
     )
     schedule = WarmupCosine(optimizer, config.lr, config.min_lr, config.warmup_steps, config.steps)
     return Run(
@@ -227,7 +237,7 @@ def train_step(run: Run, log_this_step: bool, on_log: Callable | None) -> None:
     # Replicated parameters with partial gradients: SP norms, but also e.g. Qwen3's q/k norms
     # (replicated_with_grad_allreduce) without SP. A no-op when the model has none.
     sync_sequence_parallel_grads(model, mesh)
-    zero = run.optimizer if config.zero1 else None
+    zero = run.optimizer if config.uses_zero1 else None
     if zero is not None:  # reduce-scatter over dp (the mean) instead of the all-reduce
         if config.max_grad_norm > 0:
             norm = zero.clip_grad_norm_(config.max_grad_norm)

@@ -16,12 +16,15 @@ def lr_factor(step: int, lr: float, min_lr: float, warmup: int, total: int) -> f
     return (min_lr + (lr - min_lr) * 0.5 * (1 + math.cos(math.pi * progress))) / lr
 
 
-def reference_run(args, global_micro_batch: int) -> tuple[list[float], list[float]]:
-    """``global_micro_batch`` = micro_batch x dp of the run being checked."""
+def reference_run(
+    args, global_micro_batch: int, dtype: torch.dtype = torch.float32
+) -> tuple[list[float], list[float]]:
+    """``global_micro_batch`` = micro_batch x dp of the run being checked; ``dtype`` of the
+    parameters (bf16: pure bf16 AdamW, no master weights)."""
     from neuron_tp.train.data import ByteTokenizer, PackedData
     from neuron_tp.train.presets import build_model
 
-    model = build_model(args.model, ByteTokenizer.vocab_size, args.seed)
+    model = build_model(args.model, ByteTokenizer.vocab_size, args.seed, dtype)
     model.train()
     data = PackedData(args.data, ByteTokenizer(), args.seq_len, global_micro_batch, 1, 0, args.seed)
     decay = [p for p in model.parameters() if p.dim() >= 2]
