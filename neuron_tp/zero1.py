@@ -14,31 +14,28 @@ dp (the mean, as :func:`neuron_tp.grads.allreduce_data_parallel_grads`), cast to
 dtype, the inner optimizer steps on the shards, and the shards are gathered back into the
 parameters (cast to their dtype). No host reads, no branching on values: one graph per step.
 
-Checkpoints: :meth:`Zero1.state_dict` is this rank's shards plus the layout (dp size, chunk,
-offset, names, shapes); :func:`gather_full_state` assembles the full state from every rank's
-shard dicts offline; :meth:`Zero1.full_state_dict` does it with an all-gather on every rank,
-and :meth:`Zero1.load_full_state_dict` takes this rank's chunks at any dp degree. Full states
-are per parameter and hold the tensors of THIS rank's tp shard (tp-sharded parameters keep
-their tp layout; the sharding records in :mod:`neuron_tp.sharding` say how).
+Checkpoints (:mod:`neuron_tp.zero1_state`, which the ``Zero1`` methods delegate to):
+:meth:`Zero1.state_dict` is this rank's shards plus the layout (dp size, chunk, offset, names,
+shapes), what a training checkpoint saves per (tp, dp) rank; :func:`gather_full_state` joins
+every dp rank's shard states on the host; :meth:`Zero1.full_state_dict` does it with an
+all-gather over dp, and :meth:`Zero1.load_full_state_dict` takes this rank's chunks at any dp
+degree. States are per parameter and hold THIS rank's tp shard.
 """
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from . import comm
+from . import comm, zero1_state
 from .grads import norm_weights
 from .mesh import Mesh, get_mesh
+from .zero1_state import FULL_FORMAT, SHARD_FORMAT, gather_full_state
 
-__all__ = ["Zero1", "gather_full_state"]
-
-SHARD_FORMAT = "neuron_tp.zero1.shard/1"
-FULL_FORMAT = "neuron_tp.zero1.full/1"
+__all__ = ["Zero1", "gather_full_state", "SHARD_FORMAT", "FULL_FORMAT"]
 
 
 @dataclass
@@ -81,11 +78,6 @@ def _padded_blocks(tensors: list[torch.Tensor], chunks: list[int], dp: int) -> t
 def _chunk_of(full: torch.Tensor, chunk: int, group) -> torch.Tensor:
     """This rank's chunk of the flattened, padded ``full`` (no communication)."""
     return comm.local_chunk(_padded_blocks([full], [chunk], group.size), group, 0)
-
-
-def _snapshot(v):
-    """A copy of a replicated state value (the live one, e.g. AdamW's step, changes in place)."""
-    return v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
 
 
 class Zero1:
@@ -184,7 +176,10 @@ class Zero1:
                 for s in slots
             ]
             chunks = [s.chunk for s in slots]
-            mine = comm.reduce_scatter(_padded_blocks(grads, chunks, dp), self.group, 0)
+            blocks = _padded_blocks(grads, chunks, dp)
+            # With the mesh's reduce_dtype the sum stays wide: it feeds the fp32 masters.
+            blocks = blocks.to(comm.accumulation_dtype(blocks, self.group))
+            mine = comm.reduce_scatter(blocks, self.group, 0)
             for s, piece in zip(slots, mine.split(chunks)):
                 s.shard.grad = (
                     piece.to(self.master_dtype) / dp if s.param.grad is not None else None
@@ -277,146 +272,26 @@ class Zero1:
             for s, block in zip(slots, full.split([s.chunk for s in slots], 1)):
                 s.param.detach().copy_(block.reshape(-1)[: s.numel].view(s.param.shape))
 
-    # -- checkpoints ---------------------------------------------------------------------
-    def _is_sharded(self, v, chunk: int) -> bool:
-        return isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == chunk
-
+    # -- checkpoints (the formats and the work: neuron_tp.zero1_state) -------------------
     def _groups_meta(self) -> list[dict]:
-        by_shard = {id(s.shard): s.name for s in self.slots.values()}
-        out = []
-        for g in self.inner.param_groups:
-            opts = {k: v for k, v in g.items() if k != "params"}
-            opts["params"] = [by_shard[id(p)] for p in g["params"]]
-            out.append(opts)
-        return out
+        return zero1_state.groups_meta(self)
 
     def state_dict(self) -> dict:
-        """This rank's shards (inner state, fp32 masters) and the layout needed to assemble
-        the full state (:func:`gather_full_state`) or reshard it. Like ``torch.optim``, the
-        tensors are the live ones: save (or copy) before the next step."""
-        params = {}
-        for s in self.slots.values():
-            params[s.name] = {
-                "shape": tuple(s.param.shape),
-                "numel": s.numel,
-                "chunk": s.chunk,
-                "offset": self.group.rank * s.chunk,
-                "state": dict(self.inner.state.get(s.shard, {})),
-                "master": s.shard if s.keeps_master else None,
-            }
-        return {
-            "format": SHARD_FORMAT,
-            "dp_size": self.group.size,
-            "dp_rank": self.group.rank,
-            "params": params,
-            "param_groups": self._groups_meta(),
-        }
+        """This rank's shards and their layout (:func:`neuron_tp.zero1_state.state_dict`)."""
+        return zero1_state.state_dict(self)
 
     def load_state_dict(self, state: dict) -> None:
-        """Load a :meth:`state_dict` saved by the same dp rank at the same dp degree (other
-        degrees: :func:`gather_full_state` then :meth:`load_full_state_dict`)."""
-        if state.get("format") != SHARD_FORMAT:
-            raise ValueError(f"not a Zero1 shard state (format {state.get('format')!r})")
-        if (state["dp_size"], state["dp_rank"]) != (self.group.size, self.group.rank):
-            raise ValueError(
-                f"state of dp rank {state['dp_rank']} of {state['dp_size']}, this is dp rank "
-                f"{self.group.rank} of {self.group.size}: use gather_full_state + "
-                "load_full_state_dict to change the dp degree"
-            )
-        for name, entry in state["params"].items():
-            s = self._slot(name, entry["shape"])
-            self._set_state(s, entry["state"])
-            if entry["master"] is not None and s.keeps_master:
-                s.shard.copy_(entry["master"].to(s.shard.device))
-        self._load_hyper(state["param_groups"])
-        self._gather_params()
+        """Load a :meth:`state_dict` of the same dp rank and degree (then all-gather the
+        parameters from the masters)."""
+        zero1_state.load_state_dict(self, state)
 
-    @torch.no_grad()
     def full_state_dict(self) -> dict:
-        """The unsharded (over dp) state, per parameter, on every rank: collective over dp."""
-        params = {}
-        for s in self.slots.values():
-            entry = {"shape": tuple(s.param.shape), "state": {}, "master": None}
-            for k, v in self.inner.state.get(s.shard, {}).items():
-                sharded = self._is_sharded(v, s.chunk)
-                entry["state"][k] = self._gather(v, s) if sharded else _snapshot(v)
-            if s.keeps_master:
-                entry["master"] = self._gather(s.shard, s)
-            params[s.name] = entry
-        return {"format": FULL_FORMAT, "params": params, "param_groups": self._groups_meta()}
+        """The state unsharded over dp, on every rank (an all-gather over dp)."""
+        return zero1_state.full_state_dict(self)
 
-    def _gather(self, v: torch.Tensor, s: _Slot) -> torch.Tensor:
-        full = comm.all_gather(v.detach().contiguous(), self.group, 0)
-        return full[: s.numel].view(s.param.shape)
-
-    @torch.no_grad()
     def load_full_state_dict(self, state: dict) -> None:
-        """Take this rank's chunks of a :meth:`full_state_dict` (made at any dp degree, same
-        tp layout). A saved fp32 master also sets the parameters (to it, cast)."""
-        if state.get("format") != FULL_FORMAT:
-            raise ValueError(f"not a Zero1 full state (format {state.get('format')!r})")
-        missing = set(self.slots) - set(state["params"])
-        if missing:
-            raise KeyError(f"full optimizer state lacks parameters {sorted(missing)}")
-        for name, entry in state["params"].items():
-            s = self._slot(name, entry["shape"])
-            dev = s.shard.device
-            shard_state = {}
-            for k, v in entry["state"].items():
-                if (
-                    isinstance(v, torch.Tensor)
-                    and tuple(v.shape) == tuple(s.param.shape)
-                    and v.dim()
-                ):
-                    v = _chunk_of(v.to(dev), s.chunk, self.group).clone()
-                shard_state[k] = v
-            self._set_state(s, shard_state)
-            master = entry.get("master")
-            if master is not None:
-                master = master.to(dev)
-                s.param.detach().copy_(master.to(s.param.dtype))
-                if s.keeps_master:
-                    s.shard.copy_(_chunk_of(master, s.chunk, self.group))
-            elif s.keeps_master:  # saved without a master (fp32 params): from the parameter
-                s.shard.copy_(_chunk_of(s.param.detach(), s.chunk, self.group))
-        self._load_hyper(state["param_groups"])
-
-    def _slot(self, name: str, shape) -> _Slot:
-        if name not in self.slots:
-            raise KeyError(f"optimizer state for unknown parameter {name!r}")
-        s = self.slots[name]
-        if tuple(shape) != tuple(s.param.shape):
-            raise ValueError(
-                f"{name}: saved shape {tuple(shape)}, parameter {tuple(s.param.shape)}"
-            )
-        return s
-
-    def _set_state(self, s: _Slot, st: dict) -> None:
-        out = {}
-        for k, v in st.items():
-            if isinstance(v, torch.Tensor):
-                keep = v.dtype if (k == "step" or not v.is_floating_point()) else s.shard.dtype
-                v = v.detach().to(device=s.shard.device, dtype=keep).clone()
-            out[k] = v
-        if out:
-            self.inner.state[s.shard] = out
-        else:
-            self.inner.state.pop(s.shard, None)
-
-    def _load_hyper(self, saved: list[dict]) -> None:
-        """Hyperparameters of the saved groups (tensor values, e.g. a device lr, in place)."""
-        if len(saved) != len(self.inner.param_groups):
-            raise ValueError(
-                f"{len(saved)} saved param groups, the optimizer has {len(self.inner.param_groups)}"
-            )
-        for g, sg in zip(self.inner.param_groups, saved):
-            for k, v in sg.items():
-                if k == "params":
-                    continue
-                if isinstance(g.get(k), torch.Tensor):
-                    g[k].copy_(torch.as_tensor(v).to(g[k]))
-                else:
-                    g[k] = v
+        """Take this rank's chunks of a full state made at any dp degree (no communication)."""
+        zero1_state.load_full_state_dict(self, state)
 
     def state_bytes(self) -> int:
         """Bytes of this rank's optimizer state: inner state tensors plus fp32 masters."""
@@ -429,34 +304,3 @@ class Zero1:
         return n + sum(
             s.shard.numel() * s.shard.element_size() for s in self.slots.values() if s.keeps_master
         )
-
-
-def gather_full_state(shards: list[dict]) -> dict:
-    """The full state (:meth:`Zero1.full_state_dict` format) from every dp rank's
-    :meth:`Zero1.state_dict` (any order; e.g. loaded from per-rank files), without a mesh."""
-    if not shards or any(s.get("format") != SHARD_FORMAT for s in shards):
-        raise ValueError("gather_full_state needs Zero1 shard states")
-    dp = shards[0]["dp_size"]
-    by_rank = {s["dp_rank"]: s for s in shards}
-    if sorted(by_rank) != list(range(dp)) or any(s["dp_size"] != dp for s in shards):
-        raise ValueError(f"need the states of dp ranks 0..{dp - 1}, got {sorted(by_rank)}")
-    ordered = [by_rank[r] for r in range(dp)]
-    params = {}
-    for name, first in ordered[0]["params"].items():
-        entries = [o["params"][name] for o in ordered]
-        shape, numel, chunk = first["shape"], first["numel"], first["chunk"]
-        if [e["offset"] for e in entries] != [r * chunk for r in range(dp)]:
-            raise ValueError(f"{name}: inconsistent shard offsets")
-
-        def join(vals, shape=shape, numel=numel):
-            return torch.cat([v.detach().cpu() for v in vals])[:numel].view(shape)
-
-        st = {}
-        for k, v in first["state"].items():
-            sharded = isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == chunk
-            st[k] = join([e["state"][k] for e in entries]) if sharded else v
-        master = first["master"]
-        if master is not None:
-            master = join([e["master"] for e in entries])
-        params[name] = {"shape": tuple(shape), "state": st, "master": master}
-    return {"format": FULL_FORMAT, "params": params, "param_groups": ordered[0]["param_groups"]}

@@ -6,6 +6,9 @@ Layout of one checkpoint ``ROOT/step-00000100/``::
                                    optimizer/scheduler state, data position
     shard-tp00000.safetensors      the tp rank's parameters and optimizer states (written by
     ...                            the ranks of data-parallel replica 0), a CRC-32 per tensor
+    optim-tp00000-dp00000.safetensors   ZeRO-1 only: each (tp, dp) rank's own shard of the
+    ...                            optimizer state and fp32 masters (none in shard-tp*; the
+                                   metadata's optimizer.dp_shards says at which dp)
     rng-rank00000.safetensors/json each rank's RNG states
 
 All ranks write (and fsync) into ``ROOT/.tmp-step-00000100``; rank 0 renames it only after
@@ -16,13 +19,14 @@ and commits / modifies nothing. No tensor is pickled.
 
 Modules: :mod:`.format` (names, checksums, durable writes), :mod:`.agree` (failure agreement),
 :mod:`.writer` (save), :mod:`.reader` (load), :mod:`.merge` (consolidate), :mod:`.reshard`
-(layouts), :mod:`.outdir` (output directory checks, job lock, resume plan).
+(layouts), :mod:`.zero1_files` (dp-sharded ZeRO-1 state), :mod:`.outdir` (output directory
+checks, job lock, resume plan).
 """
 
 from __future__ import annotations
 
 from .format import FORMAT, CheckpointError, latest, read_meta
-from .merge import consolidate
+from .merge import consolidate, full_optimizer_state
 from .reader import load
 from .writer import dry_run_save, save
 
@@ -31,6 +35,7 @@ __all__ = [
     "load",
     "latest",
     "consolidate",
+    "full_optimizer_state",
     "read_meta",
     "dry_run_save",
     "CheckpointError",

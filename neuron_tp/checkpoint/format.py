@@ -16,7 +16,10 @@ import zlib
 import torch
 
 FORMAT = "neuron_tp.checkpoint/2"  # /2: per-tensor checksums in every safetensors file
-READABLE = ("neuron_tp.checkpoint/1", FORMAT)
+# /3: a ZeRO-1 optimizer state sharded over dp (meta["optimizer"]["dp_shards"], one
+# optim-tp*-dp*.safetensors per rank); older readers refuse it instead of losing the state.
+FORMAT_DP_SHARDED = "neuron_tp.checkpoint/3"
+READABLE = ("neuron_tp.checkpoint/1", FORMAT, FORMAT_DP_SHARDED)
 STEP_RE = re.compile(r"^step-(\d{8})$")
 
 

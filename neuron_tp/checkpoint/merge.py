@@ -1,4 +1,6 @@
-"""Consolidating a sharded checkpoint into one standard HF directory (offline, no mesh)."""
+"""Consolidating a sharded checkpoint into one standard HF directory, or its optimizer state
+into full tensors (offline, no mesh). A ZeRO-1 state is joined over dp first
+(:mod:`.zero1_files`), then over tp like the parameters."""
 
 from __future__ import annotations
 
@@ -41,13 +43,7 @@ def _prepare_target(out_dir: str) -> str:
     return tmp
 
 
-def consolidate(path: str, out_dir: str) -> str:
-    """Write checkpoint ``path`` (or the newest one under it) as one standard HF directory
-    (config.json + model.safetensors, HF tensor names). Every tensor's checksum is verified
-    and non-finite weights are refused; an unusable ``out_dir`` (a file, not writable, not
-    empty) is refused before any shard is read. Returns ``out_dir``."""
-    from safetensors.torch import save_file
-
+def _find(path: str) -> str:
     ckpt = (
         path
         if os.path.exists(os.path.join(path, "meta.json"))
@@ -57,10 +53,44 @@ def consolidate(path: str, out_dir: str) -> str:
         raise CheckpointError(
             f"{path}: no neuron_tp checkpoint there (no meta.json, no step-* dirs)"
         )
+    return ckpt
+
+
+def _shards(ckpt: str, meta: dict) -> Shards:
+    dp_shards = (meta.get("optimizer") or {}).get("dp_shards")
+    return Shards(ckpt, meta["mesh"]["tp"], meta.get("step"), dp_shards)
+
+
+def full_optimizer_state(path: str) -> dict[str, dict[str, torch.Tensor]]:
+    """The optimizer state of checkpoint ``path`` (or the newest one under it) unsharded over
+    dp and tp, per parameter: ``{name: {"exp_avg": ..., "step": ..., "master": ...}}``, each
+    tensor shaped like the HF parameter (as :func:`consolidate` writes it). Checksums are
+    verified."""
+    ckpt = _find(path)
+    meta = read_meta(ckpt)
+    shards = _shards(ckpt, meta)
+    keys = shards.keys(0) if meta.get("optimizer") else set()
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for name, rec in meta["params"].items():
+        for k in sorted(k for k in keys if k.rsplit("/", 1)[0] == f"optim/{name}"):
+            short = k.rsplit("/", 1)[1]
+            t = shards.get(0, k) if short == "step" else to_hf(shards.full(k, rec), rec["hf"])
+            out.setdefault(name, {})[short] = t
+    return out
+
+
+def consolidate(path: str, out_dir: str) -> str:
+    """Write checkpoint ``path`` (or the newest one under it) as one standard HF directory
+    (config.json + model.safetensors, HF tensor names). Every tensor's checksum is verified
+    and non-finite weights are refused; an unusable ``out_dir`` (a file, not writable, not
+    empty) is refused before any shard is read. Returns ``out_dir``."""
+    from safetensors.torch import save_file
+
+    ckpt = _find(path)
     meta = read_meta(ckpt)
     tmp = _prepare_target(out_dir)
     try:
-        shards = Shards(ckpt, meta["mesh"]["tp"], meta.get("step"))
+        shards = _shards(ckpt, meta)
         tensors = {}
         for name, rec in meta["params"].items():
             t = to_hf(shards.full(f"model/{name}", rec), rec["hf"]).contiguous()

@@ -16,19 +16,25 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import zero1_state
 from ..mesh import Mesh
 from ..sharding import ParamMeta, named_parameter_meta
+from . import zero1_files
 from .agree import agree
 from .format import CheckpointError, file_record, read_meta, verify
 from .reshard import assemble, local_piece, logical_shape
-from .writer import device_of, mesh_of
+from .writer import device_of, is_zero1, mesh_of
+from .zero1_files import DpShards
 
 
 class Shards:
-    """Lazy, verifying readers of a checkpoint's tp shard files."""
+    """Lazy, verifying readers of a checkpoint's tp shard files; with ``dp_shards`` (a ZeRO-1
+    state, :mod:`.zero1_files`) ``optim/`` tensors come from the per-(tp, dp) files, joined
+    over dp."""
 
-    def __init__(self, path: str, tp: int, step: int | None = None):
+    def __init__(self, path: str, tp: int, step: int | None = None, dp_shards: int | None = None):
         self.path, self.tp, self.step, self.handles = path, tp, step, {}
+        self.optim = DpShards(path, tp, dp_shards, step) if dp_shards else None
 
     def file(self, tp_rank: int) -> str:
         return os.path.join(self.path, f"shard-tp{tp_rank:05d}.safetensors")
@@ -57,6 +63,8 @@ class Shards:
         return self.handles[tp_rank]
 
     def get(self, tp_rank: int, key: str) -> torch.Tensor:
+        if self.optim is not None and key.startswith("optim/"):
+            return self.optim.joined(tp_rank, key)
         handle, rec = self._open(tp_rank)
         try:
             t = handle.get_tensor(key)
@@ -67,7 +75,8 @@ class Shards:
         return verify(self.file(tp_rank), key, t, rec)
 
     def keys(self, tp_rank: int) -> set[str]:
-        return set(self._open(tp_rank)[0].keys())
+        optim = self.optim.keys(tp_rank) if self.optim is not None else set()
+        return set(self._open(tp_rank)[0].keys()) | optim
 
     def full(self, key: str, rec: dict) -> torch.Tensor:
         n = self.tp if rec["sharding"] else 1
@@ -101,10 +110,11 @@ class Staged:
     meta: dict
     params: dict
     optim: dict
+    zero1: dict | None  # this rank's own ZeRO-1 shard state (same tp and dp layout)
     rng: tuple | None  # (torch cpu state, python state, xla seed or None)
 
 
-def _read_tensors(path: str, meta: dict, model, optimizer, mesh: Mesh) -> tuple[dict, dict]:
+def _read_tensors(path: str, meta: dict, model, optimizer, mesh: Mesh) -> tuple:
     saved_mesh = meta["mesh"]
     same = saved_mesh["tp"] == mesh.tp_size and saved_mesh["tp_mode"] == mesh.tp_mode
     if not same and saved_mesh["tp_mode"] != "1d":
@@ -112,7 +122,11 @@ def _read_tensors(path: str, meta: dict, model, optimizer, mesh: Mesh) -> tuple[
             f"{path} was saved with tp_mode={saved_mesh['tp_mode']!r} tp="
             f"{saved_mesh['tp']}; it can only be loaded with the same layout"
         )
-    shards = Shards(path, saved_mesh["tp"], meta.get("step"))
+    dp_shards = (meta.get("optimizer") or {}).get("dp_shards")
+    shards = Shards(path, saved_mesh["tp"], meta.get("step"), dp_shards)
+    zero1 = None
+    if same and is_zero1(optimizer) and dp_shards == mesh.dp_size:  # read only its own
+        zero1 = zero1_files.stage_shard(shards.optim, optimizer, mesh, path)
 
     def piece(name: str, key: str, pmeta: ParamMeta) -> torch.Tensor:
         rec = meta["params"][name]
@@ -131,7 +145,7 @@ def _read_tensors(path: str, meta: dict, model, optimizer, mesh: Mesh) -> tuple[
                 f"the model's is {tuple(p.shape)}"
             )
         params[name] = t
-        if optimizer is not None:
+        if optimizer is not None and zero1 is None:
             keys = [
                 k
                 for k in ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master")
@@ -154,7 +168,7 @@ def _read_tensors(path: str, meta: dict, model, optimizer, mesh: Mesh) -> tuple[
             f"{path}: optimizer had {meta['optimizer']['groups']} parameter "
             f"groups, this one has {len(optimizer.param_groups)}"
         )
-    return params, optim
+    return params, optim, zero1
 
 
 def _read_rng(path: str, rank: int) -> tuple:
@@ -186,7 +200,7 @@ def _tuples(x):
 def _stage(path: str, model, optimizer, scheduler, mesh: Mesh, restore_rng: bool) -> Staged:
     meta = read_meta(path)
     _check_model(meta, model, path)
-    params, optim = _read_tensors(path, meta, model, optimizer, mesh)
+    params, optim, zero1 = _read_tensors(path, meta, model, optimizer, mesh)
     if scheduler is not None and meta.get("scheduler") is not None:
         try:  # on a shallow copy: the scheduler itself is not touched
             copy.copy(scheduler).load_state_dict(copy.deepcopy(meta["scheduler"]))
@@ -197,7 +211,7 @@ def _stage(path: str, model, optimizer, scheduler, mesh: Mesh, restore_rng: bool
     rng = None
     if restore_rng and meta["mesh"]["world_size"] == mesh.world_size:
         rng = _read_rng(path, mesh.rank)
-    return Staged(meta, params, optim, rng)
+    return Staged(meta, params, optim, zero1, rng)
 
 
 def _apply(model, optimizer, scheduler, s: Staged) -> None:
@@ -213,7 +227,9 @@ def _apply(model, optimizer, scheduler, s: Staged) -> None:
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(s.params[name].to(p.dtype))
-    if hasattr(optimizer, "load_full_state_dict"):  # ZeRO-1: this rank's dp chunks
+    if s.zero1 is not None:  # ZeRO-1 at the saved layout: its own shard (params loaded above)
+        zero1_state.load_state_dict(optimizer, s.zero1, gather=False)
+    elif is_zero1(optimizer):  # ZeRO-1 from a full state: this rank's dp chunks
         _apply_zero1(model, optimizer, s)
     elif optimizer is not None:
         capturable = {
@@ -235,8 +251,6 @@ def _apply(model, optimizer, scheduler, s: Staged) -> None:
 def _apply_zero1(model, optimizer, s: Staged) -> None:
     """The per-parameter state (saved with or without ZeRO-1, at any dp degree) into a
     :class:`~neuron_tp.zero1.Zero1`; its hyperparameters stay (the schedule sets the lr)."""
-    from ..zero1 import FULL_FORMAT
-
     params = {}
     for name, p in model.named_parameters():
         if name not in optimizer.slots:
@@ -244,8 +258,9 @@ def _apply_zero1(model, optimizer, s: Staged) -> None:
         st = dict(s.optim.get(name, {}))
         master = st.pop("master", None)
         params[name] = {"shape": tuple(p.shape), "state": st, "master": master}
+    groups = zero1_state.groups_meta(optimizer)
     optimizer.load_full_state_dict(
-        {"format": FULL_FORMAT, "params": params, "param_groups": optimizer._groups_meta()}
+        {"format": zero1_state.FULL_FORMAT, "params": params, "param_groups": groups}
     )
 
 

@@ -19,8 +19,18 @@ import torch
 
 from ..mesh import Mesh, get_mesh
 from ..sharding import named_parameter_meta
+from . import zero1_files
 from .agree import agree
-from .format import FORMAT, STEP_RE, CheckpointError, fsync, step_name, write_tensors, write_text
+from .format import (
+    FORMAT,
+    FORMAT_DP_SHARDED,
+    STEP_RE,
+    CheckpointError,
+    fsync,
+    step_name,
+    write_tensors,
+    write_text,
+)
 from .reshard import full_shape, hf_record, logical_shape, sharding_record
 
 
@@ -64,10 +74,20 @@ def _optimizer_tensors(model, optimizer) -> dict[str, torch.Tensor]:
     return out
 
 
+def _optimizer_meta(optimizer) -> dict | None:
+    """Class and group count; for ZeRO-1 ``dp_shards``: the dp degree its state is cut in."""
+    if optimizer is None:
+        return None
+    out = {"class": type(optimizer).__name__, "groups": len(optimizer.param_groups)}
+    if is_zero1(optimizer):
+        out["dp_shards"] = optimizer.group.size
+    return out
+
+
 def _metadata(model, optimizer, scheduler, step: int, mesh: Mesh, data_state, extra) -> dict:
     config = getattr(model, "config", None)
     return {
-        "format": FORMAT,
+        "format": FORMAT_DP_SHARDED if is_zero1(optimizer) else FORMAT,
         "step": int(step),
         "mesh": {
             "world_size": mesh.world_size,
@@ -91,9 +111,7 @@ def _metadata(model, optimizer, scheduler, step: int, mesh: Mesh, data_state, ex
             }
             for n, p, m in named_parameter_meta(model)
         },
-        "optimizer": None
-        if optimizer is None
-        else {"class": type(optimizer).__name__, "groups": len(optimizer.param_groups)},
+        "optimizer": _optimizer_meta(optimizer),
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "data_state": data_state,
         "extra": extra or {},
@@ -113,26 +131,9 @@ def _model_tensors(model) -> dict[str, torch.Tensor]:
     return out
 
 
-def zero1_tensors(optimizer) -> dict[str, torch.Tensor]:
-    """A :class:`~neuron_tp.zero1.Zero1`'s state in the per-parameter format of a plain
-    optimizer (``optim/<name>/<key>``, this rank's tp shard, full over dp), plus the fp32
-    master of a parameter of another dtype as ``optim/<name>/master``. Collective over dp:
-    every rank calls it, and every rank runs the gathers (one graph on XLA) before reading."""
-    full = optimizer.full_state_dict()
-    tensors = {
-        f"optim/{name}/{key}": v
-        for name, entry in full["params"].items()
-        for key, v in (
-            *entry["state"].items(),
-            *((("master", entry["master"]),) if entry["master"] is not None else ()),
-        )
-        if isinstance(v, torch.Tensor)
-    }
-    if any(t.device.type == "xla" for t in tensors.values()):
-        from .. import _xla
-
-        _xla.xm().mark_step()  # the gathers run on every dp rank, not only on the writing one
-    return {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+def is_zero1(optimizer) -> bool:
+    """A :class:`~neuron_tp.zero1.Zero1`: its state is saved dp-sharded (:mod:`.zero1_files`)."""
+    return hasattr(optimizer, "load_full_state_dict")
 
 
 def _write_rank_files(
@@ -142,13 +143,12 @@ def _write_rank_files(
     mesh: Mesh,
     step: int,
     meta_text: str | None,
-    optim_tensors: dict[str, torch.Tensor] | None = None,
 ) -> None:
+    if is_zero1(optimizer):  # every rank its own ZeRO-1 shard, no dp gather
+        zero1_files.write_shard(tmp, optimizer, mesh, step)
     if mesh.dp_rank == 0:  # one copy of each tp shard: the ranks of dp replica 0
         tensors = _model_tensors(model)
-        if optim_tensors is not None:
-            tensors.update(optim_tensors)
-        elif optimizer is not None:
+        if optimizer is not None and not is_zero1(optimizer):
             tensors.update(_optimizer_tensors(model, optimizer))
         write_tensors(
             os.path.join(tmp, f"shard-tp{mesh.tp_rank:05d}.safetensors"),
@@ -202,8 +202,6 @@ def save(
         raise ValueError(f"keep_last must be >= 1 (or None to keep all), got {keep_last}")
     mesh, device = mesh_of(model, mesh), device_of(model)
     what = f"saving step {int(step)}"
-    # ZeRO-1: gathered over dp by every rank first (dp replica 0 writes it below).
-    optim_tensors = zero1_tensors(optimizer) if hasattr(optimizer, "full_state_dict") else None
     final = os.path.join(root, step_name(step))
     tmp = os.path.join(root, ".tmp-" + step_name(step))
     error, meta_text = None, None
@@ -221,7 +219,7 @@ def save(
     agree(mesh, device, what, error)
     error = None
     try:
-        _write_rank_files(tmp, model, optimizer, mesh, step, meta_text, optim_tensors)
+        _write_rank_files(tmp, model, optimizer, mesh, step, meta_text)
     except Exception as e:  # noqa: BLE001 - e.g. disk full on one rank
         error = e
     try:

@@ -5,7 +5,8 @@ nothing, consolidate refuses a non-empty target; the CLI reports errors with exi
 Integrity: a damaged tensor is refused by load and consolidate naming file and tensor, a
 diverged (non-finite) model is never saved or consolidated, consolidate refuses an impossible
 target before reading any shard, --keep-last spares protected checkpoints, a bad scheduler or
-RNG state changes nothing; the output-dir lock and the resume plan on their own."""
+RNG state changes nothing; the output-dir lock and the resume plan on their own; a ZeRO-1
+optimizer's own shard file round trip, and a damaged or missing one refused."""
 
 from __future__ import annotations
 
@@ -355,3 +356,49 @@ def test_save_fsyncs_every_file_and_the_directory_before_the_rename(tmp_path, mo
     synced = {p for kind, p in events[:at] if kind == "fsync"}
     assert {os.path.join(tmp, f) for f in os.listdir(path)} | {tmp} <= synced, events
     assert ("fsync", root) in events[at:]  # and the rename itself made durable
+
+
+def test_zero1_shard_files_round_trip_and_damage(tmp_path):
+    """A ZeRO-1 run (dp=1) saves its optimizer shard to optim-tp00000-dp00000 (not into the
+    model shard); it loads back into Zero1 and plain AdamW; a damaged or missing shard file is
+    refused naming it, with nothing modified."""
+    from neuron_tp.checkpoint.zero1_files import optim_file
+
+    def zero_trained(seed, steps):
+        model = build_model("tiny-llama", 257, seed)
+        opt = make_optimizer(model, 1e-3, 0.1, torch.device("cpu"), zero1_mesh=MESH)
+        ids = torch.randint(0, 257, (2, 9), generator=torch.Generator().manual_seed(seed))
+        for _ in range(steps):
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        return model, opt
+
+    model, opt = zero_trained(0, 2)
+    path = checkpoint.save(str(tmp_path), model, opt, step=2, mesh=MESH)
+    assert os.path.exists(optim_file(path, 0, 0))
+    assert checkpoint.read_meta(path)["optimizer"]["dp_shards"] == 1
+    want = opt.full_state_dict()["params"]
+    fresh, opt2 = zero_trained(1, 1)
+    checkpoint.load(path, fresh, opt2, mesh=MESH)
+    for n, e in opt2.full_state_dict()["params"].items():
+        for k, v in e["state"].items():
+            assert torch.equal(v, want[n]["state"][k]), (n, k)
+    plain, popt, _ = _trained(seed=1, steps=1)
+    checkpoint.load(path, plain, popt, mesh=MESH)
+    for n, p in plain.named_parameters():
+        assert torch.equal(popt.state[p]["exp_avg"], want[n]["state"]["exp_avg"]), n
+
+    key = "optim/model.norm.weight/exp_avg"
+    _damage(optim_file(path, 0, 0), key)
+    fresh, opt2 = zero_trained(3, 1)
+    before = _params(fresh)
+    moments = {n: e["state"]["exp_avg"] for n, e in opt2.full_state_dict()["params"].items()}
+    with pytest.raises(ValueError, match=f"optim-tp00000-dp00000.safetensors: tensor '{key}'"):
+        checkpoint.load(path, fresh, opt2, mesh=MESH)
+    os.remove(optim_file(path, 0, 0))
+    with pytest.raises(ValueError, match="optim-tp00000-dp00000.safetensors: unreadable"):
+        checkpoint.load(path, fresh, opt2, mesh=MESH)
+    assert all(torch.equal(p, before[n]) for n, p in fresh.named_parameters())
+    for n, e in opt2.full_state_dict()["params"].items():
+        assert torch.equal(e["state"]["exp_avg"], moments[n]), n
