@@ -22,49 +22,67 @@ def check_loss_inputs(logits: torch.Tensor, labels: torch.Tensor, reduction: str
 
 
 class _VocabParallelCE(torch.autograd.Function):
-    """Per-token loss from this rank's vocab slice; the backward is analytic and local
-    (``softmax - onehot``, with the global log-sum-exp), so it needs no communication."""
+    """Per-token loss from this rank's vocab slice, with one full-size fp32 tensor in all.
+
+    The forward makes one fresh fp32 tensor ``p = z - m`` (``z`` the logits, padded columns at
+    -1e30, ``m`` the local max), takes the target and smoothing terms from it, then
+    exponentiates it in place. One all-gather of every rank's (local log-sum-exp, target
+    term) gives the global log-sum-exp ``lse``. ``p`` is saved with the per-token factor
+    ``exp(m - lse)`` that makes it the global softmax (no extra pass over ``p`` in forward);
+    the backward turns it in place into ``g * (softmax - (1 - s) onehot - s / V)`` (no
+    communication) and returns it (cast to the logits' dtype). The caller's logits are never
+    written. As the backward consumes the saved tensor, a second backward through the same
+    graph (``retain_graph``) fails with autograd's "modified by an inplace operation" error,
+    never a wrong gradient.
+    """
 
     @staticmethod
     def forward(
         ctx, logits, labels, tp: Group, vocab_size: int, ignore_index: int, smoothing: float
     ):
-        z = logits.float()
-        local_v = z.shape[-1]
+        local_v = logits.shape[-1]
+        dev = logits.device
         start = (
-            tp.rank_tensor(z.device) * local_v
+            tp.rank_tensor(dev) * local_v
             if tp.size > 1
-            else torch.zeros((), dtype=torch.long, device=z.device)
+            else torch.zeros((), dtype=torch.long, device=dev)
         )
-        padded = None
-        if vocab_size != local_v * tp.size:
-            padded = torch.arange(local_v, device=z.device) + start >= vocab_size
-            z = z.masked_fill(padded, _NEG)
-        lse = torch.logsumexp(z, dim=-1, keepdim=True)
-        lse = torch.logsumexp(comm.all_gather(lse, tp, -1), dim=-1)
+        keep = (torch.arange(local_v, device=dev) + start < vocab_size).float()  # not padding
+        padded = vocab_size != local_v * tp.size
+        if logits.dtype == torch.float32 and not padded:
+            m = logits.amax(-1, keepdim=True)
+            p = logits - m  # the one full-size allocation
+        else:  # the one full-size allocation: an fp32 copy, padded columns at -1e30
+            p = logits.to(torch.float32, copy=True)
+            if padded:
+                p.masked_fill_(keep == 0, _NEG)
+            m = p.amax(-1, keepdim=True)
+            p.sub_(m)
         valid = labels != ignore_index
         local = labels - start
         inside = (local >= 0) & (local < local_v) & valid
         idx = local.clamp(0, local_v - 1).unsqueeze(-1)
-        target = z.gather(-1, idx).squeeze(-1) * inside
-        if smoothing > 0:
-            zs = z if padded is None else z.masked_fill(padded, 0.0)
-            target = (1 - smoothing) * target + smoothing * zs.sum(-1) / vocab_size
-        target = comm.all_reduce(target, tp)
-        ctx.save_for_backward(z, lse, idx, inside, valid, padded)
+        target = (p.gather(-1, idx) + m).squeeze(-1) * inside
+        if smoothing > 0:  # mean logit over the FULL vocab: this slice's unpadded sum / V
+            zsum = p @ keep + m.squeeze(-1) * keep.sum()
+            target = (1 - smoothing) * target + smoothing / vocab_size * zsum
+        local_lse = m + p.exp_().sum(-1, keepdim=True).log()
+        both = comm.all_gather(torch.cat([local_lse, target.unsqueeze(-1)], -1), tp, -1)
+        both = both.unflatten(-1, (tp.size, 2))
+        lse = torch.logsumexp(both[..., 0], dim=-1)
+        ctx.save_for_backward(p, (m - lse.unsqueeze(-1)).exp(), idx, inside, valid, keep)
         ctx.smoothing, ctx.vocab_size, ctx.dtype = smoothing, vocab_size, logits.dtype
-        return (lse - target) * valid
+        return (lse - both[..., 1].sum(-1)) * valid
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, g):
-        z, lse, idx, inside, valid, padded = ctx.saved_tensors
+        grad, scale, idx, inside, valid, keep = ctx.saved_tensors
         g = (g * valid).unsqueeze(-1)
-        grad = torch.exp(z - lse.unsqueeze(-1)) * g
-        hit = (1 - ctx.smoothing) * (inside.unsqueeze(-1) * g)
-        grad = grad.scatter_add(-1, idx, -hit)
+        grad.mul_(scale * g)  # softmax * g
+        grad.scatter_add_(-1, idx, (ctx.smoothing - 1) * (inside.unsqueeze(-1) * g))
         if ctx.smoothing > 0:
-            spread = g * (ctx.smoothing / ctx.vocab_size)
-            grad = grad - (spread if padded is None else spread * ~padded)
+            grad.addcmul_(g, keep, value=-ctx.smoothing / ctx.vocab_size)
         return grad.to(ctx.dtype), None, None, None, None, None
 
 
@@ -82,8 +100,9 @@ def parallel_cross_entropy(
     ``logits``: ``[..., V/tp]``, rank r holding columns ``[r*V/tp, (r+1)*V/tp)``; ``labels``:
     ``[...]``. ``vocab_size`` is the true vocabulary when the last shard is padded; padded
     columns never affect the loss. Label smoothing spreads ``label_smoothing`` over the full
-    vocabulary (not the local slice). Communication: one all-gather of ``[..., tp]`` local
-    log-sum-exps and one all-reduce of the target (and mean) logits.
+    vocabulary (not the local slice). Communication: one all-gather of ``[..., 2 tp]`` (every
+    rank's local log-sum-exp and target term). Memory: one fp32 tensor of the logits' shape,
+    kept for backward and returned as the gradient; ``logits`` itself is never modified.
     """
     check_loss_inputs(logits, labels, reduction)
     if not 0.0 <= label_smoothing <= 1.0:
