@@ -42,7 +42,8 @@ def _run(plan: list[tuple], world: int) -> None:
 def test_two_devices_blocks_and_hf_tp2():
     _run(
         [("1d", 2, sp) for sp in SP]
-        + [("hf", 2, name, sp) for name in ("llama", "qwen3", "gpt2", "falcon") for sp in SP],
+        + [("hf", 2, name, sp) for name in ("llama", "qwen3", "gpt2", "falcon") for sp in SP]
+        + [("hf", 2, "llama", "keep")],  # SP keeping the gathered inputs (no re-gather)
         2,
     )
 

@@ -148,14 +148,16 @@ def block_1d_case(c: Checks, mesh, sp: bool) -> None:
 # --- 2D / 3D blocks -------------------------------------------------------------------------
 
 
-def block_nd_case(c: Checks, mesh, batch: int) -> None:
+def block_nd_case(c: Checks, mesh, batch: int, regather: bool = True) -> None:
     """TransformerBlockND vs tests/nd_reference.py's plain-torch block (split_input /
-    gather_output move full activations in and out; dp replicas see their own rows)."""
+    gather_output move full activations in and out; dp replicas see their own rows).
+    ``regather``: the linears save their local blocks and all-gather them again in backward
+    (the default) or save the gathered operands."""
     dp = mesh.dp_size
-    what = f"{mesh.tp_mode} block tp={mesh.tp_size} dp={dp} [rank {mesh.rank}]"
+    what = f"{mesh.tp_mode} block tp={mesh.tp_size} dp={dp} regather={regather} [rank {mesh.rank}]"
     with serial():
         torch.manual_seed(0)
-        block = TransformerBlockND(ndr.HID, ndr.HEADS, ndr.FFN, mesh=mesh)
+        block = TransformerBlockND(ndr.HID, ndr.HEADS, ndr.FFN, mesh=mesh, regather=regather)
     full = _load_drawn_weights(block, mesh, seed=21)
     for t in full.values():
         t.requires_grad_(True)
@@ -224,10 +226,11 @@ def model_nd_case(c: Checks, mesh, batch: int) -> None:
 # --- HF models ------------------------------------------------------------------------------
 
 
-def hf_case(c: Checks, mesh, name: str, sp: bool) -> None:
+def hf_case(c: Checks, mesh, name: str, sp: bool | str) -> None:
     """A patched transformers model vs the model itself: full logits (parallelize without
     parallel_loss), then loss and every gradient with parallel_loss=True (SP grads synced,
-    dp grads averaged, gathered in HF names/layout). Each dp replica has its own batch."""
+    dp grads averaged, gathered in HF names/layout). Each dp replica has its own batch.
+    ``sp="keep"``: sequence parallel keeping the gathered inputs (no backward re-gather)."""
     tp, dp = mesh.tp_size, mesh.dp_size
     what = f"HF {name} tp={tp} dp={dp} sp={sp} [rank {mesh.rank}]"
     with serial():  # transformers' lazy imports and the global RNG are shared by the threads
@@ -243,8 +246,9 @@ def hf_case(c: Checks, mesh, name: str, sp: bool) -> None:
     expected = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
     rows = slice(mesh.dp_rank * 2, (mesh.dp_rank + 1) * 2)
     # collective (the ranks compare checksums): never under serial()
-    infer = parallelize(copy.deepcopy(ref), mesh=mesh, sequence_parallel=sp)
-    train = parallelize(copy.deepcopy(ref), mesh=mesh, sequence_parallel=sp, parallel_loss=True)
+    kw = dict(sequence_parallel=bool(sp), sequence_parallel_regather=sp != "keep")
+    infer = parallelize(copy.deepcopy(ref), mesh=mesh, **kw)
+    train = parallelize(copy.deepcopy(ref), mesh=mesh, parallel_loss=True, **kw)
     dev = torch_xla.device()
     for m in (infer, train):
         # A CPU -> XLA move makes new Parameters per module: tied ones (GPT-2's lm_head / wte)
@@ -277,7 +281,8 @@ def _summary(c: Checks, mesh) -> dict:
 
 def job(plan: list[tuple]) -> dict:
     """Run ``plan`` on this device thread: entries ``("1d", tp, sp)``, ``("nd", tp, mode,
-    batch, with_model)``, ``("hf", tp, name, sp)``; one sync per case."""
+    batch, with_model[, regather])`` (``regather`` defaults to True), ``("hf", tp, name, sp)``;
+    one sync per case."""
     torch_xla.device()  # register the device before the first backward of the process
     c = Checks()
     meshes = {}
@@ -289,8 +294,8 @@ def job(plan: list[tuple]) -> dict:
         if kind == "1d":
             block_1d_case(c, mesh, sp=rest[0])
         elif kind == "nd":
-            _, batch, with_model = rest
-            block_nd_case(c, mesh, batch)
+            _, batch, with_model, *regather = rest
+            block_nd_case(c, mesh, batch, *regather)
             if with_model:
                 model_nd_case(c, mesh, batch)
         else:

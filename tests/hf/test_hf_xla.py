@@ -39,8 +39,8 @@ def _expected(sp: bool) -> list[tuple[str, tuple[int, ...]]]:
     fwd = [(AR, act)]
     fwd += ([(AG, act), (RS, act)] * 2 if sp else [(AR, act)] * 2) * LAYERS
     fwd += [(AG, act)] if sp else []  # final norm output back to the full sequence
-    # parallel cross-entropy: gather of per-rank log-sum-exps, all-reduce of target logits
-    loss = [(AG, (B, S, TP)), (AR, (B, S))]
+    # parallel cross-entropy: one gather of every rank's (log-sum-exp, target logit) pair
+    loss = [(AG, (B, S, 2 * TP))]
     # backward: LM head input; per layer (last first) MLP, replicated kv rows of k and v, attn
     # (SP: the input of gate/up and of q/k/v is all-gathered again for their weight grads)
     bwd = [(AR, act)]
