@@ -6,6 +6,13 @@ are never split, so attention itself communicates nothing.
 
 The fused QKV projection is laid out per head, ``[heads, (q, k, v), head_dim]`` on its output
 dim (GPT-NeoX style), so a contiguous feature chunk holds whole heads with their q, k and v.
+
+``regather=True`` (the default of every constructor here) makes each linear save only its local
+input and weight blocks and all-gather them again in backward (two more all-gathers per linear
+per backward; see :mod:`~neuron_tp.layers.linear_2d` / ``linear_3d`` for the bytes), so the
+saved activations of a block are ~1/P of the unsharded block's; ``regather=False`` saves the
+gathered operands instead (~1.65x that at 2D P=4, ~1.8x at 3D P=8, measured by
+tests/test_nd_memory.py) and skips those all-gathers.
 """
 
 from __future__ import annotations
@@ -31,17 +38,15 @@ def _mode(mesh: Mesh) -> str:
 
 
 def _pair(
-    mesh: Mesh, a: int, b: int, b2: int, c: int, bias: bool, dtype
+    mesh: Mesh, a: int, b: int, b2: int, c: int, bias: bool, dtype, regather: bool
 ) -> tuple[nn.Module, nn.Module]:
     """Linears ``a -> b`` and ``b2 -> c``; applied in turn they return to the block's layout."""
+    kw = {"bias": bias, "mesh": mesh, "dtype": dtype, "regather": regather}
     if _mode(mesh) == "2d":
-        return (
-            Linear2D(a, b, bias=bias, mesh=mesh, dtype=dtype),
-            Linear2D(b2, c, bias=bias, mesh=mesh, dtype=dtype),
-        )
+        return Linear2D(a, b, **kw), Linear2D(b2, c, **kw)
     return (
-        Linear3D(a, b, bias=bias, orientation="ab", mesh=mesh, dtype=dtype),
-        Linear3D(b2, c, bias=bias, orientation="ba", mesh=mesh, dtype=dtype),
+        Linear3D(a, b, orientation="ab", **kw),
+        Linear3D(b2, c, orientation="ba", **kw),
     )
 
 
@@ -54,11 +59,17 @@ class MLPND(nn.Module):
     """``down(gelu(up(x)))``: 2D: two Linear2D; 3D: Linear3D ``ab`` then ``ba``."""
 
     def __init__(
-        self, hidden: int, ffn: int, mesh: Mesh | None = None, bias: bool = True, dtype=None
+        self,
+        hidden: int,
+        ffn: int,
+        mesh: Mesh | None = None,
+        bias: bool = True,
+        dtype=None,
+        regather: bool = True,
     ):
         super().__init__()
         mesh = get_mesh(mesh)
-        self.up, self.down = _pair(mesh, hidden, ffn, ffn, hidden, bias, dtype)
+        self.up, self.down = _pair(mesh, hidden, ffn, ffn, hidden, bias, dtype, regather)
         self.input_layout = self.output_layout = block_layout(mesh)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -69,7 +80,13 @@ class SelfAttentionND(nn.Module):
     """Causal multi-head self-attention; heads split over the feature axis (q per chunk)."""
 
     def __init__(
-        self, hidden: int, num_heads: int, mesh: Mesh | None = None, bias: bool = True, dtype=None
+        self,
+        hidden: int,
+        num_heads: int,
+        mesh: Mesh | None = None,
+        bias: bool = True,
+        dtype=None,
+        regather: bool = True,
     ):
         super().__init__()
         mesh = get_mesh(mesh)
@@ -83,7 +100,7 @@ class SelfAttentionND(nn.Module):
                 f"tp={mesh.tp_size}); use a multiple of {q} heads"
             )
         self.local_heads, self.head_dim = num_heads // q, hidden // num_heads
-        self.qkv, self.out = _pair(mesh, hidden, 3 * hidden, hidden, hidden, bias, dtype)
+        self.qkv, self.out = _pair(mesh, hidden, 3 * hidden, hidden, hidden, bias, dtype, regather)
         self.input_layout = self.output_layout = block_layout(mesh)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -98,7 +115,8 @@ class TransformerBlockND(nn.Module):
     """Pre-norm block ``x + attn(ln1(x))`` then ``x + mlp(ln2(x))`` in the mesh's 2d/3d mode.
 
     Input and output: the residual stream in :func:`block_layout` (move a full activation in and
-    out with :func:`neuron_tp.layers.nd.split_input` / ``gather_output``).
+    out with :func:`neuron_tp.layers.nd.split_input` / ``gather_output``). ``regather``: see the
+    module docstring (every linear of the block).
     """
 
     def __init__(
@@ -109,6 +127,7 @@ class TransformerBlockND(nn.Module):
         mesh: Mesh | None = None,
         bias: bool = True,
         dtype=None,
+        regather: bool = True,
     ):
         super().__init__()
         mesh = get_mesh(mesh)
@@ -116,9 +135,9 @@ class TransformerBlockND(nn.Module):
         self.mesh = mesh
         self.input_layout = self.output_layout = block_layout(mesh)
         self.ln1 = norm(hidden, mesh=mesh, dtype=dtype)
-        self.attn = SelfAttentionND(hidden, num_heads, mesh, bias, dtype)
+        self.attn = SelfAttentionND(hidden, num_heads, mesh, bias, dtype, regather)
         self.ln2 = norm(hidden, mesh=mesh, dtype=dtype)
-        self.mlp = MLPND(hidden, ffn or 4 * hidden, mesh, bias, dtype)
+        self.mlp = MLPND(hidden, ffn or 4 * hidden, mesh, bias, dtype, regather)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))

@@ -29,6 +29,8 @@ __all__ = [
     "gathered_linear",
     "gather_for_shared_linears",
     "shared_gathered_linear",
+    # 2D / 3D linears that save only the local blocks
+    "gathered_operands_linear",
     # Megatron role names (aliases)
     "copy_to_tensor_parallel",
     "reduce_from_tensor_parallel",
@@ -246,6 +248,62 @@ def shared_gathered_linear(
         return F.linear(full, weight, bias)
     y = _SharedGatheredLinear.apply(full, weight, *shard)
     return y if bias is None else y + bias
+
+
+# -- 2D / 3D linears: both operands all-gathered, only the local blocks saved --------------
+
+
+class _RegatheredLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, x_group, x_dim, w_group, w_dim):
+        x, weight = x.contiguous(), weight.contiguous()
+        ctx.groups = (x_group, x_dim, w_group, w_dim)
+        ctx.save_for_backward(x, weight)  # the local blocks, not the gathered operands
+        return F.linear(comm.all_gather(x, x_group, x_dim), comm.all_gather(weight, w_group, w_dim))
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight = ctx.saved_tensors
+        x_group, x_dim, w_group, w_dim = ctx.groups
+        need_x, need_w = ctx.needs_input_grad[:2]
+        g = g.contiguous()
+        # Through an optimization barrier with ``g`` on XLA: neither merged with the forward
+        # gathers nor hoisted into the forward (_in_backward).
+        if need_w:
+            x, g = _in_backward(x, g)
+        if need_x:
+            weight, g = _in_backward(weight, g)
+        # The re-gathers are issued first, so each can overlap the other GEMM.
+        w_full = comm.all_gather(weight, w_group, w_dim) if need_x else None
+        x_full = comm.all_gather(x, x_group, x_dim) if need_w else None
+        dx, dw = _matmul_grads(g, x_full, w_full, need_x, need_w)
+        if dx is not None:
+            dx = comm.reduce_scatter(dx.contiguous(), x_group, x_dim)
+        if dw is not None:
+            dw = comm.reduce_scatter(dw.contiguous(), w_group, w_dim)
+        return dx, dw, None, None, None, None
+
+
+def gathered_operands_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    x_group: Group,
+    x_dim: int,
+    w_group: Group,
+    w_dim: int,
+    regather: bool = True,
+) -> torch.Tensor:
+    """``all_gather(x, x_dim over x_group) @ all_gather(weight, w_dim over w_group)^T``, the
+    input and weight gradients reduce-scattered back to the blocks (the GEMM is sharded over
+    both groups, so each rank holds partial sums). ``regather=True`` saves only the local
+    blocks for backward and all-gathers both again there (two more all-gathers, 1/group of
+    the saved bytes); ``regather=False`` saves the gathered operands (the 2D and 3D linears'
+    shared core)."""
+    if not regather or (x_group.size == 1 and w_group.size == 1):
+        x_full = all_gather_fwd_reduce_scatter_bwd(x, x_group, x_dim)
+        w_full = all_gather_fwd_reduce_scatter_bwd(weight, w_group, w_dim)
+        return F.linear(x_full, w_full)
+    return _RegatheredLinear.apply(x, weight, x_group, x_dim, w_group, w_dim)
 
 
 def identity_fwd_all_reduce_bwd(x: torch.Tensor, group: Group) -> torch.Tensor:

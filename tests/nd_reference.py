@@ -46,36 +46,75 @@ def check_layer(
     _grads_match(layer, {n: p.grad for n, p in ref.named_parameters()}, mesh, what)
 
 
-def check_linears(mesh, batch: int) -> None:
-    """Each linear (from_linear and TP-invariant init), stacked pairs, norms, embedding."""
+def check_one_grad(layer, ref, in_layout, out_layout, mesh, x_shape, what: str) -> None:
+    """Backward needing one operand's gradient only: a frozen weight (the input gradient
+    alone), then an input without grad (the parameter gradients alone)."""
+    torch.manual_seed(6)
+    x_full = torch.randn(x_shape)
+    g_full = torch.randn(*x_shape[:-1], ref.out_features)
+    g = nd.split_input(g_full, out_layout, mesh)
+    x_ref = x_full.clone().requires_grad_(True)
+    ref.zero_grad()
+    (ref(x_ref) * g_full).sum().backward()
+    layer.zero_grad()
+    layer.weight.requires_grad_(False)
+    x = x_full.clone().requires_grad_(True)
+    (layer(nd.split_input(x, in_layout, mesh)) * g).sum().backward()
+    assert_close(x.grad, x_ref.grad, f"{what}: input grad (frozen weight)")
+    layer.weight.requires_grad_(True)
+    layer.zero_grad()
+    (layer(nd.split_input(x_full, in_layout, mesh)) * g).sum().backward()
+    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+    _grads_match(layer, ref_grads, mesh, f"{what} (input without grad)")
+
+
+def check_gathered_linears(mesh, batch: int, regather: bool) -> None:
+    """Each linear (from_linear) alone and as a stacked pair, with ``regather`` (save the
+    local blocks, all-gather again in backward) or without (save the gathered operands)."""
     mode = mesh.tp_mode
+    kw = {"mesh": mesh, "regather": regather}
+    what = f"regather={regather}"
     torch.manual_seed(0)
     if mode == "2d":
         lin = nn.Linear(HID, 10)
-        layer = nd.Linear2D.from_linear(lin, mesh=mesh)
-        check_layer(layer, lin, "2d", "2d", mesh, (batch, S, HID), "Linear2D")
+        layer = nd.Linear2D.from_linear(lin, **kw)
+        check_layer(layer, lin, "2d", "2d", mesh, (batch, S, HID), f"Linear2D {what}")
+        check_one_grad(layer, lin, "2d", "2d", mesh, (batch, S, HID), f"Linear2D {what}")
         pair = nn.Sequential(nn.Linear(HID, 8), nn.GELU(), nn.Linear(8, HID))
         sharded = nn.Sequential(
-            nd.Linear2D.from_linear(pair[0], mesh=mesh),
+            nd.Linear2D.from_linear(pair[0], **kw),
             nn.GELU(),
-            nd.Linear2D.from_linear(pair[2], mesh=mesh),
+            nd.Linear2D.from_linear(pair[2], **kw),
         )
-        layout, norm_layouts, lin_cls = "2d", ["2d"], nd.Linear2D
+        layout = "2d"
     else:
         lin = nn.Linear(HID, 6)
-        layer = nd.Linear3D.from_linear(lin, mesh=mesh)  # orientation ab: 3d-a -> 3d-b
-        check_layer(layer, lin, "3d-a", "3d-b", mesh, (batch, S, HID), "Linear3D ab")
+        layer = nd.Linear3D.from_linear(lin, **kw)  # orientation ab: 3d-a -> 3d-b
+        check_layer(layer, lin, "3d-a", "3d-b", mesh, (batch, S, HID), f"Linear3D ab {what}")
+        check_one_grad(layer, lin, "3d-a", "3d-b", mesh, (batch, S, HID), f"Linear3D ab {what}")
         lin = nn.Linear(8, 10)
-        layer = nd.Linear3D.from_linear(lin, mesh=mesh, orientation="ba")
-        check_layer(layer, lin, "3d-b", "3d-a", mesh, (batch, S, 8), "Linear3D ba")
+        layer = nd.Linear3D.from_linear(lin, orientation="ba", **kw)
+        check_layer(layer, lin, "3d-b", "3d-a", mesh, (batch, S, 8), f"Linear3D ba {what}")
         pair = nn.Sequential(nn.Linear(HID, 8), nn.GELU(), nn.Linear(8, HID))
         sharded = nn.Sequential(
-            nd.Linear3D.from_linear(pair[0], mesh=mesh),
+            nd.Linear3D.from_linear(pair[0], **kw),
             nn.GELU(),
-            nd.Linear3D.from_linear(pair[2], mesh=mesh, orientation="ba"),
+            nd.Linear3D.from_linear(pair[2], orientation="ba", **kw),
         )
-        layout, norm_layouts, lin_cls = "3d-a", ["3d-a", "3d-b"], nd.Linear3D
-    check_layer(sharded, pair, layout, layout, mesh, (batch, S, HID), f"{mode} stacked pair")
+        layout = "3d-a"
+    check_layer(sharded, pair, layout, layout, mesh, (batch, S, HID), f"{mode} stacked pair {what}")
+
+
+def check_linears(mesh, batch: int) -> None:
+    """Each linear (from_linear, both schedules, and TP-invariant init), stacked pairs, norms,
+    embedding."""
+    mode = mesh.tp_mode
+    for regather in (True, False):
+        check_gathered_linears(mesh, batch, regather)
+    if mode == "2d":
+        norm_layouts, lin_cls = ["2d"], nd.Linear2D
+    else:
+        norm_layouts, lin_cls = ["3d-a", "3d-b"], nd.Linear3D
 
     # TP-invariant init: the gathered weights equal the full tensors drawn from the same seed
     torch.manual_seed(3)
@@ -162,12 +201,12 @@ def _randomize_norms(model: nn.Module) -> None:
                 m.bias.uniform_(-0.5, 0.5)
 
 
-def check_block(mesh, batch: int) -> None:
+def check_block(mesh, batch: int, regather: bool = True) -> None:
     """TransformerBlockND vs the plain-torch block: output, input grad, parameter grads.
     With dp > 1 each replica sees its own batch; grads are dp-averaged and compared with the
-    reference on the concatenated batch."""
+    reference on the concatenated batch. ``regather``: the linears' backward schedule."""
     torch.manual_seed(0)
-    block = TransformerBlockND(HID, HEADS, FFN, mesh=mesh)
+    block = TransformerBlockND(HID, HEADS, FFN, mesh=mesh, regather=regather)
     _randomize_norms(block)
     layout = block.input_layout
     full = {n: t.clone().requires_grad_(True) for n, t in ntp.gather_params(block, mesh).items()}
@@ -182,9 +221,11 @@ def check_block(mesh, batch: int) -> None:
     y = block(nd.split_input(x, layout, mesh))
     (y * nd.split_input(g_all[rows], layout, mesh)).sum().backward()
     ntp.allreduce_data_parallel_grads(block, mesh)
-    assert_close(nd.gather_output(y.detach(), layout, mesh), y_ref.detach()[rows], "block out")
-    assert_close(x.grad, x_all.grad[rows] * mesh.dp_size, "block input grad")
-    _grads_match(block, {n: t.grad for n, t in full.items()}, mesh, f"{mesh.tp_mode} block")
+    what = f"{mesh.tp_mode} block regather={regather}"
+    out = nd.gather_output(y.detach(), layout, mesh)
+    assert_close(out, y_ref.detach()[rows], f"{what}: out")
+    assert_close(x.grad, x_all.grad[rows] * mesh.dp_size, f"{what}: input grad")
+    _grads_match(block, {n: t.grad for n, t in full.items()}, mesh, what)
     # the global grad norm (clip_grad_norm_ path) counts every element once
     ref_norm = torch.sqrt(sum(t.grad.square().sum() for t in full.values()))
     assert_close(ntp.global_grad_norm(block, mesh), ref_norm, "global grad norm")

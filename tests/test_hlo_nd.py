@@ -1,6 +1,7 @@
 """XLA path of 2D/3D tensor parallelism: the traced HLO (forward + backward) of one rank of a
 virtual mesh holds exactly the collectives of the documented schedule, with replica groups
-computed here independently from the rank layout (numpy reshapes of the world)."""
+computed here independently from the rank layout (numpy reshapes of the world); both schedules:
+``regather=True`` (backward all-gathers the saved local X and W blocks again) and ``False``."""
 
 import numpy as np
 import pytest
@@ -30,8 +31,9 @@ def _summary(colls):
     return sorted((c.kind, c.shape, _groups(c.replica_groups)) for c in colls)
 
 
+@pytest.mark.parametrize("regather", [True, False])
 @pytest.mark.parametrize("world,tp,rank", [(32, 16, 21), (64, 64, 45)])
-def test_linear2d_collectives(world, tp, rank):
+def test_linear2d_collectives(world, tp, rank, regather):
     q = int(round(tp**0.5))
     b, s, a, c = q, 3, 4 * q, 2 * q
     grid = np.arange(world).reshape(world // tp, q, q)  # (dp, r, c)
@@ -43,7 +45,7 @@ def test_linear2d_collectives(world, tp, rank):
             rank=rank,
             tp=tp,
             mode="2d",
-            ctor=f"nd.Linear2D({a}, {c}, mesh=mesh)",
+            ctor=f"nd.Linear2D({a}, {c}, mesh=mesh, regather={regather})",
             x_shape=(b // q, s, a // q),
         )
     )
@@ -54,14 +56,18 @@ def test_linear2d_collectives(world, tp, rank):
         ("reduce-scatter", (c // q, a), col),  # bwd: dW
         ("all-reduce", (c // q,), col),
     ]  # bwd: bias grad over batch shards
+    if regather:  # bwd: the saved local blocks gathered again, as in forward
+        want += [("all-gather", (b // q, s, a), row), ("all-gather", (c // q, a), col)]
     assert _summary(colls) == sorted(want)
     assert all(cl.dtype == "f32" for cl in colls)
     ring = sum(cl.ring_bytes for cl in colls if cl.kind != "all-reduce")
-    assert ring == pytest.approx(2 * (q - 1) / q * (b * s * a + a * c) / q * 4)
+    factor = 3 if regather else 2  # (q-1)/q * (N a + a c)/q per pass over X and W
+    assert ring == pytest.approx(factor * (q - 1) / q * (b * s * a + a * c) / q * 4)
 
 
+@pytest.mark.parametrize("regather", [True, False])
 @pytest.mark.parametrize("world,tp,rank", [(16, 8, 13), (64, 64, 45)])
-def test_linear3d_collectives(world, tp, rank):
+def test_linear3d_collectives(world, tp, rank, regather):
     q = int(round(tp ** (1 / 3)))
     b, s, a, c = q * q, 2, 2 * q * q, 3 * q
     cube = np.arange(world).reshape(world // tp, q, q, q)  # (dp, i, j, l)
@@ -76,7 +82,7 @@ def test_linear3d_collectives(world, tp, rank):
             rank=rank,
             tp=tp,
             mode="3d",
-            ctor=f"nd.Linear3D({a}, {c}, orientation='ab', mesh=mesh)",
+            ctor=f"nd.Linear3D({a}, {c}, orientation='ab', mesh=mesh, regather={regather})",
             x_shape=(b // q // q, s, a // q),
         )
     )
@@ -89,9 +95,13 @@ def test_linear3d_collectives(world, tp, rank):
         ("reduce-scatter", (c // q, a // q), inp),  # bwd: dW
         ("all-reduce", (c // q,), in_out),
     ]  # bwd: bias grad over batch shards
+    if regather:  # bwd: the saved local blocks of X and W gathered again, as in forward
+        want += [("all-gather", (b // q, s, a // q), wgt), ("all-gather", (c // q, a // q), inp)]
     assert _summary(colls) == sorted(want)
     ring = sum(cl.ring_bytes for cl in colls if cl.kind != "all-reduce")
-    assert ring == pytest.approx(2 * (q - 1) / q**3 * (b * s * a + a * c + b * s * c) * 4)
+    n_a, a_c, n_c = b * s * a, a * c, b * s * c
+    units = 3 * n_a + 3 * a_c + 2 * n_c if regather else 2 * (n_a + a_c + n_c)
+    assert ring == pytest.approx((q - 1) / q**3 * units * 4)
 
 
 MODEL = """

@@ -1,5 +1,6 @@
 """2D (q x q) tensor parallelism on gloo: every layer, the loss and the block against the
-unsharded computation (outputs, input grads, parameter grads), at 4 ranks and dp=2 x 4."""
+unsharded computation (outputs, input grads, parameter grads), at 4 ranks and dp=2 x 4; the
+linears and the block with and without the backward re-gather (``regather``)."""
 
 import gloo_dist
 import neuron_tp as ntp
@@ -9,7 +10,8 @@ from nd_reference import check_block, check_linears, check_model_loss
 def _tp4():
     mesh = ntp.init_mesh(tp=4, tp_mode="2d")
     check_linears(mesh, batch=2)
-    check_block(mesh, batch=2)
+    for regather in (True, False):
+        check_block(mesh, batch=2, regather=regather)
     check_model_loss(mesh, batch=2)
 
 
@@ -17,7 +19,8 @@ def _dp2_tp4():
     mesh = ntp.init_mesh(tp=4, tp_mode="2d")
     assert mesh.dp_size == 2
     check_linears(mesh, batch=2)
-    check_block(mesh, batch=2)
+    for regather in (True, False):
+        check_block(mesh, batch=2, regather=regather)
 
 
 def test_2d_q2_layers_block_loss():

@@ -1,5 +1,6 @@
 """3D (q x q x q) tensor parallelism on gloo, 8 ranks (q=2): every layer in both orientations,
-the loss and the block against the unsharded computation (outputs, input/parameter grads)."""
+the loss and the block against the unsharded computation (outputs, input/parameter grads); the
+linears and the block with and without the backward re-gather (``regather``)."""
 
 import gloo_dist
 import neuron_tp as ntp
@@ -9,7 +10,8 @@ from nd_reference import check_block, check_linears, check_model_loss
 def _tp8():
     mesh = ntp.init_mesh(tp=8, tp_mode="3d")
     check_linears(mesh, batch=4)
-    check_block(mesh, batch=4)
+    for regather in (True, False):
+        check_block(mesh, batch=4, regather=regather)
     check_model_loss(mesh, batch=4)
 
 

@@ -60,4 +60,5 @@ def test_four_devices_tp4_tp2xdp2_2d():
 
 
 def test_eight_devices_3d_and_2d_dp2():
-    _run([("nd", 8, "3d", 4, True), ("nd", 4, "2d", 2, False)], 8)
+    # the last entry: 2D keeping the gathered operands (regather=False)
+    _run([("nd", 8, "3d", 4, True), ("nd", 4, "2d", 2, False), ("nd", 4, "2d", 2, False, False)], 8)

@@ -9,23 +9,28 @@ in/out features, ``N`` tokens:
 
 * forward: all-gather ``X`` along the row group -> ``X[r, :]`` (``(q-1)/q * N a/q``),
   all-gather ``W^T`` along the column group -> ``W^T[:, c]`` (``(q-1)/q * a c/q``), one GEMM;
-* backward: reduce-scatter ``dX[r, :]`` along the row (``(q-1)/q * N a/q``) and
-  ``dW^T[:, c]`` along the column (``(q-1)/q * a c/q``); the gathered ``X`` and ``W`` are the
-  tensors autograd saved, so nothing is re-gathered.
+* backward (``regather=True``, the default): autograd saved only the local blocks ``X[r, c]``
+  and ``W^T[r, c]``, so both are all-gathered again (the same two sizes, issued before the
+  GEMMs that need them), then reduce-scatter ``dX[r, :]`` along the row (``(q-1)/q * N a/q``)
+  and ``dW^T[:, c]`` along the column (``(q-1)/q * a c/q``);
+* backward (``regather=False``): the gathered ``X[r, :]`` and ``W^T[:, c]`` are the tensors
+  autograd saved, so only the two reduce-scatters run.
 
-Total ``2 (q-1)/q * (N a + a c)/q``: four collectives per linear, each a single large op.
+Total per linear: ``3 (q-1)/q * (N a + a c)/q`` (six collectives, backward ``2 (q-1)/q *
+(N a + a c)/q``) with the re-gather, ``2 (q-1)/q * (N a + a c)/q`` (four, backward
+``(q-1)/q * (N a + a c)/q``) without; each a single large op. The re-gather is the memory for
+communication trade of SUMMA: the saved activation is the local ``X[r, c]`` (1/P of ``X``)
+instead of ``X[r, :]`` (1/q), so a block's saved activations shrink as 1/P.
 SUMMA's q-step loop moves the same blocks as 2q broadcasts forward (and 4q backward, since it
-re-broadcasts ``X`` and ``W``: Colossal-AI's ``6(q-1)/q`` per-GEMM figure), each a separate small
-collective plus a small GEMM. On XLA every collective is a graph op with fixed latency and a
-barrier, and on Neuron small GEMMs underuse the engines, so one all-gather + one big GEMM is the
-better schedule; the price is holding the gathered ``X[r, :]`` (1/q of the activation) until
-backward.
+re-broadcasts ``X`` and ``W``: Colossal-AI's ``6(q-1)/q`` per-GEMM figure, the same bytes as
+the re-gather schedule), each a separate small collective plus a small GEMM. On XLA every
+collective is a graph op with fixed latency and a barrier, and on Neuron small GEMMs underuse
+the engines, so one all-gather + one big GEMM is the better schedule.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .. import regions
@@ -41,6 +46,11 @@ class Linear2D(FromLinear, nn.Module):
     Parameters: ``weight`` ``[out/q, in/q]`` (splits ``row`` on dim 0, ``col`` on dim 1),
     ``bias`` ``[out/q]`` (split over ``row``, replicated over ``col``; its gradient is summed
     over the batch shards of the column group).
+
+    ``regather=True`` (default) saves only the local ``X`` and ``W`` blocks for backward and
+    all-gathers them again there (saved activation 1/P, two more all-gathers per backward);
+    ``regather=False`` saves the gathered ``X[r, :]`` and ``W^T[:, c]`` (q times the saved
+    input, no backward all-gather).
     """
 
     input_layout: ActivationLayout = LAYOUT_2D
@@ -55,8 +65,10 @@ class Linear2D(FromLinear, nn.Module):
         device=None,
         dtype=None,
         init_method=None,
+        regather: bool = True,
     ):
         super().__init__()
+        self.regather = regather
         self.mesh = get_mesh(mesh)
         name = type(self).__name__
         check_mode(self.mesh, LAYOUT_2D, name)
@@ -82,9 +94,8 @@ class Linear2D(FromLinear, nn.Module):
         check_layout(x, LAYOUT_2D, self.in_features, self.mesh, name)
         check_dtype(x, self.weight, name)
         row, col = self.mesh.group("row"), self.mesh.group("col")
-        x_row = regions.all_gather_fwd_reduce_scatter_bwd(x, row, dim=-1)
-        w_col = regions.all_gather_fwd_reduce_scatter_bwd(self.weight, col, dim=1)
-        y = F.linear(x_row, w_col)
+        # X along the row (-> X[r, :]), W along the column (-> W^T[:, c]), one GEMM
+        y = regions.gathered_operands_linear(x, self.weight, row, -1, col, 1, self.regather)
         if self.bias is not None:  # backward: the bias gradient is summed over the batch shards
             y = y + regions.identity_fwd_all_reduce_bwd(self.bias, col)
         return tag(y, LAYOUT_2D)
@@ -93,4 +104,5 @@ class Linear2D(FromLinear, nn.Module):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"q={self.mesh.group('row').size}, bias={self.bias is not None}"
+            + ("" if self.regather else ", regather=False")
         )

@@ -11,18 +11,24 @@ Schedule (orientation ``ab``; ``N`` tokens, ``a``/``c`` in/out features; ring by
 * forward: all-gather ``X`` over ``weight`` along the batch -> ``X[i, l]`` (``(q-1)/q * N a/q^2``),
   all-gather ``W`` over ``input`` -> ``W^T[l, j]`` (``(q-1)/q * a c/q^2``), GEMM -> partial
   ``Y[i, j]``, reduce-scatter over ``output`` along the batch (``(q-1)/q * N c/q^2``);
-* backward: all-gather ``dY`` over ``output``, reduce-scatter ``dX`` over ``weight`` and ``dW``
-  over ``input`` (the same three sizes).
+* backward (``regather=True``, the default): all-gather ``dY`` over ``output``; autograd saved
+  only the local blocks of ``X`` and ``W``, so both are all-gathered again (the forward's two
+  sizes, issued before the GEMMs that need them); reduce-scatter ``dX`` over ``weight`` and
+  ``dW`` over ``input``: five collectives;
+* backward (``regather=False``): the gathered ``X[i, l]`` and ``W^T[l, j]`` were saved, so only
+  all-gather ``dY``, reduce-scatter ``dX`` and ``dW`` (the same three sizes as forward).
 
-Total ``2 (q-1)/q^3 * (N a + a c + N c)``: six collectives per linear (Colossal-AI's
-``6(q-1)/q^3`` for square operands), every one a single op over q ranks, against 1D's
+Total per linear with the re-gather ``(q-1)/q^3 * (3 N a + 3 a c + 2 N c)`` (eight collectives;
+backward ``(q-1)/q^3 * (2 N a + 2 a c + N c)``), the saved input ``X`` being the local 1/P
+block; without it ``2 (q-1)/q^3 * (N a + a c + N c)`` (six collectives, backward
+``(q-1)/q^3 * (N a + a c + N c)``; Colossal-AI's ``6(q-1)/q^3`` for square operands) for a
+saved ``X[i, l]`` q times larger. Every collective is a single op over q ranks, against 1D's
 ``2 * 2(P-1)/P * N a`` for a column/row pair over all P ranks.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .. import regions
@@ -41,6 +47,11 @@ class Linear3D(FromLinear, nn.Module):
     to the input layout. ``in_features`` must divide by ``q^2``, ``out_features`` by ``q``.
     Parameters: ``weight`` ``[out/q, in/q^2]``, ``bias`` ``[out/q]`` (replicated over the batch
     shards, gradient summed over them).
+
+    ``regather=True`` (default) saves only the local ``X`` and ``W`` blocks for backward and
+    all-gathers them again there (saved input 1/P, two more all-gathers per backward);
+    ``regather=False`` saves the gathered ``X[i, l]`` and ``W^T[l, j]`` (q times the saved
+    input, no backward re-gather).
     """
 
     def __init__(
@@ -53,8 +64,10 @@ class Linear3D(FromLinear, nn.Module):
         device=None,
         dtype=None,
         init_method=None,
+        regather: bool = True,
     ):
         super().__init__()
+        self.regather = regather
         self.mesh = get_mesh(mesh)
         name = type(self).__name__
         check_mode(self.mesh, LAYOUT_3D_A, name)
@@ -90,9 +103,11 @@ class Linear3D(FromLinear, nn.Module):
         m = self.mesh
         gather_x = m.group(self.output_layout.feature_axis)  # inner batch axis of the input
         scatter_y = m.group(self.input_layout.feature_axis)  # summed-over in-feature axis
-        x_blk = regions.all_gather_fwd_reduce_scatter_bwd(x, gather_x, dim=0)
-        w_blk = regions.all_gather_fwd_reduce_scatter_bwd(self.weight, m.group("input"), dim=1)
-        y = F.linear(x_blk, w_blk)  # partial sum over in-feature chunks
+        # X over the inner batch axis, W over input; the GEMM's Y is a partial sum over the
+        # in-feature chunks
+        y = regions.gathered_operands_linear(
+            x, self.weight, gather_x, 0, m.group("input"), 1, self.regather
+        )
         y = regions.reduce_scatter_fwd_all_gather_bwd(y, scatter_y, dim=0)
         if self.bias is not None:  # backward: the bias gradient is summed over the batch shards
             y = y + regions.identity_fwd_all_reduce_bwd(
@@ -104,5 +119,5 @@ class Linear3D(FromLinear, nn.Module):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"q={self.mesh.group('input').size}, orientation={self.orientation!r}, "
-            f"bias={self.bias is not None}"
+            f"bias={self.bias is not None}" + ("" if self.regather else ", regather=False")
         )
