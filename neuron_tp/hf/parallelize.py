@@ -85,9 +85,16 @@ def parallelize(
     verifies that every tp rank holds the same model, weights (checksums; skipped for
     meta-device ones) and options (:class:`neuron_tp.agreement.RankMismatchError` on every rank
     otherwise); then raises ValueError, identically on every rank and before the model is
-    changed, for what cannot be sharded exactly.
+    changed, for what cannot be sharded exactly. On a 2d/3d mesh (``init_mesh(tp_mode=...)``)
+    Llama-family models get the 2D/3D layers (:mod:`neuron_tp.hf.parallelize_nd`).
     """
     mesh = get_mesh(mesh)
+    if mesh.tp_mode != "1d":  # 2D/3D layers, never 1D layers over a 2d/3d mesh
+        from .parallelize_nd import parallelize_nd
+
+        return parallelize_nd(
+            model, mesh, sequence_parallel, parallel_loss, plan, sequence_parallel_regather
+        )
     if getattr(model, "_ntp_parallel", False):
         raise ValueError(f"{type(model).__name__} is already parallelized")
     from ..agreement import check_same_model

@@ -1,0 +1,347 @@
+"""``parallelize`` on a 2d or 3d mesh: shard a Llama-family transformers model with the 2D
+(SUMMA/Optimus, ``P = q*q``) or 3D (``P = q^3``) layers, in place.
+
+The residual stream is in the mode's layout (2D: ``LAYOUT_2D`` ``[b/q, s, h/q]``; 3D:
+``LAYOUT_3D_A`` ``[b/q^2, s, h/q]``): every rank gets the full ``input_ids`` / ``labels``
+``[b, s]`` and keeps its batch chunk (the embedding takes that chunk of the ids). Heads are split
+over the feature axis and sequences are never split, so attention (with its rotary embedding and
+causal mask) runs locally on this rank's batch chunk and head chunk:
+
+* ``embed_tokens`` -> :class:`Embedding2D` / :class:`Embedding3D`;
+* ``q/k/v/o_proj``, ``gate/up/down_proj`` -> :class:`Linear2D` (3D: :class:`Linear3D`, ``ab``
+  into the attention / MLP, ``ba`` out of it);
+* ``input_layernorm``, ``post_attention_layernorm``, the final norm -> :class:`RMSNorm2D` /
+  :class:`RMSNorm3D`;
+* ``lm_head`` -> :class:`Classifier2D` / :class:`Classifier3D`; with ``labels`` the loss is
+  :func:`cross_entropy_nd` of the vocab-sharded logits (HF's causal shift, ``ignore_index``
+  -100, mean over every valid token of the global batch, or sum / ``num_items_in_batch``).
+
+``model(ids).logits`` is the full (gathered) logits; with ``parallel_loss`` it stays this
+rank's block (batch chunk, vocab chunk), :func:`neuron_tp.hf.full_logits` gathers it again.
+Everything that cannot be split is refused (ValueError) before any collective and before the
+model is changed.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+from torch import nn
+
+from ..layers.activation_layout import (
+    LAYOUT_2D,
+    LAYOUT_3D_A,
+    LAYOUT_3D_B,
+    ActivationLayout,
+    gather_output,
+    split_input,
+)
+from ..layers.common import load_shards_from
+from ..layers.linear_2d import Linear2D
+from ..layers.linear_3d import Linear3D
+from ..layers.norm_nd import RMSNorm2D, RMSNorm3D
+from ..layers.vocab_nd import (
+    Classifier2D,
+    Classifier3D,
+    Embedding2D,
+    Embedding3D,
+    cross_entropy_nd,
+)
+from ..mesh import Mesh, valid_tp_degrees
+from .attention import SUPPORTED_ATTN, model_heads, patch_attention_module
+
+# Causal LMs with the Llama structure: model.embed_tokens / layers[i].{input_layernorm,
+# self_attn.{q,k,v,o}_proj, post_attention_layernorm, mlp.{gate,up,down}_proj} / norm, lm_head.
+SUPPORTED_ND = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+_MLP = ("gate_proj", "up_proj", "down_proj")
+_NORMS = ("input_layernorm", "post_attention_layernorm")
+
+
+def grid_side(mesh: Mesh) -> int:
+    """``q``: the side of the 2D grid (``tp = q*q``) or 3D cube (``tp = q^3``)."""
+    return mesh.group("row" if mesh.tp_mode == "2d" else "input").size
+
+
+def residual_layout(mesh: Mesh) -> ActivationLayout:
+    return LAYOUT_2D if mesh.tp_mode == "2d" else LAYOUT_3D_A
+
+
+def logits_layout(mesh: Mesh) -> ActivationLayout:
+    """Layout of the LM head output (3D: the classifier maps 3d-a to 3d-b)."""
+    return LAYOUT_2D if mesh.tp_mode == "2d" else LAYOUT_3D_B
+
+
+def parallelize_nd(
+    model: nn.Module,
+    mesh: Mesh,
+    sequence_parallel: bool = False,
+    parallel_loss: bool = False,
+    plan: dict[str, str] | None = None,
+    sequence_parallel_regather: bool = True,
+) -> nn.Module:
+    """:func:`neuron_tp.hf.parallelize` on a 2d/3d mesh (see the module docstring)."""
+    if mesh.tp_mode not in ("2d", "3d"):
+        raise ValueError(f"parallelize_nd needs a 2d or 3d mesh, got {mesh}")
+    if getattr(model, "_ntp_parallel", False):
+        raise ValueError(f"{type(model).__name__} is already parallelized")
+    _validate(model, mesh, sequence_parallel, plan)  # no collective: same verdict on every rank
+    from ..agreement import check_same_model
+
+    check_same_model(
+        model,
+        mesh.tp,
+        {
+            "plan": plan,
+            "sequence_parallel": sequence_parallel,
+            "sequence_parallel_regather": sequence_parallel_regather,
+            "parallel_loss": parallel_loss,
+            "tp": mesh.tp_size,
+            "tp_mode": mesh.tp_mode,
+        },
+        what=f"parallelize({type(model).__name__})",
+    )
+    built = _build(model, mesh)
+    _install(model, built, mesh, parallel_loss)
+    return model
+
+
+# -- 1. validate ----------------------------------------------------------------------------
+
+
+def _sizes(config, mesh_mode: str, q: int) -> list[tuple[str, int, int]]:
+    """``(what, size, divisor)`` every split of ``mode`` with side ``q`` needs."""
+    heads = model_heads(config)
+    hidden, ffn, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
+    attn = heads.q * heads.dim
+    if mesh_mode == "2d":
+        return [
+            ("num_attention_heads", heads.q, q),
+            ("num_key_value_heads", heads.kv, q),
+            ("hidden_size", hidden, q),
+            ("intermediate_size", ffn, q),
+            ("vocab_size", vocab, q),
+        ]
+    return [
+        ("num_attention_heads", heads.q, q),
+        ("num_key_value_heads", heads.kv, q),
+        ("hidden_size", hidden, q * q),  # the input features of an ab Linear3D
+        ("num_attention_heads * head_dim", attn, q * q),  # o_proj (ba) input
+        ("intermediate_size", ffn, q * q),  # down_proj (ba) input
+        ("vocab_size", vocab, q * q),  # Embedding3D: vocab over the q^2 batch shards
+    ]
+
+
+def _valid_grids(config, mode: str, world_size: int) -> list[str]:
+    """The 2D/3D grids (tp = q*q / q^3 dividing the world size) that split this model."""
+    out = []
+    for q in range(2, world_size + 1):
+        tp = q * q if mode == "2d" else q**3
+        if tp > world_size:
+            break
+        if world_size % tp == 0 and all(s % d == 0 for _, s, d in _sizes(config, mode, q)):
+            out.append(f"q={q} (tp={tp})")
+    return out
+
+
+def _alternatives(config, world_size: int) -> str:
+    heads = model_heads(config)
+    parts = []
+    for mode in ("2d", "3d"):
+        grids = _valid_grids(config, mode, world_size)
+        parts.append(f"valid {mode.upper()} grids for this model: {grids or 'none'}")
+    one = valid_tp_degrees(world_size, heads.q)
+    parts.append(f"or tp_mode='1d' with tp in {one}")
+    return "; ".join(parts)
+
+
+def _validate(model: nn.Module, mesh: Mesh, sequence_parallel: bool, plan) -> None:
+    """ValueError for anything this path cannot shard exactly (nothing is built or changed)."""
+    name, mode = type(model).__name__, mesh.tp_mode
+    q = grid_side(mesh)
+    if name not in SUPPORTED_ND:
+        raise ValueError(
+            f"{name}: tp_mode={mode!r} supports only {list(SUPPORTED_ND)} so far; "
+            f"use tp_mode='1d' (ntp.init_mesh(tp=..., tp_mode='1d')) for this model"
+        )
+    if sequence_parallel:
+        raise ValueError(
+            f"{name}: sequence_parallel=True is a 1d option; a {mode} mesh already splits the "
+            "batch (and the features), so use sequence_parallel=False"
+        )
+    if plan is not None:
+        raise ValueError(
+            f"{name}: a custom plan is a 1d option; tp_mode={mode!r} uses its fixed "
+            "Llama-family layout (plan=None)"
+        )
+    if any(p.is_meta for p in model.parameters()):
+        raise ValueError(
+            f"{name}: parallelize on a {mode} mesh needs the model's weights (a meta-device "
+            "model, e.g. from neuron_tp.from_pretrained, is 1d-only so far): load the full "
+            "model with transformers, then parallelize it; or use tp_mode='1d'"
+        )
+    cfg = model.config
+    impl = getattr(cfg, "_attn_implementation", None)
+    if impl not in SUPPORTED_ATTN:
+        raise ValueError(
+            f"{name}: attention implementation {impl!r} is not supported under tensor "
+            "parallelism; load with attn_implementation='sdpa' or 'eager'"
+        )
+    if getattr(cfg, "tie_word_embeddings", False):
+        raise ValueError(
+            f"{name}: tie_word_embeddings=True is not supported on a {mode} mesh (the "
+            "embedding and the LM head split the table over different axes); untie them "
+            "or use tp_mode='1d'"
+        )
+    for what, size, d in _sizes(cfg, mode, q):
+        if size % d:
+            raise ValueError(
+                f"{name}: {mode.upper()} q={q} needs {what} divisible by {d}; got {size}: "
+                f"{_alternatives(cfg, mesh.world_size)}"
+            )
+    _check_modules(model, name)
+
+
+def _check_modules(model: nn.Module, name: str) -> None:
+    """The modules are where and what the Llama layout says (plain linears, plain RMSNorms)."""
+    from .parallelize import _check_plain_rms_norm
+
+    base = getattr(model, "model", None)
+    if (
+        base is None
+        or not isinstance(getattr(base, "embed_tokens", None), nn.Embedding)
+        or not isinstance(getattr(model, "lm_head", None), nn.Linear)
+    ):
+        raise ValueError(f"{name}: expected model.embed_tokens (nn.Embedding) and lm_head")
+    norms = [("model.norm", base.norm)]
+    for i, layer in enumerate(base.layers):
+        for child, names in (("self_attn", _ATTN), ("mlp", _MLP)):
+            for n in names:
+                lin = getattr(getattr(layer, child, None), n, None)
+                if type(lin) is not nn.Linear:
+                    raise ValueError(
+                        f"{name}: model.layers.{i}.{child}.{n} is {type(lin).__name__}, not "
+                        "nn.Linear (quantized or custom projections are not supported on a "
+                        "2d/3d mesh)"
+                    )
+        norms += [(f"model.layers.{i}.{n}", getattr(layer, n)) for n in _NORMS]
+    for n, norm in norms:
+        _check_plain_rms_norm(norm, n, norm.weight.shape[0])
+
+
+# -- 2. build -------------------------------------------------------------------------------
+
+
+def _linear(mesh: Mesh, lin: nn.Linear, orientation: str) -> nn.Module:
+    if mesh.tp_mode == "2d":
+        return Linear2D.from_linear(lin, mesh)
+    return Linear3D.from_linear(lin, mesh, orientation=orientation)
+
+
+def _norm(mesh: Mesh, norm: nn.Module) -> nn.Module:
+    cls = RMSNorm2D if mesh.tp_mode == "2d" else RMSNorm3D
+    w = norm.weight
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
+    layer = cls(w.shape[0], eps=eps, mesh=mesh, device="meta", dtype=w.dtype)
+    return load_shards_from(layer, norm)
+
+
+def _build(model: nn.Module, mesh: Mesh) -> dict[str, nn.Module]:
+    """``{module name: sharded replacement}`` (the model is not touched)."""
+    base = model.model
+    out: dict[str, nn.Module] = {}
+    emb = Embedding3D if mesh.tp_mode == "3d" else Embedding2D
+    out["model.embed_tokens"] = emb.from_embedding(base.embed_tokens, mesh)
+    for i, layer in enumerate(base.layers):
+        p = f"model.layers.{i}"
+        for n in _ATTN:
+            lin = getattr(layer.self_attn, n)
+            out[f"{p}.self_attn.{n}"] = _linear(mesh, lin, "ba" if n == "o_proj" else "ab")
+        for n in _MLP:
+            lin = getattr(layer.mlp, n)
+            out[f"{p}.mlp.{n}"] = _linear(mesh, lin, "ba" if n == "down_proj" else "ab")
+        for n in _NORMS:
+            out[f"{p}.{n}"] = _norm(mesh, getattr(layer, n))
+    out["model.norm"] = _norm(mesh, base.norm)
+    head = Classifier3D if mesh.tp_mode == "3d" else Classifier2D
+    out["lm_head"] = head.from_linear(model.lm_head, mesh)
+    return out
+
+
+# -- 3. install -----------------------------------------------------------------------------
+
+
+def _install(model: nn.Module, built: dict[str, nn.Module], mesh: Mesh, parallel_loss: bool):
+    for name, new in built.items():
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent), attr, new)
+    heads = model_heads(model.config)
+    q = grid_side(mesh)
+    for layer in model.model.layers:
+        patch_attention_module(layer.self_attn, heads, q, heads.kv // q)
+    # full_logits() toggles this: False keeps the LM head output as this rank's block.
+    model.lm_head.gather_output = not parallel_loss
+    model._ntp_parallel, model._ntp_mesh = True, mesh
+    model._ntp_parallel_loss, model._ntp_sequence_parallel = parallel_loss, False
+    _wrap_forward(model, mesh)
+
+
+def _wrap_forward(model: nn.Module, mesh: Mesh) -> None:
+    """Full ``input_ids`` (and ``attention_mask`` / ``position_ids`` / ``labels``) in, this
+    rank's batch chunk through the model, the loss from the sharded logits."""
+    forward = model.forward
+    sig = inspect.signature(forward)
+    name = type(model).__name__
+    res, out_layout = residual_layout(mesh), logits_layout(mesh)
+    nb = res.batch_split(mesh)
+
+    @functools.wraps(forward)
+    def wrapped(*args, **kwargs):
+        bound = sig.bind_partial(*args, **kwargs)
+        a = bound.arguments
+        labels = a.pop("labels", None)
+        extra = a.get("kwargs", {})
+        if a.get("inputs_embeds") is not None:
+            raise ValueError(
+                f"{name} on a {mesh.tp_mode} mesh takes input_ids (the embedding is "
+                "sharded), not inputs_embeds"
+            )
+        ids = a.get("input_ids")
+        if ids is None:
+            raise ValueError(f"{name} on a {mesh.tp_mode} mesh needs input_ids")
+        b = ids.shape[0]
+        if b % nb:
+            raise ValueError(
+                f"{name} on a {mesh.tp_mode} mesh (q={grid_side(mesh)}) splits the batch "
+                f"into {nb} chunks: batch size must be divisible by {nb}, got {b}"
+            )
+        if mesh.tp_mode == "3d" and (
+            a.get("attention_mask") is not None
+            or (a.get("position_ids") is not None and a["position_ids"].shape[0] > 1)
+        ):
+            raise ValueError(
+                f"{name} on a 3d mesh: per-sample attention_mask / position_ids are not "
+                "supported yet (attention runs on the 3d-b batch chunk, the mask would be "
+                "built for the 3d-a chunk); pass neither, or use tp_mode='2d'"
+            )
+        for key in ("input_ids", "attention_mask", "position_ids"):
+            t = a.get(key)
+            if t is not None and t.dim() >= 1 and t.shape[0] == b:  # [1, s] positions: shared
+                a[key] = split_input(t, res, mesh, feature_dim=False)
+        out = forward(*bound.args, **bound.kwargs)
+        logits = out.logits
+        if labels is not None:
+            # HF's causal-LM shift: token t predicts label t+1; the last position is ignored.
+            shifted = nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
+            local = split_input(shifted.to(logits.device), out_layout, mesh, feature_dim=False)
+            n_items = extra.get("num_items_in_batch")
+            loss = cross_entropy_nd(
+                logits, local, out_layout, mesh, reduction="mean" if n_items is None else "sum"
+            )
+            out.loss = loss if n_items is None else loss / n_items
+        if model.lm_head.gather_output:
+            out.logits = gather_output(logits, out_layout, mesh)
+        return out
+
+    model.forward = wrapped
