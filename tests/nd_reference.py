@@ -268,3 +268,90 @@ def check_model_loss(mesh, batch: int) -> None:
         nd.gather_output(logits_local.detach(), out_layout, mesh), logits.detach(), "logits"
     )
     _grads_match(model, {n: t.grad for n, t in full.items()}, mesh, f"{mesh.tp_mode} model")
+
+
+def _split0(layer: nn.Module) -> tuple[str, int]:
+    """The (mesh axis, dim 0) split of ``layer.weight``: its vocabulary split."""
+    split = ntp.sharding.get_sharding(layer, "weight").splits[0]
+    assert split[1] == 0, split
+    return split
+
+
+def check_padded_vocab(mesh, batch: int, vocab: int) -> None:
+    """A vocabulary the split does not divide (q for the classifier, q^2 for the 3D
+    embedding): zero-padded shards, recorded full shapes (gathered weights and grads trimmed),
+    full logits trimmed to ``vocab``, cross-entropy (ignore_index, label smoothing, every
+    reduction) and every gradient equal to the unsharded computation's."""
+    two = mesh.tp_mode == "2d"
+    what = f"{mesh.tp_mode} padded vocab={vocab}"
+    torch.manual_seed(7)
+    emb, head = nn.Embedding(vocab, HID), nn.Linear(HID, vocab)
+    emb_nd = (nd.Embedding2D if two else nd.Embedding3D).from_embedding(emb, mesh=mesh)
+    head_nd = (nd.Classifier2D if two else nd.Classifier3D).from_linear(head, mesh=mesh)
+    q = mesh.group("row" if two else "input").size
+    assert head_nd.out_features == vocab and head_nd.padded_vocab % q == 0, what
+    assert head_nd.weight.shape[0] == -(-vocab // q), (what, head_nd.weight.shape)
+    assert emb_nd.weight.shape[0] == -(-vocab // emb_nd.layout.batch_split(mesh)), what
+    params = ntp.gather_params(nn.ModuleDict({"emb": emb_nd, "head": head_nd}), mesh)
+    assert_close(params["emb.weight"], emb.weight.detach(), f"{what}: gathered table")
+    assert_close(params["head.weight"], head.weight.detach(), f"{what}: gathered head")
+    assert_close(params["head.bias"], head.bias.detach(), f"{what}: gathered bias")
+
+    # TP-invariant init: the padded classifier draws exactly the [vocab, HID] tensor
+    torch.manual_seed(3)
+    fresh = (nd.Classifier2D if two else nd.Classifier3D)(HID, vocab, mesh=mesh)
+    torch.manual_seed(3)
+    w = torch.empty(vocab, HID)
+    nn.init.kaiming_uniform_(w, a=math.sqrt(5))
+    assert_close(ntp.gather_params(fresh, mesh)["weight"], w, f"{what}: init")
+
+    torch.manual_seed(8)
+    ids = torch.randint(0, vocab, (batch, S))
+    ids[0, 0] = vocab - 1  # the last row, in the last (padded) shard
+    labels = torch.randint(0, vocab, (batch, S))
+    labels[-1, -1] = vocab - 1
+    labels[0, 1] = -100
+    ce = nd.cross_entropy_2d if two else nd.cross_entropy_3d
+    out_layout = head_nd.output_layout
+    for reduction, smoothing in (("mean", 0.0), ("mean", 0.1), ("sum", 0.2), ("none", 0.0)):
+        for m in (emb, head, emb_nd, head_nd):
+            m.zero_grad()
+        logits = head(emb(ids))
+        ref = F.cross_entropy(
+            logits.transpose(1, 2), labels, reduction=reduction, label_smoothing=smoothing
+        )
+        g = torch.randn_like(ref) if reduction == "none" else torch.tensor(1.0)
+        (ref * g).sum().backward()
+
+        x = emb_nd(nd.split_input(ids, emb_nd.output_layout, mesh, feature_dim=False))
+        local = head_nd(x)
+        assert local.shape[-1] == head_nd.weight.shape[0], what
+        loss = ce(
+            local,
+            nd.split_input(labels, out_layout, mesh, feature_dim=False),
+            mesh,
+            reduction=reduction,
+            label_smoothing=smoothing,
+            vocab_size=vocab,
+        )
+        tag = f"{what} {reduction} smoothing={smoothing}"
+        if reduction == "none":
+            g_local = nd.split_input(g, out_layout, mesh, feature_dim=False)
+            (loss * g_local).sum().backward()
+            loss = nd.gather_output(loss.detach(), out_layout, mesh, feature_dim=False)
+        else:
+            loss.backward()
+        assert_close(loss.detach(), ref.detach(), f"{tag}: loss")
+        full = head_nd.gather_logits(local.detach())
+        assert full.shape == (batch, S, vocab), (tag, full.shape)
+        assert_close(full, logits.detach(), f"{tag}: logits")
+        grads = {"emb.weight": emb.weight.grad, "head.weight": head.weight.grad}
+        grads["head.bias"] = head.bias.grad
+        _grads_match(nn.ModuleDict({"emb": emb_nd, "head": head_nd}), grads, mesh, tag)
+        # this rank's padded rows (past the true vocabulary) stay zero and get no gradient
+        for layer, (axis, _) in ((head_nd, _split0(head_nd)), (emb_nd, _split0(emb_nd))):
+            chunk = layer.weight.shape[0]
+            rows = mesh.group(axis).rank * chunk + torch.arange(chunk)
+            pad = rows >= vocab
+            assert not layer.weight.detach()[pad].any(), f"{tag}: padded rows not zero"
+            assert not layer.weight.grad[pad].any(), f"{tag}: padded rows got a gradient"

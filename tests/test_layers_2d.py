@@ -4,7 +4,7 @@ linears and the block with and without the backward re-gather (``regather``)."""
 
 import gloo_dist
 import neuron_tp as ntp
-from nd_reference import check_block, check_linears, check_model_loss
+from nd_reference import check_block, check_linears, check_model_loss, check_padded_vocab
 
 
 def _tp4():
@@ -13,6 +13,8 @@ def _tp4():
     for regather in (True, False):
         check_block(mesh, batch=2, regather=regather)
     check_model_loss(mesh, batch=2)
+    for vocab in (13, 5):  # q=2 does not divide them: padded embedding / classifier / loss
+        check_padded_vocab(mesh, batch=2, vocab=vocab)
 
 
 def _dp2_tp4():
@@ -54,8 +56,15 @@ def test_bad_input_2d_3d():
         nd.Linear2D(8, 4, mesh=m3)
     with pytest.raises(ValueError, match="num_heads=3 is not divisible by q=2"):
         TransformerBlockND(12, 3, mesh=m2)
-    with pytest.raises(ValueError, match="num_embeddings=10 is not divisible by 4"):
-        nd.Embedding3D(10, 8, mesh=m3)
+    with pytest.raises(ValueError, match="embedding_dim=7 is not divisible by 2"):
+        nd.Embedding3D(10, 7, mesh=m3)
+    # a vocabulary the split does not divide is padded (ceil(V/n) rows per shard), not refused
+    assert nd.Embedding3D(10, 8, mesh=m3).weight.shape == (3, 4)
+    assert nd.Classifier2D(8, 7, mesh=m2).weight.shape == (4, 4)
+    with pytest.raises(ValueError, match="vocab_size=11 does not fit 2 shards of 5"):
+        nd.cross_entropy_nd(
+            torch.randn(2, 3, 5), torch.zeros(2, 3, dtype=torch.long), "2d", m2, vocab_size=11
+        )
     with pytest.raises(ValueError, match="tp_mode='3d' needs tp = q\\*q\\*q"):
         ntp.Mesh(16, 0, tp=16, tp_mode="3d")
     lin2 = nd.Linear2D(8, 4, mesh=m2)

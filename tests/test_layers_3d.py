@@ -4,7 +4,7 @@ linears and the block with and without the backward re-gather (``regather``)."""
 
 import gloo_dist
 import neuron_tp as ntp
-from nd_reference import check_block, check_linears, check_model_loss
+from nd_reference import check_block, check_linears, check_model_loss, check_padded_vocab
 
 
 def _tp8():
@@ -13,6 +13,8 @@ def _tp8():
     for regather in (True, False):
         check_block(mesh, batch=4, regather=regather)
     check_model_loss(mesh, batch=4)
+    for vocab in (13, 5):  # q=2 / q^2=4 do not divide them; 5: a shard of the table is all padding
+        check_padded_vocab(mesh, batch=4, vocab=vocab)
 
 
 def test_3d_q2_layers_block_loss():

@@ -16,8 +16,12 @@ causal mask) runs locally on this rank's batch chunk and head chunk:
   :func:`cross_entropy_nd` of the vocab-sharded logits (HF's causal shift, ``ignore_index``
   -100, mean over every valid token of the global batch, or sum / ``num_items_in_batch``).
 
-``model(ids).logits`` is the full (gathered) logits; with ``parallel_loss`` it stays this
-rank's block (batch chunk, vocab chunk), :func:`neuron_tp.hf.full_logits` gathers it again.
+``model(ids).logits`` is the full (gathered) logits ``[b, s, vocab_size]``; with
+``parallel_loss`` it stays this rank's block (batch chunk, vocab chunk),
+:func:`neuron_tp.hf.full_logits` gathers it again. A vocabulary the split does not divide (q
+for the head, q^2 for the 3D embedding) is padded with zero rows: the loss masks the padded
+logit columns, the full logits are trimmed to ``vocab_size`` and ``gather_hf_state_dict``
+drops the padding; the local block of ``parallel_loss`` has ``ceil(vocab_size / q)`` columns.
 Everything that cannot be split is refused (ValueError) before any collective and before the
 model is changed.
 """
@@ -34,7 +38,6 @@ from ..layers.activation_layout import (
     LAYOUT_3D_A,
     LAYOUT_3D_B,
     ActivationLayout,
-    gather_output,
     split_input,
 )
 from ..layers.common import load_shards_from
@@ -47,6 +50,7 @@ from ..layers.vocab_nd import (
     Embedding2D,
     Embedding3D,
     cross_entropy_nd,
+    gather_logits,
 )
 from ..mesh import Mesh, valid_tp_degrees
 from .attention import SUPPORTED_ATTN, model_heads, patch_attention_module
@@ -111,9 +115,10 @@ def parallelize_nd(
 
 
 def _sizes(config, mesh_mode: str, q: int) -> list[tuple[str, int, int]]:
-    """``(what, size, divisor)`` every split of ``mode`` with side ``q`` needs."""
+    """``(what, size, divisor)`` every split of ``mode`` with side ``q`` needs (the vocabulary
+    needs none: the embedding and the LM head pad it to a multiple of their split)."""
     heads = model_heads(config)
-    hidden, ffn, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
+    hidden, ffn = config.hidden_size, config.intermediate_size
     attn = heads.q * heads.dim
     if mesh_mode == "2d":
         return [
@@ -121,7 +126,6 @@ def _sizes(config, mesh_mode: str, q: int) -> list[tuple[str, int, int]]:
             ("num_key_value_heads", heads.kv, q),
             ("hidden_size", hidden, q),
             ("intermediate_size", ffn, q),
-            ("vocab_size", vocab, q),
         ]
     return [
         ("num_attention_heads", heads.q, q),
@@ -129,7 +133,6 @@ def _sizes(config, mesh_mode: str, q: int) -> list[tuple[str, int, int]]:
         ("hidden_size", hidden, q * q),  # the input features of an ab Linear3D
         ("num_attention_heads * head_dim", attn, q * q),  # o_proj (ba) input
         ("intermediate_size", ffn, q * q),  # down_proj (ba) input
-        ("vocab_size", vocab, q * q),  # Embedding3D: vocab over the q^2 batch shards
     ]
 
 
@@ -295,6 +298,7 @@ def _wrap_forward(model: nn.Module, mesh: Mesh) -> None:
     name = type(model).__name__
     res, out_layout = residual_layout(mesh), logits_layout(mesh)
     nb = res.batch_split(mesh)
+    vocab_size = model.lm_head.vocab_size  # the true vocabulary (the head may be padded)
 
     @functools.wraps(forward)
     def wrapped(*args, **kwargs):
@@ -337,11 +341,16 @@ def _wrap_forward(model: nn.Module, mesh: Mesh) -> None:
             local = split_input(shifted.to(logits.device), out_layout, mesh, feature_dim=False)
             n_items = extra.get("num_items_in_batch")
             loss = cross_entropy_nd(
-                logits, local, out_layout, mesh, reduction="mean" if n_items is None else "sum"
+                logits,
+                local,
+                out_layout,
+                mesh,
+                reduction="mean" if n_items is None else "sum",
+                vocab_size=vocab_size,
             )
             out.loss = loss if n_items is None else loss / n_items
         if model.lm_head.gather_output:
-            out.logits = gather_output(logits, out_layout, mesh)
+            out.logits = gather_logits(logits, out_layout, mesh, vocab_size)
         return out
 
     model.forward = wrapped

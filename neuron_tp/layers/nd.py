@@ -26,6 +26,7 @@ from .vocab_nd import (
     cross_entropy_2d,
     cross_entropy_3d,
     cross_entropy_nd,
+    gather_logits,
 )
 
 __all__ = [
@@ -47,6 +48,7 @@ __all__ = [
     "Classifier2D",
     "Classifier3D",
     "cross_entropy_nd",
+    "gather_logits",
     "cross_entropy_2d",
     "cross_entropy_3d",
 ]

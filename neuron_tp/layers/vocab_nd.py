@@ -6,6 +6,12 @@ the batch group, each rank looks up its vocabulary slice for the whole batch, an
 embeddings are reduce-scattered back to the batch shards (backward: all-gather).
 Classifier: a :class:`Linear2D` / :class:`Linear3D` (``ab``) without bias: its logits have the
 vocabulary split over the output layout's feature axis. Cross-entropy then never gathers them.
+
+A vocabulary the split does not divide is padded (as the 1D layers do): the table / classifier
+weight get zero rows up to the next multiple (``ceil(V/n)`` rows per shard), recorded through
+the parameter's ``Sharding.full_shape`` so ``gather_full`` and checkpoints drop them. Valid ids
+(``< V``) never reach the padded rows, :func:`cross_entropy_nd` (``vocab_size=V``) masks the
+padded logit columns and :func:`gather_logits` trims the full logits to ``V``.
 """
 
 from __future__ import annotations
@@ -15,20 +21,22 @@ from torch import nn
 
 from .. import comm, regions
 from ..mesh import Mesh, get_mesh
+from ..sharding import get_sharding
 from .activation_layout import (
     LAYOUT_2D,
     LAYOUT_3D_A,
     LAYOUT_3D_B,
     ActivationLayout,
     check_mode,
+    gather_output,
     get_layout,
     tag,
 )
-from .common import make_parameter, require_multiple
+from .common import make_linear_parameters, make_parameter, require_multiple
 from .embedding import FromEmbedding, check_ids, embedding_init, lookup_vocab_slice
 from .linear_2d import Linear2D
 from .linear_3d import Linear3D
-from .loss import check_loss_inputs
+from .loss import _NEG, check_loss_inputs
 
 
 class _EmbeddingND(FromEmbedding, nn.Module):
@@ -48,7 +56,6 @@ class _EmbeddingND(FromEmbedding, nn.Module):
         self.mesh = get_mesh(mesh)
         name = type(self).__name__
         check_mode(self.mesh, self.layout, name)
-        require_multiple(num_embeddings, self.layout.batch_split(self.mesh), "num_embeddings", name)
         require_multiple(embedding_dim, self.layout.feature_split(self.mesh), "embedding_dim", name)
         if padding_idx is not None and padding_idx < 0:
             padding_idx += num_embeddings
@@ -56,7 +63,8 @@ class _EmbeddingND(FromEmbedding, nn.Module):
         self.padding_idx = padding_idx
         # ids: this rank's batch shard of the layout (no feature dim); output: the layout.
         self.input_layout = self.output_layout = self.layout
-        self.rows_per_rank = num_embeddings // self.layout.batch_split(self.mesh)
+        # ceil: a vocabulary the batch group does not divide gets zero rows no valid id reaches
+        self.rows_per_rank = -(-num_embeddings // self.layout.batch_split(self.mesh))
         self.weight = make_parameter(
             self,
             "weight",
@@ -80,30 +88,83 @@ class _EmbeddingND(FromEmbedding, nn.Module):
 
 
 class Embedding2D(_EmbeddingND):
-    """Embedding whose output is in ``LAYOUT_2D``; ``num_embeddings`` must divide by q."""
+    """Embedding whose output is in ``LAYOUT_2D``; the table is split by rows over q (padded
+    with zero rows when q does not divide ``num_embeddings``)."""
 
 
 class Embedding3D(_EmbeddingND):
-    """Embedding whose output is in ``LAYOUT_3D_A``; ``num_embeddings`` must divide by q^2."""
+    """Embedding whose output is in ``LAYOUT_3D_A``; the table is split by rows over q^2
+    (padded with zero rows when q^2 does not divide ``num_embeddings``)."""
 
     layout = LAYOUT_3D_A
 
 
-class Classifier2D(Linear2D):
-    """Vocab-parallel lm head: ``LAYOUT_2D`` hidden -> logits ``[b/q, ..., V/q]`` (vocab
-    split over ``row``). No bias by default."""
+def _padded(size: int, n: int) -> int:
+    return -(-size // n) * n
+
+
+class _PaddedVocab:
+    """Mixin of the classifiers: built as a linear with the vocabulary rounded up to a multiple
+    of its split (on meta), then the weight / bias are made again with the true vocabulary as
+    their full shape, so ``shard_of`` pads them with zero rows (fresh init draws exactly the
+    ``[V, hidden]`` tensor, the same at every q). ``out_features`` / ``vocab_size``: the true
+    vocabulary; ``padded_vocab``: the padded one (the logits' vocab dim is ``padded_vocab / q``)."""
+
+    def _build(self, base, hidden: int, vocab_size: int, bias: bool, q: int, kwargs) -> None:
+        padded = _padded(vocab_size, q)
+        if padded == vocab_size:
+            base.__init__(self, hidden, vocab_size, bias=bias, **kwargs)
+        else:
+            device, dtype = kwargs.pop("device", None), kwargs.pop("dtype", None)
+            init = kwargs.pop("init_method", None)
+            base.__init__(self, hidden, padded, bias=bias, device="meta", dtype=dtype, **kwargs)
+            w_splits = get_sharding(self, "weight").splits
+            b_splits = get_sharding(self, "bias").splits if bias else ()
+            self.weight, self.bias = make_linear_parameters(
+                self, hidden, vocab_size, bias, w_splits, b_splits, self.mesh, init, device, dtype
+            )
+        self.out_features = self.vocab_size = vocab_size
+        self.padded_vocab = padded
+
+    def gather_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The full logits ``[b, ..., V]`` (padding trimmed) from this rank's block."""
+        return gather_logits(logits, self.output_layout, self.mesh, self.vocab_size)
+
+
+class Classifier2D(_PaddedVocab, Linear2D):
+    """Vocab-parallel lm head: ``LAYOUT_2D`` hidden -> logits ``[b/q, ..., ceil(V/q)]`` (vocab
+    split over ``row``, padded with zero rows when q does not divide V). No bias by default."""
 
     def __init__(self, hidden: int, vocab_size: int, bias: bool = False, **kwargs):
-        super().__init__(hidden, vocab_size, bias=bias, **kwargs)
+        mesh = get_mesh(kwargs.get("mesh"))
+        check_mode(mesh, LAYOUT_2D, type(self).__name__)
+        self._build(Linear2D, hidden, vocab_size, bias, mesh.group("row").size, kwargs)
 
 
-class Classifier3D(Linear3D):
+class Classifier3D(_PaddedVocab, Linear3D):
     """Vocab-parallel lm head: ``LAYOUT_3D_A`` hidden -> logits in ``LAYOUT_3D_B``
-    ``[b/q^2, ..., V/q]`` (vocab split over ``weight``). No bias by default."""
+    ``[b/q^2, ..., ceil(V/q)]`` (vocab split over ``weight``, padded with zero rows when q
+    does not divide V). No bias by default."""
 
     def __init__(self, hidden: int, vocab_size: int, bias: bool = False, **kwargs):
         kwargs.setdefault("orientation", "ab")
-        super().__init__(hidden, vocab_size, bias=bias, **kwargs)
+        mesh = get_mesh(kwargs.get("mesh"))
+        check_mode(mesh, LAYOUT_3D_A, type(self).__name__)
+        self._build(Linear3D, hidden, vocab_size, bias, mesh.group("input").size, kwargs)
+
+
+def gather_logits(
+    logits: torch.Tensor,
+    layout: ActivationLayout | str,
+    mesh: Mesh | None = None,
+    vocab_size: int | None = None,
+) -> torch.Tensor:
+    """:func:`gather_output` of vocab-sharded logits, trimmed to the true ``vocab_size`` (the
+    padded columns of a vocabulary the split does not divide dropped)."""
+    full = gather_output(logits, layout, get_mesh(mesh))
+    if vocab_size is not None and full.shape[-1] != vocab_size:
+        full = full[..., :vocab_size]
+    return full
 
 
 def cross_entropy_nd(
@@ -113,28 +174,49 @@ def cross_entropy_nd(
     mesh: Mesh | None = None,
     ignore_index: int = -100,
     reduction: str = "mean",
+    vocab_size: int | None = None,
+    label_smoothing: float = 0.0,
 ) -> torch.Tensor:
     """``F.cross_entropy`` of the full logits from this rank's block in ``layout``.
 
     ``logits``: ``[b/nb, ..., V/q]`` (vocab split over the layout's feature axis), ``labels``:
     the matching batch shard ``[b/nb, ...]``. ``'mean'``/``'sum'`` are over the whole batch
-    (equal on every tp rank); ``'none'`` returns this rank's batch shard.
+    (equal on every tp rank); ``'none'`` returns this rank's batch shard. ``vocab_size``: the
+    true vocabulary when the logits are padded (a classifier whose split does not divide it):
+    the padded columns never affect the loss or get a gradient. ``label_smoothing`` spreads
+    over the true vocabulary, as ``F.cross_entropy``'s.
     """
     mesh = get_mesh(mesh)
     layout = get_layout(layout)
     check_mode(mesh, layout, "cross_entropy_nd")
     check_loss_inputs(logits, labels, reduction)
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
     vocab, batch = mesh.group(layout.feature_axis), mesh.group(layout.batch_group)
     z = logits.float()
     local_v = z.shape[-1]
+    full_v = local_v * vocab.size
+    vocab_size = full_v if vocab_size is None else vocab_size
+    if not 0 < vocab_size <= full_v:
+        raise ValueError(
+            f"cross_entropy_nd: vocab_size={vocab_size} does not fit {vocab.size} shards of "
+            f"{local_v} logits"
+        )
     cols = torch.arange(local_v, device=z.device)
     if vocab.size > 1:
         cols = cols + vocab.rank_tensor(z.device) * local_v
+    keep = cols < vocab_size if vocab_size != full_v else None  # not padding
+    if keep is not None:  # finite: a shard made only of padding stays NaN-free
+        z = z.masked_fill(~keep, _NEG)
     local_lse = torch.logsumexp(z, dim=-1, keepdim=True)
     lse = torch.logsumexp(regions.all_gather_fwd_split_bwd(local_lse, vocab, dim=-1), dim=-1)
     valid = labels != ignore_index
     hit = (labels.unsqueeze(-1) == cols) & valid.unsqueeze(-1)
-    target = regions.all_reduce_fwd_identity_bwd((z * hit).sum(-1), vocab)
+    picked = (z * hit).sum(-1)
+    if label_smoothing > 0:  # the mean logit over the true vocabulary
+        zsum = (z if keep is None else z * keep).sum(-1) * valid
+        picked = (1 - label_smoothing) * picked + label_smoothing / vocab_size * zsum
+    target = regions.all_reduce_fwd_identity_bwd(picked, vocab)
     loss = (lse - target) * valid
     if reduction == "none":
         return loss

@@ -20,6 +20,7 @@ from neuron_tp.layers.nd import Embedding2D, Embedding3D, Linear2D, Linear3D  # 
 
 ATOL = 1e-5
 V = 64  # divisible by q=2 (2D) and q^2=4 (3D)
+V_ODD = 61  # divisible by neither: padded embedding table, LM head and logits
 
 
 def _close(a, b, what):
@@ -58,9 +59,10 @@ def _mesh(tp: int, mode: str):
     return ntp.init_mesh(tp=tp, tp_mode=mode)
 
 
-def _inputs(b: int = 4, s: int = 8):
+def _inputs(b: int = 4, s: int = 8, vocab: int = V):
     gen = torch.Generator().manual_seed(123)
-    ids = torch.randint(0, V, (b, s), generator=gen)
+    ids = torch.randint(0, vocab, (b, s), generator=gen)
+    ids[1, 4] = vocab - 1  # the last row / column: in the padded last shard of an odd vocab
     labels = ids.clone()
     labels[0, :3] = -100  # ignored tokens: the mean is over valid tokens of the global batch
     labels[-1, 5] = -100
@@ -69,15 +71,17 @@ def _inputs(b: int = 4, s: int = 8):
     return ids, labels, mask
 
 
-def _check_model(arch: str, tag: str, mask: bool = True, **kw) -> None:
-    ref = _model(arch, **kw)
-    ids, labels, am = _inputs()
+def _check_model(arch: str, tag: str, mask: bool = True, vocab: int = V, **kw) -> None:
+    ref = _model(arch, vocab_size=vocab, **kw)
+    ids, labels, am = _inputs(vocab=vocab)
     extra = {"attention_mask": am} if mask else {}
     m = parallelize(copy.deepcopy(ref))
     layer = m.model.layers[0]
     assert isinstance(layer.self_attn.q_proj, (Linear2D, Linear3D)), tag  # never 1D layers
     assert isinstance(m.model.embed_tokens, (Embedding2D, Embedding3D)), tag
-    _close(m(ids, **extra).logits, ref(ids, **extra).logits, f"{tag} logits")
+    logits = m(ids, **extra).logits
+    assert logits.shape == (4, 8, vocab), (tag, logits.shape)  # the true vocab, padding trimmed
+    _close(logits, ref(ids, **extra).logits, f"{tag} logits")
     out, want = m(ids, labels=labels, **extra), ref(ids, labels=labels, **extra)
     _close(out.logits, want.logits, f"{tag} logits with labels")
     _close(out.loss, want.loss, f"{tag} loss")
@@ -103,7 +107,8 @@ def _check_model(arch: str, tag: str, mask: bool = True, **kw) -> None:
     q = round(ntp.get_mesh().tp_size ** (1 / (2 if ntp.get_mesh().tp_mode == "2d" else 3)))
     nb = q if ntp.get_mesh().tp_mode == "2d" else q * q
     local = pl(ids, labels=labels, **extra)
-    assert tuple(local.logits.shape) == (4 // nb, 8, V // q), (tag, local.logits.shape)
+    want_shape = (4 // nb, 8, -(-vocab // q))  # this rank's (padded) vocab chunk
+    assert tuple(local.logits.shape) == want_shape, (tag, local.logits.shape)
     _close(local.loss, want.loss, f"{tag} parallel_loss loss")
     with full_logits(pl):
         _close(pl(ids, **extra).logits, want.logits, f"{tag} full_logits")
@@ -126,7 +131,6 @@ def _refusals() -> None:
     assert not getattr(ref, "_ntp_parallel", False)
     assert isinstance(ref.model.layers[0].self_attn.k_proj, torch.nn.Linear)  # untouched
     refused(lambda: parallelize(_model(), sequence_parallel=True), "sequence_parallel=True")
-    refused(lambda: parallelize(_model(vocab_size=51)), "vocab_size divisible by 2; got 51")
     refused(lambda: parallelize(_model(tie_word_embeddings=True)), "tie_word_embeddings")
     refused(lambda: parallelize(_model(), plan={"lm_head": "colwise"}), "custom plan")
     with torch.device("meta"):
@@ -141,17 +145,17 @@ def _refusals() -> None:
     refused(lambda: m(torch.zeros(3, 8, dtype=torch.long)), "divisible by 2, got 3")
 
 
-def _generate() -> None:
-    ref = _model()
+def _generate(vocab: int = V) -> None:
+    ref = _model(vocab_size=vocab)
     m = parallelize(copy.deepcopy(ref))
-    ids = torch.randint(0, V, (2, 5), generator=torch.Generator().manual_seed(7))
+    ids = torch.randint(0, vocab, (2, 5), generator=torch.Generator().manual_seed(7))
     kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False)
     want = ref.generate(ids, min_new_tokens=6, pad_token_id=0, **kw)
     got = m.generate(ids, min_new_tokens=6, pad_token_id=0, **kw)
     assert got.shape == (2, 11) and torch.equal(got, want), (got, want)
 
 
-ND2_CASES = ["llama", "llama-nomask", "qwen2", "mistral", "generate", "refusals"]
+ND2_CASES = ["llama", "llama-nomask", "qwen2", "mistral", "generate", "refusals", "llama-v61"]
 
 
 def _nd2_case(case: str) -> None:
@@ -162,6 +166,9 @@ def _nd2_case(case: str) -> None:
         _generate()
     elif case == "llama-nomask":
         _check_model("llama", "2d llama (no mask)", mask=False)
+    elif case == "llama-v61":  # q=2 does not divide the vocabulary
+        _check_model("llama", "2d llama vocab 61", vocab=V_ODD)
+        _generate(V_ODD)
     else:
         _check_model(case, f"2d {case}")
 
@@ -191,13 +198,15 @@ def _refusals_3d() -> None:
     refused(lambda: m(ids, attention_mask=mask), "attention_mask", "tp_mode='2d'")
 
 
-ND3_CASES = ["llama", "qwen2", "refusals"]
+ND3_CASES = ["llama", "qwen2", "refusals", "llama-v61"]
 
 
 def _nd3_case(case: str) -> None:
     _mesh(8, "3d")
     if case == "refusals":
         _refusals_3d()
+    elif case == "llama-v61":  # neither q=2 (LM head) nor q^2=4 (embedding) divides it
+        _check_model("llama", "3d llama vocab 61", mask=False, vocab=V_ODD)
     else:
         _check_model(case, f"3d {case}", mask=False)
 
