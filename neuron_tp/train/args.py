@@ -81,7 +81,15 @@ def train_parser() -> argparse.ArgumentParser:
         description="Train a causal LM with TP (+SP) x DP.",
     )
     _common(p)
-    p.add_argument("--sequence-parallel", action="store_true")
+    p.add_argument(
+        "--tp-mode",
+        choices=("1d", "2d", "3d"),
+        default="1d",
+        help="layout of the tp ranks: 1d (Megatron), 2d (a q x q grid, --tp = q*q, Llama-"
+        "family untied models) or 3d (a q x q x q cube, --tp = q^3); 2d/3d split the "
+        "micro-batch over the grid (--micro-batch divisible by q / q*q)",
+    )
+    p.add_argument("--sequence-parallel", action="store_true", help="1d only")
     p.add_argument("--data", default=REPO_DATA, help="a .txt/.jsonl file or a directory of them")
     p.add_argument("--seq-len", type=_positive(int), default=128)
     p.add_argument("--micro-batch", type=_positive(int), default=4, help="sequences per rank")

@@ -51,6 +51,7 @@ class _CommonConfig:
 class TrainConfig(_CommonConfig):
     """``neuron-tp train`` options (see :func:`~neuron_tp.train.args.train_parser`)."""
 
+    tp_mode: str  # "1d", "2d" (tp = q*q) or "3d" (tp = q^3)
     sequence_parallel: bool
     data: str  # a .txt/.jsonl file or a directory of them
     seq_len: int

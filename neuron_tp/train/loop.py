@@ -10,6 +10,7 @@ resume in :mod:`.checkpoint_policy`.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -93,9 +94,21 @@ def setup(args: TrainConfig | argparse.Namespace, mesh: Mesh | None = None) -> R
                 f"--sequence-parallel needs --seq-len divisible by --tp "
                 f"({config.seq_len} % {config.tp} != 0)"
             )
-        layout = mesh or Mesh(world.size, world.rank, tp=config.tp)  # valid tp? dp rank
+        if config.tp_mode != "1d" and config.sequence_parallel:
+            raise ValueError(
+                f"--sequence-parallel is a --tp-mode 1d option: --tp-mode {config.tp_mode} "
+                "already splits the batch (and the features) over the grid; drop "
+                "--sequence-parallel"
+            )
+        # Valid tp (a square for 2d, a cube for 3d)? This rank's dp rank.
+        layout = mesh or Mesh(world.size, world.rank, tp=config.tp, tp_mode=config.tp_mode)
         if layout.tp_size != config.tp:
             raise ValueError(f"mesh has tp={layout.tp_size} but --tp={config.tp}")
+        if layout.tp_mode != config.tp_mode:
+            raise ValueError(
+                f"mesh has tp_mode={layout.tp_mode!r} but --tp-mode={config.tp_mode}: pass "
+                f"init_mesh(tp={config.tp}, tp_mode={config.tp_mode!r})"
+            )
         if mesh is not None and mesh.reduce_dtype != config.mesh_reduce_dtype:
             raise ValueError(
                 f"mesh has reduce_dtype={mesh.reduce_dtype} but --reduce-dtype="
@@ -110,6 +123,7 @@ def setup(args: TrainConfig | argparse.Namespace, mesh: Mesh | None = None) -> R
                     "--tensorboard needs the tensorboard package (pip install tensorboard)"
                 )
         tokenizer = load_tokenizer(config.tokenizer)
+        check_tp_mode(config, vocab_size(tokenizer))
         data = PackedData(
             config.data,
             tokenizer,
@@ -124,7 +138,9 @@ def setup(args: TrainConfig | argparse.Namespace, mesh: Mesh | None = None) -> R
         error = e
     agreement.check_agreement(values, world, details=details, error=error, what="neuron-tp train")
     device = rank_device(config.device)  # before any backward (see neuron_tp.xla_device)
-    mesh = mesh or init_mesh(tp=config.tp, reduce_dtype=config.mesh_reduce_dtype)
+    mesh = mesh or init_mesh(
+        tp=config.tp, tp_mode=config.tp_mode, reduce_dtype=config.mesh_reduce_dtype
+    )
     dtype = torch.bfloat16 if config.bf16 else torch.float32
     from .. import hf
 
@@ -134,9 +150,10 @@ def setup(args: TrainConfig | argparse.Namespace, mesh: Mesh | None = None) -> R
         # a thread seeding while another draws its init would give the ranks other weights.
         with BUILD_LOCK:
             torch.manual_seed(config.seed)
-            if is_preset(config.model):
+            # 2d/3d: the full model, then sharded (from_pretrained's meta-device load is 1d)
+            if is_preset(config.model) or config.tp_mode != "1d":
                 model = build_model(config.model, vocab_size(tokenizer), config.seed, dtype)
-        if is_preset(config.model):
+        if is_preset(config.model) or config.tp_mode != "1d":
             hf.parallelize(
                 model,
                 mesh,
@@ -181,6 +198,47 @@ def setup(args: TrainConfig | argparse.Namespace, mesh: Mesh | None = None) -> R
         tokenizer,
         guard=NonFiniteGuard(device, skip=config.skip_nonfinite),
     )
+
+
+def grid_side(tp: int, tp_mode: str) -> int:
+    """``q`` of ``--tp-mode 2d`` (tp = q*q) or ``3d`` (tp = q^3); 1 for 1d."""
+    if tp_mode == "2d":
+        return math.isqrt(tp)
+    return round(tp ** (1 / 3)) if tp_mode == "3d" else 1
+
+
+ND_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+def check_tp_mode(config: TrainConfig, tokenizer_vocab: int) -> None:
+    """ValueError (local, before any collective) for a --tp-mode 2d/3d run that cannot work:
+    a micro-batch the grid does not split, a model the 2D/3D layers do not take (tp itself
+    was checked by the Mesh; head and size splits by ``parallelize``)."""
+    if config.tp_mode == "1d":
+        return
+    from .presets import model_config
+
+    q = grid_side(config.tp, config.tp_mode)
+    chunks = q if config.tp_mode == "2d" else q * q
+    if config.micro_batch % chunks:
+        valid = ", ".join(str(chunks * k) for k in range(1, 5))
+        raise ValueError(
+            f"--tp-mode {config.tp_mode} with --tp {config.tp} (q={q}) splits every micro-batch "
+            f"into {chunks} batch chunks: --micro-batch must be a multiple of {chunks} "
+            f"({valid}, ...), got {config.micro_batch}"
+        )
+    if not is_preset(config.model) and not os.path.isfile(
+        os.path.join(config.model, "config.json")
+    ):
+        return  # startup_values says what is wrong with the directory
+    cfg = model_config(config.model, tokenizer_vocab)
+    if cfg.model_type not in ND_MODEL_TYPES or getattr(cfg, "tie_word_embeddings", False):
+        what = "tied embeddings" if cfg.model_type in ND_MODEL_TYPES else cfg.model_type
+        raise ValueError(
+            f"--tp-mode {config.tp_mode} supports untied Llama-family models "
+            f"({', '.join(ND_MODEL_TYPES)}); --model {config.model} is {what}: use "
+            f"--tp-mode 1d"
+        )
 
 
 def startup_values(
