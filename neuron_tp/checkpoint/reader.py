@@ -32,8 +32,16 @@ class Shards:
     state, :mod:`.zero1_files`) ``optim/`` tensors come from the per-(tp, dp) files, joined
     over dp."""
 
-    def __init__(self, path: str, tp: int, step: int | None = None, dp_shards: int | None = None):
+    def __init__(
+        self,
+        path: str,
+        tp: int,
+        step: int | None = None,
+        dp_shards: int | None = None,
+        tp_mode: str = "1d",
+    ):
         self.path, self.tp, self.step, self.handles = path, tp, step, {}
+        self.tp_mode = tp_mode
         self.optim = DpShards(path, tp, dp_shards, step) if dp_shards else None
 
     def file(self, tp_rank: int) -> str:
@@ -79,8 +87,21 @@ class Shards:
         return set(self._open(tp_rank)[0].keys()) | optim
 
     def full(self, key: str, rec: dict) -> torch.Tensor:
-        n = self.tp if rec["sharding"] else 1
-        return assemble([self.get(r, key) for r in range(n)], rec["sharding"])
+        """The unsharded tensor ``key`` of a parameter recorded as ``rec``, assembled from the
+        saved tp ranks' pieces in the saved layout. A piece replicated over a mesh axis (2D/3D)
+        is used once; the other copies are still read one at a time for their checksums."""
+        read = set()
+
+        def get(r: int) -> torch.Tensor:
+            read.add(r)
+            return self.get(r, key)
+
+        full = assemble(get, rec["sharding"], self.tp, self.tp_mode)
+        if rec["sharding"] is not None:
+            for r in range(self.tp):
+                if r not in read:
+                    self.get(r, key)  # verified, dropped
+        return full
 
 
 def _check_model(meta: dict, model: torch.nn.Module, path: str) -> None:
@@ -116,14 +137,10 @@ class Staged:
 
 def _read_tensors(path: str, meta: dict, model, optimizer, mesh: Mesh) -> tuple:
     saved_mesh = meta["mesh"]
-    same = saved_mesh["tp"] == mesh.tp_size and saved_mesh["tp_mode"] == mesh.tp_mode
-    if not same and saved_mesh["tp_mode"] != "1d":
-        raise CheckpointError(
-            f"{path} was saved with tp_mode={saved_mesh['tp_mode']!r} tp="
-            f"{saved_mesh['tp']}; it can only be loaded with the same layout"
-        )
+    saved_mode = saved_mesh.get("tp_mode", "1d")
+    same = saved_mesh["tp"] == mesh.tp_size and saved_mode == mesh.tp_mode
     dp_shards = (meta.get("optimizer") or {}).get("dp_shards")
-    shards = Shards(path, saved_mesh["tp"], meta.get("step"), dp_shards)
+    shards = Shards(path, saved_mesh["tp"], meta.get("step"), dp_shards, saved_mode)
     zero1 = None
     if same and is_zero1(optimizer) and dp_shards == mesh.dp_size:  # read only its own
         zero1 = zero1_files.stage_shard(shards.optim, optimizer, mesh, path)
@@ -273,9 +290,9 @@ def load(
     restore_rng: bool = True,
 ) -> dict:
     """Load checkpoint ``path`` into ``model`` (and optimizer, scheduler, RNG); returns its
-    metadata. A different tp degree is resharded from the files. Everything is read and
-    verified (checksums) before anything is modified; any failure on any rank raises
-    :class:`CheckpointError` on every rank with nothing modified."""
+    metadata. Another tp degree or mode (1d/2d/3d) is resharded from the files. Everything
+    is read and verified (checksums) before anything is modified; any failure on any rank
+    raises :class:`CheckpointError` on every rank with nothing modified."""
     mesh, device = mesh_of(model, mesh), device_of(model)
     what = f"loading {path}"
     staged, error = None, None
