@@ -34,7 +34,8 @@ def _run(plan: list[tuple], world: int) -> None:
         tag = {
             "1d": f"1D block tp={tp} ",
             "nd": f"{entry[2]} block tp={tp} ",
-            "hf": f"HF {entry[2]} tp={tp} ",
+            "hf": f"HF {entry[2]} tp={tp} 1d ",
+            "hfnd": f"HF {entry[-1]} tp={tp} {entry[2]} ",
         }[kind]
         assert sum(n.startswith(tag) for n in names[0]) >= 10, (entry, names[0])
 
@@ -52,7 +53,7 @@ def test_four_devices_tp4_tp2xdp2_2d():
     _run(
         [("1d", 4, sp) for sp in SP]
         + [("1d", 2, sp) for sp in SP]
-        + [("nd", 4, "2d", 2, True)]
+        + [("nd", 4, "2d", 2, True), ("hfnd", 4, "2d", "llama")]
         + [("hf", 4, name, sp) for name in ("llama", "falcon") for sp in SP]
         + [("hf", 2, "llama", True)],
         4,
@@ -61,4 +62,12 @@ def test_four_devices_tp4_tp2xdp2_2d():
 
 def test_eight_devices_3d_and_2d_dp2():
     # the last entry: 2D keeping the gathered operands (regather=False)
-    _run([("nd", 8, "3d", 4, True), ("nd", 4, "2d", 2, False), ("nd", 4, "2d", 2, False, False)], 8)
+    _run(
+        [
+            ("nd", 8, "3d", 4, True),
+            ("hfnd", 8, "3d", "llama"),
+            ("nd", 4, "2d", 2, False),
+            ("nd", 4, "2d", 2, False, False),  # 2D keeping the gathered operands
+        ],
+        8,
+    )

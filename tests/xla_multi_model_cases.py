@@ -231,20 +231,21 @@ def hf_case(c: Checks, mesh, name: str, sp: bool | str) -> None:
     parallel_loss), then loss and every gradient with parallel_loss=True (SP grads synced,
     dp grads averaged, gathered in HF names/layout). Each dp replica has its own batch.
     ``sp="keep"``: sequence parallel keeping the gathered inputs (no backward re-gather)."""
-    tp, dp = mesh.tp_size, mesh.dp_size
-    what = f"HF {name} tp={tp} dp={dp} sp={sp} [rank {mesh.rank}]"
+    tp, dp, mode = mesh.tp_size, mesh.dp_size, mesh.tp_mode
+    what = f"HF {name} tp={tp} {mode} dp={dp} sp={sp} [rank {mesh.rank}]"
+    per = 4 if mode == "3d" else 2  # sequences per dp replica (3D splits the batch by q^2)
     with serial():  # transformers' lazy imports and the global RNG are shared by the threads
         torch.manual_seed(0)
         ref = build(name).eval()
         gen = torch.Generator().manual_seed(123)
-        ids_all = torch.randint(2, HF_VOCAB, (2 * dp, 8), generator=gen)
+        ids_all = torch.randint(2, HF_VOCAB, (per * dp, 8), generator=gen)
         logits_ref = ref(ids_all).logits
         # every replica has the same number of tokens: the mean of the dp means is the mean
         losses = [ref(ids, labels=ids).loss for ids in ids_all.chunk(dp)]
         loss_ref = sum(losses) / dp
         loss_ref.backward()
     expected = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
-    rows = slice(mesh.dp_rank * 2, (mesh.dp_rank + 1) * 2)
+    rows = slice(mesh.dp_rank * per, (mesh.dp_rank + 1) * per)
     # collective (the ranks compare checksums): never under serial()
     kw = dict(sequence_parallel=bool(sp), sequence_parallel_regather=sp != "keep")
     infer = parallelize(copy.deepcopy(ref), mesh=mesh, **kw)
@@ -281,13 +282,14 @@ def _summary(c: Checks, mesh) -> dict:
 
 def job(plan: list[tuple]) -> dict:
     """Run ``plan`` on this device thread: entries ``("1d", tp, sp)``, ``("nd", tp, mode,
-    batch, with_model[, regather])`` (``regather`` defaults to True), ``("hf", tp, name, sp)``;
+    batch, with_model[, regather])`` (``regather`` defaults to True), ``("hf", tp, name, sp)``,
+    ``("hfnd", tp, mode, name)``;
     one sync per case."""
     torch_xla.device()  # register the device before the first backward of the process
     c = Checks()
     meshes = {}
     for kind, tp, *rest in plan:
-        mode = rest[0] if kind == "nd" else "1d"
+        mode = rest[0] if kind in ("nd", "hfnd") else "1d"
         if (tp, mode) not in meshes:
             meshes[(tp, mode)] = ntp.init_mesh(tp=tp, tp_mode=mode)
         mesh = meshes[(tp, mode)]
@@ -298,6 +300,8 @@ def job(plan: list[tuple]) -> dict:
             block_nd_case(c, mesh, batch, *regather)
             if with_model:
                 model_nd_case(c, mesh, batch)
+        elif kind == "hfnd":  # a patched HF model on a 2d/3d mesh
+            hf_case(c, mesh, rest[1], sp=False)
         else:
             hf_case(c, mesh, rest[0], sp=rest[1])
         c.flush()
