@@ -24,6 +24,12 @@ logit columns, the full logits are trimmed to ``vocab_size`` and ``gather_hf_sta
 drops the padding; the local block of ``parallel_loss`` has ``ceil(vocab_size / q)`` columns.
 Everything that cannot be split is refused (ValueError) before any collective and before the
 model is changed.
+
+Collectives of one decoder layer, forward + backward (pinned by tests/hf/test_hf_nd_hlo.py):
+per linear (7) 2D: 4 all-gathers (X and W, again in backward) + 2 reduce-scatters (dX, dW)
+over q ranks; 3D: 5 all-gathers + 3 reduce-scatters over q ranks; per RMSNorm (2) three
+all-reduces (statistics forward and backward, weight gradient; 3D: the last over q^2 ranks).
+Attention itself communicates nothing.
 """
 
 from __future__ import annotations
