@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ..mesh import Mesh, get_mesh
-from ..sharding import gather_full, named_parameter_meta
+from ..sharding import Sharding, gather_full, get_param_meta, named_parameter_meta, shard_of
 from .parallelize import parallelize
 from .slice_map import WHOLE, get_slice_map, read_local, to_hf
 
@@ -151,6 +151,59 @@ def _checkpoint_files(path: str) -> dict[str, str]:
         return {k: single for k in f.keys()}
 
 
+def block_ranges(sharding: Sharding, mesh: Mesh) -> list[tuple[int, int]]:
+    """This rank's ``[start, stop)`` along every dim of the full tensor: the block
+    :func:`~neuron_tp.sharding.shard_of` gives it (``stop`` past the end = zero padding).
+
+    Derived by running ``shard_of`` itself, one dim at a time, on the 1-based indices of that
+    dim (0 = padding), so the rule (ceil chunks, splits applied outermost first, several splits
+    of one dim nesting) is exactly the one the layers shard fresh weights with."""
+    if sharding.segments:
+        raise ValueError("block_ranges: packed (segmented) parameters are 1d-only")
+    out = []
+    for d, size in enumerate(sharding.full_shape):
+        splits = tuple((axis, 0) for axis, dim in sharding.splits if dim == d)
+        if not splits:
+            out.append((0, size))
+            continue
+        idx = shard_of(torch.arange(1, size + 1), Sharding(splits, (size,)), mesh)
+        n_real = int((idx > 0).sum())
+        if n_real:
+            start = int(idx[0]) - 1
+            want = torch.arange(start + 1, start + 1 + n_real)
+            if not torch.equal(idx[:n_real], want):  # not one contiguous range + padding
+                raise AssertionError(f"dim {d} of {sharding}: non-contiguous block {idx}")
+        else:
+            start = size  # a block made only of padding
+        out.append((start, start + idx.numel()))
+    return out
+
+
+def read_block(sl, shape: tuple[int, ...], sharding: Sharding | None, mesh: Mesh, name: str):
+    """This rank's block of a stored tensor (safetensors ``get_slice`` handle ``sl``, stored
+    shape ``shape``) laid out by ``sharding`` over a 2d/3d mesh: only the block is read, the
+    part past the stored tensor (a padded vocabulary) is zeros. ``sharding`` None: the whole
+    tensor (replicated)."""
+    if sharding is None:
+        return sl[:]
+    if tuple(shape) != tuple(sharding.full_shape):
+        raise ValueError(
+            f"{name}: checkpoint tensor has shape {tuple(shape)}, the model's parameter "
+            f"{tuple(sharding.full_shape)} (a checkpoint of another model or config?)"
+        )
+    ranges = block_ranges(sharding, mesh)
+    real = [(min(a, n), min(b, n)) for (a, b), n in zip(ranges, shape)]
+    if any(b <= a for a, b in real):  # only padding (the caller casts to the parameter dtype)
+        return torch.zeros([b - a for a, b in ranges])
+    t = sl[tuple(slice(a, b) for a, b in real)]
+    for d, ((a, b), (ra, rb)) in enumerate(zip(ranges, real)):
+        if b - a > rb - ra:  # past the end of the stored tensor: zero padding
+            pad = list(t.shape)
+            pad[d] = (b - a) - (rb - ra)
+            t = torch.cat([t, t.new_zeros(pad)], d)
+    return t
+
+
 def from_pretrained(
     path: str,
     mesh: Mesh | None = None,
@@ -162,7 +215,11 @@ def from_pretrained(
     **config_kwargs,
 ) -> nn.Module:
     """Build ``auto_class`` from the config at ``path`` on the meta device, shard it, and read
-    only this rank's slices of each tensor from the safetensors files (never the full model)."""
+    only this rank's slices of each tensor from the safetensors files (never the full model).
+
+    1d mesh: each parameter's HF slice map (:mod:`neuron_tp.hf.slice_map`); 2d/3d mesh: the
+    block its sharding record gives this rank (:func:`block_ranges`), zero-padded past a
+    vocabulary the split does not divide; replicated parameters are read whole."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from ..agreement import check_agreement
@@ -212,7 +269,11 @@ def from_pretrained(
                     )
                     return sl[idx]
 
-                local = read_local(read, shape, get_slice_map(mod, pname)).to(p.dtype)
+                if mesh.tp_mode == "1d":
+                    local = read_local(read, shape, get_slice_map(mod, pname))
+                else:
+                    local = read_block(sl, shape, get_param_meta(mod, pname).sharding, mesh, name)
+                local = local.to(p.dtype)
                 if local.shape != p.shape:
                     raise ValueError(
                         f"{name}: checkpoint slice {tuple(local.shape)} does not "

@@ -23,7 +23,9 @@ for the head, q^2 for the 3D embedding) is padded with zero rows: the loss masks
 logit columns, the full logits are trimmed to ``vocab_size`` and ``gather_hf_state_dict``
 drops the padding; the local block of ``parallel_loss`` has ``ceil(vocab_size / q)`` columns.
 Everything that cannot be split is refused (ValueError) before any collective and before the
-model is changed.
+model is changed. A model whose parameters are on the meta device (``neuron_tp.from_pretrained``
+builds one) gets meta-device sharded layers, which refuse to run until this rank's blocks are
+loaded (:func:`neuron_tp.hf.from_pretrained` reads only those from the checkpoint).
 
 Collectives of one decoder layer, forward + backward (pinned by tests/hf/test_hf_nd_hlo.py):
 per linear (7) 2D: 4 all-gathers (X and W, again in backward) + 2 reduce-scatters (dX, dW)
@@ -184,11 +186,14 @@ def _validate(model: nn.Module, mesh: Mesh, sequence_parallel: bool, plan) -> No
             f"{name}: a custom plan is a 1d option; tp_mode={mode!r} uses its fixed "
             "Llama-family layout (plan=None)"
         )
-    if any(p.is_meta for p in model.parameters()):
+    meta_buffers = [n for n, b in model.named_buffers() if b.is_meta]
+    if meta_buffers:  # meta parameters are fine (loaded afterwards), meta buffers never are
         raise ValueError(
-            f"{name}: parallelize on a {mode} mesh needs the model's weights (a meta-device "
-            "model, e.g. from neuron_tp.from_pretrained, is 1d-only so far): load the full "
-            "model with transformers, then parallelize it; or use tp_mode='1d'"
+            f"{name}: a meta-device model with meta buffers (e.g. {meta_buffers[0]}, built "
+            f"under torch.device('meta')) cannot run on a {mode} mesh: nothing loads buffers. "
+            "Use neuron_tp.from_pretrained(path, mesh) (parameters on meta, buffers real, "
+            "each rank reads only its blocks), or load the full model with transformers; "
+            "unlike tp_mode='1d', meta buffers are refused here"
         )
     cfg = model.config
     impl = getattr(cfg, "_attn_implementation", None)
@@ -282,6 +287,8 @@ def _build(model: nn.Module, mesh: Mesh) -> dict[str, nn.Module]:
 
 
 def _install(model: nn.Module, built: dict[str, nn.Module], mesh: Mesh, parallel_loss: bool):
+    from .parallelize import _guard_meta
+
     for name, new in built.items():
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent), attr, new)
@@ -293,18 +300,25 @@ def _install(model: nn.Module, built: dict[str, nn.Module], mesh: Mesh, parallel
     model.lm_head.gather_output = not parallel_loss
     model._ntp_parallel, model._ntp_mesh = True, mesh
     model._ntp_parallel_loss, model._ntp_sequence_parallel = parallel_loss, False
+    _guard_meta(model)  # built from a meta-device model: refuses to run until loaded
     _wrap_forward(model, mesh)
 
 
 def _wrap_forward(model: nn.Module, mesh: Mesh) -> None:
     """Full ``input_ids`` (and ``attention_mask`` / ``position_ids`` / ``labels``) in, this
-    rank's batch chunk through the model, the loss from the sharded logits."""
+    rank's batch chunk through the model, the loss from the sharded logits. On a 3d mesh the
+    per-sample ``attention_mask`` / ``position_ids`` are the 3d-b chunk (that of q/k/v), so the
+    causal mask and rotary tables HF builds from them match the samples attention sees."""
     forward = model.forward
     sig = inspect.signature(forward)
     name = type(model).__name__
     res, out_layout = residual_layout(mesh), logits_layout(mesh)
     nb = res.batch_split(mesh)
     vocab_size = model.lm_head.vocab_size  # the true vocabulary (the head may be padded)
+    # attention_mask / position_ids only feed the causal mask and the rotary tables, which only
+    # the attention core reads: they take the batch chunk of q/k/v (3D: 3d-b, after the "ab"
+    # q/k/v projections), not that of the residual stream (3d-a). Both chunks have b/q^2 rows.
+    attn_layout = LAYOUT_3D_B if mesh.tp_mode == "3d" else res
 
     @functools.wraps(forward)
     def wrapped(*args, **kwargs):
@@ -326,19 +340,10 @@ def _wrap_forward(model: nn.Module, mesh: Mesh) -> None:
                 f"{name} on a {mesh.tp_mode} mesh (q={grid_side(mesh)}) splits the batch "
                 f"into {nb} chunks: batch size must be divisible by {nb}, got {b}"
             )
-        if mesh.tp_mode == "3d" and (
-            a.get("attention_mask") is not None
-            or (a.get("position_ids") is not None and a["position_ids"].shape[0] > 1)
-        ):
-            raise ValueError(
-                f"{name} on a 3d mesh: per-sample attention_mask / position_ids are not "
-                "supported yet (attention runs on the 3d-b batch chunk, the mask would be "
-                "built for the 3d-a chunk); pass neither, or use tp_mode='2d'"
-            )
-        for key in ("input_ids", "attention_mask", "position_ids"):
-            t = a.get(key)
-            if t is not None and t.dim() >= 1 and t.shape[0] == b:  # [1, s] positions: shared
-                a[key] = split_input(t, res, mesh, feature_dim=False)
+        a["input_ids"] = split_input(ids, res, mesh, feature_dim=False)
+        for key in ("attention_mask", "position_ids"):
+            if a.get(key) is not None:
+                a[key] = _split_batch(a[key], attn_layout, mesh, b, f"{name} {key}")
         out = forward(*bound.args, **bound.kwargs)
         logits = out.logits
         if labels is not None:
@@ -360,3 +365,21 @@ def _wrap_forward(model: nn.Module, mesh: Mesh) -> None:
         return out
 
     model.forward = wrapped
+
+
+def _split_batch(t, layout: ActivationLayout, mesh: Mesh, b: int, what: str):
+    """The batch chunk in ``layout`` of a per-sample ``[b, ...]`` tensor (``attention_mask``,
+    ``position_ids``), or of every such tensor of a dict of masks (one per layer type); shared
+    ``[1, ...]`` tensors (one ``position_ids`` row for every sample) pass unchanged. A plain
+    local chunk: no autograd, no layout tag (a float mask is added to the attention scores)."""
+    import torch
+
+    from .. import comm
+
+    if isinstance(t, dict):
+        return {k: _split_batch(v, layout, mesh, b, f"{what}[{k!r}]") for k, v in t.items()}
+    if t is None or not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] == 1:
+        return t
+    if t.shape[0] != b:
+        raise ValueError(f"{what}: batch size {t.shape[0]} does not match input_ids' {b}")
+    return comm.local_chunk(t, mesh.group(layout.batch_group), 0)

@@ -150,10 +150,11 @@ def setup(args: TrainConfig | argparse.Namespace, mesh: Mesh | None = None) -> R
         # a thread seeding while another draws its init would give the ranks other weights.
         with BUILD_LOCK:
             torch.manual_seed(config.seed)
-            # 2d/3d: the full model, then sharded (from_pretrained's meta-device load is 1d)
-            if is_preset(config.model) or config.tp_mode != "1d":
+            # presets: built whole, then sharded; a local HF directory: from_pretrained (any
+            # tp_mode) reads only this rank's slices / blocks of every tensor
+            if is_preset(config.model):
                 model = build_model(config.model, vocab_size(tokenizer), config.seed, dtype)
-        if is_preset(config.model) or config.tp_mode != "1d":
+        if is_preset(config.model):
             hf.parallelize(
                 model,
                 mesh,

@@ -59,7 +59,7 @@ def _mesh(tp: int, mode: str):
     return ntp.init_mesh(tp=tp, tp_mode=mode)
 
 
-def _inputs(b: int = 4, s: int = 8, vocab: int = V):
+def _inputs(b: int = 4, s: int = 8, vocab: int = V, pads=None):
     gen = torch.Generator().manual_seed(123)
     ids = torch.randint(0, vocab, (b, s), generator=gen)
     ids[1, 4] = vocab - 1  # the last row / column: in the padded last shard of an odd vocab
@@ -67,14 +67,23 @@ def _inputs(b: int = 4, s: int = 8, vocab: int = V):
     labels[0, :3] = -100  # ignored tokens: the mean is over valid tokens of the global batch
     labels[-1, 5] = -100
     mask = torch.ones(b, s, dtype=torch.long)
-    mask[1, :2] = 0  # left padding of one sample
+    if pads is None:
+        mask[1, :2] = 0  # left padding of one sample
+    else:  # {row: left padding}; padded labels ignored
+        for row, n in pads.items():
+            mask[row, :n] = 0
+        labels[mask == 0] = -100
     return ids, labels, mask
 
 
-def _check_model(arch: str, tag: str, mask: bool = True, vocab: int = V, **kw) -> None:
+def _check_model(
+    arch: str, tag: str, mask: bool = True, vocab: int = V, pads=None, positions=False, **kw
+) -> None:
     ref = _model(arch, vocab_size=vocab, **kw)
-    ids, labels, am = _inputs(vocab=vocab)
+    ids, labels, am = _inputs(vocab=vocab, pads=pads)
     extra = {"attention_mask": am} if mask else {}
+    if positions:  # per-sample position_ids (as generate builds them): 0 at the first real token
+        extra["position_ids"] = (am.cumsum(-1) - 1).clamp(min=0)
     m = parallelize(copy.deepcopy(ref))
     layer = m.model.layers[0]
     assert isinstance(layer.self_attn.q_proj, (Linear2D, Linear3D)), tag  # never 1D layers
@@ -195,10 +204,29 @@ def _refusals_3d() -> None:
     m = parallelize(_model())
     ids, _, mask = _inputs()
     refused(lambda: m(ids[:2]), "divisible by 4, got 2")
-    refused(lambda: m(ids, attention_mask=mask), "attention_mask", "tp_mode='2d'")
+    refused(lambda: m(ids, attention_mask=mask[:2]), "attention_mask: batch size 2", "input_ids' 4")
 
 
-ND3_CASES = ["llama", "qwen2", "refusals", "llama-v61"]
+# Left padding on every 3d-b / 3d-a chunk but one (batch 4 = q^2 chunks of one row each): the
+# attention core runs on the 3d-b chunk, the residual stream on the 3d-a chunk.
+PADS_3D = {0: 3, 1: 1, 3: 5}
+
+
+def _generate_padded(b: int = 4, s: int = 6, vocab: int = V) -> None:
+    ref = _model(vocab_size=vocab)
+    m = parallelize(copy.deepcopy(ref))
+    ids = torch.randint(1, vocab, (b, s), generator=torch.Generator().manual_seed(7))
+    mask = torch.ones_like(ids)
+    for row, n in PADS_3D.items():
+        mask[row, :n] = 0
+    ids[mask == 0] = 0  # the pad token
+    kw = dict(attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    want = ref.generate(ids, pad_token_id=0, **kw)
+    got = m.generate(ids, pad_token_id=0, **kw)
+    assert got.shape == (b, s + 6) and torch.equal(got, want), (got, want)
+
+
+ND3_CASES = ["llama", "qwen2", "refusals", "llama-v61", "llama-padded"]
 
 
 def _nd3_case(case: str) -> None:
@@ -207,6 +235,10 @@ def _nd3_case(case: str) -> None:
         _refusals_3d()
     elif case == "llama-v61":  # neither q=2 (LM head) nor q^2=4 (embedding) divides it
         _check_model("llama", "3d llama vocab 61", mask=False, vocab=V_ODD)
+    elif case == "llama-padded":  # per-sample attention_mask / position_ids, generate
+        _check_model("llama", "3d llama left-padded", pads=PADS_3D)
+        _check_model("llama", "3d llama left-padded positions", pads=PADS_3D, positions=True)
+        _generate_padded()
     else:
         _check_model(case, f"3d {case}", mask=False)
 
