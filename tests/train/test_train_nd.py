@@ -18,7 +18,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 import neuron_tp as ntp  # noqa: E402
 from neuron_tp.train.args import train_parser  # noqa: E402
 from neuron_tp.train.config import TrainConfig  # noqa: E402
-from neuron_tp.train.loop import check_tp_mode, train  # noqa: E402
+from neuron_tp.train.loop import train  # noqa: E402
+from neuron_tp.train.tp_mode import check_tp_mode  # noqa: E402
 from reference_train import reference_run  # noqa: E402
 from test_train_dist import _args, _losses, _quiet, gloo_dist  # noqa: E402
 
