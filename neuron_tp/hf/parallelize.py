@@ -89,12 +89,6 @@ def parallelize(
     Llama-family models get the 2D/3D layers (:mod:`neuron_tp.hf.parallelize_nd`).
     """
     mesh = get_mesh(mesh)
-    if mesh.tp_mode != "1d":  # 2D/3D layers, never 1D layers over a 2d/3d mesh
-        from .parallelize_nd import parallelize_nd
-
-        return parallelize_nd(
-            model, mesh, sequence_parallel, parallel_loss, plan, sequence_parallel_regather
-        )
     if getattr(model, "_ntp_parallel", False):
         raise ValueError(f"{type(model).__name__} is already parallelized")
     from ..agreement import check_same_model
@@ -112,6 +106,10 @@ def parallelize(
         },
         what=f"parallelize({type(model).__name__})",
     )
+    if mesh.tp_mode != "1d":  # 2D/3D layers, never 1D layers over a 2d/3d mesh
+        from .parallelize_nd import parallelize_nd
+
+        return parallelize_nd(model, mesh, sequence_parallel, parallel_loss, plan)
     # The ranks agree on model and options, so each step below does the same on every rank.
     mp, heads = _validate(model, mesh, plan, sequence_parallel)
     built = _build(model, mp, mesh, heads, sequence_parallel, parallel_loss)

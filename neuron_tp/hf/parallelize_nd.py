@@ -91,29 +91,12 @@ def parallelize_nd(
     sequence_parallel: bool = False,
     parallel_loss: bool = False,
     plan: dict[str, str] | None = None,
-    sequence_parallel_regather: bool = True,
 ) -> nn.Module:
-    """:func:`neuron_tp.hf.parallelize` on a 2d/3d mesh (see the module docstring)."""
+    """:func:`neuron_tp.hf.parallelize` on a 2d/3d mesh (see the module docstring), called by
+    it once the ranks agree on model and options."""
     if mesh.tp_mode not in ("2d", "3d"):
         raise ValueError(f"parallelize_nd needs a 2d or 3d mesh, got {mesh}")
-    if getattr(model, "_ntp_parallel", False):
-        raise ValueError(f"{type(model).__name__} is already parallelized")
     _validate(model, mesh, sequence_parallel, plan)  # no collective: same verdict on every rank
-    from ..agreement import check_same_model
-
-    check_same_model(
-        model,
-        mesh.tp,
-        {
-            "plan": plan,
-            "sequence_parallel": sequence_parallel,
-            "sequence_parallel_regather": sequence_parallel_regather,
-            "parallel_loss": parallel_loss,
-            "tp": mesh.tp_size,
-            "tp_mode": mesh.tp_mode,
-        },
-        what=f"parallelize({type(model).__name__})",
-    )
     built = _build(model, mesh)
     _install(model, built, mesh, parallel_loss)
     return model
