@@ -126,7 +126,7 @@ def worker_generate(opts) -> dict:
 
     dev = ntp.xla_device()
     from neuron_tp import hf
-    from neuron_tp.train.generate import generate
+    from neuron_tp.infer.generate import generate
     from neuron_tp.train.graphs import graph_counters
     from neuron_tp.train.presets import build_model
 

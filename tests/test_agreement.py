@@ -42,8 +42,8 @@ def _outcome(fn) -> str:
 def _job(tmp: str) -> None:
     import neuron_tp as ntp
     from neuron_tp.agreement import check_agreement, check_model_replicas
+    from neuron_tp.infer.cli import run_cli
     from neuron_tp.train.args import generate_parser, train_parser
-    from neuron_tp.train.generate import run_cli
     from neuron_tp.train.loop import setup
     from neuron_tp.train.presets import build_model
 

@@ -181,4 +181,16 @@ def generate_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=_positive(float), default=1.0)
     p.add_argument("--top-k", type=_non_negative(int), default=0, help="0 = no top-k filter")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument(
+        "--batch-buckets",
+        type=_buckets,
+        default=_buckets("1,2,4,8"),
+        help="comma-separated batch sizes (graph shapes); more prompts run in several batches",
+    )
+    p.add_argument(
+        "--stop", action="append", default=[], help="stop string (repeatable): text ends before it"
+    )
+    p.add_argument(
+        "--ignore-eos", action="store_true", help="do not stop at EOS (always --max-new-tokens)"
+    )
     return p

@@ -101,3 +101,6 @@ class GenerateConfig(_CommonConfig):
     temperature: float
     top_k: int  # 0: no top-k filter
     dtype: str  # "float32" or "bfloat16"
+    batch_buckets: list[int]  # batch sizes, sorted; more prompts run in several batches
+    stop: list[str]  # stop strings (the text is cut before the first one)
+    ignore_eos: bool  # always generate --max-new-tokens (benchmarks)

@@ -78,6 +78,6 @@ def train_command(args: argparse.Namespace | TrainConfig) -> None:
 def generate_command(args: argparse.Namespace | GenerateConfig) -> None:
     """``neuron-tp generate``: this process's rank(s) of the generation job (the parsed
     options become a :class:`~neuron_tp.train.config.GenerateConfig` here)."""
-    from .generate import run_cli
+    from ..infer.cli import run_cli
 
     _command(GenerateConfig.from_args(args), run_cli)

@@ -47,7 +47,7 @@ def _train_args(tmp, *extra):
 
 
 def test_model_path_that_is_not_a_model(tmp_path):
-    from neuron_tp.train.generate import load_for_generation
+    from neuron_tp.infer.load import load_for_generation
     from neuron_tp.train.loop import setup
 
     with pytest.raises(ValueError, match=r"'/nonexistent' is neither a preset \(tiny-llama"):
@@ -148,7 +148,7 @@ def test_plan_whose_split_output_has_no_consumer():
 
 
 def test_generate_with_device_xla_on_ranks_off_neuron(monkeypatch):
-    from neuron_tp.train.generate import run_cli
+    from neuron_tp.infer.cli import run_cli
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("PJRT_DEVICE", "CPU")
@@ -180,7 +180,8 @@ def _reference_tokens(trained) -> list[list[int]]:
 
 
 def _generate_tp2(tmp: str) -> None:
-    from neuron_tp.train.generate import generate, load_for_generation
+    from neuron_tp.infer.generate import generate
+    from neuron_tp.infer.load import load_for_generation
 
     mesh = ntp.init_mesh(tp=2)
     res = {}
@@ -197,7 +198,8 @@ def _generate_tp2(tmp: str) -> None:
 
 def test_generate_from_neuron_tp_checkpoint_at_any_tp(tmp_path):
     from neuron_tp.hf.loading import gather_hf_state_dict
-    from neuron_tp.train.generate import generate, load_for_generation
+    from neuron_tp.infer.generate import generate
+    from neuron_tp.infer.load import load_for_generation
     from neuron_tp.train.loop import setup, train
 
     runs = []

@@ -47,8 +47,9 @@ def hf_sample(full, prompts, new: int, temperature: float, top_k: int, seed: int
 
 def _sharded(tmp: str) -> None:
     from neuron_tp import hf
+    from neuron_tp.infer.cli import run_cli
+    from neuron_tp.infer.generate import generate
     from neuron_tp.train.args import generate_parser
-    from neuron_tp.train.generate import generate, run_cli
     from neuron_tp.train.presets import build_model
 
     mesh = ntp.init_mesh(tp=2)
@@ -90,7 +91,7 @@ def _sharded(tmp: str) -> None:
     res["cli"] = run_cli(args)
     res["cli_ref"] = [
         bytes(t for t in o if t < 256).decode("utf-8", "replace")
-        for o in generate(full, [list(b"The old"), list(b"A")], 6, [8])
+        for o in generate(full, [list(b"The old"), list(b"A")], 6, [8], eos_ids=[256])
     ]
     with open(f"{tmp}/gen-{mesh.rank}.json", "w") as fh:
         json.dump(res, fh)

@@ -8,7 +8,7 @@ import neuron_tp as ntp
 
 dev = ntp.xla_device()
 from neuron_tp import hf  # noqa: E402
-from neuron_tp.train.generate import generate  # noqa: E402
+from neuron_tp.infer.generate import generate  # noqa: E402
 from neuron_tp.train.graphs import graph_counters  # noqa: E402
 from neuron_tp.train.presets import build_model  # noqa: E402
 

@@ -115,7 +115,7 @@ def run_generate(tp: int) -> dict:
     import copy
 
     from neuron_tp import hf
-    from neuron_tp.train.generate import generate
+    from neuron_tp.infer.generate import generate
     from neuron_tp.train.presets import build_model
     from xla_dist import serial
 

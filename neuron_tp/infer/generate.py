@@ -1,0 +1,318 @@
+"""Sharded generation with static shapes, replayed on XLA devices.
+
+- Prompts are left-padded to a length bucket and the batch is padded to a batch bucket, so a
+  request maps to one of a few graph shapes; the KV cache is a static cache whose length does
+  not depend on the number of new tokens (rounded up to :data:`CACHE_ROUND`).
+- The attention mask is built in the graph (transformers' own mask code reads the padding mask
+  on the host); a sequence that ended (EOS) stays in the batch emitting padding: no shape
+  changes when one stops.
+- On an XLA device prefill and decode are :class:`~neuron_tp.infer.replay.ReplayedStep` s: the
+  model's Python runs once per graph shape, then each token is one call of the cached
+  executable (graphs: one prefill per (batch, length) bucket, one decode per batch bucket).
+  Positions, the cache and the end flags advance inside the graph; the host uploads nothing
+  per token but sampling noise.
+- Greedy or sampling (Gumbel-max with noise drawn on the host from a seeded generator: the
+  same draws ``torch.multinomial`` makes, identical on every tp rank, uploaded as data).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .replay import ReplayedStep
+
+CACHE_ROUND = 128  # the cache holds max(buckets) + new tokens rounded up to this
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How the next token is chosen: greedy, or sampled at ``temperature`` from the top ``k``
+    (0: all) with a seeded host generator."""
+
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+
+    def __post_init__(self):
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = no filter), got {self.top_k}")
+
+
+GREEDY = Sampling()
+
+
+def pick_bucket(length: int, buckets: Sequence[int], what: str = "prompt") -> int:
+    """The smallest bucket that holds ``length`` (ValueError when none does)."""
+    for b in sorted(buckets):
+        if length <= b:
+            return b
+    unit = "tokens" if what == "prompt" else "sequences"
+    raise ValueError(
+        f"{what} of {length} {unit} is longer than the largest bucket {max(buckets)}"
+        f" (buckets: {', '.join(map(str, sorted(buckets)))})"
+    )
+
+
+def cache_length(buckets: Sequence[int], max_new_tokens: int) -> int:
+    return max(buckets) + -(-max_new_tokens // CACHE_ROUND) * CACHE_ROUND
+
+
+def attention_mask_4d(pad_mask: torch.Tensor, cache_pos: torch.Tensor) -> torch.Tensor:
+    """``[batch, 1, queries, cache]`` boolean mask built in the graph from device tensors:
+    causal over cache positions, padding excluded, every query sees itself (padding rows
+    would otherwise be empty and produce NaN keys/values in later layers)."""
+    kv = torch.arange(pad_mask.shape[-1], device=pad_mask.device)
+    q = cache_pos[:, None]
+    allowed = (kv[None, :] <= q) & pad_mask.bool()[:, None, :]  # [batch, q, cache]
+    return (allowed | (kv[None, :] == q))[:, None]
+
+
+def choose(logits: torch.Tensor, top_k: int, temperature, noise) -> torch.Tensor:
+    """Greedy (``noise`` None) or ``argmax(softmax(logits / T) / noise)`` over the top k: a
+    draw from that distribution when ``noise ~ Exp(1)``."""
+    if noise is None:
+        return logits.argmax(-1)
+    logits = logits.float() / temperature
+    if top_k:
+        kth = logits.topk(min(top_k, logits.shape[-1]), -1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return (logits.softmax(-1) / noise).argmax(-1)
+
+
+class Generator:
+    """Generation with one model on its device. Graphs are captured once per shape and
+    reused by later calls: the model's weights must not change while the Generator is used.
+
+    ``buckets``: prompt lengths; ``max_new_tokens``: the most a call may ask for (it sets
+    the cache length); ``batch_buckets``: batch sizes (None: each call's own batch size);
+    ``replay=False``: re-trace the model every token (torch-xla's plain lazy mode)."""
+
+    def __init__(
+        self,
+        model,
+        buckets: Sequence[int],
+        max_new_tokens: int,
+        batch_buckets: Sequence[int] | None = None,
+        pad_id: int = 0,
+        replay: bool = True,
+    ):
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if not buckets or min(buckets) < 1:
+            raise ValueError(f"buckets must be positive lengths, got {list(buckets)}")
+        self.model, self.pad_id = model, pad_id
+        self.buckets = sorted(buckets)
+        self.batch_buckets = sorted(batch_buckets) if batch_buckets else None
+        self.max_new_tokens = max_new_tokens
+        self.total = cache_length(self.buckets, max_new_tokens)
+        limit = getattr(model.config, "max_position_embeddings", None)
+        if limit is not None and self.total > limit:
+            raise ValueError(
+                f"cache of {self.total} positions (largest bucket + new tokens rounded up "
+                f"to {CACHE_ROUND}) exceeds max_position_embeddings={limit}"
+            )
+        self.device = next(model.parameters()).device
+        self.replay = replay and self.device.type == "xla"
+        self._steps: dict[tuple, ReplayedStep] = {}
+        self._caches: dict[int, _CacheSlots] = {}  # batch -> the cache object the traces use
+
+    @property
+    def traces(self) -> int:
+        """How many times the model's Python ran to capture a graph (replay mode)."""
+        return sum(s.traces for s in self._steps.values())
+
+    def check(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
+        """ValueError naming what is wrong with a request (before any device work)."""
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        if not 1 <= max_new_tokens <= self.max_new_tokens:
+            raise ValueError(
+                f"max_new_tokens must be in 1..{self.max_new_tokens}, got {max_new_tokens}"
+            )
+        pick_bucket(max(len(p) for p in prompts), self.buckets)
+        if self.batch_buckets:
+            pick_bucket(len(prompts), self.batch_buckets, "batch")
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        sampling: Sampling = GREEDY,
+        eos_ids: Sequence[int] = (),
+    ) -> list[list[int]]:
+        """New token ids per prompt: ``max_new_tokens`` each, or up to and including the
+        first EOS id."""
+        out: list[list[int]] = [[] for _ in prompts]
+        for column in self.stream(prompts, max_new_tokens, sampling, eos_ids):
+            for seq, t in zip(out, column):
+                if t is not None:
+                    seq.append(t)
+        return out
+
+    def stream(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        sampling: Sampling = GREEDY,
+        eos_ids: Sequence[int] = (),
+        stopped: Sequence[bool] | None = None,
+    ) -> Iterator[list[int | None]]:
+        """Yield, per step, each sequence's new token; None once it has ended (after its EOS,
+        or from the step after the caller set ``stopped[i]``, e.g. on a stop string). Ends
+        when every sequence has ended or after ``max_new_tokens`` steps."""
+        self.check(prompts, max_new_tokens)
+        n = len(prompts)
+        batch = pick_bucket(n, self.batch_buckets, "batch") if self.batch_buckets else n
+        bucket = pick_bucket(max(len(p) for p in prompts), self.buckets)
+        rows = list(prompts) + [[self.pad_id]] * (batch - n)  # filler rows, never reported
+        gen = torch.Generator().manual_seed(sampling.seed)  # not the global RNG (threads)
+        state = _start(self, rows, bucket, sampling, eos_ids)
+        eos, ended = set(eos_ids), [False] * n
+        for step in range(max_new_tokens):
+            noise = None
+            if sampling.do_sample:  # [n, vocab] per step, as transformers draws them
+                draw = torch.empty((n, state["vocab"])).exponential_(generator=gen)
+                noise = torch.cat([draw, torch.ones(batch - n, draw.shape[1])])
+                noise = noise.to(self.device)
+            tokens = self._run(state, batch, bucket if step == 0 else None, sampling, noise)
+            column: list[int | None] = []
+            for i, t in enumerate(tokens[:n]):
+                ended[i] = ended[i] or (stopped is not None and bool(stopped[i]))
+                column.append(None if ended[i] else t)
+                ended[i] = ended[i] or t in eos
+            yield column
+            if all(ended):
+                return
+
+    # -- graphs ------------------------------------------------------------------------------
+    def _run(self, state: dict, batch: int, bucket: int | None, sampling, noise) -> list[int]:
+        prefill = bucket is not None
+        key = (batch, bucket, sampling.top_k, noise is not None, len(state["eos"]))
+        fn = self._step_fn(batch, prefill, sampling.top_k, noise is not None)
+        args = [*state["inputs"], *([noise] if noise is not None else [])]
+        if not prefill:
+            args += state["cache"]
+        if self.replay:
+            if key not in self._steps:
+                self._steps[key] = ReplayedStep(fn)
+            outputs, _ = self._steps[key](*args)
+        else:
+            outputs = list(fn(*args))
+            if self.device.type == "xla":
+                from .. import _xla
+
+                _xla.xm().mark_step()
+        ids, pos, cache_pos, done, *cache = outputs
+        state["inputs"] = [ids, pos, cache_pos, state["mask"], done, *state["const"]]
+        state["cache"] = cache
+        return ids.cpu()[:, 0].tolist()  # one transfer, no slicing graph
+
+    def _step_fn(self, batch: int, prefill: bool, top_k: int, sampled: bool):
+        model, pad = self.model, self.pad_id
+
+        def step(ids, pos, cache_pos, mask, done, eos, temperature, *rest):
+            noise, cache_values = (rest[0], rest[1:]) if sampled else (None, rest)
+            slots = self._cache_slots(batch)
+            cache = slots.fresh() if prefill else slots.install(cache_values)
+            out = model(
+                input_ids=ids,
+                attention_mask=attention_mask_4d(mask, cache_pos),
+                position_ids=pos,
+                cache_position=cache_pos,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            tok = choose(out.logits[:, -1], top_k, temperature, noise)
+            tok = torch.where(done, torch.full_like(tok, pad), tok)
+            done = done | (tok[:, None] == eos[None, :]).any(-1)
+            # The next step's inputs, computed here: nothing is uploaded per token.
+            return [tok[:, None], pos[:, -1:] + 1, cache_pos[-1:] + 1, done, *slots.values()]
+
+        return step
+
+    def _cache_slots(self, batch: int) -> _CacheSlots:
+        if batch not in self._caches:
+            self._caches[batch] = _CacheSlots(self.model.config, self.total)
+        return self._caches[batch]
+
+
+class _CacheSlots:
+    """A transformers StaticCache whose tensors come in and go out as plain tensors (graph
+    arguments and results), in a fixed order."""
+
+    def __init__(self, config, total: int):
+        self.config, self.total = config, total
+        self.cache = None
+
+    def fresh(self):
+        from transformers import StaticCache
+        from transformers.cache_utils import StaticLayer
+
+        self.cache = StaticCache(config=self.config, max_cache_len=self.total)
+        kinds = {type(layer).__name__ for layer in self.cache.layers}
+        if any(type(layer) is not StaticLayer for layer in self.cache.layers):
+            raise NotImplementedError(
+                f"generation supports full-attention static cache layers only; this model "
+                f"has {sorted(kinds)} (sliding-window layers keep host-side counters)"
+            )
+        return self.cache
+
+    def values(self) -> list[torch.Tensor]:
+        kinds = ("keys", "values", "cumulative_length")
+        return [getattr(layer, k) for layer in self.cache.layers for k in kinds]
+
+    def install(self, values):
+        if self.cache is None:
+            raise RuntimeError("decode traced before any prefill of this batch size")
+        it = iter(values)
+        for layer in self.cache.layers:
+            layer.keys, layer.values, layer.cumulative_length = next(it), next(it), next(it)
+        return self.cache
+
+
+def _start(g: Generator, rows, bucket: int, sampling: Sampling, eos_ids) -> dict:
+    """The device tensors of a call's first step."""
+    batch, dev = len(rows), g.device
+    ids = torch.full((batch, bucket), g.pad_id, dtype=torch.long)
+    mask = torch.ones((batch, g.total), dtype=torch.long)
+    for i, p in enumerate(rows):
+        ids[i, bucket - len(p) :] = torch.tensor(list(p))
+        mask[i, : bucket - len(p)] = 0
+    pos = (mask[:, :bucket].cumsum(-1) - 1).clamp(min=0)
+    eos = torch.tensor(list(eos_ids) or [-1], dtype=torch.long)
+    temperature = torch.tensor([float(sampling.temperature)])  # not 0-d: 0-d is a constant
+    const = [eos.to(dev), temperature.to(dev)]
+    mask = mask.to(dev)
+    done = torch.zeros(batch, dtype=torch.bool).to(dev)
+    inputs = [ids.to(dev), pos.to(dev), torch.arange(bucket).to(dev), mask, done, *const]
+    vocab = g.model.config.vocab_size
+    return {"inputs": inputs, "mask": mask, "const": const, "cache": [], "eos": eos, "vocab": vocab}
+
+
+def generate(
+    model,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    buckets: list[int],
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    seed: int = 0,
+    pad_id: int = 0,
+    eos_ids: Sequence[int] = (),
+    replay: bool = True,
+) -> list[list[int]]:
+    """New token ids for each prompt (``max_new_tokens`` each, or through the first EOS).
+
+    ``model``: a transformers causal LM (sharded by ``neuron_tp.hf`` or not) on its device;
+    every tp rank calls this with the same prompts and seed and gets the same tokens."""
+    g = Generator(model, buckets, max_new_tokens, pad_id=pad_id, replay=replay)
+    sampling = Sampling(do_sample, temperature, top_k, seed)
+    return g.generate(prompts, max_new_tokens, sampling, eos_ids)

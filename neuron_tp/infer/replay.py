@@ -1,0 +1,87 @@
+"""Trace once, replay many times: a step function of device tensors captured as ONE XLA graph
+on its first call and then run without executing any Python of the model.
+
+torch-xla's lazy mode re-traces the model in Python at every call (about 1 ms per decoder
+layer) before it finds the cached executable; for a decode step that is most of the time.
+:class:`ReplayedStep` traces ``fn`` once, compiles the graph of its outputs, records which
+graph inputs are the step's arguments (the rest, e.g. the weights, are bound at capture) and
+from then on calls the cached executable directly (the mechanism torch-xla's dynamo bridge is
+built on, without dynamo's guards and per-call input synchronisation).
+
+Contract for ``fn(*args) -> list[Tensor]``: its result depends on the tensors in ``args``
+and on tensors that do not change between calls (weights, constants); it may update ``args``
+in place (a KV cache): the updated values come back as results (``fn``'s own when it returns
+the argument, else in ``updated``), never written back into the argument.
+Host values that change between calls must come in as tensors. On an eager device there is
+nothing to capture: ``fn`` is called each time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+
+class ReplayedStep:
+    """``step(*args)`` -> ``(outputs, updated)``: ``outputs`` are ``fn``'s results, ``updated``
+    the new values of the arguments ``fn`` updated in place (``None`` for the others), so a
+    caller carries state by passing ``updated[i]`` back in."""
+
+    def __init__(self, fn: Callable[..., Sequence[torch.Tensor]]):
+        self.fn = fn
+        self._graph = None  # (hash, input slots, n outputs, indices of updated args)
+        self.traces = 0
+
+    def __call__(self, *args: torch.Tensor):
+        if args and args[0].device.type != "xla":
+            return list(self.fn(*args)), [None] * len(args)
+        import torch_xla
+
+        X = torch_xla._XLAC
+        if self._graph is None:
+            self._graph = self._capture(args)
+            first = self._first_inputs
+            del self._first_inputs
+            res = X._run_cached_graph(self._graph[0], first)
+        else:
+            graph_hash, slots, _, _ = self._graph
+            res = X._run_cached_graph(
+                graph_hash, [args[s] if isinstance(s, int) else s[0] for s in slots]
+            )
+        return self._split(res, len(args))
+
+    def _split(self, res, n_args: int):
+        _, _, n_out, updated_idx = self._graph
+        outputs = list(res[:n_out])
+        updated: list[torch.Tensor | None] = [None] * n_args
+        for i, t in zip(updated_idx, res[n_out:]):
+            updated[i] = t
+        return outputs, updated
+
+    def _capture(self, args: Sequence[torch.Tensor]):
+        import torch_xla
+
+        X = torch_xla._XLAC
+        torch_xla.sync()  # every argument must be device data, not pending computation
+        import torch_xla.core.xla_model as xm
+
+        xm.wait_device_ops()
+        arg_of_id = {X._xla_get_tensor_id(a): i for i, a in enumerate(args)}
+        outputs = list(self.fn(*args))
+        self.traces += 1
+        dirty = X._check_tensor_need_materialization(list(args))
+        returned = {id(t) for t in outputs}
+        updated_idx = [i for i, d in enumerate(dirty) if d and id(args[i]) not in returned]
+        roots = outputs + [args[i] for i in updated_idx]
+        ids, values = X._get_tensors_xla_device_data_node(roots)
+        # A slot is the index of the argument fed there at each call, or a bound value
+        # (wrapped in a tuple) that stays the same: weights, constants of the trace.
+        slots = [arg_of_id[t] if t in arg_of_id else (v,) for t, v in zip(ids, values)]
+        graph_hash = X._get_graph_hash(roots)
+        X._xla_warm_up_cache(roots, [])
+        self._first_inputs = list(values)  # the arguments' values before the in-place updates
+        # Drop the traced computation from every live tensor (the arguments updated in place
+        # now hold it): nothing of it may run again outside the replay.
+        X._clear_pending_irs(str(torch_xla.device()))
+        return graph_hash, slots, len(outputs), updated_idx
