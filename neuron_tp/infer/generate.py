@@ -25,6 +25,7 @@ import torch
 from .replay import ReplayedStep
 
 CACHE_ROUND = 128  # the cache holds max(buckets) + new tokens rounded up to this
+EOS_SLOTS = 8  # EOS ids per call, padded with -1: any EOS list runs the same graphs
 
 
 @dataclass(frozen=True)
@@ -127,7 +128,9 @@ class Generator:
         """How many times the model's Python ran to capture a graph (replay mode)."""
         return sum(s.traces for s in self._steps.values())
 
-    def check(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
+    def check(
+        self, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_ids: Sequence[int] = ()
+    ) -> None:
         """ValueError naming what is wrong with a request (before any device work)."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
@@ -136,6 +139,8 @@ class Generator:
                 f"max_new_tokens must be in 1..{self.max_new_tokens}, got {max_new_tokens}"
             )
         pick_bucket(max(len(p) for p in prompts), self.buckets)
+        if len(eos_ids) > EOS_SLOTS:
+            raise ValueError(f"at most {EOS_SLOTS} EOS ids, got {len(eos_ids)}")
         if self.batch_buckets:
             pick_bucket(len(prompts), self.batch_buckets, "batch")
 
@@ -166,7 +171,7 @@ class Generator:
         """Yield, per step, each sequence's new token; None once it has ended (after its EOS,
         or from the step after the caller set ``stopped[i]``, e.g. on a stop string). Ends
         when every sequence has ended or after ``max_new_tokens`` steps."""
-        self.check(prompts, max_new_tokens)
+        self.check(prompts, max_new_tokens, eos_ids)
         n = len(prompts)
         batch = pick_bucket(n, self.batch_buckets, "batch") if self.batch_buckets else n
         bucket = pick_bucket(max(len(p) for p in prompts), self.buckets)
@@ -193,7 +198,7 @@ class Generator:
     # -- graphs ------------------------------------------------------------------------------
     def _run(self, state: dict, batch: int, bucket: int | None, sampling, noise) -> list[int]:
         prefill = bucket is not None
-        key = (batch, bucket, sampling.top_k, noise is not None, len(state["eos"]))
+        key = (batch, bucket, sampling.top_k, noise is not None)
         fn = self._step_fn(batch, prefill, sampling.top_k, noise is not None)
         args = [*state["inputs"], *([noise] if noise is not None else [])]
         if not prefill:
@@ -286,14 +291,14 @@ def _start(g: Generator, rows, bucket: int, sampling: Sampling, eos_ids) -> dict
         ids[i, bucket - len(p) :] = torch.tensor(list(p))
         mask[i, : bucket - len(p)] = 0
     pos = (mask[:, :bucket].cumsum(-1) - 1).clamp(min=0)
-    eos = torch.tensor(list(eos_ids) or [-1], dtype=torch.long)
+    eos = torch.tensor(list(eos_ids) + [-1] * (EOS_SLOTS - len(eos_ids)), dtype=torch.long)
     temperature = torch.tensor([float(sampling.temperature)])  # not 0-d: 0-d is a constant
     const = [eos.to(dev), temperature.to(dev)]
     mask = mask.to(dev)
     done = torch.zeros(batch, dtype=torch.bool).to(dev)
     inputs = [ids.to(dev), pos.to(dev), torch.arange(bucket).to(dev), mask, done, *const]
     vocab = g.model.config.vocab_size
-    return {"inputs": inputs, "mask": mask, "const": const, "cache": [], "eos": eos, "vocab": vocab}
+    return {"inputs": inputs, "mask": mask, "const": const, "cache": [], "vocab": vocab}
 
 
 def generate(

@@ -170,26 +170,37 @@ def test_ranks_with_different_step_graphs_fail_instead_of_hanging(tmp_path):
 def test_tp2_generation_on_two_xla_devices_equals_transformers():
     """Greedy and sampled decoding of a tp=2 tiny Llama, executed on two XLA CPU devices: the
     tokens of transformers' own ``generate`` on the unsharded model (same seed for sampling),
-    the same on both ranks, and no new graph for more tokens."""
+    the same on both ranks, per-sequence EOS and batch buckets, and no new trace or graph for
+    more tokens."""
     from neuron_tp.train.presets import build_model
     from test_generate import hf_sample
 
     res = xla_dist.run(cases.run_generate, 2, devices=2, timeout=300)
     assert res[0] == res[1]
     full = build_model("tiny-llama", 257, 4).eval()
-    for key, n in (("greedy", 10), ("greedy_long", 20)):
-        ref = [
-            full.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False)[
+
+    def hf_greedy(prompts, n, **kw):
+        return [
+            full.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, **kw)[
                 0, len(p) :
             ].tolist()
-            for p in cases.GEN_PROMPTS
+            for p in prompts
         ]
-        assert res[0][key] == ref, key
+
+    for key, n in (("greedy", 10), ("greedy_long", 20)):
+        assert res[0][key] == hf_greedy(cases.GEN_PROMPTS, n), key
     ref = hf_sample(full, cases.GEN_PROMPTS, 10, temperature=0.8, top_k=20, seed=9)
     assert res[0]["sample"] == ref and ref != res[0]["greedy"]
-    first, longer, sampled = res[0]["compiles"]
-    assert longer == first, res[0]["compiles"]  # 20 tokens reuse the 10-token graphs
-    assert sampled > first  # sampling is a different graph
+    # per-sequence EOS inside one batch: rows end at their own EOS, the others run on
+    eos = hf_greedy(cases.GEN_PROMPTS, 20, eos_token_id=cases.GEN_EOS, pad_token_id=0)
+    assert res[0]["eos"] == eos and sorted(map(len, eos)) == [3, 6, 20], eos
+    assert res[0]["single"] == res[0]["greedy_long"][1:2]  # batch bucket 1
+    (t0, c0), (t1, c1), (t2, c2), (t3, c3), (t4, c4) = res[0]["counts"]
+    assert t0 == 2  # one prefill and one decode trace for 10 tokens: replayed, not re-traced
+    assert (t1, c1) == (t0, c0)  # 20 tokens: the same graphs, no trace, no compile
+    assert t2 == t1 + 2 and c2 > c1  # sampling: its own prefill and decode graphs
+    assert (t3, c3) == (t2, c2)  # EOS ids are data: the greedy graphs again
+    assert t4 == t3 + 2  # batch bucket 1: its own graphs
 
 
 def test_activation_recompute_trains_like_the_reference_on_xla_and_gloo(tmp_path):

@@ -107,15 +107,18 @@ def run_train_rank1_differs(out: str) -> str:
 
 
 GEN_PROMPTS = [[72, 101, 108], [84, 104, 101, 32, 111, 108, 100], list(range(97, 108))]
+GEN_EOS = [131, 215]  # seed-4 tiny Llama: ends row 0 after 3 tokens, row 1 after 6, not row 2
 
 
 def run_generate(tp: int) -> dict:
-    """Greedy and sampled generation on a tp-sharded tiny Llama (every rank the same call), with
-    the process-wide compile count after each call (to show decode graphs are reused)."""
+    """Generation on a tp-sharded tiny Llama (every rank the same calls) through one
+    Generator: greedy, a longer greedy call, sampling, a batch bucket with a filler row and
+    per-sequence EOS; with the number of model traces and process-wide compiles after each
+    call (replay: the model's Python runs once per graph shape, never per token)."""
     import copy
 
     from neuron_tp import hf
-    from neuron_tp.infer.generate import generate
+    from neuron_tp.infer.generate import Generator, Sampling
     from neuron_tp.train.presets import build_model
     from xla_dist import serial
 
@@ -124,15 +127,19 @@ def run_generate(tp: int) -> dict:
         full = build_model("tiny-llama", 257, 4).eval()
     model = hf.parallelize(copy.deepcopy(full), mesh)
     model = ntp.move_to(model.eval(), ntp.xla_device())
-    res, compiles = {}, []
-    for name, n, kw in (
-        ("greedy", 10, {}),
-        ("greedy_long", 20, {}),
-        ("sample", 10, dict(do_sample=True, temperature=0.8, top_k=20, seed=9)),
+    gen = Generator(model, [16], 20, batch_buckets=[1, 4])
+    sample = Sampling(do_sample=True, temperature=0.8, top_k=20, seed=9)
+    res, counts = {}, []
+    for name, prompts, n, kw in (
+        ("greedy", GEN_PROMPTS, 10, {}),
+        ("greedy_long", GEN_PROMPTS, 20, {}),
+        ("sample", GEN_PROMPTS, 10, {"sampling": sample}),
+        ("eos", GEN_PROMPTS, 20, {"eos_ids": GEN_EOS}),
+        ("single", GEN_PROMPTS[1:2], 20, {}),
     ):
-        res[name] = generate(model, GEN_PROMPTS, n, [16], **kw)
+        res[name] = gen.generate(prompts, n, **kw)
         _barrier(mesh.world_size).wait()  # every rank's graphs are counted before reading
-        compiles.append(graph_counters()["compiles"])
+        counts.append((gen.traces, graph_counters()["compiles"]))
         _barrier(mesh.world_size).wait()
-    res["compiles"] = compiles
+    res["counts"] = counts
     return res

@@ -1,0 +1,353 @@
+"""An OpenAI-compatible HTTP API over an :class:`~.engine.Engine` (FastAPI; imported lazily).
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``stream``:
+server-sent events in OpenAI's chunk format, then ``data: [DONE]``), ``GET /v1/models``,
+``GET /health`` (the process is up) and ``GET /ready`` (200 once the model is loaded and its
+warm-up graphs are captured, else 503).
+
+Parameters: ``max_tokens``, ``temperature`` (0: greedy), ``top_k`` (an extension; 0: off),
+``seed`` (a seeded request reproduces its text), ``stop`` (a string or a list), ``n`` (1
+only). Chat messages go through the tokenizer's chat template; a tokenizer without one
+(e.g. the byte-level fallback) uses ``"{role}: {content}\\n"`` per message then
+``"assistant: "``. Invalid requests get 400 with ``{"error": {"message", "type":
+"invalid_request_error", ...}}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import Any
+
+from .engine import Engine, NotReady
+from .generate import Sampling
+
+MAX_STOP = 4  # stop strings per request, as OpenAI allows
+
+
+class BadRequest(ValueError):
+    """A request the server refuses (HTTP 400), with the offending parameter."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+def chat_prompt(tokenizer, messages: list[dict]) -> str:
+    """The prompt text of a chat: the tokenizer's chat template, else ``role: content`` lines
+    and ``assistant: ``."""
+    if getattr(tokenizer, "chat_template", None) and hasattr(tokenizer, "apply_chat_template"):
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    lines = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+    return lines + "assistant: "
+
+
+def _encode(tokenizer, text: str, chat: bool) -> list[int]:
+    if chat and hasattr(tokenizer, "apply_chat_template"):  # the template has the specials
+        return list(tokenizer.encode(text, add_special_tokens=False))
+    return list(tokenizer.encode(text))
+
+
+def _number(body: dict, name: str, kind: type, default: Any, low: float | None = None):
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise BadRequest(f"{name} must be a number, got {value!r}", name)
+    if kind is int and value != int(value):
+        raise BadRequest(f"{name} must be an integer, got {value!r}", name)
+    if low is not None and value < low:
+        raise BadRequest(f"{name} must be >= {low:g}, got {value!r}", name)
+    return kind(value)
+
+
+def parse_params(body: dict, limit: int) -> dict:
+    """Generation parameters of a request body (BadRequest naming the wrong one)."""
+    n = _number(body, "n", int, 1)
+    if n != 1:
+        raise BadRequest(f"n must be 1 (one choice per prompt), got {n}", "n")
+    max_tokens = _number(body, "max_tokens", int, None)
+    if max_tokens is None:
+        max_tokens = _number(body, "max_completion_tokens", int, min(16, limit))
+    if not 1 <= max_tokens <= limit:
+        raise BadRequest(f"max_tokens must be in 1..{limit} (server limit), got {max_tokens}")
+    temperature = _number(body, "temperature", float, 1.0, low=0)
+    top_k = _number(body, "top_k", int, 0, low=0)
+    seed = _number(body, "seed", int, None)
+    if body.get("top_p") not in (None, 1, 1.0):
+        raise BadRequest("top_p is not supported (use top_k)", "top_p")
+    stop = body.get("stop") or []
+    stop = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise BadRequest("stop must be a non-empty string or a list of them", "stop")
+    if len(stop) > MAX_STOP:
+        raise BadRequest(f"at most {MAX_STOP} stop strings, got {len(stop)}", "stop")
+    if temperature == 0:
+        sampling = Sampling()
+    else:
+        sampling = Sampling(True, temperature, top_k, seed if seed is not None else 0)
+    return {
+        "max_tokens": max_tokens,
+        "sampling": sampling,
+        "stop": stop,
+        "seeded": seed is not None,
+    }
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error", param=None):
+    from fastapi.responses import JSONResponse
+
+    body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
+    return JSONResponse(body, status_code=status)
+
+
+def create_app(engine: Engine, model_name: str):
+    """The FastAPI application serving ``engine`` as model ``model_name``."""
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, StreamingResponse
+
+    app = FastAPI(title="neuron-tp serve")
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready():
+        if engine.ready:
+            return {"status": "ready"}
+        return JSONResponse({"status": "loading"}, status_code=503)
+
+    @app.get("/v1/models")
+    async def models():
+        card = {"id": model_name, "object": "model", "created": 0, "owned_by": "neuron-tp"}
+        return {"object": "list", "data": [card]}
+
+    async def handle(request: Request, chat: bool):
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return _error(400, "the request body is not valid JSON")
+        if not isinstance(body, dict):
+            return _error(400, "the request body must be a JSON object")
+        if not engine.ready:
+            return _error(503, "the model is not ready yet", "service_unavailable")
+        try:
+            params = parse_params(body, engine.max_tokens_limit)
+            prompts = _prompts(engine, body, chat)
+            for p in prompts:
+                engine.check(p, params["max_tokens"], params["stop"])
+        except BadRequest as e:
+            return _error(400, str(e), param=e.param)
+        except ValueError as e:
+            return _error(400, str(e))
+        loop, events = asyncio.get_running_loop(), asyncio.Queue()
+
+        def sink(index: int):
+            return lambda ev: loop.call_soon_threadsafe(events.put_nowait, (index, ev))
+
+        try:
+            args = (params["max_tokens"], params["sampling"], params["stop"])
+            reqs = [
+                engine.submit(p, *args, sink(i), params["seeded"]) for i, p in enumerate(prompts)
+            ]
+        except NotReady as e:
+            return _error(503, str(e), "service_unavailable")
+        meta = {
+            "id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
+            "created": int(time.time()),
+            "model": body.get("model") or model_name,
+        }
+        if body.get("stream"):
+            chunks = _stream(events, reqs, meta, chat)
+            return StreamingResponse(chunks, media_type="text/event-stream")
+        try:
+            return await _collect(events, reqs, meta, chat)
+        finally:
+            for r in reqs:
+                r.cancel()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await handle(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await handle(request, chat=True)
+
+    return app
+
+
+def _prompts(engine: Engine, body: dict, chat: bool) -> list[list[int]]:
+    tok = engine.tokenizer
+    if chat:
+        messages = body.get("messages")
+        fine = isinstance(messages, list) and messages
+        for m in messages if fine else ():
+            fine = fine and isinstance(m, dict)
+            fine = fine and all(isinstance(m.get(k), str) for k in ("role", "content"))
+        if not fine:
+            raise BadRequest("messages must be a non-empty list of {role, content} strings")
+        return [_encode(tok, chat_prompt(tok, messages), chat=True)]
+    prompt = body.get("prompt")
+    prompts = [prompt] if isinstance(prompt, str) else prompt
+    if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
+        raise BadRequest("prompt must be a string or a non-empty list of strings", "prompt")
+    return [_encode(tok, p, chat=False) for p in prompts]
+
+
+def _choice(chat: bool, index: int, text: str | None, reason: str | None, stream: bool) -> dict:
+    if not chat:
+        return {"index": index, "text": text or "", "logprobs": None, "finish_reason": reason}
+    if stream:
+        delta = {"content": text} if text is not None else {}
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+    message = {"role": "assistant", "content": text}
+    return {"index": index, "message": message, "logprobs": None, "finish_reason": reason}
+
+
+async def _collect(events: asyncio.Queue, reqs, meta: dict, chat: bool):
+    from fastapi.responses import JSONResponse
+
+    texts, done = [""] * len(reqs), [None] * len(reqs)
+    while any(d is None for d in done):
+        i, ev = await events.get()
+        if ev["type"] == "delta":
+            texts[i] += ev["text"]
+        elif ev["type"] == "error":
+            return _error(500, ev["message"], "server_error")
+        else:
+            done[i] = ev
+    prompt = sum(d["prompt_tokens"] for d in done)
+    completion = sum(d["completion_tokens"] for d in done)
+    return JSONResponse(
+        {
+            **meta,
+            "object": "chat.completion" if chat else "text_completion",
+            "choices": [
+                _choice(chat, i, t, d["finish_reason"], False)
+                for i, (t, d) in enumerate(zip(texts, done))
+            ],
+            "usage": {
+                "prompt_tokens": prompt,
+                "completion_tokens": completion,
+                "total_tokens": prompt + completion,
+            },
+        }
+    )
+
+
+async def _stream(events: asyncio.Queue, reqs, meta: dict, chat: bool):
+    """SSE chunks until every choice is done; a client that leaves cancels its requests."""
+    kind = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(choice: dict) -> str:
+        return f"data: {json.dumps({**meta, 'object': kind, 'choices': [choice]})}\n\n"
+
+    try:
+        if chat:
+            for i in range(len(reqs)):
+                first = {"index": i, "delta": {"role": "assistant", "content": ""}}
+                yield chunk({**first, "logprobs": None, "finish_reason": None})
+        left = len(reqs)
+        while left:
+            i, ev = await events.get()
+            if ev["type"] == "delta":
+                yield chunk(_choice(chat, i, ev["text"], None, True))
+            elif ev["type"] == "error":
+                err = {"message": ev["message"], "type": "server_error"}
+                yield f"data: {json.dumps({'error': err})}\n\n"
+                break
+            else:
+                left -= 1
+                yield chunk(_choice(chat, i, None, ev["finish_reason"], True))
+        yield "data: [DONE]\n\n"
+    finally:
+        for r in reqs:
+            r.cancel()
+
+
+def serve(config) -> None:
+    """``neuron-tp serve`` on this rank: load the model, warm up, then rank 0 answers HTTP
+    (``/health`` from the start, ``/ready`` once warm) while the other tp ranks follow its
+    batches. SIGTERM/SIGINT: rank 0 stops accepting, finishes what runs, tells the other
+    ranks to stop; every rank returns."""
+    import signal
+    import threading
+
+    from .. import agreement
+    from ..mesh import init_mesh
+    from ..train.config import ServeConfig
+    from ..train.runtime import refuse_xla_ranks_off_neuron
+
+    config = ServeConfig.from_args(config)
+    refuse_xla_ranks_off_neuron(config.device)
+    world = agreement.world_group()
+    error, values = None, {}
+    try:  # local checks; a failure here is shared with every rank by check_agreement
+        if world.size != config.tp:
+            raise ValueError(
+                f"neuron-tp serve runs one server over its tp ranks: launch exactly --tp "
+                f"{config.tp} processes, got {world.size}"
+            )
+        if world.rank == 0:
+            import fastapi  # noqa: F401 - fail before loading a model
+            import uvicorn  # noqa: F401
+        values = {**config.option_values(), "library versions": agreement.versions()}
+    except Exception as e:  # noqa: BLE001 - re-raised on this rank by check_agreement
+        error = e
+    agreement.check_agreement(values, world, error=error, what="neuron-tp serve")
+    mesh = init_mesh(tp=config.tp)
+    engine = Engine(mesh.group("world"), wait_s=config.batch_wait_ms / 1000)
+    signals: list[int] = []
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda s, _f: signals.append(s))
+    if mesh.rank != 0:
+        _load(engine, config, mesh)
+        engine.follow(should_stop=lambda: bool(signals))
+        return
+    import uvicorn
+
+    app = create_app(engine, config.model_name)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app, config.host, config.port, log_level="warning", timeout_graceful_shutdown=10
+        )
+    )
+    failed: list[BaseException] = []
+
+    def load() -> None:
+        try:
+            _load(engine, config, mesh)
+            engine.start()
+            print(f"neuron-tp serve: ready on http://{config.host}:{config.port}", flush=True)
+        except BaseException as e:  # noqa: BLE001 - re-raised on the main thread
+            failed.append(e)
+            server.should_exit = True
+
+    loader = threading.Thread(target=load, name="load", daemon=True)
+    loader.start()
+    server.run()
+    loader.join()
+    engine.shutdown()
+    if failed:
+        raise failed[0]
+
+
+def _load(engine: Engine, config, mesh) -> None:
+    """Load the model onto this rank's device, attach it to ``engine`` and warm up."""
+    from ..sharding import move_to
+    from ..train.runtime import rank_device
+    from .cli import eos_ids
+    from .generate import Generator
+    from .load import load_for_generation
+
+    model, tok = load_for_generation(config.generate_config(), mesh)
+    move_to(model, rank_device(config.device))
+    pad = getattr(tok, "pad_token_id", None) or 0
+    gen = Generator(model, config.buckets, config.max_new_tokens, config.batch_buckets, pad)
+    engine.attach(gen, tok, eos_ids(model, tok))
+    engine.warmup()
