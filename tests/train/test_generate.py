@@ -22,6 +22,7 @@ import neuron_tp as ntp  # noqa: E402
 HERE = os.path.dirname(__file__)
 REPO = os.path.dirname(os.path.dirname(HERE))
 PROMPTS = [[72, 101, 108], [84, 104, 101, 32, 111, 108, 100], list(range(97, 108))]
+EOS = [131, 215]  # seed-4 tiny Llama: ends row 0 after 3 tokens, row 1 after 6, not row 2
 
 
 def hf_sample(full, prompts, new: int, temperature: float, top_k: int, seed: int):
@@ -68,6 +69,17 @@ def _sharded(tmp: str) -> None:
         ),
         "ref_sample": hf_sample(full, PROMPTS, 10, temperature=0.8, top_k=20, seed=9),
     }
+    # one batch bucket of 4 (a filler row) with per-sequence EOS, and stop strings
+    from neuron_tp.infer.generate import Generator
+
+    gen = Generator(model, [16], 20, batch_buckets=[4])
+    res["eos"] = gen.generate(PROMPTS, 20, eos_ids=EOS)
+    res["ref_eos"] = [
+        full.generate(
+            torch.tensor([p]), max_new_tokens=20, do_sample=False, eos_token_id=EOS, pad_token_id=0
+        )[0, len(p) :].tolist()
+        for p in PROMPTS
+    ]
     hf.save_pretrained(model, f"{tmp}/model")  # rank 0 writes: wait for it
     torch.distributed.barrier()
     args = generate_parser().parse_args(
@@ -93,6 +105,10 @@ def _sharded(tmp: str) -> None:
         bytes(t for t in o if t < 256).decode("utf-8", "replace")
         for o in generate(full, [list(b"The old"), list(b"A")], 6, [8], eos_ids=[256])
     ]
+    stop = res["cli_ref"][0][1:3]  # a stop string that occurs in the first continuation
+    args.stop = [stop]
+    res["cli_stop"] = run_cli(args)
+    res["cli_stop_ref"] = [t[: t.find(stop)] if stop in t else t for t in res["cli_ref"]]
     with open(f"{tmp}/gen-{mesh.rank}.json", "w") as fh:
         json.dump(res, fh)
 
@@ -104,6 +120,8 @@ def test_sharded_generation_matches_unsharded(tmp_path):
     assert r0["greedy"] == r0["ref_greedy"]
     assert r0["sample"] == r0["ref_sample"] and r0["sample"] != r0["greedy"]
     assert r0["cli"] == r0["cli_ref"]
+    assert r0["cli_stop"] == r0["cli_stop_ref"] and r0["cli_stop"] != r0["cli"]
+    assert r0["eos"] == r0["ref_eos"] and sorted(map(len, r0["eos"])) == [3, 6, 20]
 
 
 def test_xla_graph_count_does_not_grow_with_tokens():
