@@ -119,6 +119,7 @@ class Generator:
                 f"to {CACHE_ROUND}) exceeds max_position_embeddings={limit}"
             )
         self.device = next(model.parameters()).device
+        _check_cache(model.config, self.total)
         self.replay = replay and self.device.type == "xla"
         self._steps: dict[tuple, ReplayedStep] = {}
         self._caches: dict[int, _CacheSlots] = {}  # batch -> the cache object the traces use
@@ -258,15 +259,8 @@ class _CacheSlots:
 
     def fresh(self):
         from transformers import StaticCache
-        from transformers.cache_utils import StaticLayer
 
         self.cache = StaticCache(config=self.config, max_cache_len=self.total)
-        kinds = {type(layer).__name__ for layer in self.cache.layers}
-        if any(type(layer) is not StaticLayer for layer in self.cache.layers):
-            raise NotImplementedError(
-                f"generation supports full-attention static cache layers only; this model "
-                f"has {sorted(kinds)} (sliding-window layers keep host-side counters)"
-            )
         return self.cache
 
     def values(self) -> list[torch.Tensor]:
@@ -280,6 +274,26 @@ class _CacheSlots:
         for layer in self.cache.layers:
             layer.keys, layer.values, layer.cumulative_length = next(it), next(it), next(it)
         return self.cache
+
+
+def _check_cache(config, total: int) -> None:
+    """ValueError unless every layer of the model's static cache holds the whole sequence:
+    full-attention layers, or sliding windows at least as long as the cache. A shorter
+    window rolls (its keys no longer line up with the in-graph attention mask) and counts
+    positions in a host int, which a replayed graph would freeze."""
+    from transformers import StaticCache
+
+    short = {
+        layer.max_cache_len
+        for layer in StaticCache(config=config, max_cache_len=total).layers
+        if layer.max_cache_len < total
+    }
+    if short:
+        raise ValueError(
+            f"the model's sliding window ({min(short)} positions) is shorter than the "
+            f"{total}-position cache (largest bucket + max new tokens rounded up to "
+            f"{CACHE_ROUND}); use smaller --buckets / --max-new-tokens"
+        )
 
 
 def _start(g: Generator, rows, bucket: int, sampling: Sampling, eos_ids) -> dict:
