@@ -1,4 +1,4 @@
-"""``neuron-tp train|generate|consolidate``: the command-line entry point."""
+"""``neuron-tp train|generate|serve|consolidate``: the command-line entry point."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def _consolidate(argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Dispatch to the sub-command; returns the exit status."""
     argv = sys.argv[1:] if argv is None else argv
-    commands = ("train", "generate", "consolidate")
+    commands = ("train", "generate", "serve", "consolidate")
     if not argv or argv[0] not in commands:
         print(
             f"usage: neuron-tp {{{','.join(commands)}}} [options]  (-h after a command for "
@@ -44,6 +44,12 @@ def main(argv: list[str] | None = None) -> int:
         from .train.launch import train_command
 
         train_command(train_parser().parse_args(rest))
+        return 0
+    if cmd == "serve":
+        from .train.args import serve_parser
+        from .train.launch import serve_command
+
+        serve_command(serve_parser().parse_args(rest))
         return 0
     from .train.args import generate_parser
     from .train.launch import generate_command

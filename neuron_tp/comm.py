@@ -27,6 +27,7 @@ __all__ = [
     "local_chunk",
     "all_reduce_coalesced",
     "host_all_gather",
+    "host_broadcast",
     "accumulation_dtype",
 ]
 
@@ -222,3 +223,61 @@ def host_all_gather(
     keys = [f"{prefix}/{r}" for r in group.ranks]
     store.wait(keys, datetime.timedelta(seconds=timeout_s))
     return [bytes(store.get(k)) for k in keys]
+
+
+def _store():
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("host collectives need an initialised process group (init_mesh)")
+    return dist.distributed_c10d._get_default_store()
+
+
+def host_broadcast(
+    key: str, payload: bytes | None, group: Group, src: int = 0, timeout_s: float | None = None
+) -> bytes:
+    """Group rank ``src``'s ``payload`` on every rank of ``group``, through the job's
+    key-value store (no device collective). Every rank calls it with the same ``key``
+    sequence; the others pass ``payload=None`` and wait up to ``timeout_s`` (None: forever,
+    e.g. a server's followers while it is idle). A wait that times out raises TimeoutError
+    and does not consume the round: calling again waits for the same one.
+
+    Each receiver acknowledges a round after reading it; ``src`` deletes a round's keys once
+    every receiver has, so a long-running loop keeps the store small."""
+    if group.size == 1:
+        if payload is None:
+            raise ValueError("host_broadcast: the source rank must pass a payload")
+        return payload
+    store = _store()
+    counts = _host_calls.__dict__.setdefault("bcast", {})
+    ident = (key, group.ranks, src)
+    n = counts.get(ident, -1) + 1
+    prefix = f"ntp/bcast/{key}/{'-'.join(map(str, group.ranks))}/{src}"
+    if group.rank == src:
+        if payload is None:
+            raise ValueError("host_broadcast: the source rank must pass a payload")
+        pending = _host_calls.__dict__.setdefault("bcast_pending", {}).setdefault(ident, [])
+        for m in list(pending):  # rounds every receiver has acknowledged
+            if store.add(f"{prefix}/{m}/acks", 0) >= group.size - 1:
+                store.delete_key(f"{prefix}/{m}")
+                store.delete_key(f"{prefix}/{m}/acks")
+                pending.remove(m)
+        store.set(f"{prefix}/{n}", payload)
+        pending.append(n)
+        counts[ident] = n
+        return payload
+    import time
+
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    pause = 0.0005
+    # Poll (store.wait logs a warning per timeout): short sleeps while busy, at most 20 ms
+    # while idle; the main thread's signal handlers run in between.
+    while not store.check([f"{prefix}/{n}"]):
+        if deadline is not None and time.monotonic() >= deadline:
+            raise TimeoutError(f"host_broadcast {key!r}: nothing from rank {src} in {timeout_s}s")
+        time.sleep(pause)
+        pause = min(pause * 2, 0.02)
+    out = bytes(store.get(f"{prefix}/{n}"))
+    store.add(f"{prefix}/{n}/acks", 1)
+    counts[ident] = n
+    return out

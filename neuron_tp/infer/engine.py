@@ -78,21 +78,30 @@ class Engine:
         self._worker: threading.Thread | None = None
         self._ready = threading.Event()
         self._closed = False
+        self.error: str | None = None  # set when generation failed: the engine stopped
+        self._lock = threading.Lock()  # submitting vs. failing: no request is left behind
+        # rank 0: batches run, largest batch, events dropped for clients that went away
+        self.stats = {"batches": 0, "max_batch": 0, "dropped": 0}
 
     # -- setup ---------------------------------------------------------------------------
     def attach(self, gen: Generator, tokenizer, eos_ids: Sequence[int]) -> None:
         """Give the engine its model (a generator on this rank's device)."""
         self.gen, self.tokenizer, self.eos_ids = gen, tokenizer, list(eos_ids)
 
-    def warmup(self) -> None:
-        """Capture the prefill and decode graphs of the smallest shapes, greedy and sampled
-        (every rank, in the same order)."""
+    def warmup(self, every_shape: bool = False) -> None:
+        """Capture the prefill and decode graphs of the smallest shapes (``every_shape``: of
+        every batch and length bucket), greedy and sampled without top-k; every rank, in the
+        same order. Shapes not captured here are captured by the first request needing them."""
         gen = self._model()
-        batch = gen.batch_buckets[0] if gen.batch_buckets else 1
-        prompts = [[gen.pad_id]] * batch
-        for sampling in (Sampling(), Sampling(do_sample=True)):
-            for _ in gen.stream(prompts, min(2, gen.max_new_tokens), sampling, ()):
-                pass
+        batches = gen.batch_buckets or [1]
+        shapes = (
+            [(b, n) for b in batches for n in gen.buckets] if every_shape else [(batches[0], 1)]
+        )
+        for batch, length in shapes:
+            prompts = [[gen.pad_id] * length] * batch
+            for sampling in (Sampling(), Sampling(do_sample=True)):
+                for _ in gen.stream(prompts, min(2, gen.max_new_tokens), sampling, ()):
+                    pass
 
     def start(self) -> None:
         """Rank 0: start the worker; the engine is ready."""
@@ -135,11 +144,12 @@ class Engine:
     ) -> Request:
         """Queue one request (ValueError when invalid, :class:`NotReady` before
         :meth:`start` or after :meth:`shutdown`); its events go to ``sink``."""
-        if not self.ready:
-            raise NotReady("the model is loading" if not self._closed else "shutting down")
         self.check(prompt, max_tokens, stop)
         req = Request(list(prompt), max_tokens, sampling, list(stop), seeded, sink)
-        self._queue.put(req)
+        with self._lock:
+            if not self.ready:
+                raise NotReady(self.error or ("shutting down" if self._closed else "loading"))
+            self._queue.put(req)
         return req
 
     def shutdown(self, timeout: float | None = None) -> None:
@@ -153,18 +163,26 @@ class Engine:
 
     # -- the loops -------------------------------------------------------------------------
     def _work(self) -> None:
-        while True:
-            batch = self._next_batch()
-            if batch is None:
-                self._broadcast({"op": "shutdown"})
-                return
-            spec = _spec(batch, self.eos_ids)
-            self._broadcast(spec)
-            try:
+        batch: list[Request] = []
+        try:
+            while (batch := self._next_batch()) is not None:
+                spec = _spec(batch, self.eos_ids)
+                self.stats["batches"] += 1
+                self.stats["max_batch"] = max(self.stats["max_batch"], len(batch))
+                self._broadcast(spec)
                 self._run(spec, batch)
-            except Exception as e:  # noqa: BLE001 - reported to this batch's clients
-                for r in batch:
-                    _emit(r, {"type": "error", "message": f"generation failed: {e}"})
+            self._broadcast({"op": "shutdown"})
+        except Exception as e:  # noqa: BLE001 - the ranks may be out of step: stop serving
+            with self._lock:
+                self.error = f"generation failed: {type(e).__name__}: {e}"
+                self._closed = True
+            self._pending.extend(batch or ())
+            while not self._queue.empty():
+                item = self._queue.get()
+                if item is not _SHUTDOWN:
+                    self._pending.append(item)
+            for r in self._pending:
+                self._emit(r, {"type": "error", "message": self.error})
 
     def follow(self, should_stop: Callable[[], bool] = lambda: False) -> None:
         """Ranks > 0: run rank 0's batches until its shutdown message (or, once
@@ -213,6 +231,16 @@ class Engine:
         self._pending = deque(r for r in self._pending if not any(r is b for b in batch))
         return batch
 
+    def _emit(self, req: Request, event: Event) -> None:
+        """Give ``event`` to its client, unless it went away (then the event is dropped)."""
+        if not req.cancelled:
+            try:
+                req.sink(event)
+                return
+            except Exception:  # noqa: BLE001 - a consumer that went away must not stop others
+                req.cancel()
+        self.stats["dropped"] += 1
+
     def _run(self, spec: dict, requests: list[Request] | None) -> None:
         """Generate one batch; ``requests`` (rank 0) receive the events."""
         gen, n = self._model(), len(spec["prompts"])
@@ -225,9 +253,9 @@ class Engine:
             if requests is not None:
                 rest = detok[i].finish()
                 if rest:
-                    _emit(requests[i], {"type": "delta", "text": rest})
+                    self._emit(requests[i], {"type": "delta", "text": rest})
                 usage = {"prompt_tokens": len(spec["prompts"][i]), "completion_tokens": counts[i]}
-                _emit(requests[i], {"type": "done", "finish_reason": reason, **usage})
+                self._emit(requests[i], {"type": "done", "finish_reason": reason, **usage})
 
         sampling = Sampling(**spec["sampling"])
         for column in gen.stream(
@@ -239,7 +267,7 @@ class Engine:
                 counts[i] += 1
                 text = "" if t in eos else detok[i].add(t)
                 if text and requests is not None:
-                    _emit(requests[i], {"type": "delta", "text": text})
+                    self._emit(requests[i], {"type": "delta", "text": text})
                 if t in eos or detok[i].stopped:
                     finish(i, "stop")
                 elif counts[i] >= spec["max_tokens"][i]:
@@ -263,11 +291,3 @@ def _spec(batch: list[Request], eos_ids: list[int]) -> dict:
         "eos": eos_ids,
         "stop": [r.stop for r in batch],
     }
-
-
-def _emit(req: Request, event: Event) -> None:
-    if not req.cancelled:
-        try:
-            req.sink(event)
-        except Exception:  # noqa: BLE001 - a consumer that went away must not stop the batch
-            req.cancel()

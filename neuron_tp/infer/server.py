@@ -7,16 +7,15 @@ warm-up graphs are captured, else 503).
 
 Parameters: ``max_tokens``, ``temperature`` (0: greedy), ``top_k`` (an extension; 0: off),
 ``seed`` (a seeded request reproduces its text), ``stop`` (a string or a list), ``n`` (1
-only). Chat messages go through the tokenizer's chat template; a tokenizer without one
-(e.g. the byte-level fallback) uses ``"{role}: {content}\\n"`` per message then
-``"assistant: "``. Invalid requests get 400 with ``{"error": {"message", "type":
-"invalid_request_error", ...}}``.
+only), ``stream_options.include_usage`` (a last chunk with the usage). Chat messages go
+through the tokenizer's chat template; a tokenizer without one (e.g. the byte-level
+fallback) uses ``"{role}: {content}\\n"`` per message then ``"assistant: "``. Invalid requests
+get 400 with ``{"error": {"message", "type": "invalid_request_error", ...}}``.
 """
-
-from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 import uuid
 from typing import Any
@@ -63,14 +62,15 @@ def _number(body: dict, name: str, kind: type, default: Any, low: float | None =
     return kind(value)
 
 
-def parse_params(body: dict, limit: int) -> dict:
-    """Generation parameters of a request body (BadRequest naming the wrong one)."""
+def parse_params(body: dict, limit: int, default_max: int = 16) -> dict:
+    """Generation parameters of a request body (BadRequest naming the wrong one);
+    ``max_tokens`` defaults to ``default_max`` (at most the server's ``limit``)."""
     n = _number(body, "n", int, 1)
     if n != 1:
         raise BadRequest(f"n must be 1 (one choice per prompt), got {n}", "n")
     max_tokens = _number(body, "max_tokens", int, None)
     if max_tokens is None:
-        max_tokens = _number(body, "max_completion_tokens", int, min(16, limit))
+        max_tokens = _number(body, "max_completion_tokens", int, min(default_max, limit))
     if not 1 <= max_tokens <= limit:
         raise BadRequest(f"max_tokens must be in 1..{limit} (server limit), got {max_tokens}")
     temperature = _number(body, "temperature", float, 1.0, low=0)
@@ -112,13 +112,16 @@ def create_app(engine: Engine, model_name: str):
 
     @app.get("/health")
     async def health():
+        if engine.error:  # generation failed: the ranks may be out of step, restart
+            return JSONResponse({"status": "failed", "error": engine.error}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/ready")
     async def ready():
         if engine.ready:
             return {"status": "ready"}
-        return JSONResponse({"status": "loading"}, status_code=503)
+        status = "failed" if engine.error else "loading"
+        return JSONResponse({"status": status}, status_code=503)
 
     @app.get("/v1/models")
     async def models():
@@ -133,9 +136,11 @@ def create_app(engine: Engine, model_name: str):
         if not isinstance(body, dict):
             return _error(400, "the request body must be a JSON object")
         if not engine.ready:
-            return _error(503, "the model is not ready yet", "service_unavailable")
+            why = engine.error or "the model is not ready yet"
+            return _error(503, why, "service_unavailable")
         try:
-            params = parse_params(body, engine.max_tokens_limit)
+            limit = engine.max_tokens_limit  # chat: as long as the server allows
+            params = parse_params(body, limit, limit if chat else 16)
             prompts = _prompts(engine, body, chat)
             for p in prompts:
                 engine.check(p, params["max_tokens"], params["stop"])
@@ -161,7 +166,9 @@ def create_app(engine: Engine, model_name: str):
             "model": body.get("model") or model_name,
         }
         if body.get("stream"):
-            chunks = _stream(events, reqs, meta, chat)
+            options = body.get("stream_options") or {}
+            usage = isinstance(options, dict) and bool(options.get("include_usage"))
+            chunks = _stream(events, reqs, meta, chat, usage)
             return StreamingResponse(chunks, media_type="text/event-stream")
         try:
             return await _collect(events, reqs, meta, chat)
@@ -220,38 +227,38 @@ async def _collect(events: asyncio.Queue, reqs, meta: dict, chat: bool):
             return _error(500, ev["message"], "server_error")
         else:
             done[i] = ev
+    choices = [
+        _choice(chat, i, t, d["finish_reason"], False) for i, (t, d) in enumerate(zip(texts, done))
+    ]
+    kind = "chat.completion" if chat else "text_completion"
+    return JSONResponse({**meta, "object": kind, "choices": choices, "usage": _usage(done)})
+
+
+def _usage(done: list[dict]) -> dict:
     prompt = sum(d["prompt_tokens"] for d in done)
     completion = sum(d["completion_tokens"] for d in done)
-    return JSONResponse(
-        {
-            **meta,
-            "object": "chat.completion" if chat else "text_completion",
-            "choices": [
-                _choice(chat, i, t, d["finish_reason"], False)
-                for i, (t, d) in enumerate(zip(texts, done))
-            ],
-            "usage": {
-                "prompt_tokens": prompt,
-                "completion_tokens": completion,
-                "total_tokens": prompt + completion,
-            },
-        }
-    )
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
 
 
-async def _stream(events: asyncio.Queue, reqs, meta: dict, chat: bool):
-    """SSE chunks until every choice is done; a client that leaves cancels its requests."""
+async def _stream(events: asyncio.Queue, reqs, meta: dict, chat: bool, usage: bool):
+    """SSE chunks until every choice is done (then one with the usage and no choices when
+    ``stream_options.include_usage``); a client that leaves cancels its requests."""
     kind = "chat.completion.chunk" if chat else "text_completion"
 
-    def chunk(choice: dict) -> str:
-        return f"data: {json.dumps({**meta, 'object': kind, 'choices': [choice]})}\n\n"
+    def chunk(*choices: dict, **extra) -> str:
+        body = {**meta, "object": kind, "choices": list(choices), **extra}
+        return f"data: {json.dumps(body)}\n\n"
 
     try:
         if chat:
             for i in range(len(reqs)):
                 first = {"index": i, "delta": {"role": "assistant", "content": ""}}
                 yield chunk({**first, "logprobs": None, "finish_reason": None})
-        left = len(reqs)
+        left, done = len(reqs), []
         while left:
             i, ev = await events.get()
             if ev["type"] == "delta":
@@ -262,21 +269,21 @@ async def _stream(events: asyncio.Queue, reqs, meta: dict, chat: bool):
                 break
             else:
                 left -= 1
+                done.append(ev)
                 yield chunk(_choice(chat, i, None, ev["finish_reason"], True))
+        if usage and not left:
+            yield chunk(usage=_usage(done))
         yield "data: [DONE]\n\n"
     finally:
         for r in reqs:
             r.cancel()
 
 
-def serve(config) -> None:
+def serve(config, stop: threading.Event | None = None) -> None:
     """``neuron-tp serve`` on this rank: load the model, warm up, then rank 0 answers HTTP
     (``/health`` from the start, ``/ready`` once warm) while the other tp ranks follow its
-    batches. SIGTERM/SIGINT: rank 0 stops accepting, finishes what runs, tells the other
-    ranks to stop; every rank returns."""
-    import signal
-    import threading
-
+    batches. SIGTERM/SIGINT (on the main thread; or ``stop`` set by the caller): rank 0 stops
+    accepting, finishes what runs, tells the other ranks to stop; every rank returns."""
     from .. import agreement
     from ..mesh import init_mesh
     from ..train.config import ServeConfig
@@ -301,13 +308,10 @@ def serve(config) -> None:
     agreement.check_agreement(values, world, error=error, what="neuron-tp serve")
     mesh = init_mesh(tp=config.tp)
     engine = Engine(mesh.group("world"), wait_s=config.batch_wait_ms / 1000)
-    signals: list[int] = []
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda s, _f: signals.append(s))
+    stop = stop or stop_on_signals()
     if mesh.rank != 0:
         _load(engine, config, mesh)
-        engine.follow(should_stop=lambda: bool(signals))
+        engine.follow(should_stop=stop.is_set)
         return
     import uvicorn
 
@@ -317,24 +321,38 @@ def serve(config) -> None:
             app, config.host, config.port, log_level="warning", timeout_graceful_shutdown=10
         )
     )
-    failed: list[BaseException] = []
+    # HTTP on a thread from the start (/health answers while the model loads); the model
+    # loads on the main thread, like the other ranks (host exchanges count calls per thread).
+    http = threading.Thread(target=server.run, name="http", daemon=True)
+    http.start()
+    while not server.started and http.is_alive():
+        time.sleep(0.05)
+    if not server.started:
+        raise RuntimeError(f"neuron-tp serve: cannot listen on {config.host}:{config.port}")
+    try:
+        _load(engine, config, mesh)
+        engine.start()
+        print(f"neuron-tp serve: ready on http://{config.host}:{config.port}", flush=True)
+        while not stop.wait(0.1) and http.is_alive() and engine.error is None:
+            pass
+    finally:
+        server.should_exit = True
+        http.join()
+        engine.shutdown()
+    if engine.error is not None:
+        raise RuntimeError(f"neuron-tp serve: {engine.error}")
 
-    def load() -> None:
-        try:
-            _load(engine, config, mesh)
-            engine.start()
-            print(f"neuron-tp serve: ready on http://{config.host}:{config.port}", flush=True)
-        except BaseException as e:  # noqa: BLE001 - re-raised on the main thread
-            failed.append(e)
-            server.should_exit = True
 
-    loader = threading.Thread(target=load, name="load", daemon=True)
-    loader.start()
-    server.run()
-    loader.join()
-    engine.shutdown()
-    if failed:
-        raise failed[0]
+def stop_on_signals() -> threading.Event:
+    """An event set by SIGTERM or SIGINT (handlers installed when called on the main
+    thread)."""
+    import signal
+
+    stop = threading.Event()
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda _s, _f: stop.set())
+    return stop
 
 
 def _load(engine: Engine, config, mesh) -> None:
@@ -350,4 +368,4 @@ def _load(engine: Engine, config, mesh) -> None:
     pad = getattr(tok, "pad_token_id", None) or 0
     gen = Generator(model, config.buckets, config.max_new_tokens, config.batch_buckets, pad)
     engine.attach(gen, tok, eos_ids(model, tok))
-    engine.warmup()
+    engine.warmup(every_shape=config.warmup == "all")

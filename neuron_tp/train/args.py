@@ -1,6 +1,6 @@
-"""Command-line options of ``scripts/train.py`` / ``neuron-tp train`` and of
-``scripts/generate.py`` / ``neuron-tp generate`` (names are a contract with the deployment
-templates). Imports nothing beyond the standard library."""
+"""Command-line options of ``scripts/train.py`` / ``neuron-tp train``, of
+``scripts/generate.py`` / ``neuron-tp generate`` and of ``neuron-tp serve`` (names are a
+contract with the deployment templates). Imports nothing beyond the standard library."""
 
 from __future__ import annotations
 
@@ -192,5 +192,53 @@ def generate_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--ignore-eos", action="store_true", help="do not stop at EOS (always --max-new-tokens)"
+    )
+    return p
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    """Parser of ``neuron-tp serve`` (tp ranks launched by torchrun; rank 0 serves HTTP)."""
+    p = argparse.ArgumentParser(
+        prog="neuron-tp serve",
+        allow_abbrev=False,
+        description="An OpenAI-compatible HTTP server for sharded generation.",
+    )
+    _common(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: all)")
+    p.add_argument("--port", type=_non_negative(int), default=8000, help="HTTP port")
+    p.add_argument(
+        "--max-new-tokens",
+        type=_positive(int),
+        default=256,
+        help="the largest max_tokens a request may ask for (sets the KV cache length)",
+    )
+    p.add_argument(
+        "--buckets",
+        type=_buckets,
+        default=_buckets("32,128,512"),
+        help="comma-separated prompt length buckets (longer prompts are refused)",
+    )
+    p.add_argument(
+        "--batch-buckets",
+        type=_buckets,
+        default=_buckets("1,2,4,8"),
+        help="comma-separated batch sizes (graph shapes): concurrent requests share a batch",
+    )
+    p.add_argument(
+        "--batch-wait-ms",
+        type=_non_negative(float),
+        default=5.0,
+        help="how long a new batch waits for concurrent requests to join it",
+    )
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument(
+        "--served-model-name", default=None, help="the model id clients use (default: --model)"
+    )
+    p.add_argument(
+        "--warmup",
+        choices=("smallest", "all"),
+        default="smallest",
+        help="graphs captured (compiled) before /ready: the smallest batch and prompt shape, "
+        "or every batch x prompt bucket (no compile while serving, except for new top_k)",
     )
     return p

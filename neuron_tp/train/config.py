@@ -104,3 +104,39 @@ class GenerateConfig(_CommonConfig):
     batch_buckets: list[int]  # batch sizes, sorted; more prompts run in several batches
     stop: list[str]  # stop strings (the text is cut before the first one)
     ignore_eos: bool  # always generate --max-new-tokens (benchmarks)
+
+
+@dataclass(frozen=True)
+class ServeConfig(_CommonConfig):
+    """``neuron-tp serve`` options (see :func:`~neuron_tp.train.args.serve_parser`)."""
+
+    host: str
+    port: int
+    max_new_tokens: int  # the most a request may ask for (sets the cache length)
+    buckets: list[int]  # prompt length buckets, sorted
+    batch_buckets: list[int]  # batch sizes, sorted: concurrent requests share a batch
+    batch_wait_ms: float  # how long the batcher waits for concurrent requests
+    dtype: str  # "float32" or "bfloat16"
+    served_model_name: str | None  # None: --model
+    warmup: str  # graphs captured before ready: "smallest" shapes or "all" buckets
+
+    @property
+    def model_name(self) -> str:
+        """The model id clients see (``/v1/models``, responses)."""
+        return self.served_model_name or self.model
+
+    def generate_config(self) -> GenerateConfig:
+        """The equivalent ``neuron-tp generate`` options (for loading the model)."""
+        shared = {
+            f.name: getattr(self, f.name) for f in fields(GenerateConfig) if hasattr(self, f.name)
+        }
+        return GenerateConfig(
+            **shared,
+            prompt=[],
+            prompts_file=None,
+            do_sample=False,
+            temperature=1.0,
+            top_k=0,
+            stop=[],
+            ignore_eos=False,
+        )

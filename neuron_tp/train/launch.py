@@ -14,7 +14,7 @@ import sys
 import threading
 from collections.abc import Callable
 
-from .config import GenerateConfig, TrainConfig
+from .config import GenerateConfig, ServeConfig, TrainConfig
 from .presets import preload
 
 
@@ -57,7 +57,7 @@ def _per_device(_index: int, fn: Callable, args: tuple) -> None:
     fn(*args)
 
 
-def _command(config: TrainConfig | GenerateConfig, fn: Callable) -> None:
+def _command(config: TrainConfig | GenerateConfig | ServeConfig, fn: Callable) -> None:
     """Run ``fn(config)`` as this process's rank, or as N ranks with ``--xla-cpu-devices N``."""
     if not config.xla_cpu_devices:
         fn(config)
@@ -81,3 +81,12 @@ def generate_command(args: argparse.Namespace | GenerateConfig) -> None:
     from ..infer.cli import run_cli
 
     _command(GenerateConfig.from_args(args), run_cli)
+
+
+def serve_command(args: argparse.Namespace | ServeConfig) -> None:
+    """``neuron-tp serve``: this process's rank(s) of the server (rank 0 answers HTTP, the
+    other tp ranks follow its batches); the options become a
+    :class:`~neuron_tp.train.config.ServeConfig` here."""
+    from ..infer.server import serve
+
+    _command(ServeConfig.from_args(args), serve)

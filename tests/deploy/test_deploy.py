@@ -91,6 +91,16 @@ def parse_launch(cmd: list[str], script: str):
     return launch, launch.training_script_args
 
 
+def parse_module_launch(cmd: list[str], module: str):
+    """Split `torchrun OPTS --module MODULE ARGS` with torchrun's own parser."""
+    from torch.distributed.run import get_args_parser
+
+    assert cmd[0] == "torchrun", cmd
+    launch = get_args_parser().parse_args(cmd[1:])
+    assert launch.module and launch.training_script == module, cmd
+    return launch, launch.training_script_args
+
+
 def env_of(container) -> dict:
     return {e["name"]: e for e in container.get("env", [])}
 
@@ -161,7 +171,7 @@ def test_manifests_validate_against_kubernetes_schemas(variant):
                 checked += 1
     assert checked >= 7
     with pytest.raises(kv.ValidationError):  # the validator does reject a broken pod spec
-        job = one(docs["inference"], "Job")
+        job = one(docs["inference"], "Deployment")
         broken = json.loads(json.dumps(job))
         broken["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["cpu"] = [1]
         kv.validate(broken, version, strict=True)
@@ -301,23 +311,54 @@ def test_precompile_runs_the_same_command_under_neuron_parallel_compile(variant)
     )
 
 
-def test_inference_job_runs_generate_with_tp_over_neuroncores(variant):
-    from neuron_tp.train.args import generate_parser
+def test_inference_serves_with_tp_over_neuroncores(variant):
+    from neuron_tp.train.args import serve_parser
 
     _, params, docs = variant
-    job = one(docs["inference"], "Job")
-    pod = job["spec"]["template"]["spec"]
+    deploy = one(docs["inference"], "Deployment")
+    pod = deploy["spec"]["template"]["spec"]
+    labels = deploy["spec"]["template"]["metadata"]["labels"]
+    assert deploy["spec"]["selector"]["matchLabels"].items() <= labels.items()
     _, cores, _ = INSTANCES[pod["nodeSelector"]["node.kubernetes.io/instance-type"]]
     (c,) = pod["containers"]
     assert c["image"] == params["IMAGE"]
     res = c["resources"]
     assert res["requests"] == res["limits"]
-    launch, script_args = parse_launch(argv(c), "generate.py")
-    args = generate_parser().parse_args(script_args)
+    launch, script_args = parse_module_launch(argv(c), "neuron_tp.cli")
+    assert script_args[0] == "serve"
+    args = serve_parser().parse_args(script_args[1:])
     assert args.tp == int(launch.nproc_per_node) == res["limits"]["aws.amazon.com/neuroncore"]
     assert args.tp <= cores and launch.nnodes == "1" and args.device == "xla"
-    buckets = args.buckets.split(",") if isinstance(args.buckets, str) else args.buckets
-    assert [int(b) for b in buckets] == sorted({int(b) for b in buckets}) and int(buckets[0]) > 0
+    assert args.buckets == sorted(set(args.buckets)) and args.buckets[0] > 0
+    assert args.host == "0.0.0.0", "listen on the pod's address, not only on loopback"
+    with pytest.raises(SystemExit):  # the parser is strict: a misspelt option would not pass
+        serve_parser().parse_args([*script_args[1:], "--listen=0.0.0.0"])
+    # the Service reaches the container port the server listens on
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports["http"] == args.port
+    svc = one(docs["inference"], "Service")
+    assert svc["spec"]["selector"].items() <= labels.items()
+    (sp,) = svc["spec"]["ports"]
+    assert sp["targetPort"] in ("http", args.port)
+    policy = one(docs["inference"], "NetworkPolicy")
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
+    assert [p["port"] for p in policy["spec"]["ingress"][0]["ports"]] == ["http"]
+
+
+def test_inference_probes_hit_paths_the_server_serves(variant):
+    from neuron_tp.infer.engine import Engine
+    from neuron_tp.infer.server import create_app
+
+    _, _, docs = variant
+    (c,) = one(docs["inference"], "Deployment")["spec"]["template"]["spec"]["containers"]
+    probes = {k: c[k]["httpGet"] for k in ("startupProbe", "livenessProbe", "readinessProbe")}
+    assert probes["livenessProbe"]["path"] == "/health"
+    assert probes["readinessProbe"]["path"] == "/ready"
+    app = create_app(Engine(), "probe-check")  # an engine without a model: not ready
+    served = {r.path for r in app.routes if "GET" in getattr(r, "methods", ())}
+    for kind, probe in probes.items():
+        assert probe["path"] in served, f"{kind} path {probe['path']} is not served"
+        assert probe["port"] in ("http", c["ports"][0]["containerPort"]), kind
 
 
 def test_consolidate_job_feeds_the_inference_model(variant):
@@ -328,7 +369,7 @@ def test_consolidate_job_feeds_the_inference_model(variant):
     assert argv(c)[:2] == ["neuron-tp", "consolidate"] and len(argv(c)) == 4
     ckpt, out = argv(c)[2:]
     assert ckpt == params["OUTPUT_DIR"], "consolidates the newest checkpoint of the run"
-    (inf,) = one(docs["inference"], "Job")["spec"]["template"]["spec"]["containers"]
+    (inf,) = one(docs["inference"], "Deployment")["spec"]["template"]["spec"]["containers"]
     assert f"--model={out}" in inf["args"], "inference serves the consolidated directory"
     res = c["resources"]
     assert res["requests"] == res["limits"]
@@ -394,7 +435,8 @@ def test_dockerfile_copies_what_exists_and_keeps_the_neuron_stack():
     assert user not in ("0", "root")
     for t in ("train", "precompile", "consolidate", "inference"):
         for doc in yaml.safe_load_all(render(t)):
-            assert f"runAsUser: {user}" in yaml.safe_dump(doc), "pods run as the image user"
+            if doc["kind"] in ("Job", "Deployment", "PyTorchJob"):  # the pods, not a Service
+                assert f"runAsUser: {user}" in yaml.safe_dump(doc), "pods run as image user"
     entry = json.loads(re.search(r"^ENTRYPOINT\s+(\[.*\])", text, re.M).group(1))
     assert entry[0] == "torchrun" and (REPO / entry[-1]).is_file()
     assert not re.search(r"(?i)(aws_secret|password|token)\s*=", text)
