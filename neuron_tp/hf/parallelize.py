@@ -91,6 +91,13 @@ def parallelize(
     mesh = get_mesh(mesh)
     if getattr(model, "_ntp_parallel", False):
         raise ValueError(f"{type(model).__name__} is already parallelized")
+    from . import lora  # LoRA (peft) models: wrappers out, parallelize, wrappers back
+
+    if lora.is_peft_model(model):
+        options = dict(sequence_parallel=sequence_parallel, parallel_loss=parallel_loss)
+        options.update(plan=plan, sequence_parallel_regather=sequence_parallel_regather)
+        return lora.parallelize_peft(model, mesh, parallelize, **options)
+    lora.refuse_peft_layers(model)
     from ..agreement import check_same_model
 
     check_same_model(

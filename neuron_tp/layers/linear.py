@@ -198,7 +198,9 @@ class RowParallelLinear(FromLinear, nn.Module):
     def output_layout(self) -> str:
         return SHARDED_SEQUENCE if self.sequence_parallel else REPLICATED
 
-    def forward(self, x: torch.Tensor):
+    def forward(self, x: torch.Tensor, partial_addend=None):
+        """``partial_addend(x_local)``, if given, is added to this rank's partial product before
+        the reduction (a LoRA branch on the local input: one reduction for both)."""
         tp = self.mesh.tp
         local_in = self.in_features // tp.size if self.input_is_parallel else self.in_features
         check_input(x, self.weight, local_in, -1, type(self).__name__, self.mesh)
@@ -211,6 +213,8 @@ class RowParallelLinear(FromLinear, nn.Module):
         if not self.input_is_parallel:
             x = regions.scatter_to_tensor_parallel(x, tp, -1)
         y = F.linear(x, self.weight)
+        if partial_addend is not None:
+            y = y + partial_addend(x)
         if self.sequence_parallel:
             y = regions.reduce_scatter_to_sequence_parallel(y, tp, self.sequence_dim)
         else:

@@ -1,0 +1,223 @@
+"""LoRA (peft) on tensor-parallel models vs the unsharded peft model: logits, loss, every
+adapter gradient, the global grad norm, adapter save / load and merge, refusals; gloo ranks
+(tp 2, 4 and 3), and one executed XLA case (2 CPU devices)."""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("peft")
+
+sys.path.insert(0, os.path.dirname(__file__))
+import gloo_dist  # noqa: E402
+import neuron_tp as ntp  # noqa: E402
+from neuron_tp.hf import gather_hf_state_dict, parallelize  # noqa: E402
+from neuron_tp.hf.lora import load_adapter, merge_adapters, save_adapter  # noqa: E402
+
+V, ATOL = 51, 2e-5
+LLAMA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+TARGETS = {
+    "tiny-llama": LLAMA_TARGETS,
+    "tiny-qwen3": LLAMA_TARGETS,
+    "tiny-gpt2": ["c_attn", "c_proj", "c_fc"],
+    "odd-llama": LLAMA_TARGETS,
+}
+
+
+def _close(a, b, what):
+    torch.testing.assert_close(a, b, atol=ATOL, rtol=1e-5, msg=lambda m: f"{what}: {m}")
+
+
+def base_model(name: str, seed: int = 0):
+    """A tiny random causal LM: a preset, or ``odd-llama`` (tp 3: 6 heads over 3 kv heads)."""
+    if name != "odd-llama":
+        from neuron_tp.train.presets import build_model
+
+        return build_model(name, V, seed)
+    import transformers as tf
+
+    cfg = tf.LlamaConfig(
+        vocab_size=V,
+        hidden_size=36,
+        intermediate_size=42,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=3,
+        head_dim=6,
+    )
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    return tf.AutoModelForCausalLM.from_config(cfg)
+
+
+def lora_config(name: str, **kw):
+    from peft import LoraConfig
+
+    base = dict(
+        r=4,
+        lora_alpha=12,  # scaling 3
+        target_modules=TARGETS[name],
+        lora_dropout=0.0,
+        init_lora_weights=False,  # random B: the adapter changes the output
+        fan_in_fan_out=name == "tiny-gpt2",
+    )
+    return LoraConfig(**{**base, **kw})
+
+
+def peft_model(name: str, seed: int = 0, **kw):
+    from peft import get_peft_model
+
+    base = base_model(name, seed)
+    torch.manual_seed(seed + 100)
+    return get_peft_model(base, lora_config(name, **kw)).eval()
+
+
+def _ids(seq: int = 12) -> torch.Tensor:
+    return torch.randint(2, V, (2, seq), generator=torch.Generator().manual_seed(123))
+
+
+def _check_training(name: str, sp: bool, parallel_loss: bool) -> None:
+    ref = peft_model(name)
+    tag = f"{name} tp={ntp.get_mesh().tp_size} sp={sp}"
+    m = parallelize(copy.deepcopy(ref), sequence_parallel=sp, parallel_loss=parallel_loss)
+    assert all(not p.requires_grad for n, p in m.named_parameters() if "lora_" not in n)
+    ids = _ids()
+    out, want = m(ids, labels=ids), ref(ids, labels=ids)
+    if not parallel_loss:
+        _close(out.logits, want.logits, f"{tag} logits")
+    _close(out.loss, want.loss, f"{tag} loss")
+    want.loss.backward()
+    out.loss.backward()
+    ntp.sync_sequence_parallel_grads(m)
+    grads = gather_hf_state_dict(m, grads=True)
+    expected = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+    assert expected and set(grads) == set(expected), set(grads) ^ set(expected)
+    for n, g in expected.items():
+        _close(grads[n], g, f"{tag} grad {n}")
+    norm = torch.sqrt(sum(g.pow(2).sum() for g in expected.values()))
+    _close(ntp.global_grad_norm(m), norm, f"{tag} global_grad_norm")
+
+
+def _check_adapter_io(name: str, tmp: str) -> None:
+    from peft import PeftModel
+
+    rank, tp = ntp.get_mesh().rank, ntp.get_mesh().tp_size
+    tmp = os.path.join(tmp, f"{name}-tp{tp}")
+    ids = _ids()
+    ref = peft_model(name)
+    m = parallelize(copy.deepcopy(ref))
+    # save_adapter -> plain peft loads it on the unsharded base
+    save_adapter(m, os.path.join(tmp, "saved"))
+    torch.distributed.barrier()
+    back = PeftModel.from_pretrained(base_model(name), os.path.join(tmp, "saved")).eval()
+    _close(back(ids).logits, ref(ids).logits, f"{name} save_adapter -> PeftModel")
+    # an adapter saved by peft -> load_adapter onto a parallelized model (own init: B = 0)
+    other = peft_model(name, seed=0)
+    torch.manual_seed(7)
+    for n, p in other.named_parameters():
+        if "lora_" in n:
+            p.data.normal_(0, 0.1)
+    if rank == 0:
+        other.save_pretrained(os.path.join(tmp, "peft"))
+    torch.distributed.barrier()
+    fresh = parallelize(peft_model(name, init_lora_weights=True))
+    load_adapter(fresh, os.path.join(tmp, "peft"))
+    _close(fresh(ids).logits, other(ids).logits, f"{name} load_adapter")
+    # merge_adapters == peft's merge_and_unload
+    merged = merge_adapters(m)
+    assert not any("lora" in n for n, _ in merged.named_parameters())
+    _close(merged(ids).logits, copy.deepcopy(ref).merge_and_unload()(ids).logits, f"{name} merge")
+
+
+def _raises(fn, *words: str) -> None:
+    with pytest.raises(ValueError) as e:
+        fn()
+    assert all(w in str(e.value) for w in words), str(e.value)
+
+
+def _check_refusals() -> None:
+    from peft import IA3Config, get_peft_model
+
+    name = "tiny-llama"
+    _raises(lambda: parallelize(peft_model(name, use_dora=True)), "use_dora")
+    m = peft_model(name, target_modules=["q_proj", "lm_head"])
+    _raises(lambda: parallelize(m), "lm_head", "colwise")
+    assert type(m.base_model.model.model.layers[0].self_attn.q_proj.base_layer).__name__ == "Linear"
+    assert not getattr(m, "_ntp_parallel", False)
+    _raises(lambda: parallelize(peft_model(name, target_modules=["embed_tokens"])), "Embedding")
+    ia3 = get_peft_model(
+        base_model(name), IA3Config(target_modules=["q_proj"], feedforward_modules=[])
+    )
+    _raises(lambda: parallelize(ia3), "LoRA")
+    two = peft_model(name)
+    two.add_adapter("second", lora_config(name))
+    _raises(lambda: parallelize(two), "exactly one")
+    inner = peft_model(name)
+    _raises(lambda: parallelize(inner.base_model.model), "PeftModel")
+    # the other order: peft itself refuses the parallel layers
+    with pytest.raises(ValueError, match="not supported"):
+        get_peft_model(parallelize(base_model(name)), lora_config(name))
+
+
+CASES = [
+    "llama",
+    "llama-sp",
+    "llama-parallel-loss",
+    "qwen3",
+    "qwen3-sp",
+    "gpt2",
+    "gpt2-sp",
+    "adapter-io-llama",
+    "adapter-io-gpt2",
+    "refusals",
+]
+
+
+def _case(case: str, tp: int, tmp: str) -> None:
+    gloo_dist.shared_mesh(tp)
+    if case == "refusals":
+        _check_refusals()
+    elif case.startswith("adapter-io-"):
+        _check_adapter_io("tiny-" + case.removeprefix("adapter-io-"), tmp)
+    else:
+        name, _, mode = case.partition("-")
+        _check_training("tiny-" + name, mode == "sp", mode == "parallel-loss")
+
+
+# tp 4 replicates the kv heads (2) of Llama / Qwen3: the cases where that matters.
+CASES_TP4 = [c for c in CASES if c not in ("llama-parallel-loss", "adapter-io-gpt2", "refusals")]
+
+
+@pytest.mark.parametrize(
+    "tp, case", [(2, c) for c in CASES] + [(4, c) for c in CASES_TP4], ids=lambda v: str(v)
+)
+def test_lora(tp, case, tmp_path_factory):
+    tmp = str(tmp_path_factory.getbasetemp() / "lora")
+    cases = CASES if tp == 2 else CASES_TP4
+    gloo_dist.run_case(_case, case, tp, tmp, cases=cases, world_size=tp)
+
+
+ODD = ["odd-llama", "odd-llama-sp"]
+
+
+def _odd_case(case: str) -> None:
+    gloo_dist.shared_mesh(3)
+    _check_training("odd-llama", case.endswith("-sp"), False)
+
+
+@pytest.mark.parametrize("case", ODD)
+def test_lora_tp3(case):
+    gloo_dist.run_case(_odd_case, case, cases=ODD, world_size=3)
+
+
+def test_lora_xla_tp2():
+    import lora_xla_cases
+    import xla_dist
+
+    (r0, r1) = xla_dist.run(lora_xla_cases.job, devices=2)
+    assert r0["checks"] == r1["checks"] and len(r0["checks"]) > 10
