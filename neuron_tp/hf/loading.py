@@ -204,6 +204,12 @@ def read_block(sl, shape: tuple[int, ...], sharding: Sharding | None, mesh: Mesh
     return t
 
 
+def _stored_name(name: str) -> str:
+    """The checkpoint name of a parameter, also inside a peft wrapper (PeftModel prefix and
+    ``base_layer`` of a wrapped projection removed)."""
+    return name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+
+
 def from_pretrained(
     path: str,
     mesh: Mesh | None = None,
@@ -212,6 +218,7 @@ def from_pretrained(
     parallel_loss: bool = False,
     torch_dtype: torch.dtype | None = None,
     plan: dict[str, str] | None = None,
+    wrap=None,
     **config_kwargs,
 ) -> nn.Module:
     """Build ``auto_class`` from the config at ``path`` on the meta device, shard it, and read
@@ -219,7 +226,9 @@ def from_pretrained(
 
     1d mesh: each parameter's HF slice map (:mod:`neuron_tp.hf.slice_map`); 2d/3d mesh: the
     block its sharding record gives this rank (:func:`block_ranges`), zero-padded past a
-    vocabulary the split does not divide; replicated parameters are read whole."""
+    vocabulary the split does not divide; replicated parameters are read whole. ``wrap``:
+    applied to the meta-device model before it is sharded (e.g. LoRA adapters, which must
+    come out of it with real weights: only meta parameters are read from the files)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from ..agreement import check_agreement
@@ -235,6 +244,8 @@ def from_pretrained(
         kwargs = {"dtype": torch_dtype} if torch_dtype is not None else {}
         with _params_on_meta():
             model = auto_class.from_config(config, **kwargs)
+        if wrap is not None:
+            model = wrap(model)
     except Exception as e:  # noqa: BLE001 - re-raised on this rank by check_agreement
         error = e
     check_agreement(
@@ -251,7 +262,7 @@ def from_pretrained(
     try:
         for mname, mod in model.named_modules():
             for pname, p in list(mod.named_parameters(recurse=False)):
-                name = f"{mname}.{pname}" if mname else pname
+                name = _stored_name(f"{mname}.{pname}" if mname else pname)
                 if p.device.type != "meta":
                     continue
                 if name not in files:

@@ -157,6 +157,20 @@ def train_parser() -> argparse.ArgumentParser:
         "plain AdamW with fp32 master weights; checkpoints load with or without it "
         "(always on with --bf16)",
     )
+    p.add_argument(
+        "--lora-r",
+        type=_non_negative(int),
+        default=0,
+        help="train LoRA adapters of this rank (peft) instead of the whole model; 0: off",
+    )
+    p.add_argument("--lora-alpha", type=_positive(float), default=16.0, help="LoRA scaling alpha")
+    p.add_argument("--lora-dropout", type=_non_negative(float), default=0.0)
+    p.add_argument(
+        "--lora-target-modules",
+        type=lambda t: [m for m in t.split(",") if m.strip()],
+        default=[],
+        help="comma-separated module names to adapt (default: peft's for the model type)",
+    )
     return p
 
 

@@ -74,6 +74,10 @@ class TrainConfig(_CommonConfig):
     tensorboard: bool
     skip_nonfinite: bool
     zero1: bool  # ZeRO-1: AdamW state and fp32 masters sharded over dp (neuron_tp.zero1)
+    lora_r: int  # LoRA rank (peft); 0: train the whole model
+    lora_alpha: float
+    lora_dropout: float
+    lora_target_modules: list[str]  # empty: peft's default for the model type
 
     @property
     def uses_zero1(self) -> bool:

@@ -26,6 +26,7 @@ from ..grads import (
 from ..mesh import Mesh, init_mesh
 from ..recompute import apply_activation_checkpointing
 from ..sharding import move_to
+from . import lora
 from .checkpoint_policy import (
     check_finite,
     claim_output,
@@ -154,6 +155,8 @@ def setup(args: TrainConfig | argparse.Namespace, mesh: Mesh | None = None) -> R
             # tp_mode) reads only this rank's slices / blocks of every tensor
             if is_preset(config.model):
                 model = build_model(config.model, vocab_size(tokenizer), config.seed, dtype)
+                if config.lora_r:  # adapters from --seed, then sharded
+                    model = lora.wrap(model, config)
         if is_preset(config.model):
             hf.parallelize(
                 model,
@@ -168,7 +171,10 @@ def setup(args: TrainConfig | argparse.Namespace, mesh: Mesh | None = None) -> R
                 sequence_parallel=config.sequence_parallel,
                 parallel_loss=mesh.tp_size > 1,
                 torch_dtype=dtype,
+                wrap=_seeded_lora_wrap(config) if config.lora_r else None,
             )
+        if config.lora_r:
+            lora.frozen_check(model)
         if model.config.vocab_size < vocab_size(tokenizer):
             raise ValueError(
                 f"model vocabulary {model.config.vocab_size} < tokenizer vocabulary "
@@ -199,6 +205,17 @@ def setup(args: TrainConfig | argparse.Namespace, mesh: Mesh | None = None) -> R
         tokenizer,
         guard=NonFiniteGuard(device, skip=config.skip_nonfinite),
     )
+
+
+def _seeded_lora_wrap(config: TrainConfig):
+    """``wrap`` for ``from_pretrained``: LoRA adapters from ``--seed`` (under the build lock:
+    ranks may be threads sharing the global RNG)."""
+
+    def wrap(model):
+        with BUILD_LOCK:
+            return lora.wrap(model, config)
+
+    return wrap
 
 
 def startup_values(
@@ -365,6 +382,8 @@ def _train(
         checkpoint.dry_run_save(run.model, run.mesh)
     else:
         save_at_end(run, saved, finished=run.step >= steps, trained=trained)
+        if config.lora_r and trained:
+            say(f"LoRA adapters (PEFT format): {lora.save(run.model, config.output_dir, run.mesh)}")
     if not trained:
         say(f"nothing to do: already at step {run.step} of {steps} (--steps, --resume)")
     summary = {

@@ -25,10 +25,15 @@ def reference_run(
     from neuron_tp.train.presets import build_model
 
     model = build_model(args.model, ByteTokenizer.vocab_size, args.seed, dtype)
+    if getattr(args, "lora_r", 0):  # the unsharded peft model, adapters from the same RNG
+        from neuron_tp.train.lora import wrap
+
+        model = wrap(model, args)
     model.train()
     data = PackedData(args.data, ByteTokenizer(), args.seq_len, global_micro_batch, 1, 0, args.seed)
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    rest = [p for p in model.parameters() if p.dim() < 2]
+    trained = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in trained if p.dim() >= 2]
+    rest = [p for p in trained if p.dim() < 2]
     opt = torch.optim.AdamW(
         [
             {"params": decay, "weight_decay": args.weight_decay},
@@ -47,9 +52,10 @@ def reference_run(
             loss = model(input_ids=ids, labels=ids).loss / args.grad_accum
             loss.backward()
             total += loss.item()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)))
+        norms.append(float(torch.nn.utils.clip_grad_norm_(trained, args.max_grad_norm)))
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
         losses.append(total)
+    reference_run.model = model  # the trained reference (e.g. to compare saved adapters)
     return losses, norms
