@@ -174,6 +174,23 @@ def train_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _shapes(p: argparse.ArgumentParser, batching: str) -> None:
+    """The graph-shape options of generate and serve: length and batch buckets, dtype."""
+    p.add_argument(
+        "--buckets",
+        type=_buckets,
+        default=_buckets("32,128,512"),
+        help="comma-separated prompt length buckets",
+    )
+    p.add_argument(
+        "--batch-buckets",
+        type=_buckets,
+        default=_buckets("1,2,4,8"),
+        help=f"comma-separated batch sizes (graph shapes); {batching}",
+    )
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+
+
 def generate_parser() -> argparse.ArgumentParser:
     """Parser of the generation script (tp ranks launched by torchrun)."""
     p = argparse.ArgumentParser(
@@ -185,22 +202,10 @@ def generate_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     p.add_argument("--prompts-file", default=None, help="one prompt per line")
     p.add_argument("--max-new-tokens", type=_positive(int), default=32)
-    p.add_argument(
-        "--buckets",
-        type=_buckets,
-        default=_buckets("32,128,512"),
-        help="comma-separated prompt length buckets",
-    )
+    _shapes(p, "more prompts run in several batches")
     p.add_argument("--do-sample", action="store_true")
     p.add_argument("--temperature", type=_positive(float), default=1.0)
     p.add_argument("--top-k", type=_non_negative(int), default=0, help="0 = no top-k filter")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    p.add_argument(
-        "--batch-buckets",
-        type=_buckets,
-        default=_buckets("1,2,4,8"),
-        help="comma-separated batch sizes (graph shapes); more prompts run in several batches",
-    )
     p.add_argument(
         "--stop", action="append", default=[], help="stop string (repeatable): text ends before it"
     )
@@ -226,25 +231,13 @@ def serve_parser() -> argparse.ArgumentParser:
         default=256,
         help="the largest max_tokens a request may ask for (sets the KV cache length)",
     )
-    p.add_argument(
-        "--buckets",
-        type=_buckets,
-        default=_buckets("32,128,512"),
-        help="comma-separated prompt length buckets (longer prompts are refused)",
-    )
-    p.add_argument(
-        "--batch-buckets",
-        type=_buckets,
-        default=_buckets("1,2,4,8"),
-        help="comma-separated batch sizes (graph shapes): concurrent requests share a batch",
-    )
+    _shapes(p, "concurrent requests share a batch; longer prompts are refused")
     p.add_argument(
         "--batch-wait-ms",
         type=_non_negative(float),
         default=5.0,
         help="how long a new batch waits for concurrent requests to join it",
     )
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument(
         "--served-model-name", default=None, help="the model id clients use (default: --model)"
     )
