@@ -5,6 +5,13 @@ Starting the ranks costs seconds, so a test module that checks many cases at one
 runs them all in one launch and reports each under its own test ID with
 ``gloo_dist.run_case(check, case, *args, cases=ALL, world_size=4)``: a failing case does not
 hide the others.
+
+Ranks are forked from a ``forkserver`` that has imported torch, transformers' model code (which
+pulls in accelerate and torch_xla: ~5 CPU-seconds per rank, the bulk of a launch on a 2-core
+runner) and neuron_tp, and nothing else: each rank is still a new process with pristine module
+state, exactly as a spawned one, minus the imports. Each rank takes the parent's environment,
+working directory and ``sys.path`` at launch time (as ``spawn`` would), and its stdout/stderr
+are copied into the calling test's output after the launch.
 """
 
 from __future__ import annotations
@@ -33,7 +40,36 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, fn, args, errors, exit_barrier) -> None:
+# Imported once by the fork server (a clean interpreter: pytest's state never reaches a rank).
+_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "transformers",
+    "transformers.models.llama.modeling_llama",
+    "neuron_tp",
+]
+_ctx = None
+
+
+def _context():
+    global _ctx
+    if _ctx is None:
+        _ctx = mp.get_context("forkserver")
+        _ctx.set_forkserver_preload(_PRELOAD)
+    return _ctx
+
+
+def _worker(
+    rank: int, world: int, port: int, fn, args, errors, exit_barrier, parent: tuple
+) -> None:
+    environ, cwd, log = parent  # what a spawned child would inherit from the parent now
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(cwd)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -80,20 +116,38 @@ def run(fn: Callable[..., object], *args: object, world_size: int, timeout: floa
     ``neuron_tp.init_mesh`` finds the process group already initialised. When a rank fails the
     others get a few seconds to report too, then are stopped (they may wait in a collective).
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     errors = ctx.SimpleQueue()
     exit_barrier = ctx.Barrier(world_size)
     port = _free_port()
+    log_fd, log = tempfile.mkstemp(prefix="gloo_dist-", suffix=".log")
+    os.close(log_fd)
+    parent = (dict(os.environ), os.getcwd(), log)
     procs = [
         ctx.Process(
             target=_worker,
-            args=(r, world_size, port, fn, args, errors, exit_barrier),
+            args=(r, world_size, port, fn, args, errors, exit_barrier, parent),
             daemon=True,
         )
         for r in range(world_size)
     ]
-    for p in procs:
-        p.start()
+    try:
+        for p in procs:
+            p.start()
+        _wait(procs, timeout)
+    finally:
+        with open(log, errors="replace") as f:
+            sys.stdout.write(f.read())  # the ranks' output, captured with the calling test's
+        os.unlink(log)
+    if not errors.empty():
+        rank, tb = errors.get()
+        raise AssertionError(f"rank {rank} failed:\n{tb}")
+    bad = [p.exitcode for p in procs if p.exitcode != 0]
+    if bad:
+        raise AssertionError(f"ranks exited with codes {bad} (timeout {timeout}s?)")
+
+
+def _wait(procs: list, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     stop_at = deadline
     while (alive := [p for p in procs if p.is_alive()]) and time.monotonic() < stop_at:
@@ -104,12 +158,6 @@ def run(fn: Callable[..., object], *args: object, world_size: int, timeout: floa
         if p.is_alive():
             p.kill()
             p.join()
-    if not errors.empty():
-        rank, tb = errors.get()
-        raise AssertionError(f"rank {rank} failed:\n{tb}")
-    bad = [p.exitcode for p in procs if p.exitcode != 0]
-    if bad:
-        raise AssertionError(f"ranks exited with codes {bad} (timeout {timeout}s?)")
 
 
 def _run_cases(check: Callable[..., None], cases: Sequence[str], args: tuple, out_dir: str) -> None:
