@@ -313,8 +313,9 @@ def _adapter_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
 
 
 def gather_adapter(model: nn.Module, mesh: Mesh | None = None) -> dict[str, torch.Tensor]:
-    """The full LoRA weights under the keys of peft's adapter file, on every rank (collective
-    over tp): B row selections and A column shards joined, kv-replica copies dropped."""
+    """The full LoRA weights (CPU tensors) under the keys of peft's adapter file, on every
+    rank (collective over tp): B row selections and A column shards joined, kv-replica copies
+    dropped."""
     mesh = get_mesh(mesh if mesh is not None else model._ntp_mesh)
     params = _adapter_params(model)
     keys = _peft_keys(model, [n for n, _ in params], model.active_adapters[0])
@@ -323,7 +324,11 @@ def gather_adapter(model: nn.Module, mesh: Mesh | None = None) -> dict[str, torc
         meta = get_param_meta(model, name)
         full = gather_full(p, meta.sharding, mesh)
         out[keys[name]] = to_hf(full, meta.hf_layout) if meta.sharding else full.clone()
-    return out
+    if any(t.device.type == "xla" for t in out.values()):
+        from .. import _xla
+
+        _xla.xm().mark_step()  # one graph for every gather, on every rank alike
+    return {k: v.cpu() for k, v in out.items()}
 
 
 def save_adapter(model: nn.Module, out_dir: str, mesh: Mesh | None = None) -> None:
