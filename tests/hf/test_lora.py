@@ -131,7 +131,17 @@ def _check_adapter_io(name: str, tmp: str) -> None:
     # merge_adapters == peft's merge_and_unload
     merged = merge_adapters(m)
     assert not any("lora" in n for n, _ in merged.named_parameters())
-    _close(merged(ids).logits, copy.deepcopy(ref).merge_and_unload()(ids).logits, f"{name} merge")
+    unloaded = copy.deepcopy(ref).merge_and_unload()
+    _close(merged(ids).logits, unloaded(ids).logits, f"{name} merge")
+    # ... and consolidates into a plain HF directory (Inf2 inference) that transformers loads
+    from transformers import AutoModelForCausalLM
+
+    from neuron_tp.hf import save_pretrained
+
+    save_pretrained(merged, os.path.join(tmp, "merged"))
+    torch.distributed.barrier()
+    plain = AutoModelForCausalLM.from_pretrained(os.path.join(tmp, "merged")).eval()
+    _close(plain(ids).logits, unloaded(ids).logits, f"{name} merged -> save_pretrained")
 
 
 def _raises(fn, *words: str) -> None:
