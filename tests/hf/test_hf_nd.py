@@ -17,6 +17,7 @@ import gloo_dist  # noqa: E402
 import neuron_tp as ntp  # noqa: E402
 from neuron_tp.hf import full_logits, gather_hf_state_dict, parallelize  # noqa: E402
 from neuron_tp.layers.nd import Embedding2D, Embedding3D, Linear2D, Linear3D  # noqa: E402
+from tiny_configs import nd_config  # noqa: E402
 
 ATOL = 1e-5
 V = 64  # divisible by q=2 (2D) and q^2=4 (3D)
@@ -30,21 +31,7 @@ def _close(a, b, what):
 
 
 def _config(arch: str = "llama", **kw):
-    import transformers as tf
-
-    base = dict(
-        vocab_size=V,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    base.update(kw)
-    cls = {"llama": tf.LlamaConfig, "qwen2": tf.Qwen2Config, "mistral": tf.MistralConfig}[arch]
-    return cls(**base)
+    return nd_config(arch, **{"vocab_size": V, **kw})
 
 
 def _model(arch: str = "llama", seed: int = 0, **kw):

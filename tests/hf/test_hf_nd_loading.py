@@ -18,6 +18,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import gloo_dist  # noqa: E402
 import neuron_tp as ntp  # noqa: E402
 from neuron_tp.hf import gather_hf_state_dict, loading, parallelize  # noqa: E402
+from tiny_configs import nd_config  # noqa: E402
 
 V_ODD = 61  # divisible by neither q=2 (LM head) nor q^2=4 (3D embedding): padded last shard
 
@@ -29,16 +30,7 @@ def _save(root: str) -> dict[str, str]:
     from safetensors.torch import load_file, save_file
 
     torch.manual_seed(0)
-    cfg = tf.LlamaConfig(
-        vocab_size=V_ODD,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
+    cfg = nd_config(vocab_size=V_ODD)
     model = tf.AutoModelForCausalLM.from_config(cfg)
     with torch.no_grad():  # non-trivial norm weights: a misplaced norm block shows
         for n, p in model.named_parameters():

@@ -24,6 +24,7 @@ from neuron_tp.hf import gather_hf_state_dict, parallelize  # noqa: E402
 from neuron_tp.hf.slice_map import WHOLE, to_hf  # noqa: E402
 from neuron_tp.sharding import gather_full, named_parameter_meta  # noqa: E402
 from neuron_tp.zero1 import Zero1  # noqa: E402
+from tiny_configs import nd_config  # noqa: E402
 
 V = 64
 
@@ -31,16 +32,7 @@ V = 64
 def _model(seed: int):
     import transformers as tf
 
-    cfg = tf.LlamaConfig(
-        vocab_size=V,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
+    cfg = nd_config(vocab_size=V)
     torch.manual_seed(seed)
     return tf.AutoModelForCausalLM.from_config(cfg).eval()
 
