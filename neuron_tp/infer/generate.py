@@ -200,16 +200,15 @@ class Generator:
     def _run(self, state: dict, batch: int, bucket: int | None, sampling, noise) -> list[int]:
         prefill = bucket is not None
         key = (batch, bucket, sampling.top_k, noise is not None)
-        fn = self._step_fn(batch, prefill, sampling.top_k, noise is not None)
         args = [*state["inputs"], *([noise] if noise is not None else [])]
         if not prefill:
             args += state["cache"]
         if self.replay:
-            if key not in self._steps:
-                self._steps[key] = ReplayedStep(fn)
+            if key not in self._steps:  # the step function is built for its capture only
+                self._steps[key] = ReplayedStep(self._step_fn(batch, prefill, *key[2:]))
             outputs, _ = self._steps[key](*args)
         else:
-            outputs = list(fn(*args))
+            outputs = list(self._step_fn(batch, prefill, *key[2:])(*args))
             if self.device.type == "xla":
                 from .. import _xla
 
