@@ -68,10 +68,20 @@ def _attention_core(original: str):
 
 def _set_attention(model, original: str) -> None:
     from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
     name = f"ntp-recompute-{original}"
     AttentionInterface.register(name, _attention_core(original))
+    # The same attention mask as the wrapped implementation (eager: additive float; an
+    # unregistered name would get sdpa's boolean mask, added to eager's scores as 0/1).
+    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[original])
     model.config._attn_implementation = name
+    # neuron_tp.parallelize gives each attention module its own config copy (local head
+    # counts): those read the implementation from their copy.
+    for module in model.modules():
+        cfg = getattr(module, "config", None)
+        if cfg is not None and getattr(cfg, "_attn_implementation", None) == original:
+            cfg._attn_implementation = name
 
 
 def apply_activation_checkpointing(model, mode: str | Recompute) -> None:

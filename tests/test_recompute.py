@@ -103,3 +103,33 @@ def test_full_recompute_survives_the_xla_compiler():
     none, full = _optimized_ops("none"), _optimized_ops("full")
     assert full["dot"] >= none["dot"] + 12, (none, full)
     assert full["exponential"] > none["exponential"], (none, full)
+
+
+def _selective_on_sharded_model():
+    """tp=2 gloo ranks: a parallelized model (attention modules hold their own config copy)
+    recomputes its attention core under selective recompute: the same loss and gradients,
+    without the attention probabilities saved."""
+    import neuron_tp as ntp
+
+    mesh = ntp.init_mesh(tp=2)
+    ids = torch.randint(0, 257, (2, 64), generator=torch.Generator().manual_seed(0))
+    base = build_model("tiny-llama", 257, 0).train()
+    base.config._attn_implementation = "eager"  # saves the probabilities (CPU sdpa does not)
+    results = {}
+    for mode in ("none", "selective"):
+        model = copy.deepcopy(base)
+        ntp.parallelize(model, mesh, parallel_loss=True)
+        apply_activation_checkpointing(model, mode)
+        results[mode] = _step(model, ids)
+    (loss, grads, saved), (got_loss, got_grads, kept) = results["none"], results["selective"]
+    torch.testing.assert_close(got_loss, loss, rtol=0, atol=0)
+    for g, want in zip(got_grads, grads):
+        torch.testing.assert_close(g, want, rtol=1e-6, atol=1e-7)
+    assert kept < 0.9 * saved, (kept, saved)
+
+
+def test_selective_recompute_on_a_parallelized_model():
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import gloo_dist
+
+    gloo_dist.run(_selective_on_sharded_model, world_size=2)
