@@ -1,4 +1,4 @@
-"""``neuron-tp train|generate|serve|consolidate``: the command-line entry point."""
+"""``neuron-tp train|generate|serve|consolidate|plan``: the command-line entry point."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def _consolidate(argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Dispatch to the sub-command; returns the exit status."""
     argv = sys.argv[1:] if argv is None else argv
-    commands = ("train", "generate", "serve", "consolidate")
+    commands = ("train", "generate", "serve", "consolidate", "plan")
     if not argv or argv[0] not in commands:
         print(
             f"usage: neuron-tp {{{','.join(commands)}}} [options]  (-h after a command for "
@@ -39,6 +39,10 @@ def main(argv: list[str] | None = None) -> int:
     cmd, rest = argv[0], argv[1:]
     if cmd == "consolidate":
         return _consolidate(rest)
+    if cmd == "plan":
+        from .plan.cli import plan_command
+
+        return plan_command(rest)
     if cmd == "train":
         from .train.args import train_parser
         from .train.launch import train_command

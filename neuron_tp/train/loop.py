@@ -257,6 +257,25 @@ def startup_values(
     return values, details
 
 
+def reduce_gradients(
+    model: torch.nn.Module, optimizer, mesh: Mesh, max_grad_norm: float, zero1: bool
+) -> torch.Tensor:
+    """After the step's backward passes: complete the gradients of replicated parameters over
+    tp, average over dp (all-reduce, or ``optimizer``'s reduce-scatter with ZeRO-1), clip to
+    ``max_grad_norm`` (0: no clipping); returns the global gradient norm."""
+    # Replicated parameters with partial gradients: SP norms, but also e.g. Qwen3's q/k norms
+    # (replicated_with_grad_allreduce) without SP. A no-op when the model has none.
+    sync_sequence_parallel_grads(model, mesh)
+    if zero1:  # reduce-scatter over dp (the mean) instead of the all-reduce
+        if max_grad_norm > 0:
+            return optimizer.clip_grad_norm_(max_grad_norm)
+        return optimizer.grad_norm()
+    allreduce_data_parallel_grads(model, mesh)
+    if max_grad_norm > 0:
+        return clip_grad_norm_(model, max_grad_norm, mesh)
+    return global_grad_norm(model, mesh)
+
+
 def train_step(run: Run, log_this_step: bool, on_log: Callable | None) -> None:
     """One optimizer step (``grad_accum`` micro-batches) ending in exactly one graph cut;
     on a log step ``on_log(step, lr, loss, grad_norm)`` once the step's values exist."""
@@ -269,21 +288,8 @@ def train_step(run: Run, log_this_step: bool, on_log: Callable | None) -> None:
         loss = model(input_ids=ids, labels=ids).loss / config.grad_accum
         loss.backward()
         loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
-    # Replicated parameters with partial gradients: SP norms, but also e.g. Qwen3's q/k norms
-    # (replicated_with_grad_allreduce) without SP. A no-op when the model has none.
-    sync_sequence_parallel_grads(model, mesh)
+    norm = reduce_gradients(model, run.optimizer, mesh, config.max_grad_norm, config.uses_zero1)
     zero = run.optimizer if config.uses_zero1 else None
-    if zero is not None:  # reduce-scatter over dp (the mean) instead of the all-reduce
-        if config.max_grad_norm > 0:
-            norm = zero.clip_grad_norm_(config.max_grad_norm)
-        else:
-            norm = zero.grad_norm()
-    else:
-        allreduce_data_parallel_grads(model, mesh)
-        if config.max_grad_norm > 0:
-            norm = clip_grad_norm_(model, config.max_grad_norm, mesh)
-        else:
-            norm = global_grad_norm(model, mesh)
     # Computed at every step (so every step traces the same graph), read only at log steps,
     # after the graph ran (step closure): the dp-mean loss and the global gradient norm.
     mean_loss = comm.all_reduce(loss_sum.float().reshape(1), mesh.dp) / mesh.dp_size

@@ -1,0 +1,57 @@
+"""The models ``neuron-tp plan --model`` accepts: a well-known architecture by name (sizes from
+each model's published ``config.json`` on the Hugging Face Hub), a neuron_tp preset, a local
+model directory or a ``config.json`` file. Planning reads only the config."""
+
+from __future__ import annotations
+
+import os
+
+# hidden, intermediate, layers, heads, kv heads, vocab, rope theta (the Hub configs cited)
+_LLAMA = {
+    # https://huggingface.co/meta-llama/Llama-2-7b-hf/blob/main/config.json
+    "llama-2-7b": (4096, 11008, 32, 32, 32, 32000, 10000.0),
+    # https://huggingface.co/meta-llama/Llama-2-13b-hf/blob/main/config.json
+    "llama-2-13b": (5120, 13824, 40, 40, 40, 32000, 10000.0),
+    # https://huggingface.co/meta-llama/Llama-2-70b-hf/blob/main/config.json
+    "llama-2-70b": (8192, 28672, 80, 64, 8, 32000, 10000.0),
+    # https://huggingface.co/meta-llama/Meta-Llama-3-8B/blob/main/config.json
+    "llama-3-8b": (4096, 14336, 32, 32, 8, 128256, 500000.0),
+    # https://huggingface.co/meta-llama/Llama-3.1-8B/blob/main/config.json (rope scaling aside)
+    "llama-3.1-8b": (4096, 14336, 32, 32, 8, 128256, 500000.0),
+    # https://huggingface.co/meta-llama/Llama-3.1-70B/blob/main/config.json (rope scaling aside)
+    "llama-3.1-70b": (8192, 28672, 80, 64, 8, 128256, 500000.0),
+}
+
+KNOWN = tuple(_LLAMA)
+
+
+def plan_config(model: str, seq_len: int):
+    """The transformers config of ``model`` (a name of :data:`KNOWN`, a preset, a directory
+    holding config.json, or a config.json path)."""
+    from transformers import AutoConfig, LlamaConfig
+
+    from ..train.presets import PRESETS, model_config
+
+    key = model.lower()
+    if key in _LLAMA:
+        h, f, layers, heads, kv, vocab, theta = _LLAMA[key]
+        return LlamaConfig(
+            hidden_size=h,
+            intermediate_size=f,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv,
+            vocab_size=vocab,
+            rope_theta=theta,
+            max_position_embeddings=max(seq_len, 4096),
+            tie_word_embeddings=False,
+        )
+    if model in PRESETS:
+        return model_config(model, 257)  # the byte-level tokenizer's vocabulary
+    if os.path.isfile(model) or os.path.isfile(os.path.join(model, "config.json")):
+        path = os.path.dirname(model) if os.path.isfile(model) else model
+        return AutoConfig.from_pretrained(path or ".")
+    raise ValueError(
+        f"--model {model!r} is not a known architecture ({', '.join(KNOWN)}), a preset "
+        f"({', '.join(PRESETS)}), a directory with config.json or a config.json file"
+    )

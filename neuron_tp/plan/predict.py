@@ -1,0 +1,151 @@
+"""From traced steps to one rank's memory and the job's step time.
+
+A layout is traced at two depths (1 and 2 decoder layers) and two micro-batch sizes (``b0`` and
+``2 b0``); everything a step does is linear in the number of layers and in the micro-batch
+(per-layer work, per-sequence activations), so the job's figures are the bilinear extension
+of those four traces to its real depth and micro-batch. Time model (every input stated):
+
+* compute: the traced matrix-product FLOPs (recompute included) at ``efficiency`` x the
+  core's peak (BF16, or FP32 for fp32 jobs);
+* communication: per collective, the bytes a ring sends from this rank over the link it
+  crosses: NeuronLink when the group stays in one node, else EFA (a node's EFA is shared by
+  every group that leaves it), plus a fixed latency per collective; not overlapped;
+* optimizer: the model state read and written once at the core's HBM bandwidth;
+* step = grad_accum x (micro-batch compute + communication) + gradient reduction + optimizer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .hardware import Instance
+from .state import StateBytes
+from .trace import Comm, Trace
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Bytes one NeuronCore holds at the peak of a step (end of the forward pass)."""
+
+    params: int
+    grads: int
+    optimizer: int  # AdamW moments (sharded over dp with ZeRO-1)
+    masters: int  # fp32 master weights (bf16 jobs)
+    activations: int  # saved for backward by one micro-batch
+    comm_buffer: int  # the largest collective buffer of the step
+
+    @property
+    def total(self) -> int:
+        return (
+            self.params
+            + self.grads
+            + self.optimizer
+            + self.masters
+            + self.activations
+            + self.comm_buffer
+        )
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Seconds of one optimizer step, by part."""
+
+    compute: float
+    tp_comm: float  # collectives of forward + backward, all micro-batches
+    step_comm: float  # gradient reduction (tp, dp) and the ZeRO-1 parameter gather
+    optimizer: float
+
+    @property
+    def step(self) -> float:
+        return self.compute + self.tp_comm + self.step_comm + self.optimizer
+
+
+def _bilinear(f11: float, f21: float, f12: float, f22: float, layers: int, k: float) -> float:
+    """f at (``layers``, micro-batch step ``k``) from f at (1|2 layers) x (k = 1|2)."""
+    dl, dk = layers - 1, k - 1
+    return f11 + dl * (f21 - f11) + dk * (f12 - f11) + dl * dk * (f22 - f21 - f12 + f11)
+
+
+def extend(traces: dict[tuple[int, int], Trace], layers: int, k: float, attr) -> float:
+    """``attr(trace)`` extended from the traces at (1|2 layers, 1|2 x b0) to ``layers`` deep
+    and ``k`` x b0 sequences per micro-batch."""
+    return _bilinear(*(attr(traces[key]) for key in ((1, 1), (2, 1), (1, 2), (2, 2))), layers, k)
+
+
+def comm_seconds(comms: tuple[Comm, ...], instance: Instance, ranks_per_node: int) -> float:
+    """Seconds for ``comms`` one after another (ring algorithm, no overlap)."""
+    total = 0.0
+    for c in comms:
+        nodes: dict[int, int] = {}
+        for r in c.group:
+            nodes[r // ranks_per_node] = nodes.get(r // ranks_per_node, 0) + 1
+        seconds = c.ring_bytes / instance.link_bandwidth_per_core
+        if len(nodes) > 1:  # the ring leaves the node once per group that spans it
+            here = nodes[c.group[0] // ranks_per_node]
+            groups_leaving = ranks_per_node / here
+            seconds = max(seconds, groups_leaving * c.ring_bytes / instance.network_bandwidth)
+        total += seconds + instance.collective_latency
+    return total
+
+
+def comm_split(traces, layers: int, k: float, instance: Instance, ranks_per_node: int):
+    """Seconds of one micro-batch's collectives and of the once-per-step ones."""
+    micro = extend(traces, layers, k, lambda t: comm_seconds(t.micro, instance, ranks_per_node))
+    step = extend(traces, layers, 1, lambda t: comm_seconds(t.step, instance, ranks_per_node))
+    return micro, step
+
+
+def largest_buffer(traces: dict[tuple[int, int], Trace], k: float) -> int:
+    """Bytes of the largest collective buffer at ``k`` x b0 (buffers matched by position)."""
+    one, two = traces[(1, 1)], traces[(1, 2)]
+    sizes = [c.buffer_bytes for c in one.step]
+    a, b = one.micro, two.micro
+    if len(a) == len(b):
+        sizes += [
+            x.buffer_bytes + (k - 1) * (y.buffer_bytes - x.buffer_bytes) for x, y in zip(a, b)
+        ]
+    else:  # not expected; take the larger trace's buffers scaled by k
+        sizes += [c.buffer_bytes * k for c in a]
+    return int(max(sizes, default=0))
+
+
+def memory(state: StateBytes, traces, layers: int, k: float, no_recompute=None) -> Memory:
+    """One rank's memory at ``layers`` deep, ``k`` x b0 sequences per micro-batch. With
+    recompute, ``no_recompute`` (the same layout's traces without it) adds what one layer
+    recomputes in backward (held while that layer's backward runs)."""
+    saved = extend(traces, layers, k, lambda t: t.saved_bytes)
+    if no_recompute is not None:
+        one_layer = extend(no_recompute, 2, k, lambda t: t.saved_bytes) - extend(
+            no_recompute, 1, k, lambda t: t.saved_bytes
+        )
+        kept = extend(traces, 2, k, lambda t: t.saved_bytes) - extend(
+            traces, 1, k, lambda t: t.saved_bytes
+        )
+        saved += max(0.0, one_layer - kept)
+    return Memory(
+        state.params,
+        state.grads,
+        state.optimizer,
+        state.masters,
+        int(saved),
+        largest_buffer(traces, k),
+    )
+
+
+def timing(
+    traces,
+    state: StateBytes,
+    layers: int,
+    k: float,
+    grad_accum: int,
+    instance: Instance,
+    ranks_per_node: int,
+    bf16: bool,
+    efficiency: float,
+) -> tuple[Timing, float]:
+    """The step's :class:`Timing` and the FLOPs of one rank's step (recompute included)."""
+    peak = instance.peak_flops_per_core if bf16 else instance.peak_fp32_flops_per_core
+    flops = grad_accum * extend(traces, layers, k, lambda t: t.flops)
+    micro, step = comm_split(traces, layers, k, instance, ranks_per_node)
+    optimizer = 2 * state.total / instance.hbm_bandwidth_per_core
+    return Timing(flops / (peak * efficiency), grad_accum * micro, step, optimizer), flops

@@ -1,0 +1,109 @@
+"""A plan as a table for people and as JSON for tools."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from .search import Candidate, Plan
+
+GIB = 2**30
+
+
+def _mode(c: Candidate) -> str:
+    lay = c.layout
+    return lay.tp_mode + ("+sp" if lay.sequence_parallel else "")
+
+
+def candidate_dict(c: Candidate) -> dict:
+    """One candidate: layout, memory (bytes), time (seconds), throughput, fit."""
+    out = {"layout": asdict(c.layout), "train_args": c.layout.train_args(), "fits": c.fits}
+    if c.memory is not None:
+        out["memory_bytes"] = {**asdict(c.memory), "total": c.memory.total}
+        out["step_seconds"] = {**asdict(c.timing), "total": c.timing.step}
+        out["sequences_per_s"] = c.seq_per_s
+        out["mfu"] = c.mfu
+    if c.why:
+        out["why"] = c.why
+    return out
+
+
+def plan_dict(plan: Plan, limit: int = 0) -> dict:
+    """The whole plan (``limit`` > 0: the first ``limit`` candidates)."""
+    job = plan.job
+    rec = plan.recommended
+    cands = plan.candidates[:limit] if limit else plan.candidates
+    return {
+        "job": {
+            "instance": job.instance.name,
+            "nodes": job.nodes,
+            "ranks": job.world,
+            "seq_len": job.seq_len,
+            "global_batch": job.global_batch,
+            "bf16": job.bf16,
+        },
+        "assumptions": {
+            "efficiency": job.efficiency,
+            "memory_fraction": job.memory_fraction,
+            "usable_bytes_per_core": job.usable_bytes,
+            "collective_latency_s": job.instance.collective_latency,
+            "sources": list(job.instance.sources),
+        },
+        "verdict": plan.verdict,
+        "recommended": candidate_dict(rec) if rec else None,
+        "candidates": [candidate_dict(c) for c in cands],
+        "notes": plan.notes,
+        "plan_seconds": plan.seconds,
+        "traces": plan.traces,
+    }
+
+
+def plan_table(plan: Plan, limit: int = 20) -> str:
+    """The ranked candidates as a text table, then the recommendation or the verdict."""
+    job = plan.job
+    tokens = job.seq_len
+    head = (
+        f"{'#':>3} {'tp':>3} {'mode':>6} {'dp':>4} {'mb':>3} {'acc':>4} {'recomp':>9} "
+        f"{'zero1':>5} | {'params':>6} {'grads':>6} {'optim':>6} {'activ':>6} {'buf':>5} "
+        f"{'total':>6} GiB | {'step s':>7} {'seq/s':>7} {'tok/s':>9} {'MFU':>5} | fit"
+    )
+    lines = [
+        f"plan: {job.nodes} x {job.instance.name} ({job.world} ranks), seq {job.seq_len}, "
+        f"global batch {job.global_batch}, {'bf16' if job.bf16 else 'fp32'}; per NeuronCore: "
+        f"{job.usable_bytes / GIB:.1f} GiB usable ({job.memory_fraction:.0%} of "
+        f"{job.instance.hbm_per_core / GIB:.0f}); compute at {job.efficiency:.0%} of peak",
+        head,
+        "-" * len(head),
+    ]
+    for i, c in enumerate(plan.candidates[:limit], 1):
+        lay = c.layout
+        row = (
+            f"{i:>3} {lay.tp:>3} {_mode(c):>6} {lay.dp:>4} {lay.micro_batch:>3} "
+            f"{lay.grad_accum:>4} {lay.recompute:>9} {'yes' if lay.zero1 else 'no':>5} | "
+        )
+        if c.memory is None:
+            lines.append(row + f"cannot run: {c.why}")
+            continue
+        m, t = c.memory, c.timing
+        row += " ".join(
+            f"{v / GIB:>6.2f}" for v in (m.params, m.grads, m.optimizer + m.masters, m.activations)
+        )
+        row += f" {m.comm_buffer / GIB:>5.2f} {m.total / GIB:>6.2f}     | "
+        row += f"{t.step:>7.2f} {c.seq_per_s:>7.2f} {c.seq_per_s * tokens:>9.0f} {c.mfu:>5.1%} | "
+        lines.append(row + ("yes" if c.fits else "NO: " + c.why))
+    if len(plan.candidates) > limit:
+        lines.append(f"... {len(plan.candidates) - limit} more (--top N, --json)")
+    rec = plan.recommended
+    if rec:
+        t = rec.timing
+        lines.append(
+            f"recommended: neuron-tp train {' '.join(rec.layout.train_args())} "
+            f"{'--bf16 ' if job.bf16 else ''}--seq-len {job.seq_len}  # predicted "
+            f"{rec.seq_per_s:.1f} seq/s ({rec.seq_per_s * tokens:,.0f} tokens/s), step "
+            f"{t.step:.2f} s = compute {t.compute:.2f} + tp comm {t.tp_comm:.2f} + grad "
+            f"reduction {t.step_comm:.2f} + optimizer {t.optimizer:.2f}"
+        )
+    else:
+        lines.append(f"nothing fits: {plan.verdict}")
+    lines += [f"note: {n}" for n in plan.notes]
+    lines.append(f"planned in {plan.seconds:.1f} s ({plan.traces} traced steps)")
+    return "\n".join(lines)

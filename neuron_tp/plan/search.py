@@ -1,0 +1,306 @@
+"""Enumerate the layouts ``neuron-tp train`` can run for a job, predict each, rank them.
+
+Levers: tp (groups stay inside a node) and mode (1d, 1d + sequence parallel, 2d for tp = q^2,
+3d for tp = q^3), dp = world / tp, micro-batch (a multiple of the batch split of 2d/3d) and the
+gradient accumulation that makes the global batch, activation recompute (none, selective,
+full), ZeRO-1 (always on for bf16: it keeps the fp32 masters). Each layout is traced
+(:mod:`.trace`), its memory and time predicted (:mod:`.predict`); layouts that fit come first,
+fastest first.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+
+from ..mesh import divisors
+from .hardware import Instance
+from .predict import Memory, Timing, memory, timing
+from .state import StateBytes, state_bytes
+from .trace import Spec, Trace, trace_in_subprocess
+
+RECOMPUTE = ("none", "selective", "full")
+MICRO_BATCH_STEPS = (1, 2, 4, 8, 16)
+
+
+@dataclass(frozen=True)
+class Job:
+    """What to plan for: the cluster, the sequence length and the global batch (sequences
+    per optimizer step), and the stated assumptions of the prediction."""
+
+    instance: Instance
+    nodes: int
+    seq_len: int
+    global_batch: int
+    bf16: bool = True
+    efficiency: float = 0.5  # achievable fraction of peak FLOP/s for matrix products
+    memory_fraction: float = 0.9  # of a core's HBM left to the job (runtime, compiler scratch)
+    ranks_per_node: int = 0  # 0: one rank per NeuronCore of the instance
+
+    @property
+    def per_node(self) -> int:
+        return self.ranks_per_node or self.instance.cores
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.per_node
+
+    @property
+    def usable_bytes(self) -> int:
+        return int(self.instance.hbm_per_core * self.memory_fraction)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way to run the job: the ``neuron-tp train`` options it maps to."""
+
+    tp: int
+    tp_mode: str
+    sequence_parallel: bool
+    recompute: str
+    micro_batch: int
+    grad_accum: int
+    zero1: bool
+    dp: int
+
+    def train_args(self) -> list[str]:
+        """The ``neuron-tp train`` options of this layout."""
+        args = ["--tp", str(self.tp), "--tp-mode", self.tp_mode]
+        args += ["--micro-batch", str(self.micro_batch), "--grad-accum", str(self.grad_accum)]
+        args += ["--activation-checkpointing", self.recompute]
+        args += ["--sequence-parallel"] if self.sequence_parallel else []
+        return args + (["--zero1"] if self.zero1 else [])
+
+
+@dataclass
+class Candidate:
+    """A layout and its prediction (or why it cannot run)."""
+
+    layout: Layout
+    memory: Memory | None = None
+    timing: Timing | None = None
+    seq_per_s: float = 0.0
+    mfu: float = 0.0  # model FLOPs (no recompute) / peak of every core
+    fits: bool = False
+    why: str = ""  # why it does not fit or cannot run
+
+
+@dataclass
+class Plan:
+    """Every candidate, ranked; the recommendation (or the verdict when nothing fits)."""
+
+    job: Job
+    candidates: list[Candidate]
+    verdict: str
+    seconds: float
+    traces: int
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def recommended(self) -> Candidate | None:
+        return self.candidates[0] if self.candidates and self.candidates[0].fits else None
+
+
+def _modes(tp: int, seq_len: int) -> list[tuple[str, bool, int]]:
+    """(tp_mode, sequence_parallel, batch split) of every mode tp allows."""
+    modes = [("1d", False, 1)]
+    if tp > 1 and seq_len % tp == 0:
+        modes.append(("1d", True, 1))
+    q2, q3 = round(tp**0.5), round(tp ** (1 / 3))
+    if tp > 1 and q2 * q2 == tp:
+        modes.append(("2d", False, q2))
+    if tp > 1 and q3**3 == tp:
+        modes.append(("3d", False, q3 * q3))
+    return modes
+
+
+def _layouts(job: Job, pins: dict) -> tuple[list[Layout], list[str]]:
+    """Every layout of the job (respecting ``pins``: option -> value), and notes on what was
+    left out."""
+    notes = []
+    tps = [t for t in divisors(job.world) if t <= job.per_node]
+    if pins.get("tp"):
+        if pins["tp"] not in divisors(job.world):
+            raise ValueError(
+                f"--tp {pins['tp']} does not divide the {job.world} ranks of {job.nodes} x "
+                f"{job.instance.name}; valid: {divisors(job.world)}"
+            )
+        tps = [pins["tp"]]
+    out = []
+    for tp in tps:
+        dp = job.world // tp
+        if job.global_batch % dp:
+            notes.append(f"tp={tp}: global batch {job.global_batch} is not a multiple of dp={dp}")
+            continue
+        for mode, sp, split in _modes(tp, job.seq_len):
+            if pins.get("tp_mode") not in (None, mode):
+                continue
+            if pins.get("sequence_parallel") is not None and pins["sequence_parallel"] != sp:
+                continue
+            per_rank = job.global_batch // dp
+            for m in MICRO_BATCH_STEPS:
+                b = split * m
+                if per_rank % b or pins.get("micro_batch") not in (None, b):
+                    continue
+                for rec in RECOMPUTE:
+                    if pins.get("recompute") not in (None, rec):
+                        continue
+                    for zero1 in (True,) if job.bf16 else (False, True):
+                        if pins.get("zero1") not in (None, zero1) and not job.bf16:
+                            continue
+                        out.append(Layout(tp, mode, sp, rec, b, per_rank // b, zero1, dp))
+    return out, notes
+
+
+def _spec_key(lay: Layout) -> tuple:
+    return (lay.tp, lay.tp_mode, lay.sequence_parallel, lay.recompute, lay.zero1)
+
+
+def _b0(lay: Layout) -> int:
+    return dict(zip(("1d", "2d", "3d"), (1, round(lay.tp**0.5), round(lay.tp ** (2 / 3)))))[
+        lay.tp_mode
+    ]
+
+
+def _trace_all(config, job: Job, layouts: list[Layout]) -> dict[tuple, dict | str]:
+    """The four traces (1|2 layers x b0|2 b0) of every distinct traced layout, also without
+    recompute (the model FLOPs of the MFU)."""
+    keys = {}
+    for lay in layouts:
+        keys[_spec_key(lay)] = lay
+        keys[_spec_key(replace(lay, recompute="none"))] = replace(lay, recompute="none")
+    specs, owners = [], []
+    for key, lay in keys.items():
+        for layers in (1, 2):
+            for k in (1, 2):
+                specs.append(
+                    Spec(
+                        tp=lay.tp,
+                        tp_mode=lay.tp_mode,
+                        sequence_parallel=lay.sequence_parallel,
+                        recompute=lay.recompute,
+                        micro_batch=k * _b0(lay),
+                        seq_len=job.seq_len,
+                        dp=lay.dp,
+                        zero1=lay.zero1,
+                        bf16=job.bf16,
+                        layers=layers,
+                    )
+                )
+                owners.append((key, (layers, k)))
+    workers = max(1, min(4, (os.cpu_count() or 1), len(specs)))
+    chunks = [specs[i::workers] for i in range(workers)]
+    with ThreadPoolExecutor(workers) as pool:
+        results = list(pool.map(lambda c: trace_in_subprocess(config, c), chunks))
+    flat: list[Trace | str] = [None] * len(specs)
+    for i, res in enumerate(results):
+        flat[i::workers] = res
+    traced: dict[tuple, dict | str] = {}
+    for (key, where), res in zip(owners, flat):
+        if isinstance(res, str):
+            traced[key] = res
+        elif not isinstance(traced.get(key), str):
+            traced.setdefault(key, {})[where] = res
+    return traced
+
+
+def _why_not(mem: Memory, usable: int) -> str:
+    parts = {
+        "parameters": mem.params,
+        "gradients": mem.grads,
+        "optimizer": mem.optimizer + mem.masters,
+        "activations": mem.activations,
+        "comm buffer": mem.comm_buffer,
+    }
+    big = max(parts, key=parts.get)
+    return (
+        f"needs {mem.total / 2**30:.1f} GiB per core > {usable / 2**30:.1f} GiB usable "
+        f"(largest: {big} {parts[big] / 2**30:.1f} GiB)"
+    )
+
+
+def _verdict(config, job: Job, candidates: list[Candidate], states) -> str:
+    """What to do when nothing fits (pipeline parallelism, or more nodes for ZeRO-1)."""
+    if any(c.fits for c in candidates):
+        return "fits"
+    sized = [c for c in candidates if c.memory is not None]
+    if not sized:
+        return "no layout can run: " + "; ".join(sorted({c.why for c in candidates}))[:500]
+    best = min(sized, key=lambda c: c.memory.total)
+    mem = best.memory
+    rest = mem.params + mem.grads + mem.activations + mem.comm_buffer
+    if rest > job.usable_bytes:
+        return (
+            f"does not fit without pipeline parallelism (not in neuron_tp): even at tp="
+            f"{best.layout.tp} with ZeRO-1 and full recompute, parameters + gradients + one "
+            f"micro-batch need {rest / 2**30:.1f} GiB per core > {job.usable_bytes / 2**30:.1f}"
+            " GiB usable, and more nodes do not shrink them"
+        )
+    need = (mem.optimizer + mem.masters) * best.layout.dp / (job.usable_bytes - rest)
+    nodes = math.ceil(need * best.layout.tp / job.per_node)
+    return (
+        f"does not fit on {job.nodes} node(s): the optimizer state needs ZeRO-1 over about "
+        f"{math.ceil(need)} data-parallel ranks at tp={best.layout.tp} (about {nodes} x "
+        f"{job.instance.name}), or pipeline parallelism (not in neuron_tp)"
+    )
+
+
+def make_plan(config, job: Job, **pins) -> Plan:
+    """Rank every layout of ``config`` (a transformers config) for ``job``. ``pins`` fix
+    options: tp, tp_mode, sequence_parallel, recompute, micro_batch, zero1."""
+    start = time.perf_counter()
+    layouts, notes = _layouts(job, {k: v for k, v in pins.items() if v is not None})
+    if not layouts:
+        raise ValueError("no layout matches: " + ("; ".join(notes) or f"pins {pins}"))
+    traced = _trace_all(config, job, layouts)
+    states: dict[tuple, StateBytes] = {}
+    candidates = []
+    for lay in layouts:
+        cand = Candidate(lay)
+        candidates.append(cand)
+        traces = traced[_spec_key(lay)]
+        if isinstance(traces, str):
+            cand.why = traces
+            continue
+        skey = (lay.tp, lay.tp_mode, lay.dp, lay.zero1)
+        if skey not in states:
+            states[skey] = state_bytes(config, lay.tp, lay.tp_mode, lay.dp, 0, job.bf16, lay.zero1)
+        state, k = states[skey], lay.micro_batch / _b0(lay)
+        layers = config.num_hidden_layers
+        base = traced[_spec_key(replace(lay, recompute="none"))]
+        cand.memory = memory(state, traces, layers, k, None if base is traces else base)
+        cand.timing, _ = timing(
+            traces,
+            state,
+            layers,
+            k,
+            lay.grad_accum,
+            job.instance,
+            job.per_node,
+            job.bf16,
+            job.efficiency,
+        )
+        _, model_flops = timing(
+            base, state, layers, k, lay.grad_accum, job.instance, job.per_node, job.bf16, 1.0
+        )
+        peak = (
+            job.instance.peak_flops_per_core if job.bf16 else job.instance.peak_fp32_flops_per_core
+        )
+        cand.seq_per_s = job.global_batch / cand.timing.step
+        cand.mfu = model_flops / (peak * cand.timing.step)
+        cand.fits = cand.memory.total <= job.usable_bytes
+        if not cand.fits:
+            cand.why = _why_not(cand.memory, job.usable_bytes)
+    candidates.sort(
+        key=lambda c: (
+            not c.fits,
+            c.memory is None,
+            -c.seq_per_s if c.fits else (c.memory.total if c.memory else 0),
+        )
+    )
+    verdict = _verdict(config, job, candidates, states)
+    n_traces = 4 * len({_spec_key(c.layout) for c in candidates})
+    return Plan(job, candidates, verdict, time.perf_counter() - start, n_traces, notes)
