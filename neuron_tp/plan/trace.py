@@ -46,6 +46,7 @@ class Spec:
     bf16: bool = True
     layers: int = 1  # decoder layers of the traced model
     max_grad_norm: float = 1.0
+    attn: str = "sdpa"  # attention implementation (neuron-tp train loads "sdpa")
 
 
 @dataclass(frozen=True)
@@ -142,7 +143,7 @@ def trace_step(config, spec: Spec, rank: int = 0) -> Trace:
 
     config = copy.deepcopy(config)
     config.num_hidden_layers = spec.layers
-    config._attn_implementation = "sdpa"  # as neuron-tp train loads it
+    config._attn_implementation = spec.attn
     device = torch_xla.device()
     torch_xla._XLAC._clear_pending_irs(str(device))  # a virtual graph never runs: drop it
     model, mesh = sharded_meta_model(config, spec, rank)
