@@ -25,25 +25,34 @@ from .trace import Comm, Trace
 
 @dataclass(frozen=True)
 class Memory:
-    """Bytes one NeuronCore holds at the peak of a step (end of the forward pass)."""
+    """Bytes one NeuronCore holds during a step, by part."""
 
     params: int
     grads: int
     optimizer: int  # AdamW moments (sharded over dp with ZeRO-1)
     masters: int  # fp32 master weights (bf16 jobs)
-    activations: int  # saved for backward by one micro-batch
-    comm_buffer: int  # the largest collective buffer of the step
+    activations: int  # saved for backward by one micro-batch (+ one layer's recompute)
+    micro_buffer: int  # the largest collective buffer of forward + backward
+    step_buffer: int  # the largest of the gradient reduction and optimizer step
+
+    @property
+    def state(self) -> int:
+        return self.params + self.grads + self.optimizer + self.masters
+
+    @property
+    def comm_buffer(self) -> int:
+        """The buffer of the phase that peaks (see :attr:`total`)."""
+        return self.step_buffer if self.step_peak else self.micro_buffer
+
+    @property
+    def step_peak(self) -> bool:
+        return self.step_buffer > self.activations + self.micro_buffer
 
     @property
     def total(self) -> int:
-        return (
-            self.params
-            + self.grads
-            + self.optimizer
-            + self.masters
-            + self.activations
-            + self.comm_buffer
-        )
+        """The peak: the model state plus the larger of forward/backward (activations and a
+        collective buffer) and the gradient reduction / optimizer step (activations freed)."""
+        return self.state + max(self.activations + self.micro_buffer, self.step_buffer)
 
 
 @dataclass(frozen=True)
@@ -95,18 +104,25 @@ def comm_split(traces, layers: int, k: float, instance: Instance, ranks_per_node
     return micro, step
 
 
-def largest_buffer(traces: dict[tuple[int, int], Trace], k: float) -> int:
-    """Bytes of the largest collective buffer at ``k`` x b0 (buffers matched by position)."""
-    one, two = traces[(1, 1)], traces[(1, 2)]
-    sizes = [c.buffer_bytes for c in one.step]
-    a, b = one.micro, two.micro
+def _positional(a: tuple[Comm, ...], b: tuple[Comm, ...], t: float) -> list[float]:
+    """Buffer sizes of ``a`` moved ``t`` steps towards ``b`` (matched by position), or the
+    larger of the two lists' sizes when their collectives do not pair up."""
     if len(a) == len(b):
-        sizes += [
-            x.buffer_bytes + (k - 1) * (y.buffer_bytes - x.buffer_bytes) for x, y in zip(a, b)
-        ]
-    else:  # not expected; take the larger trace's buffers scaled by k
-        sizes += [c.buffer_bytes * k for c in a]
-    return int(max(sizes, default=0))
+        return [x.buffer_bytes + t * (y.buffer_bytes - x.buffer_bytes) for x, y in zip(a, b)]
+    return [c.buffer_bytes for c in a + b]
+
+
+def micro_buffer(traces: dict[tuple[int, int], Trace], k: float) -> int:
+    """Bytes of the largest collective buffer of forward + backward at ``k`` x b0 (per-layer
+    buffers: the one-layer traces hold them all)."""
+    return int(max(_positional(traces[(1, 1)].micro, traces[(1, 2)].micro, k - 1), default=0))
+
+
+def step_buffer(traces: dict[tuple[int, int], Trace], layers: int) -> int:
+    """Bytes of the largest collective buffer of the gradient reduction and optimizer step at
+    ``layers`` deep (ZeRO-1 reduce-scatters and gathers the whole model in one buffer)."""
+    one, two = traces[(1, 1)].step, traces[(2, 1)].step
+    return int(max(_positional(one, two, layers - 1), default=0))
 
 
 def memory(state: StateBytes, traces, layers: int, k: float, no_recompute=None) -> Memory:
@@ -128,7 +144,8 @@ def memory(state: StateBytes, traces, layers: int, k: float, no_recompute=None) 
         state.optimizer,
         state.masters,
         int(saved),
-        largest_buffer(traces, k),
+        micro_buffer(traces, k),
+        step_buffer(traces, layers),
     )
 
 

@@ -17,8 +17,10 @@ def _mode(c: Candidate) -> str:
 def candidate_dict(c: Candidate) -> dict:
     """One candidate: layout, memory (bytes), time (seconds), throughput, fit."""
     out = {"layout": asdict(c.layout), "train_args": c.layout.train_args(), "fits": c.fits}
+    out["tight"] = c.tight
     if c.memory is not None:
         out["memory_bytes"] = {**asdict(c.memory), "total": c.memory.total}
+        out["headroom"] = c.headroom
         out["step_seconds"] = {**asdict(c.timing), "total": c.timing.step}
         out["sequences_per_s"] = c.seq_per_s
         out["mfu"] = c.mfu
@@ -89,7 +91,10 @@ def plan_table(plan: Plan, limit: int = 20) -> str:
         )
         row += f" {m.comm_buffer / GIB:>5.2f} {m.total / GIB:>6.2f}     | "
         row += f"{t.step:>7.2f} {c.seq_per_s:>7.2f} {c.seq_per_s * tokens:>9.0f} {c.mfu:>5.1%} | "
-        lines.append(row + ("yes" if c.fits else "NO: " + c.why))
+        if c.fits:
+            lines.append(row + (f"tight ({c.headroom:.0%} free)" if c.tight else "yes"))
+        else:
+            lines.append(row + "NO: " + c.why)
     if len(plan.candidates) > limit:
         lines.append(f"... {len(plan.candidates) - limit} more (--top N, --json)")
     rec = plan.recommended

@@ -24,6 +24,7 @@ from .trace import Spec, Trace, trace_in_subprocess
 
 RECOMPUTE = ("none", "selective", "full")
 MICRO_BATCH_STEPS = (1, 2, 4, 8, 16)
+TIGHT = 0.05  # headroom below which a fit is "tight"
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,13 @@ class Candidate:
     mfu: float = 0.0  # model FLOPs (no recompute) / peak of every core
     fits: bool = False
     why: str = ""  # why it does not fit or cannot run
+    headroom: float = 0.0  # fraction of the usable memory left free
+
+    @property
+    def tight(self) -> bool:
+        """Fits with less than :data:`TIGHT` of the usable memory to spare: ranked after
+        the comfortable fits (the prediction's own error could eat the margin)."""
+        return self.fits and self.headroom < TIGHT
 
 
 @dataclass
@@ -231,7 +239,7 @@ def _verdict(config, job: Job, candidates: list[Candidate], states) -> str:
         return "no layout can run: " + "; ".join(sorted({c.why for c in candidates}))[:500]
     best = min(sized, key=lambda c: c.memory.total)
     mem = best.memory
-    rest = mem.params + mem.grads + mem.activations + mem.comm_buffer
+    rest = mem.total - mem.optimizer - mem.masters
     if rest > job.usable_bytes:
         return (
             f"does not fit without pipeline parallelism (not in neuron_tp): even at tp="
@@ -292,13 +300,16 @@ def make_plan(config, job: Job, **pins) -> Plan:
         cand.seq_per_s = job.global_batch / cand.timing.step
         cand.mfu = model_flops / (peak * cand.timing.step)
         cand.fits = cand.memory.total <= job.usable_bytes
+        cand.headroom = 1 - cand.memory.total / job.usable_bytes
         if not cand.fits:
             cand.why = _why_not(cand.memory, job.usable_bytes)
     candidates.sort(
         key=lambda c: (
             not c.fits,
+            c.tight,  # comfortable fits first
             c.memory is None,
-            -c.seq_per_s if c.fits else (c.memory.total if c.memory else 0),
+            -round(c.seq_per_s, 6) if c.fits else 0,
+            c.memory.total if c.memory else 0,  # then the smaller footprint
         )
     )
     verdict = _verdict(config, job, candidates, states)

@@ -171,6 +171,25 @@ def train_parser() -> argparse.ArgumentParser:
         default=[],
         help="comma-separated module names to adapt (default: peft's for the model type)",
     )
+    p.add_argument(
+        "--plan",
+        choices=("none", "auto"),
+        default="none",
+        help="auto: run the layout `neuron-tp plan` recommends for this job (sets --tp, "
+        "--tp-mode, --sequence-parallel, --micro-batch, --grad-accum, "
+        "--activation-checkpointing, --zero1; needs --global-batch)",
+    )
+    p.add_argument(
+        "--global-batch",
+        type=_non_negative(int),
+        default=0,
+        help="--plan auto: sequences per optimizer step over all data-parallel ranks",
+    )
+    p.add_argument(
+        "--plan-instance",
+        default="trn1.32xlarge",
+        help="--plan auto: the instance type whose NeuronCore figures the plan uses",
+    )
     return p
 
 

@@ -78,6 +78,9 @@ class TrainConfig(_CommonConfig):
     lora_alpha: float
     lora_dropout: float
     lora_target_modules: list[str]  # empty: peft's default for the model type
+    plan: str  # "none" or "auto" (neuron_tp.plan chooses the layout options)
+    global_batch: int  # --plan auto: sequences per optimizer step
+    plan_instance: str  # --plan auto: the instance table entry
 
     @property
     def uses_zero1(self) -> bool:

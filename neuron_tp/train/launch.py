@@ -72,7 +72,12 @@ def train_command(args: argparse.Namespace | TrainConfig) -> None:
     options ``args`` (turned into a :class:`~neuron_tp.train.config.TrainConfig` here)."""
     from .loop import train
 
-    _command(TrainConfig.from_args(args), train)
+    config = TrainConfig.from_args(args)
+    if config.plan == "auto":
+        from ..plan.auto import apply_plan, rank0_printer
+
+        config = apply_plan(config, rank0_printer)
+    _command(config, train)
 
 
 def generate_command(args: argparse.Namespace | GenerateConfig) -> None:

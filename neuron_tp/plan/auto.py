@@ -1,0 +1,86 @@
+"""``neuron-tp train --plan auto``: the training options of the layout the plan recommends
+for this job (its world size and ranks per node, its model, sequence length and global
+batch). Every rank plans alone (deterministic: the same options everywhere, checked by the
+startup agreement), before the job's runtime starts."""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import replace
+
+LAYOUT_OPTIONS = (
+    "--tp",
+    "--tp-mode",
+    "--sequence-parallel",
+    "--micro-batch",
+    "--grad-accum",
+    "--activation-checkpointing",
+    "--zero1",
+)
+
+
+def job_size(config) -> tuple[int, int]:
+    """(world size, ranks per node) of the job this process belongs to."""
+    if config.xla_cpu_devices:
+        return config.xla_cpu_devices, config.xla_cpu_devices
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return world, int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+
+
+def _model_config(config):
+    from ..train.data import load_tokenizer, vocab_size
+    from ..train.presets import is_preset, model_config
+    from .models import plan_config
+
+    if is_preset(config.model):
+        return model_config(config.model, vocab_size(load_tokenizer(config.tokenizer)))
+    return plan_config(config.model, config.seq_len)
+
+
+def apply_plan(config, printer=print):
+    """``config`` (a TrainConfig with ``plan="auto"``) with the recommended layout's options;
+    ValueError when the job has no layout that fits (the plan's verdict)."""
+    from .hardware import get_instance
+    from .report import plan_table
+    from .search import Job, make_plan
+
+    if config.global_batch <= 0:
+        raise ValueError("--plan auto needs --global-batch N (sequences per optimizer step)")
+    if config.lora_r:
+        raise ValueError("--plan auto does not model LoRA training; choose the layout by hand")
+    if config.tp_mode != "1d" or config.tp != 1:
+        printer("--plan auto: the plan chooses --tp/--tp-mode; the given values are ignored")
+    world, per_node = job_size(config)
+    if world % per_node:
+        raise ValueError(f"world size {world} is not a multiple of {per_node} ranks per node")
+    job = Job(
+        get_instance(config.plan_instance),
+        world // per_node,
+        config.seq_len,
+        config.global_batch,
+        bf16=config.bf16,
+        ranks_per_node=per_node,
+    )
+    plan = make_plan(_model_config(config), job)
+    best = plan.recommended
+    if best is None:
+        raise ValueError(f"--plan auto: {plan.verdict}")
+    printer(plan_table(plan, 5))
+    lay = best.layout
+    return replace(
+        config,
+        tp=lay.tp,
+        tp_mode=lay.tp_mode,
+        sequence_parallel=lay.sequence_parallel,
+        micro_batch=lay.micro_batch,
+        grad_accum=lay.grad_accum,
+        activation_checkpointing=lay.recompute,
+        zero1=lay.zero1 and not config.bf16,  # --bf16 brings ZeRO-1 itself
+    )
+
+
+def rank0_printer(*args, **kwargs) -> None:
+    """Print on rank 0 of the job only."""
+    if os.environ.get("RANK", "0") == "0":
+        print(*args, **kwargs, file=sys.stdout, flush=True)
