@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from types import SimpleNamespace
 
 import torch
@@ -30,7 +31,8 @@ class HFColumnLinear(ColumnParallelLinear):
         self.register_buffer("_rows", torch.tensor(rows, dtype=torch.long), persistent=False)
         self.register_buffer("_uid", torch.tensor(uid_table, dtype=torch.long), persistent=False)
         self.replicas = n_unique
-        copies = [sum(u.count(i) for u in uid_table) for i in range(n_unique)]
+        counts = Counter(i for u in uid_table for i in u)
+        copies = [counts[i] for i in range(n_unique)]
         weights = torch.ones(self.weight.shape[0])
         for row, i in zip(rows, uid_table[self.mesh.tp_rank]):
             weights[row] = 1.0 / copies[i]
@@ -170,7 +172,10 @@ def build_column_linear(
             weight=w.index_select(0, idx), bias=None if b is None else b.index_select(0, idx)
         )
         exp_segments = [p * tp for p in per] if segments else None
-        keep = tuple(index.index(j) for j in range(out))
+        first: dict[int, int] = {}
+        for pos, j in enumerate(index):  # the first copy of every original row
+            first.setdefault(j, pos)
+        keep = tuple(first[j] for j in range(out))
         pieces = _runs(rows_of_rank[r])
     src.in_features, src.out_features = src.weight.shape[1], src.weight.shape[0]
     layer = HFColumnLinear.from_linear(

@@ -213,20 +213,28 @@ def check_split_pairs(
         w = getattr(model.get_submodule(n), "weight", None)
         return isinstance(w, torch.Tensor) and w.dim() == 2
 
-    for name, style in targets.items():
-        if name in gathered or not (style.splits_output or style is Style.ROW) or not linear(name):
+    linears = {n for n in targets if n not in gathered and linear(n)}
+    # Partners by every scope that contains them ("" = the model), for consumers (rowwise)
+    # and producers (split output): one pass, not one per projection (large models).
+    by_scope: dict[bool, dict[str, list[str]]] = {True: {}, False: {}}
+    for n in linears:
+        s = targets[n]
+        kind = True if s is Style.ROW else (False if s.splits_output else None)
+        if kind is None:
             continue
-        producer = style.splits_output
-        partners = [
-            n
-            for n, s in targets.items()
-            if n not in gathered and linear(n) and (s is Style.ROW if producer else s.splits_output)
-        ]
+        parts = n.split(".")
+        for depth in range(len(parts)):
+            by_scope[kind].setdefault(".".join(parts[:depth]), []).append(n)
+
+    for name, style in targets.items():
+        if name not in linears or not (style.splits_output or style is Style.ROW):
+            continue
+        producer = bool(style.splits_output)
         parts = name.split(".")
         ok = False
         for depth in range(len(parts) - 1, -1, -1):
             scope = ".".join(parts[:depth])
-            inside = [n for n in partners if n.startswith(scope + ".") or not scope]
+            inside = by_scope[producer].get(scope, [])
             if inside:
                 ok = scope in units or any((order[n] > order[name]) == producer for n in inside)
                 break
@@ -255,7 +263,7 @@ def check_split_pairs(
             raise ValueError(
                 f"plan: {name} is {style.value!r} (its output stays split over tp) but nothing "
                 f"after it in {where} is 'rowwise' to consume the split features, so the next "
-                f"module would get 1/tp of them; {fix} to the plan, or use "
+                f"module would get 1/tp of them; {fix} in the plan, or use "
                 f"'colwise_gather_output' for {_pattern(name)!r}"
             )
         entries = ", ".join(f"{c!r}: 'colwise'" for c in cands)

@@ -125,10 +125,14 @@ def step_buffer(traces: dict[tuple[int, int], Trace], layers: int) -> int:
     return int(max(_positional(one, two, layers - 1), default=0))
 
 
-def memory(state: StateBytes, traces, layers: int, k: float, no_recompute=None) -> Memory:
+def memory(
+    state: StateBytes, traces, layers: int, k: float, no_recompute=None, zero1: bool = False
+) -> Memory:
     """One rank's memory at ``layers`` deep, ``k`` x b0 sequences per micro-batch. With
     recompute, ``no_recompute`` (the same layout's traces without it) adds what one layer
-    recomputes in backward (held while that layer's backward runs)."""
+    recomputes in backward (held while that layer's backward runs). ZeRO-1 flattens every
+    gradient into one buffer (its reduce-scatter's input) at any dp, also at dp = 1 where no
+    collective shows it."""
     saved = extend(traces, layers, k, lambda t: t.saved_bytes)
     if no_recompute is not None:
         one_layer = extend(no_recompute, 2, k, lambda t: t.saved_bytes) - extend(
@@ -145,7 +149,7 @@ def memory(state: StateBytes, traces, layers: int, k: float, no_recompute=None) 
         state.masters,
         int(saved),
         micro_buffer(traces, k),
-        step_buffer(traces, layers),
+        max(step_buffer(traces, layers), state.grads if zero1 else 0),
     )
 
 

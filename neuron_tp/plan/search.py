@@ -279,7 +279,9 @@ def make_plan(config, job: Job, **pins) -> Plan:
         state, k = states[skey], lay.micro_batch / _b0(lay)
         layers = config.num_hidden_layers
         base = traced[_spec_key(replace(lay, recompute="none"))]
-        cand.memory = memory(state, traces, layers, k, None if base is traces else base)
+        cand.memory = memory(
+            state, traces, layers, k, None if base is traces else base, zero1=lay.zero1
+        )
         cand.timing, _ = timing(
             traces,
             state,

@@ -9,6 +9,7 @@ none is written after a non-finite step (:func:`check_finite`).
 
 from __future__ import annotations
 
+import json
 import os
 from typing import TYPE_CHECKING
 
@@ -70,11 +71,44 @@ def claim_output(run: Run, say: Printer) -> OutputLock | None:
         error = e
     try:
         agree(run.mesh, run.device, f"checking --output-dir {config.output_dir}", error)
+        _check_shared(run, lock)
     except BaseException:
         if lock is not None:
             lock.release()
         raise
     return lock
+
+
+def _check_shared(run: Run, lock: OutputLock | None) -> None:
+    """Every rank sees rank 0's lock file: the ranks write one checkpoint into one directory,
+    so ``--output-dir`` must be the same directory everywhere (a file system every node
+    mounts), not a node-local path that gives each node its own (found only at the first
+    save, hours later)."""
+    from .. import comm
+    from ..checkpoint import outdir
+    from ..checkpoint.agree import _has_store, agree
+
+    world = run.mesh.group("world")
+    if world.size == 1 or not _has_store(world):
+        return
+    mine = (lock.token or "").encode() if lock is not None else b""
+    token = comm.host_all_gather("output-dir-token", mine, world)[0].decode()
+    error = None
+    if run.mesh.rank != 0:
+        path = os.path.join(run.config.output_dir, outdir.LOCK_NAME)
+        try:
+            with open(path) as fh:
+                seen = json.load(fh).get("token")
+        except (OSError, ValueError):
+            seen = None
+        if seen != token:
+            error = ValueError(
+                f"this rank does not see rank 0's lock file {os.path.abspath(path)}: every "
+                "rank must write into the same --output-dir (a file system that every node "
+                "mounts, e.g. FSx for Lustre or EFS); a node-local path gives each node its "
+                "own directory and the first checkpoint would fail"
+            )
+    agree(run.mesh, run.device, f"checking --output-dir {run.config.output_dir} is shared", error)
 
 
 def restore(run: Run, say: Printer) -> None:

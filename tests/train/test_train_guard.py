@@ -2,8 +2,8 @@
 
 - a resume whose checkpoints would collide with later ones is refused before training,
   naming the step directories; --keep-last never deletes the checkpoint the run resumed from;
-- an output dir that is a file, read-only, or unwritable on one rank only: every rank raises
-  before training;
+- an output dir that is a file, read-only, or unwritable on one rank only, or not the same
+  directory on every rank (node-local paths): every rank raises before training;
 - a second job on a held --output-dir fails naming the holder; a stale lock (dead pid) is taken
   over with a warning; the lock is gone after every run, failed or not;
 - a non-finite grad norm (NaN gradients injected on rank 1 only) stops the run on every rank
@@ -141,6 +141,14 @@ def _job(tmp: str) -> None:
         res["out_rank1"] = _run(mesh, f"{tmp}/r1", "--steps", "2")
     finally:
         builtins.open = real_open
+    # the same --output-dir text naming a different directory on each rank (node-local disks)
+    here = os.getcwd()
+    os.makedirs(f"{tmp}/node{mesh.rank}", exist_ok=True)
+    os.chdir(f"{tmp}/node{mesh.rank}")
+    try:
+        res["not_shared"] = _run(mesh, "out", "--steps", "2")
+    finally:
+        os.chdir(here)
     # locks: held by the live parent process; stale (dead pid on this host)
     res["locked"] = _run(mesh, f"{tmp}/locked", "--steps", "2")
     notes = []
@@ -233,6 +241,7 @@ def test_resume_plan_output_dir_lock_and_nonfinite(tmp_path):
             ("out_file", "afile is a file, not a directory"),
             ("out_readonly", "cannot create /sys/neuron-tp-test-out"),
             ("out_rank1", "failed on rank 1: cannot write into"),
+            ("not_shared", "is shared failed on rank 1: this rank does not see rank 0's lock"),
             ("locked", f"held by pid {os.getpid()} on host {socket.gethostname()}"),
         ):
             assert res[name]["raised"] == "CheckpointError", (name, res[name])
