@@ -398,7 +398,7 @@ def _train(
         "tokens_per_s": tokens_per_s,
         **graph_counters(),
         "peak_memory_mb": peak_memory_mb(run.device),
-        "checkpoints": saved,
+        "checkpoints": [c for c in saved if os.path.isdir(c)],  # --keep-last removed others
         "log": run.log,
         "extract_graphs_only": extract,
     }

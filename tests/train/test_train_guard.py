@@ -234,6 +234,7 @@ def test_resume_plan_output_dir_lock_and_nonfinite(tmp_path):
         assert c["listing"] == ["step-00000002", "step-00000004", "step-00000006"]
         # --keep-last 1 kept the resume source step-4 next to the newest
         assert res["kp_first"]["listing"] == ["step-00000004"]
+        assert res["kp_first"]["ckpts"] == ["step-00000004"]  # the summary lists what exists
         assert res["kp_resumed"]["steps"] == [5, 6, 7]
         assert res["kp_resumed"]["listing"] == ["step-00000004", "step-00000007"]
         for name, text in (
