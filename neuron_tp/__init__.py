@@ -8,9 +8,12 @@ Public API::
     from neuron_tp.layers import ColumnParallelLinear, RowParallelLinear, ...
     model = ntp.parallelize(hf_model)          # shard a transformers model in place
     mesh2d = ntp.init_mesh(tp=16, tp_mode="2d")   # 2D/3D layers: neuron_tp.layers.Linear2D, ...
+    job = ntp.plan.Job(ntp.plan.get_instance("trn1.32xlarge"), nodes=4, seq_len=4096,
+                       global_batch=1024)
+    ntp.plan.make_plan(hf_config, job).recommended   # will it fit, which layout is fastest
 """
 
-from . import blocks, blocks_nd, checkpoint, comm, layers, regions
+from . import blocks, blocks_nd, checkpoint, comm, layers, plan, regions
 from ._xla import cpu_devices_env as xla_cpu_devices_env
 from ._xla import device as xla_device
 from .grads import (
@@ -74,5 +77,6 @@ __all__ = [
     "checkpoint",
     "comm",
     "layers",
+    "plan",
     "regions",
 ]

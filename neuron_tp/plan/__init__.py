@@ -1,7 +1,24 @@
-"""Planning a job before any Neuron compile (issue: ``neuron-tp plan``). So far: the per-rank
-bytes of parameters, gradients and optimizer state, from the sharding records of the model
-built on the meta device and sharded for the rank (:mod:`.state`)."""
+"""Planning a training job before any Neuron compile (``neuron-tp plan``): for every layout
+``neuron-tp train`` can run (tp and mode, sequence parallel, dp, ZeRO-1, recompute, micro-batch
+and gradient accumulation), one NeuronCore's memory and the step time, predicted from the code
+that trains: parameter and optimizer bytes from the meta-device model sharded for a rank
+(:mod:`.state`), collectives, FLOPs and saved activations from a traced step of a virtual rank
+(:mod:`.trace`), combined with a cited instance table (:mod:`.hardware`) in :mod:`.predict`;
+ranked by :mod:`.search`."""
 
+from .hardware import INSTANCES, Instance, get_instance
+from .search import Candidate, Job, Layout, Plan, make_plan
 from .state import StateBytes, state_bytes
 
-__all__ = ["StateBytes", "state_bytes"]
+__all__ = [
+    "INSTANCES",
+    "Candidate",
+    "Instance",
+    "Job",
+    "Layout",
+    "Plan",
+    "StateBytes",
+    "get_instance",
+    "make_plan",
+    "state_bytes",
+]
