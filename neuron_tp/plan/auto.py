@@ -1,13 +1,19 @@
 """``neuron-tp train --plan auto``: the training options of the layout the plan recommends
 for this job (its world size and ranks per node, its model, sequence length and global
 batch). Every rank plans alone (deterministic: the same options everywhere, checked by the
-startup agreement), before the job's runtime starts."""
+startup agreement), before the job's runtime starts; the result is cached on disk
+(``$NEURON_TP_CACHE``, default ``~/.cache/neuron_tp``), so the ranks of a node plan once
+between them and a resumed job does not plan again."""
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
+import json
 import os
 import sys
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import asdict, replace
 
 LAYOUT_OPTIONS = (
     "--tp",
@@ -43,7 +49,7 @@ def apply_plan(config, printer=print):
     ValueError when the job has no layout that fits (the plan's verdict)."""
     from .hardware import get_instance
     from .report import plan_table
-    from .search import Job, make_plan
+    from .search import Job, Layout, make_plan
 
     if config.global_batch <= 0:
         raise ValueError("--plan auto needs --global-batch N (sequences per optimizer step)")
@@ -62,12 +68,22 @@ def apply_plan(config, printer=print):
         bf16=config.bf16,
         ranks_per_node=per_node,
     )
-    plan = make_plan(_model_config(config), job)
-    best = plan.recommended
-    if best is None:
-        raise ValueError(f"--plan auto: {plan.verdict}")
-    printer(plan_table(plan, 5))
-    lay = best.layout
+    model_config = _model_config(config)
+
+    def plan_now() -> dict:
+        plan = make_plan(model_config, job)
+        best = plan.recommended
+        return {
+            "layout": asdict(best.layout) if best else None,
+            "table": plan_table(plan, 5),
+            "verdict": plan.verdict,
+        }
+
+    result = cached(_key(model_config, job), plan_now)
+    if result["layout"] is None:
+        raise ValueError(f"--plan auto: {result['verdict']}")
+    printer(result["table"])
+    lay = Layout(**result["layout"])
     return replace(
         config,
         tp=lay.tp,
@@ -78,6 +94,45 @@ def apply_plan(config, printer=print):
         activation_checkpointing=lay.recompute,
         zero1=lay.zero1 and not config.bf16,  # --bf16 brings ZeRO-1 itself
     )
+
+
+def _key(model_config, job) -> str:
+    """What the plan depends on: the model, the job, and the planner's own code."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = hashlib.sha256()
+    for name in sorted(os.listdir(here)):
+        if name.endswith(".py"):
+            with open(os.path.join(here, name), "rb") as fh:
+                code.update(fh.read())
+    what = {
+        "model": model_config.to_dict(),
+        "job": {**asdict(job), "instance": asdict(job.instance)},
+        "code": code.hexdigest(),
+    }
+    return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def cached(key: str, compute: Callable[[], dict]) -> dict:
+    """``compute()`` once per ``key`` on this machine: the first caller computes under a
+    file lock while the others wait, then every caller reads the stored result."""
+    root = os.path.join(
+        os.environ.get("NEURON_TP_CACHE") or os.path.expanduser("~/.cache/neuron_tp"), "plans"
+    )
+    os.makedirs(root, exist_ok=True)
+    path = os.path.join(root, f"{key}.json")
+    with open(path + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            with open(path) as fh:
+                return json.load(fh)
+        except (OSError, ValueError):
+            pass
+        result = compute()
+        tmp = f"{path}.tmp-{os.getpid()}"
+        with open(tmp, "w") as fh:
+            json.dump(result, fh)
+        os.replace(tmp, path)
+        return result
 
 
 def rank0_printer(*args, **kwargs) -> None:
