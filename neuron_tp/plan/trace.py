@@ -153,8 +153,12 @@ def trace_step(config, spec: Spec, rank: int = 0) -> Trace:
     saved: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        if id(t) not in params:
-            saved[id(t)] = t.numel() * t.element_size()
+        # A view (a weight's transpose, a reshape) holds its base's memory: count bases, once.
+        base = t
+        while base._base is not None:
+            base = base._base
+        if id(base) not in params:
+            saved[id(base)] = base.numel() * base.element_size()
         return t
 
     ids = torch.zeros(spec.micro_batch, spec.seq_len, dtype=torch.long, device=device)
