@@ -161,6 +161,11 @@ def _read_tensors(path: str, meta: dict, model, optimizer, mesh: Mesh) -> tuple:
                 f"{path}: {name} has shape {tuple(t.shape)} for this rank, "
                 f"the model's is {tuple(p.shape)}"
             )
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):  # e.g. an old
+            raise CheckpointError(  # (checksum-less) checkpoint of a diverged run
+                f"{path}: parameter {name} holds non-finite values (NaN/inf): the run that "
+                "saved it had diverged; resume from an earlier checkpoint"
+            )
         params[name] = t
         if optimizer is not None and zero1 is None:
             keys = [

@@ -207,6 +207,17 @@ def test_checksums_refuse_damaged_tensors_and_nonfinite_models(tmp_path, capsys)
     open(os.path.join(good, "meta.json"), "w").write(json.dumps(meta))
     with pytest.raises(ValueError, match="model.norm.weight holds non-finite"):
         checkpoint.consolidate(good, str(tmp_path / "out2"))
+    # ... and load (a resume would train on NaN), leaving the model as it was
+    before = _params(fresh)
+    with pytest.raises(ValueError, match="model.norm.weight holds non-finite values"):
+        checkpoint.load(good, fresh, mesh=MESH)
+    assert all(
+        torch.equal(
+            p,
+            before[n],
+        )
+        for n, p in fresh.named_parameters()
+    )
 
 
 def test_consolidate_refuses_impossible_targets_before_reading(tmp_path, capsys):
