@@ -39,7 +39,7 @@ def _layout(c) -> str:
     mode = lay.tp_mode + ("+SP" if lay.sequence_parallel else "")
     return (
         f"tp={lay.tp} {mode}, dp={lay.dp}, micro-batch {lay.micro_batch} x accum "
-        f"{lay.grad_accum}, recompute {lay.recompute}"
+        f"{lay.grad_accum}, recompute {lay.recompute}" + (" (tight fit)" if c.tight else "")
     )
 
 

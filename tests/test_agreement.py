@@ -92,6 +92,10 @@ def _job(tmp: str) -> None:
 
     hf_dir = f"{tmp}/hf" if rank == 0 else f"{tmp}/hf-truncated"
     res["from_pretrained truncated"] = _outcome(lambda: ntp.from_pretrained(hf_dir, mesh))
+    # same config and header, other (sharded) weights: only the files can tell
+    hf_dir = f"{tmp}/hf" if rank == 0 else f"{tmp}/hf-other-weights"
+    res["from_pretrained other weights"] = _outcome(lambda: ntp.from_pretrained(hf_dir, mesh))
+    res["from_pretrained same"] = _outcome(lambda: ntp.from_pretrained(f"{tmp}/hf", mesh))
 
     gen = [
         "--device",
@@ -122,6 +126,10 @@ def outcomes(tmp_path_factory) -> list[dict]:
         data = (tmp_path / "hf" / f).read_bytes()
         cut = data if f == "config.json" else data[: len(data) // 2]
         (tmp_path / "hf-truncated" / f).write_bytes(cut)
+    other = build_model("tiny-llama", 257, 0)
+    with torch.no_grad():  # replicated parameters (the norms) stay equal
+        other.model.layers[0].mlp.up_proj.weight.mul_(-1)
+    other.save_pretrained(tmp_path / "hf-other-weights")
     (tmp_path / "latin1").mkdir()
     (tmp_path / "latin1" / "a.txt").write_bytes("café au lait\n".encode("latin-1") * 50)
     gloo_dist.run(_job, str(tmp_path), world_size=2)
@@ -192,6 +200,15 @@ def test_from_pretrained_with_a_truncated_file_on_one_rank(outcomes):
     assert "truncated" in trunc
     assert outcomes[0]["from_pretrained truncated"].startswith("RankMismatchError")
     assert "rank 1 failed" in outcomes[0]["from_pretrained truncated"]
+
+
+def test_from_pretrained_with_other_weights_on_one_rank(outcomes):
+    """Same config and safetensors header, other sharded weights: each rank reads only its
+    own slices, so the files' sampled data checksums are what catches it."""
+    for k in range(2):
+        got = outcomes[k]["from_pretrained other weights"]
+        assert got.startswith("RankMismatchError") and "model files" in got, got
+        assert outcomes[k]["from_pretrained same"] == "ok"
 
 
 def _xla_ranks() -> dict:

@@ -240,8 +240,8 @@ def startup_values(
     values.update({"library versions": versions(), "model config": model_cfg})
     if not is_preset(config.model):
         files = files_fingerprint(_checkpoint_files(config.model).values())
-        values["model files (size, header checksum)"] = details[
-            "model files (size, header checksum)"
+        values["model files (size, header + sampled data checksum)"] = details[
+            "model files (size, header + sampled data checksum)"
         ] = files
     vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else None
     values["tokenizer"] = {
