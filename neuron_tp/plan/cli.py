@@ -6,17 +6,8 @@ import argparse
 import json
 import sys
 
+from ..train.args import _positive
 from .hardware import INSTANCES
-
-
-def _positive(kind):
-    def parse(text: str):
-        value = kind(text)
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-        return value
-
-    return parse
 
 
 def plan_parser() -> argparse.ArgumentParser:
