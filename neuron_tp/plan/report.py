@@ -76,14 +76,17 @@ def plan_table(plan: Plan, limit: int = 20) -> str:
         head,
         "-" * len(head),
     ]
+    refused: set[tuple] = set()
     for i, c in enumerate(plan.candidates[:limit], 1):
         lay = c.layout
         row = (
             f"{i:>3} {lay.tp:>3} {_mode(c):>6} {lay.dp:>4} {lay.micro_batch:>3} "
             f"{lay.grad_accum:>4} {lay.recompute:>9} {'yes' if lay.zero1 else 'no':>5} | "
         )
-        if c.memory is None:
-            lines.append(row + f"cannot run: {c.why}")
+        if c.memory is None:  # once per tp, mode and reason (not per micro-batch etc.)
+            if (lay.tp, _mode(c), c.why) not in refused:
+                refused.add((lay.tp, _mode(c), c.why))
+                lines.append(row + f"cannot run (any micro-batch, recompute): {c.why}")
             continue
         m, t = c.memory, c.timing
         row += " ".join(
