@@ -181,3 +181,23 @@ def test_train_plan_auto_on_xla_cpu_devices(tmp_path):
     assert rec, out.stdout
     assert f"tp={rec[1]}," in out.stdout  # the mesh the run built is the recommended one
     assert "step      2/2" in out.stdout
+
+
+def test_a_model_directory_or_config_json(tmp_path, capsys):
+    """A local model directory (config.json only: planning never reads weights) and the
+    config.json path give the same plan as the preset it was saved from."""
+    from neuron_tp.train.presets import model_config
+
+    model_config("tiny-llama", 257).save_pretrained(tmp_path)
+    pins = ("--tp", "2", "--micro-batch", "1", "--activation-checkpointing", "none")
+    job = ("--instance", "trn1.2xlarge", "--seq-len", "64", "--global-batch", "1", "--json")
+    from neuron_tp.plan.models import plan_config
+
+    as_dir, as_file = plan_config(str(tmp_path), 64), plan_config(str(tmp_path / "config.json"), 64)
+    assert as_dir.to_dict() == as_file.to_dict()
+    plans = []
+    for model in (str(tmp_path), "tiny-llama"):
+        code, out, _ = _plan(capsys, "--model", model, *job, *pins)
+        assert code == 0
+        plans.append(json.loads(out)["recommended"])
+    assert plans[0] == plans[1]
