@@ -10,4 +10,4 @@ cd "$root"
 "$root/.venv/bin/ruff" check .
 "$root/.venv/bin/ruff" format --check .
 export PJRT_DEVICE=CPU OMP_NUM_THREADS=1
-exec "$root/.venv/bin/python" -m pytest -q tests "$@"
+exec "$root/.venv/bin/python" -m pytest -q --durations=15 tests "$@"
