@@ -201,3 +201,11 @@ def test_a_model_directory_or_config_json(tmp_path, capsys):
         assert code == 0
         plans.append(json.loads(out)["recommended"])
     assert plans[0] == plans[1]
+
+
+def test_global_batch_without_plan_auto_is_refused():
+    from neuron_tp.train.launch import train_command
+
+    args = train_parser().parse_args(["--device", "cpu", "--global-batch", "8"])
+    with pytest.raises(ValueError, match="--global-batch is read by --plan auto only"):
+        train_command(args)

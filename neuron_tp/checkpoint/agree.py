@@ -32,7 +32,8 @@ def _encode(rank: int, world: int, text: str | None) -> torch.Tensor:
     return buf
 
 
-def _has_store(group) -> bool:
+def has_store(group) -> bool:
+    """True when ``group``'s ranks can exchange through the job's host key-value store."""
     import torch.distributed as dist
 
     return not group.virtual and dist.is_available() and dist.is_initialized()
@@ -47,7 +48,7 @@ def agree(mesh: Mesh, device: torch.device, what: str, error: BaseException | No
     world = mesh.group("world")
     mine = None if error is None else describe(error)
     failed: dict[int, str] = {} if mine is None else {world.rank: mine}
-    if world.size > 1 and _has_store(world):
+    if world.size > 1 and has_store(world):
         # Through the job's host-side store: ranks that reach this point far apart (dp
         # replica 0 writing files while the others wait) trip no device collective timeout.
         sent = b"" if mine is None else b"!" + mine.encode()[:MESSAGE_BYTES]

@@ -86,10 +86,10 @@ def _check_shared(run: Run, lock: OutputLock | None) -> None:
     save, hours later)."""
     from .. import comm
     from ..checkpoint import outdir
-    from ..checkpoint.agree import _has_store, agree
+    from ..checkpoint.agree import agree, has_store
 
     world = run.mesh.group("world")
-    if world.size == 1 or not _has_store(world):
+    if world.size == 1 or not has_store(world):
         return
     mine = (lock.token or "").encode() if lock is not None else b""
     token = comm.host_all_gather("output-dir-token", mine, world)[0].decode()

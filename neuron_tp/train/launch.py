@@ -73,6 +73,11 @@ def train_command(args: argparse.Namespace | TrainConfig) -> None:
     from .loop import train
 
     config = TrainConfig.from_args(args)
+    if config.global_batch and config.plan != "auto":
+        raise ValueError(
+            "--global-batch is read by --plan auto only; without it the global batch is "
+            "--micro-batch x --grad-accum x dp"
+        )
     if config.plan == "auto":
         from ..plan.auto import apply_plan, rank0_printer
 
