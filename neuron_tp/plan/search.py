@@ -168,9 +168,8 @@ def _spec_key(lay: Layout) -> tuple:
 
 
 def _b0(lay: Layout) -> int:
-    return dict(zip(("1d", "2d", "3d"), (1, round(lay.tp**0.5), round(lay.tp ** (2 / 3)))))[
-        lay.tp_mode
-    ]
+    """Sequences per micro-batch step: 2d splits the batch over q ranks, 3d over q^2."""
+    return {"1d": 1, "2d": round(lay.tp**0.5), "3d": round(lay.tp ** (1 / 3)) ** 2}[lay.tp_mode]
 
 
 def _trace_all(config, job: Job, layouts: list[Layout]) -> dict[tuple, dict | str]:
