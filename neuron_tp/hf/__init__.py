@@ -3,7 +3,8 @@
 Plans (which module is sharded how, where the layers are) live in :mod:`neuron_tp.hf.plans`."""
 
 from .loading import from_pretrained, gather_hf_state_dict, save_pretrained
-from .parallelize import full_logits, parallelize
+from .parallel_loss import full_logits
+from .parallelize import parallelize
 from .plans import ARCH_PLANS, STYLES, ArchPlan, Style
 from .resolve import resolve_plan
 

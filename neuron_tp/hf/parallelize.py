@@ -7,28 +7,19 @@ regions, per-rank head counts, sequence parallelism, the parallel loss)."""
 
 from __future__ import annotations
 
-import contextlib
-import copy
-import functools
 from dataclasses import dataclass, field
 
-import torch
 from torch import nn
 
-from ..layers import parallel_cross_entropy
-from ..mesh import Mesh, get_mesh, valid_tp_degrees
+from ..mesh import Mesh, get_mesh
 from ..sharding import (
-    Sharding,
     copy_param_meta,
     get_sharding,
     mark_sequence_parallel,
-    mark_sharded,
-    shard_of,
 )
 from .attention import (
     SUPPORTED_ATTN,
     Heads,
-    ShardedRMSNorm,
     check_heads,
     is_plain_split,
     kv_slots,
@@ -44,8 +35,9 @@ from .modules import (
     check_row_linear,
     check_vocab_embedding,
     linear_view,
-    require_even_split,
 )
+from .norms import build_sharded_norm, check_sharded_norm
+from .parallel_loss import wrap_loss
 from .plans import Style
 from .resolve import ModelPlan, check_split_pairs, plan_model
 from .sequence_parallel import (
@@ -53,7 +45,6 @@ from .sequence_parallel import (
     check_sequence_parallel,
     install_input_region,
 )
-from .slice_map import HFSliceMap, even_pieces, set_slice_map
 
 
 def _parent(name: str) -> str:
@@ -198,7 +189,7 @@ def _check_target(
     elif style is Style.VOCAB_EMBEDDING:
         check_vocab_embedding(mod, name)
     elif style is Style.SHARDED_NORM:
-        _check_sharded_norm(mod, name, mesh, heads)
+        check_sharded_norm(mod, name, mesh, heads)
 
 
 def _column_role(name: str, style: Style, mp: ModelPlan) -> str:
@@ -318,7 +309,7 @@ def _build(
             built.grad_allreduce.append(mod)
             continue
         else:
-            new = _build_sharded_norm(mod, mesh)
+            new = build_sharded_norm(mod, mesh)
         built.replacements[name] = new
     return built
 
@@ -362,7 +353,7 @@ def _install(
     _guard_meta(model)
     model._ntp_parallel_loss, model._ntp_sequence_parallel = parallel_loss, sequence_parallel
     if parallel_loss:
-        _wrap_loss(model, mesh)
+        wrap_loss(model, mesh)
 
 
 def _tie_groups(model: nn.Module) -> list[list[tuple[str, str]]]:
@@ -393,53 +384,6 @@ def _guard_meta(model: nn.Module) -> None:
     handle = model.register_forward_pre_hook(check, with_kwargs=True)
 
 
-def _check_sharded_norm(mod: nn.Module, name: str, mesh: Mesh, heads: Heads | None) -> None:
-    """The refusals of :func:`_build_sharded_norm`."""
-    full = mod.weight.shape[0]
-    require_even_split(full, mesh, name, "normalized features")
-    if heads is not None and full == heads.kv * heads.dim and heads.kv % mesh.tp_size:
-        raise ValueError(
-            f"{name}: a norm over all key/value heads cannot be sharded when "
-            f"num_key_value_heads={heads.kv} is not divisible by tp="
-            f"{mesh.tp_size}; tp degrees that work: "
-            f"{valid_tp_degrees(mesh.world_size, heads.kv, heads.q)}"
-        )
-    _check_plain_rms_norm(mod, name, full)
-
-
-def _build_sharded_norm(mod: nn.Module, mesh: Mesh) -> ShardedRMSNorm:
-    """An RMSNorm whose weight is split over tp like the features it normalizes."""
-    w = mod.weight
-    full = w.shape[0]
-    sh = Sharding((("tp", 0),), (full,))
-    norm = ShardedRMSNorm(mod, mesh, full)
-    norm.weight = nn.Parameter(
-        shard_of(w.detach(), sh, mesh).clone(), requires_grad=w.requires_grad
-    )
-    mark_sharded(norm, "weight", sh)
-    set_slice_map(
-        norm, "weight", HFSliceMap(0, tuple(even_pieces(full, mesh.tp_rank, mesh.tp_size)))
-    )
-    return norm
-
-
-def _check_plain_rms_norm(mod: nn.Module, name: str, features: int) -> None:
-    """``sharded_norm`` re-implements ``weight * x / rms(x)``: check the module computes that."""
-    probe = copy.deepcopy(mod).to_empty(device="cpu").float()
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        probe.weight.copy_(torch.rand(features, generator=gen) + 0.5)
-        x = torch.randn(3, features, generator=gen)
-        eps = getattr(probe, "variance_epsilon", getattr(probe, "eps", 1e-6))
-        want = probe.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-        ok = torch.allclose(probe(x), want, atol=1e-5)
-    if not ok:
-        raise ValueError(
-            f"{name}: sharded_norm needs a plain RMSNorm (weight * x / rms(x)); "
-            f"{type(mod).__name__} computes something else"
-        )
-
-
 def _retie(model: nn.Module, ties) -> None:
     """Re-share parameters that were tied (embedding / LM head) after sharding."""
     for group in ties:
@@ -459,52 +403,3 @@ def _retie(model: nn.Module, ties) -> None:
                     )
                 setattr(o, n, keep)
                 copy_param_meta(*keep_owner, o, n)
-
-
-@contextlib.contextmanager
-def full_logits(model: nn.Module):
-    """Inside this context a ``parallel_loss`` model returns full (gathered) logits, e.g. for
-    ``generate()`` or evaluation; outside it the LM head output stays vocab-sharded."""
-    head = model.get_output_embeddings()
-    if not hasattr(head, "gather_output"):
-        raise ValueError(f"{type(model).__name__} is not parallelized (no sharded LM head)")
-    before = head.gather_output
-    head.gather_output = True
-    try:
-        yield model
-    finally:
-        head.gather_output = before
-
-
-def _is_causal(model: nn.Module) -> bool:
-    n = type(model).__name__
-    return "CausalLM" in n or "LMHead" in n
-
-
-def _wrap_loss(model: nn.Module, mesh: Mesh) -> None:
-    """With ``labels``: loss from the vocab-sharded logits (HF's shift for causal LMs)."""
-    forward = model.forward
-    vocab = model.config.vocab_size
-    causal = _is_causal(model)
-
-    @functools.wraps(forward)
-    def wrapped(*args, labels=None, **kwargs):
-        out = forward(*args, **kwargs)
-        if labels is not None:
-            logits = out.logits
-            if causal:
-                labels = nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
-            # HF gradient accumulation (causal LMs' loss_function): sum / num_items_in_batch
-            n_items = kwargs.get("num_items_in_batch") if causal else None
-            out.loss = parallel_cross_entropy(
-                logits,
-                labels.to(logits.device),
-                mesh=mesh,
-                vocab_size=vocab,
-                reduction="mean" if n_items is None else "sum",
-            )
-            if n_items is not None:
-                out.loss = out.loss / n_items
-        return out
-
-    model.forward = wrapped

@@ -202,7 +202,7 @@ def _validate(model: nn.Module, mesh: Mesh, sequence_parallel: bool, plan) -> No
 
 def _check_modules(model: nn.Module, name: str) -> None:
     """The modules are where and what the Llama layout says (plain linears, plain RMSNorms)."""
-    from .parallelize import _check_plain_rms_norm
+    from .norms import check_plain_rms_norm
 
     base = getattr(model, "model", None)
     if (
@@ -224,7 +224,7 @@ def _check_modules(model: nn.Module, name: str) -> None:
                     )
         norms += [(f"model.layers.{i}.{n}", getattr(layer, n)) for n in _NORMS]
     for n, norm in norms:
-        _check_plain_rms_norm(norm, n, norm.weight.shape[0])
+        check_plain_rms_norm(norm, n, norm.weight.shape[0])
 
 
 # -- 2. build -------------------------------------------------------------------------------

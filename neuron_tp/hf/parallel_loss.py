@@ -1,0 +1,61 @@
+"""The loss of a ``parallel_loss`` model, computed from its vocab-sharded logits (the LM head
+output is never gathered in training), and :func:`full_logits` to gather them when needed."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+from torch import nn
+
+from ..layers import parallel_cross_entropy
+from ..mesh import Mesh
+
+
+@contextlib.contextmanager
+def full_logits(model: nn.Module):
+    """Inside this context a ``parallel_loss`` model returns full (gathered) logits, e.g. for
+    ``generate()`` or evaluation; outside it the LM head output stays vocab-sharded."""
+    head = model.get_output_embeddings()
+    if not hasattr(head, "gather_output"):
+        raise ValueError(f"{type(model).__name__} is not parallelized (no sharded LM head)")
+    before = head.gather_output
+    head.gather_output = True
+    try:
+        yield model
+    finally:
+        head.gather_output = before
+
+
+def is_causal(model: nn.Module) -> bool:
+    n = type(model).__name__
+    return "CausalLM" in n or "LMHead" in n
+
+
+def wrap_loss(model: nn.Module, mesh: Mesh) -> None:
+    """With ``labels``: loss from the vocab-sharded logits (HF's shift for causal LMs)."""
+    forward = model.forward
+    vocab = model.config.vocab_size
+    causal = is_causal(model)
+
+    @functools.wraps(forward)
+    def wrapped(*args, labels=None, **kwargs):
+        out = forward(*args, **kwargs)
+        if labels is not None:
+            logits = out.logits
+            if causal:
+                labels = nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
+            # HF gradient accumulation (causal LMs' loss_function): sum / num_items_in_batch
+            n_items = kwargs.get("num_items_in_batch") if causal else None
+            out.loss = parallel_cross_entropy(
+                logits,
+                labels.to(logits.device),
+                mesh=mesh,
+                vocab_size=vocab,
+                reduction="mean" if n_items is None else "sum",
+            )
+            if n_items is not None:
+                out.loss = out.loss / n_items
+        return out
+
+    model.forward = wrapped
