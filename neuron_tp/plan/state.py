@@ -34,16 +34,10 @@ def local_parameters(config, tp: int, tp_mode: str = "1d", rank: int = 0, dtype=
     """The parameters (meta tensors, this rank's local shapes) of ``config``'s causal LM
     sharded for tensor-parallel rank ``rank`` of a ``tp``-way ``tp_mode`` mesh; tied
     parameters once."""
-    from transformers import AutoModelForCausalLM
+    from .trace import Spec, sharded_meta_model
 
-    from .. import hf
-    from ..hf.loading import _params_on_meta
-    from ..mesh import Mesh
-
-    with _params_on_meta():
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    mesh = Mesh.virtual(world_size=tp, rank=rank, tp=tp, tp_mode=tp_mode)
-    hf.parallelize(model, mesh, parallel_loss=tp > 1)
+    spec = Spec(tp=tp, tp_mode=tp_mode, bf16=dtype == torch.bfloat16)
+    model, _ = sharded_meta_model(config, spec, rank)
     return list({id(p): p for p in model.parameters()}.values())
 
 
