@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from .. import comm
+from ..errors import set_reporter
 from ..mesh import Mesh
 from .format import CheckpointError
 
@@ -71,7 +72,8 @@ def agree(mesh: Mesh, device: torch.device, what: str, error: BaseException | No
         return
     first = world.rank if mine is not None else min(failed)
     if world.size > 1 and len(failed) == world.size:  # e.g. a path no rank can write
-        raise CheckpointError(f"{what} failed on every rank: {failed[first]}") from error
+        exc = CheckpointError(f"{what} failed on every rank: {failed[first]}")
+        raise set_reporter(exc, world.ranks[min(failed)]) from error
     others = sorted(world.ranks[r] for r in set(failed) - {first})
     also = (
         f" (also failed on rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))})"
@@ -79,4 +81,4 @@ def agree(mesh: Mesh, device: torch.device, what: str, error: BaseException | No
         else ""
     )
     exc = CheckpointError(f"{what} failed on rank {world.ranks[first]}: {failed[first]}{also}")
-    raise exc from error
+    raise set_reporter(exc, world.ranks[min(failed)]) from error
