@@ -72,6 +72,7 @@ class Run:
     guard: NonFiniteGuard | None = None  # non-finite loss / grad norm: stop, or skip the step
     resumed_from: str | None = None  # never deleted by --keep-last during this run
     graph_checked: bool = False  # ranks compared their step graphs (XLA, first step)
+    data_fingerprint: dict | None = None  # recorded in checkpoints, compared on resume
 
 
 def setup(args: TrainConfig | argparse.Namespace, mesh: Mesh | None = None) -> Run:
