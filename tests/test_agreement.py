@@ -159,7 +159,7 @@ def test_differing_train_option_raises_on_every_rank(outcomes, option):
 def test_local_failure_is_raised_on_every_rank(outcomes):
     """A local failure on rank 1: it raises its own error, rank 0 stops with it quoted."""
     r = outcomes
-    assert r[1]["local failure"].startswith("ValueError") and "a.txt" in r[1]["local failure"]
+    assert r[1]["local failure"].startswith("UserError") and "a.txt" in r[1]["local failure"]
     assert r[0]["local failure"].startswith("RankMismatchError: neuron-tp train: rank 1 failed")
     assert "not UTF-8" in r[0]["local failure"]
 

@@ -473,3 +473,13 @@ def test_bad_tp_under_torchrun_is_one_line(tmp_path):
     assert len(ours.splitlines()) < 8, ours
     assert "<NO_OTHER_FAILURES>" in theirs and "exitcode  : 2" in theirs, theirs
     assert len(text.splitlines()) < 40, text
+
+
+def test_bad_data_is_one_line(tmp_path, capsys, monkeypatch):
+    from neuron_tp.cli import main
+
+    monkeypatch.delenv("NEURON_TP_DEBUG", raising=False)
+    argv = ["train", "--device", "cpu", "--steps", "1", "--output-dir", str(tmp_path / "o")]
+    assert main([*argv, "--data", str(tmp_path / "nodata")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"neuron-tp train: error: --data '{tmp_path / 'nodata'}' does not exist"], err
