@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from . import comm
+from .errors import UserError, set_reporter
 from .mesh import Group, get_mesh, init_mesh, set_default_mesh
 
 __all__ = [
@@ -40,7 +41,7 @@ ERROR_TEXT = 1000  # bytes of a failed rank's own error message
 SHOWN = 4  # differing sub-keys named per key
 
 
-class RankMismatchError(ValueError):
+class RankMismatchError(UserError):
     """Ranks of one job hold different options, models, data or weights (or one failed)."""
 
 
@@ -213,12 +214,15 @@ def check_agreement(
     if failed:
         msg = "" if error is None else f"{type(error).__name__}: {error}"
         texts = _gather(_encode([msg], ERROR_TEXT), group, device)
+        first = failed[0]  # the lowest failing rank reports its own error, once
         if error is not None:
-            raise error
-        first = failed[0]
-        raise RankMismatchError(
-            f"{what}: rank {_ranks(failed)} failed before the ranks could agree, so this rank "
-            f"stops too; rank {first}: {_decode(texts[first], 0, ERROR_TEXT)}"
+            raise set_reporter(error, first)
+        raise set_reporter(
+            RankMismatchError(
+                f"{what}: rank {_ranks(failed)} failed before the ranks could agree, so this "
+                f"rank stops too; rank {first}: {_decode(texts[first], 0, ERROR_TEXT)}"
+            ),
+            first,
         )
     if _splits(table[:, 1], everyone):
         raise RankMismatchError(

@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import difflib
+import os
 import sys
+import time
+
+from .errors import UserError, reporter
+
+COMMANDS = ("train", "generate", "serve", "consolidate", "plan")
 
 
 def _consolidate(argv: list[str]) -> int:
@@ -16,27 +23,57 @@ def _consolidate(argv: list[str]) -> int:
     args = p.parse_args(argv)
     from .checkpoint import consolidate
 
-    try:
-        out = consolidate(args.checkpoint, args.out_dir)
-    except ValueError as e:
-        print(f"neuron-tp consolidate: error: {e}", file=sys.stderr)
-        return 2
+    out = consolidate(args.checkpoint, args.out_dir)
     print(f"wrote {out}")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Dispatch to the sub-command; returns the exit status."""
+    """Dispatch to the sub-command; returns the exit status. A :class:`UserError` becomes one
+    line ``neuron-tp CMD: error: ...`` from one rank and status 2 (``NEURON_TP_DEBUG=1``:
+    the traceback instead)."""
     argv = sys.argv[1:] if argv is None else argv
-    commands = ("train", "generate", "serve", "consolidate", "plan")
-    if not argv or argv[0] not in commands:
-        print(
-            f"usage: neuron-tp {{{','.join(commands)}}} [options]  (-h after a command for "
-            "its options)",
-            file=sys.stderr,
-        )
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
-    cmd, rest = argv[0], argv[1:]
+    usage = (
+        f"usage: neuron-tp {{{','.join(COMMANDS)}}} [options]  (-h after a command for its options)"
+    )
+    if not argv or argv[0] not in COMMANDS:
+        if argv and argv[0] in ("-h", "--help"):
+            print(usage)
+            return 0
+        if argv:
+            near = difflib.get_close_matches(argv[0], COMMANDS, n=1)
+            hint = f"; did you mean {near[0]!r}?" if near else ""
+            print(
+                f"neuron-tp: error: unknown command {argv[0]!r}{hint} "
+                f"(commands: {', '.join(COMMANDS)})",
+                file=sys.stderr,
+            )
+        print(usage, file=sys.stderr)
+        return 2
+    try:
+        return _dispatch(argv[0], argv[1:])
+    except UserError as e:
+        if os.environ.get("NEURON_TP_DEBUG", "") not in ("", "0"):
+            raise
+        return user_error_exit(argv[0], e)
+
+
+def user_error_exit(cmd: str, error: UserError) -> int:
+    """Print ``error`` as one line on the rank that reports it (see
+    :func:`neuron_tp.errors.reporter`; rank 0 when none is recorded); return the status 2.
+
+    Under torchrun the other ranks wait a moment before they exit, so that the launcher sees
+    the reporting rank fail first, stops them and lists one failure instead of one per rank."""
+    rank = int(os.environ.get("RANK", "0"))
+    who = reporter(error)
+    if rank == (0 if who is None else who):
+        print(f"neuron-tp {cmd}: error: {error}", file=sys.stderr, flush=True)
+    elif os.environ.get("TORCHELASTIC_RUN_ID"):
+        time.sleep(3)
+    return 2
+
+
+def _dispatch(cmd: str, rest: list[str]) -> int:
     if cmd == "consolidate":
         return _consolidate(rest)
     if cmd == "plan":

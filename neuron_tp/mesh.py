@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from . import _xla
+from .errors import UserError
 
 TP_MODES = ("1d", "2d", "3d")
 
@@ -89,20 +90,31 @@ def _tp_axes(tp_mode: str, tp: int) -> dict[str, list[list[int]]]:
     return axes
 
 
+def _launch_hint(world_size: int, tp: int) -> str:
+    """How to start a job whose world size tp divides."""
+    if tp < 1:
+        return ""
+    return (
+        f" (this job has {world_size} rank{'s' if world_size > 1 else ''}: start a multiple "
+        f"of {tp} with `torchrun --nproc_per_node {tp} ...`, or on the CPU run all ranks in "
+        f"this one process with `--device xla --xla-cpu-devices {tp}`)"
+    )
+
+
 def _check_tp(world_size: int, tp: int, tp_mode: str) -> None:
     if tp_mode not in TP_MODES:
-        raise ValueError(f"tp_mode must be one of {TP_MODES}, got {tp_mode!r}")
+        raise UserError(f"tp_mode must be one of {TP_MODES}, got {tp_mode!r}")
     if tp < 1 or world_size % tp:
-        raise ValueError(
+        raise UserError(
             f"tp={tp} does not divide the world size {world_size}; valid tp degrees: "
-            f"{divisors(world_size)}"
+            f"{divisors(world_size)}" + _launch_hint(world_size, tp)
         )
     if tp_mode == "2d" and math.isqrt(tp) ** 2 != tp:
         valid = [d for d in divisors(world_size) if math.isqrt(d) ** 2 == d]
-        raise ValueError(f"tp_mode='2d' needs tp = q*q, got tp={tp}; valid: {valid}")
+        raise UserError(f"tp_mode='2d' needs tp = q*q, got tp={tp}; valid: {valid}")
     if tp_mode == "3d" and round(tp ** (1 / 3)) ** 3 != tp:
         valid = [d for d in divisors(world_size) if round(d ** (1 / 3)) ** 3 == d]
-        raise ValueError(f"tp_mode='3d' needs tp = q*q*q, got tp={tp}; valid: {valid}")
+        raise UserError(f"tp_mode='3d' needs tp = q*q*q, got tp={tp}; valid: {valid}")
 
 
 class Mesh:

@@ -7,10 +7,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from neuron_tp.train.args import generate_parser  # noqa: E402
+from neuron_tp.cli import main  # noqa: E402
 
 if __name__ == "__main__":
-    args = generate_parser().parse_args()
-    from neuron_tp.train.launch import generate_command
-
-    generate_command(args)
+    sys.exit(main(["generate", *sys.argv[1:]]))

@@ -159,7 +159,7 @@ def test_differing_train_option_raises_on_every_rank(outcomes, option):
 def test_local_failure_is_raised_on_every_rank(outcomes):
     """A local failure on rank 1: it raises its own error, rank 0 stops with it quoted."""
     r = outcomes
-    assert r[1]["local failure"].startswith("ValueError") and "a.txt" in r[1]["local failure"]
+    assert r[1]["local failure"].startswith("UserError") and "a.txt" in r[1]["local failure"]
     assert r[0]["local failure"].startswith("RankMismatchError: neuron-tp train: rank 1 failed")
     assert "not UTF-8" in r[0]["local failure"]
 
@@ -196,7 +196,7 @@ def test_generate_options(outcomes):
 
 def test_from_pretrained_with_a_truncated_file_on_one_rank(outcomes):
     trunc = outcomes[1]["from_pretrained truncated"]
-    assert trunc.startswith("ValueError") and "hf-truncated/model.safetensors" in trunc
+    assert trunc.startswith("UserError") and "hf-truncated/model.safetensors" in trunc
     assert "truncated" in trunc
     assert outcomes[0]["from_pretrained truncated"].startswith("RankMismatchError")
     assert "rank 1 failed" in outcomes[0]["from_pretrained truncated"]

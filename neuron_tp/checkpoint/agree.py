@@ -3,6 +3,12 @@
 A failure on one rank must not leave the others waiting in a collective the failing rank
 never reaches: each phase of a save, a load or the startup checks catches *any* exception,
 then every rank calls :func:`agree`, which raises on every rank when any rank failed.
+
+:func:`neuron_tp.agreement.check_agreement` (``error=``) does the same for the startup checks,
+but re-raises a failing rank's own exception where this wraps every rank's in one
+:class:`CheckpointError` naming the phase, and it cannot run on a trace-only mesh (this falls
+back to one all-reduce). Both record the lowest failing rank as the one that reports
+(:func:`neuron_tp.errors.set_reporter`).
 """
 
 from __future__ import annotations
@@ -10,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from .. import comm
+from ..errors import set_reporter
 from ..mesh import Mesh
 from .format import CheckpointError
 
@@ -71,7 +78,8 @@ def agree(mesh: Mesh, device: torch.device, what: str, error: BaseException | No
         return
     first = world.rank if mine is not None else min(failed)
     if world.size > 1 and len(failed) == world.size:  # e.g. a path no rank can write
-        raise CheckpointError(f"{what} failed on every rank: {failed[first]}") from error
+        exc = CheckpointError(f"{what} failed on every rank: {failed[first]}")
+        raise set_reporter(exc, world.ranks[min(failed)]) from error
     others = sorted(world.ranks[r] for r in set(failed) - {first})
     also = (
         f" (also failed on rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))})"
@@ -79,4 +87,4 @@ def agree(mesh: Mesh, device: torch.device, what: str, error: BaseException | No
         else ""
     )
     exc = CheckpointError(f"{what} failed on rank {world.ranks[first]}: {failed[first]}{also}")
-    raise exc from error
+    raise set_reporter(exc, world.ranks[min(failed)]) from error

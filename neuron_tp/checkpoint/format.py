@@ -15,6 +15,8 @@ import zlib
 
 import torch
 
+from ..errors import UserError
+
 FORMAT = "neuron_tp.checkpoint/2"  # /2: per-tensor checksums in every safetensors file
 # /3: a ZeRO-1 optimizer state sharded over dp (meta["optimizer"]["dp_shards"], one
 # optim-tp*-dp*.safetensors per rank); older readers refuse it instead of losing the state.
@@ -23,7 +25,7 @@ READABLE = ("neuron_tp.checkpoint/1", FORMAT, FORMAT_DP_SHARDED)
 STEP_RE = re.compile(r"^step-(\d{8})$")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError):
     """A checkpoint could not be written, read or verified (raised on every rank)."""
 
 

@@ -104,7 +104,9 @@ class Shards:
         return full
 
 
-def _check_model(meta: dict, model: torch.nn.Module, path: str) -> None:
+def check_model(meta: dict, model: torch.nn.Module, path: str) -> None:
+    """:class:`CheckpointError` unless checkpoint ``path`` (metadata ``meta``) holds the
+    parameters of ``model``: the same names and logical (unsharded) shapes."""
     saved = meta["params"]
     names = {n: (p, m) for n, p, m in named_parameter_meta(model)}
     missing, unexpected = sorted(set(names) - set(saved)), sorted(set(saved) - set(names))
@@ -221,7 +223,7 @@ def _tuples(x):
 
 def _stage(path: str, model, optimizer, scheduler, mesh: Mesh, restore_rng: bool) -> Staged:
     meta = read_meta(path)
-    _check_model(meta, model, path)
+    check_model(meta, model, path)
     params, optim, zero1 = _read_tensors(path, meta, model, optimizer, mesh)
     if scheduler is not None and meta.get("scheduler") is not None:
         try:  # on a shallow copy: the scheduler itself is not touched

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from .. import comm, regions
+from ..errors import UserError
 from ..layers.activation_layout import SHARDED_FEATURES
 from ..mesh import Mesh, divisors, valid_tp_degrees
 
@@ -43,7 +44,7 @@ def model_heads(config) -> Heads | None:
 def check_heads(heads: Heads, tp: int, world_size: int, where: str) -> None:
     """Refuse query heads that tp does not split evenly (before any collective)."""
     if heads.q % tp:
-        raise ValueError(
+        raise UserError(
             f"{where}: num_attention_heads={heads.q} cannot be split over tp={tp} (each rank "
             f"must own whole query heads); tp degrees that work with world size {world_size}: "
             f"{valid_tp_degrees(world_size, heads.q)}"
@@ -121,7 +122,7 @@ def patch_attention_module(attn: nn.Module, heads: Heads, tp: int, slots_per_ran
     local_q = heads.q // tp
     impl = getattr(getattr(attn, "config", None), "_attn_implementation", None)
     if impl not in SUPPORTED_ATTN:
-        raise ValueError(
+        raise UserError(
             f"{type(attn).__name__}: attention implementation {impl!r} is not "
             f"supported under tensor parallelism; use 'sdpa' or 'eager'"
         )

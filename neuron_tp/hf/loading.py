@@ -5,11 +5,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import threading
 import zlib
 
 import torch
 from torch import nn
 
+from ..errors import UserError
 from ..mesh import Mesh, get_mesh
 from ..sharding import Sharding, gather_full, get_param_meta, named_parameter_meta, shard_of
 from .parallelize import parallelize
@@ -57,29 +59,35 @@ def save_pretrained(model: nn.Module, out_dir: str, mesh: Mesh | None = None) ->
         )
 
 
+# Held while nn.Module.register_parameter is patched: the ranks of --xla-cpu-devices are threads
+# of one process, and a second builder would save (then restore) the first one's patch.
+META_LOCK = threading.RLock()
+
+
 @contextlib.contextmanager
 def _params_on_meta():
     """Create parameters on the meta device (buffers stay real: rotary tables, position ids)."""
-    original = nn.Module.register_parameter
+    with META_LOCK:  # the patch is process-wide: one builder at a time (rank threads)
+        original = nn.Module.register_parameter
 
-    def register(self, name, param):
-        original(self, name, param)
-        if param is not None and param.device.type != "meta":
-            p = self._parameters[name]
-            self._parameters[name] = nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
+        def register(self, name, param):
+            original(self, name, param)
+            if param is not None and param.device.type != "meta":
+                p = self._parameters[name]
+                self._parameters[name] = nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
 
-    nn.Module.register_parameter = register
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = original
+        nn.Module.register_parameter = register
+        try:
+            yield
+        finally:
+            nn.Module.register_parameter = original
 
 
 def check_model_dir(path: str) -> None:
     """ValueError saying what ``path`` is instead, unless it is a local HF model directory."""
     if not os.path.isdir(path):
         what = "a file" if os.path.exists(path) else "does not exist"
-        raise ValueError(
+        raise UserError(
             f"model {path!r}: {what}; neuron_tp loads a local HuggingFace model "
             "directory (config.json + *.safetensors; download it first, e.g. "
             "`huggingface-cli download ORG/NAME --local-dir DIR`)"
@@ -88,13 +96,13 @@ def check_model_dir(path: str) -> None:
         if os.path.exists(os.path.join(path, "meta.json")) or os.path.isdir(
             os.path.join(path, "checkpoints")
         ):
-            raise ValueError(
+            raise UserError(
                 f"model {path!r} is a neuron_tp training checkpoint, not a "
                 "HuggingFace model directory: resume it with --resume PATH, "
                 "generate from it with `neuron-tp generate --model PATH`, or "
                 "convert it with `neuron-tp consolidate PATH OUT`"
             )
-        raise ValueError(
+        raise UserError(
             f"model {path!r}: no config.json; pass a HuggingFace model directory "
             "(config.json + *.safetensors)"
         )
@@ -109,7 +117,7 @@ def _open_safetensors(file: str):
         return safe_open(file, "pt")
     except Exception as e:  # noqa: BLE001 - SafetensorError, OSError: one clear message
         size = os.path.getsize(file) if os.path.exists(file) else None
-        raise ValueError(
+        raise UserError(
             f"{file}: unreadable safetensors file ({size} bytes: {e}); it is "
             "missing, truncated (an interrupted download or copy?) or corrupt: "
             "copy or download it again"
@@ -150,14 +158,14 @@ def _checkpoint_files(path: str) -> dict[str, str]:
             with open(index) as f:
                 wmap = json.load(f)["weight_map"]
         except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ValueError(
+            raise UserError(
                 f"{index}: unreadable safetensors index ({e!r}); it needs a "
                 "'weight_map' of tensor name -> file"
             ) from None
         return {k: os.path.join(path, v) for k, v in wmap.items()}
     single = os.path.join(path, "model.safetensors")
     if not os.path.exists(single):
-        raise ValueError(f"{path}: no model.safetensors or model.safetensors.index.json")
+        raise UserError(f"{path}: no model.safetensors or model.safetensors.index.json")
     with _open_safetensors(single) as f:
         return {k: single for k in f.keys()}
 
@@ -198,7 +206,7 @@ def read_block(sl, shape: tuple[int, ...], sharding: Sharding | None, mesh: Mesh
     if sharding is None:
         return sl[:]
     if tuple(shape) != tuple(sharding.full_shape):
-        raise ValueError(
+        raise UserError(
             f"{name}: checkpoint tensor has shape {tuple(shape)}, the model's parameter "
             f"{tuple(sharding.full_shape)} (a checkpoint of another model or config?)"
         )
@@ -277,7 +285,7 @@ def from_pretrained(
                 if p.device.type != "meta":
                     continue
                 if name not in files:
-                    raise ValueError(f"{path}: checkpoint has no tensor {name!r}")
+                    raise UserError(f"{path}: checkpoint has no tensor {name!r}")
                 if files[name] not in handles:
                     handles[files[name]] = _open_safetensors(files[name])
                 sl = handles[files[name]].get_slice(name)

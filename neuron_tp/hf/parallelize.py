@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from ..errors import UserError
 from ..mesh import Mesh, get_mesh
 from ..sharding import (
     copy_param_meta,
@@ -127,7 +128,7 @@ def _validate(
     exactly (nothing is built or changed)."""
     impl = getattr(model.config, "_attn_implementation", None)
     if impl not in SUPPORTED_ATTN:
-        raise ValueError(
+        raise UserError(
             f"{type(model).__name__}: attention implementation {impl!r} is not "
             "supported under tensor parallelism; load with attn_implementation="
             "'sdpa' or 'eager'"
@@ -373,7 +374,7 @@ def _guard_meta(model: nn.Module) -> None:
     def check(module, args, kwargs):
         left = [n for n, p in module.named_parameters() if p.is_meta]
         if left:
-            raise ValueError(
+            raise UserError(
                 f"{type(module).__name__}: {len(left)} parameters (e.g. {left[0]}) are still on "
                 "the meta device: the model was parallelized without weights. Load them first: "
                 "neuron_tp.from_pretrained(path, mesh) reads each rank's slices of a HF "

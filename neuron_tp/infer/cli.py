@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import time
 
+from ..errors import UserError
 from ..sharding import move_to
 from ..train.config import GenerateConfig
 from .generate import Generator, Sampling
@@ -39,7 +40,7 @@ def run_cli(args: GenerateConfig | argparse.Namespace) -> list[str]:
 
             prompts += [ln for ln in read_text(config.prompts_file).split("\n") if ln.strip()]
         if not prompts:
-            raise ValueError("no prompts: pass --prompt TEXT (repeatable) or --prompts-file FILE")
+            raise UserError("no prompts: pass --prompt TEXT (repeatable) or --prompts-file FILE")
         values = config.option_values()
         values.update({"prompts": prompts, "library versions": agreement.versions()})
     except Exception as e:  # noqa: BLE001 - re-raised on this rank by check_agreement

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import UserError
 from .replay import ReplayedStep
 
 CACHE_ROUND = 128  # the cache holds max(buckets) + new tokens rounded up to this
@@ -62,6 +63,27 @@ def pick_bucket(length: int, buckets: Sequence[int], what: str = "prompt") -> in
 
 def cache_length(buckets: Sequence[int], max_new_tokens: int) -> int:
     return max(buckets) + -(-max_new_tokens // CACHE_ROUND) * CACHE_ROUND
+
+
+def cache_too_long(buckets: Sequence[int], max_new_tokens: int, limit: int) -> str:
+    """What to pass instead when the KV cache of ``buckets`` + ``max_new_tokens`` exceeds the
+    model's ``max_position_embeddings`` ``limit``."""
+    total, new = cache_length(buckets, max_new_tokens), cache_length([0], max_new_tokens)
+    fixes = []
+    if limit - max(buckets) >= CACHE_ROUND:
+        fixes.append(f"--max-new-tokens {(limit - max(buckets)) // CACHE_ROUND * CACHE_ROUND}")
+    if limit - new >= 1:
+        fixes.append(f"--buckets with the largest at most {limit - new}")
+    how = (
+        " or ".join(fixes)
+        if fixes
+        else f"a model with more positions (the cache grows in steps of {CACHE_ROUND})"
+    )
+    return (
+        f"the KV cache of {total} positions (largest bucket {max(buckets)} + --max-new-tokens "
+        f"{max_new_tokens} rounded up to {CACHE_ROUND}) exceeds the model's "
+        f"max_position_embeddings={limit}: pass {how}"
+    )
 
 
 def attention_mask_4d(pad_mask: torch.Tensor, cache_pos: torch.Tensor) -> torch.Tensor:
@@ -114,10 +136,7 @@ class Generator:
         self.total = cache_length(self.buckets, max_new_tokens)
         limit = getattr(model.config, "max_position_embeddings", None)
         if limit is not None and self.total > limit:
-            raise ValueError(
-                f"cache of {self.total} positions (largest bucket + new tokens rounded up "
-                f"to {CACHE_ROUND}) exceeds max_position_embeddings={limit}"
-            )
+            raise UserError(cache_too_long(self.buckets, max_new_tokens, limit))
         self.device = next(model.parameters()).device
         _check_cache(model.config, self.total)
         self.replay = replay and self.device.type == "xla"

@@ -8,6 +8,7 @@ import os
 
 import torch
 
+from ..errors import UserError
 from ..train.config import GenerateConfig
 
 
@@ -15,12 +16,33 @@ def checkpoint_path(path: str) -> str | None:
     """The neuron_tp checkpoint ``path`` names: a step directory, or the newest one under a
     run's output (or checkpoints) directory; None when ``path`` is not one (e.g. a HF dir)."""
     from .. import checkpoint
+    from ..checkpoint.format import step_dirs
 
     if not os.path.isdir(path) or os.path.exists(os.path.join(path, "config.json")):
         return None
     if os.path.exists(os.path.join(path, "meta.json")):
         return path
-    return checkpoint.latest(path) or checkpoint.latest(os.path.join(path, "checkpoints"))
+    found = checkpoint.latest(path) or checkpoint.latest(os.path.join(path, "checkpoints"))
+    root = os.path.join(path, "checkpoints")
+    if found is None and (os.path.isdir(root) or step_dirs(path)):
+        raise UserError(
+            f"{path}: a training run with no complete checkpoint yet (none under {root}); "
+            "a run saves one every --save-every steps and at its end: wait for the first "
+            "save, or train with --save-every N"
+        )
+    return found
+
+
+def skipped_checkpoints(path: str, chosen: str) -> list[str]:
+    """Step directories next to ``chosen`` (the checkpoint ``--model path`` resolved to) that
+    are newer but incomplete (no meta.json: a save cut short), skipped by the resolution."""
+    from ..checkpoint.format import STEP_RE, step_dirs, step_name
+
+    root, name = os.path.split(chosen.rstrip("/"))
+    if os.path.normpath(chosen) == os.path.normpath(path):
+        return []  # a step directory named explicitly
+    step = int(STEP_RE.match(name).group(1))
+    return [os.path.join(root, step_name(s)) for s in step_dirs(root) if s > step]
 
 
 def load_checkpoint_model(path: str, mesh, dtype: torch.dtype = torch.float32):
@@ -36,7 +58,7 @@ def load_checkpoint_model(path: str, mesh, dtype: torch.dtype = torch.float32):
     recorded = meta.get("model") or {}
     cfg = recorded.get("config") or {}
     if cfg.get("model_type") not in CONFIG_MAPPING:
-        raise ValueError(
+        raise UserError(
             f"{path}: the checkpoint records no transformers model config "
             f"(model_type {cfg.get('model_type')!r}); generation needs a checkpoint "
             "of a transformers causal LM"
@@ -45,7 +67,7 @@ def load_checkpoint_model(path: str, mesh, dtype: torch.dtype = torch.float32):
     with _params_on_meta():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     if recorded.get("class") not in (None, type(model).__name__):
-        raise ValueError(
+        raise UserError(
             f"{path}: a checkpoint of {recorded['class']}, not of a causal LM "
             f"({type(model).__name__}); generation needs a causal LM"
         )
@@ -78,7 +100,7 @@ def load_for_generation(args: GenerateConfig | argparse.Namespace, mesh):
     tok = load_tokenizer(config.tokenizer)
     dtype = torch.bfloat16 if config.dtype == "bfloat16" else torch.float32
     if not is_preset(config.model) and not os.path.exists(config.model):
-        raise ValueError(
+        raise UserError(
             f"--model {config.model!r} is neither a preset ({', '.join(PRESETS)}) "
             "nor a local directory (a HuggingFace model or a neuron_tp checkpoint)"
         )
@@ -89,6 +111,10 @@ def load_for_generation(args: GenerateConfig | argparse.Namespace, mesh):
             full = build_model(config.model, vocab_size(tok), config.seed, dtype)
         model = hf.parallelize(full, mesh)
     elif (ckpt := checkpoint_path(config.model)) is not None:
+        if mesh.rank == 0:
+            skipped = skipped_checkpoints(config.model, ckpt)
+            also = f" (skipped the incomplete newer {', '.join(skipped)})" if skipped else ""
+            print(f"loading checkpoint {ckpt}{also}", flush=True)
         model = load_checkpoint_model(ckpt, mesh, dtype)
     else:
         model = hf.from_pretrained(config.model, mesh, torch_dtype=dtype)

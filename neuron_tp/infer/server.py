@@ -20,6 +20,7 @@ import time
 import uuid
 from typing import Any
 
+from ..errors import UserError
 from .engine import Engine, NotReady
 from .generate import Sampling
 
@@ -295,7 +296,7 @@ def serve(config, stop: threading.Event | None = None) -> None:
     error, values = None, {}
     try:  # local checks; a failure here is shared with every rank by check_agreement
         if world.size != config.tp:
-            raise ValueError(
+            raise UserError(
                 f"neuron-tp serve runs one server over its tp ranks: launch exactly --tp "
                 f"{config.tp} processes, got {world.size}"
             )

@@ -2,7 +2,9 @@
 
 Before training every rank together claims ``--output-dir`` (:func:`claim_output`): writable,
 this job's lock taken, the resume source chosen (:func:`resume_source`) and the planned
-checkpoints checked against those already there. During training :func:`save` writes one after
+checkpoints checked against those already there; a resume source of another model is refused,
+one of other training data too unless ``--resume`` names it (:func:`check_resume_source`: the
+data fingerprint every checkpoint records). During training :func:`save` writes one after
 each ``--save-every`` step (:func:`periodic_save_due`) and :func:`save_at_end` the final one;
 none is written after a non-finite step (:func:`check_finite`).
 """
@@ -14,6 +16,7 @@ import os
 from typing import TYPE_CHECKING
 
 from .. import checkpoint
+from ..errors import UserError
 from .config import TrainConfig
 from .graphs import extract_graphs_only
 
@@ -34,7 +37,7 @@ def resume_source(config: TrainConfig) -> str | None:
     if config.resume == "none":
         existing = checkpoint.latest(checkpoint_root(config))
         if existing is not None:  # refuse now rather than at the first colliding save
-            raise ValueError(
+            raise UserError(
                 f"--resume none but {existing} exists; checkpoints are never "
                 "overwritten: use --resume auto or another --output-dir"
             )
@@ -42,7 +45,7 @@ def resume_source(config: TrainConfig) -> str | None:
     if config.resume == "auto":
         return checkpoint.latest(checkpoint_root(config))
     if not os.path.isdir(config.resume):
-        raise ValueError(
+        raise UserError(
             f"--resume {config.resume!r}: not a checkpoint directory (or use auto/none)"
         )
     return config.resume
@@ -65,7 +68,7 @@ def claim_output(run: Run, say: Printer) -> OutputLock | None:
                 say(f"warning: {note}")
         if not extract_graphs_only():
             run.resumed_from = resume_source(config)
-            start = checkpoint.read_meta(run.resumed_from)["step"] if run.resumed_from else 0
+            start = check_resume_source(run, say) if run.resumed_from else 0
             outdir.check_resume_plan(root, run.resumed_from, start, config.steps, config.save_every)
     except Exception as e:  # noqa: BLE001 - every rank learns about it, none trains
         error = e
@@ -77,6 +80,57 @@ def claim_output(run: Run, say: Printer) -> OutputLock | None:
             lock.release()
         raise
     return lock
+
+
+DATA_KEY = "training data"  # checkpoint meta["extra"]: what the run trained on
+
+
+def data_fingerprint(run: Run) -> dict | None:
+    """The run's training tokens in brief (sequences, CRC-32), computed once per run."""
+    if run.data_fingerprint is None and getattr(run.data, "chunks", None) is not None:
+        from ..agreement import tensor_checksum
+
+        chunks = run.data.chunks
+        run.data_fingerprint = {"sequences": len(chunks), "checksum": tensor_checksum(chunks)}
+    return run.data_fingerprint
+
+
+def check_resume_source(run: Run, say: Printer) -> int:
+    """The step of ``run.resumed_from`` after checking it is a checkpoint of this model
+    (UserError otherwise) and of this run's training data: other data is refused when the
+    checkpoint was found by ``--resume auto``, a warning when ``--resume`` names it."""
+    from ..checkpoint.reader import check_model
+
+    path, config = run.resumed_from, run.config
+    meta = checkpoint.read_meta(path)
+    auto = config.resume == "auto"
+    try:
+        check_model(meta, run.model, path)
+    except checkpoint.CheckpointError as e:
+        where = (
+            f"--output-dir {config.output_dir} holds checkpoints of another model"
+            if auto
+            else f"--resume {path} is a checkpoint of another model"
+        )
+        raise UserError(
+            f"{where} than --model {config.model} ({e}); train this model into a new "
+            "--output-dir (--resume none refuses to write next to existing checkpoints), "
+            "or resume that run with its own --model"
+        ) from None
+    recorded = (meta.get("extra") or {}).get(DATA_KEY)
+    now = data_fingerprint(run)
+    if recorded is not None and now is not None and recorded != now:
+        change = (
+            f"{recorded['sequences']} sequences of {config.seq_len} tokens, checksum "
+            f"{recorded['checksum']} then; {now['sequences']}, checksum {now['checksum']} now"
+        )
+        if auto:
+            raise UserError(
+                f"the training data changed since {path} was saved ({change}): to continue "
+                f"on the new data pass --resume {path}; to start over, a new --output-dir"
+            )
+        say(f"warning: resuming {path} with other training data than it was saved with ({change})")
+    return meta["step"]
 
 
 def _check_shared(run: Run, lock: OutputLock | None) -> None:
@@ -143,6 +197,7 @@ def save(run: Run) -> str:
         run.step,
         mesh=run.mesh,
         data_state=run.data.state_dict(),
+        extra={DATA_KEY: data_fingerprint(run)},
         keep_last=run.config.keep_last,
         protect=[run.resumed_from] if run.resumed_from else (),
     )

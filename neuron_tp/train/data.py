@@ -10,6 +10,8 @@ import os
 
 import torch
 
+from ..errors import UserError
+
 
 class ByteTokenizer:
     """UTF-8 bytes as tokens 0..255 plus an end-of-text token 256 (vocabulary 257)."""
@@ -30,7 +32,7 @@ def load_tokenizer(path: str | None):
     if path is None:
         return ByteTokenizer()
     if not os.path.isdir(path):
-        raise ValueError(
+        raise UserError(
             f"--tokenizer {path!r} is not a directory; pass a local HF tokenizer "
             "directory or omit it for the byte-level tokenizer"
         )
@@ -50,10 +52,10 @@ def data_files(path: str) -> list[str]:
     elif os.path.isdir(path):
         files = sorted(os.path.join(d, f) for d, _, names in os.walk(path) for f in names)
     else:
-        raise ValueError(f"--data {path!r} does not exist")
+        raise UserError(f"--data {path!r} does not exist")
     files = [f for f in files if f.endswith((".txt", ".jsonl"))]
     if not files:
-        raise ValueError(f"--data {path!r}: no .txt or .jsonl files")
+        raise UserError(f"--data {path!r}: no .txt or .jsonl files")
     return files
 
 
@@ -66,7 +68,7 @@ def read_text(f: str) -> str:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         line = raw.count(b"\n", 0, e.start) + 1
-        raise ValueError(
+        raise UserError(
             f"{f}: not UTF-8 text: byte {e.start} (line {line}) is "
             f"{raw[e.start : e.start + 1]!r} ({e.reason}); convert the file to UTF-8 "
             f"(e.g. iconv -f latin1 -t utf-8) or leave it out"
@@ -88,7 +90,7 @@ def read_documents(path: str) -> list[str]:
             try:
                 docs.append(json.loads(line)["text"])
             except (json.JSONDecodeError, KeyError, TypeError):
-                raise ValueError(f"{f}:{n}: expected a JSON object with a 'text' field") from None
+                raise UserError(f"{f}:{n}: expected a JSON object with a 'text' field") from None
     return docs
 
 
@@ -122,7 +124,7 @@ class PackedData:
         self.global_batch = micro_batch * dp_size
         self.batches_per_epoch = n // self.global_batch
         if self.batches_per_epoch == 0:
-            raise ValueError(
+            raise UserError(
                 f"{path}: {len(ids)} tokens make {n} sequences of {seq_len}, fewer "
                 f"than one global batch ({self.global_batch} = micro_batch x dp); "
                 "use more data or a smaller --seq-len / --micro-batch"
@@ -156,7 +158,7 @@ class PackedData:
     def load_state_dict(self, state: dict) -> None:
         for key in ("seed", "seq_len", "global_batch"):
             if state.get(key) != getattr(self, key):
-                raise ValueError(
+                raise UserError(
                     f"checkpoint data position was recorded with {key}="
                     f"{state.get(key)}, this run has {getattr(self, key)}; "
                     "resume with the same --seed/--seq-len/--micro-batch x dp"

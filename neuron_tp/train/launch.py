@@ -14,6 +14,7 @@ import sys
 import threading
 from collections.abc import Callable
 
+from ..errors import UserError, set_reporter
 from .config import GenerateConfig, ServeConfig, TrainConfig
 from .presets import preload
 
@@ -24,14 +25,14 @@ def run_on_xla_cpu_devices(n: int, fn: Callable, *args) -> None:
     Must run before torch-xla's runtime starts in this process (no XLA tensor created yet).
     """
     if n < 1:
-        raise ValueError(f"--xla-cpu-devices must be >= 1, got {n}")
+        raise UserError(f"--xla-cpu-devices must be >= 1, got {n}")
     if os.environ.get("WORLD_SIZE", "1") != "1":
-        raise ValueError(
+        raise UserError(
             "--xla-cpu-devices runs all ranks in this one process: do not launch "
             "it with torchrun (WORLD_SIZE is set)"
         )
     if os.environ.get("PJRT_DEVICE", "CPU").upper() != "CPU":
-        raise ValueError(
+        raise UserError(
             f"--xla-cpu-devices needs PJRT_DEVICE=CPU, got "
             f"{os.environ['PJRT_DEVICE']!r}; on NeuronCores launch with torchrun"
         )
@@ -63,8 +64,12 @@ def _command(config: TrainConfig | GenerateConfig | ServeConfig, fn: Callable) -
         fn(config)
         return
     if config.device != "xla":
-        raise ValueError("--xla-cpu-devices runs the XLA path: use it with --device xla")
-    run_on_xla_cpu_devices(config.xla_cpu_devices, fn, config)
+        raise UserError("--xla-cpu-devices runs the XLA path: use it with --device xla")
+    try:
+        run_on_xla_cpu_devices(config.xla_cpu_devices, fn, config)
+    except UserError as e:  # one rank's error, raised here: this process reports it
+        set_reporter(e, None)
+        raise
 
 
 def train_command(args: argparse.Namespace | TrainConfig) -> None:
@@ -74,7 +79,7 @@ def train_command(args: argparse.Namespace | TrainConfig) -> None:
 
     config = TrainConfig.from_args(args)
     if config.global_batch and config.plan != "auto":
-        raise ValueError(
+        raise UserError(
             "--global-batch is read by --plan auto only; without it the global batch is "
             "--micro-batch x --grad-accum x dp"
         )

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import comm
+from ..errors import UserError
 from ..grads import (
     allreduce_data_parallel_grads,
     clip_grad_norm_,
@@ -71,6 +72,7 @@ class Run:
     guard: NonFiniteGuard | None = None  # non-finite loss / grad norm: stop, or skip the step
     resumed_from: str | None = None  # never deleted by --keep-last during this run
     graph_checked: bool = False  # ranks compared their step graphs (XLA, first step)
+    data_fingerprint: dict | None = None  # recorded in checkpoints, compared on resume
 
 
 def setup(args: TrainConfig | argparse.Namespace, mesh: Mesh | None = None) -> Run:
@@ -91,12 +93,12 @@ def setup(args: TrainConfig | argparse.Namespace, mesh: Mesh | None = None) -> R
         with BUILD_LOCK:
             preload(config.model)
         if config.seq_len % config.tp and config.sequence_parallel:
-            raise ValueError(
+            raise UserError(
                 f"--sequence-parallel needs --seq-len divisible by --tp "
                 f"({config.seq_len} % {config.tp} != 0)"
             )
         if config.tp_mode != "1d" and config.sequence_parallel:
-            raise ValueError(
+            raise UserError(
                 f"--sequence-parallel is a --tp-mode 1d option: --tp-mode {config.tp_mode} "
                 "already splits the batch (and the features) over the grid; drop "
                 "--sequence-parallel"
@@ -120,7 +122,7 @@ def setup(args: TrainConfig | argparse.Namespace, mesh: Mesh | None = None) -> R
             import importlib.util
 
             if importlib.util.find_spec("tensorboard") is None:
-                raise ValueError(
+                raise UserError(
                     "--tensorboard needs the tensorboard package (pip install tensorboard)"
                 )
         tokenizer = load_tokenizer(config.tokenizer)
@@ -176,7 +178,7 @@ def setup(args: TrainConfig | argparse.Namespace, mesh: Mesh | None = None) -> R
         if config.lora_r:
             lora.frozen_check(model)
         if model.config.vocab_size < vocab_size(tokenizer):
-            raise ValueError(
+            raise UserError(
                 f"model vocabulary {model.config.vocab_size} < tokenizer vocabulary "
                 f"{vocab_size(tokenizer)}; pass the model's own --tokenizer"
             )

@@ -6,6 +6,8 @@ import os
 
 import torch
 
+from ..errors import UserError
+
 PRESETS = {
     "tiny-llama": dict(
         model_type="llama",
@@ -44,7 +46,7 @@ def model_config(name: str, vocab_size: int):
         return cfg
     if os.path.isdir(name):
         return AutoConfig.from_pretrained(name)
-    raise ValueError(
+    raise UserError(
         f"--model {name!r} is neither a preset ({', '.join(PRESETS)}) nor a local model directory"
     )
 

@@ -9,6 +9,8 @@ import threading
 
 import torch
 
+from ..errors import UserError
+
 # Ranks may be threads of one process (--xla-cpu-devices): the global RNG is shared by them.
 # Hold this while seeding the global RNG and drawing a model's initial weights from it.
 BUILD_LOCK = threading.Lock()
@@ -29,7 +31,7 @@ def refuse_xla_ranks_off_neuron(device: str) -> None:
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if device == "xla" and world > 1 and not _xla.on_neuron():
-        raise ValueError(
+        raise UserError(
             f"--device xla with {world} ranks needs NeuronCores: off Neuron the "
             "XLA CPU device runs one rank only; use --device cpu (gloo) for a "
             "multi-rank CPU run"

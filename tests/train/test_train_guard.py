@@ -126,6 +126,23 @@ def _job(tmp: str) -> None:
     res["kp_resumed"] = _run(
         mesh, f"{tmp}/kp", "--steps", "7", "--save-every", "1", "--keep-last", "1"
     )
+    # the output dir of another model; of other training data (refused unless --resume
+    # names the checkpoint: then a warning)
+    res["other_model"] = _run(mesh, f"{tmp}/kp", "--steps", "9", "--model", f"{tmp}/other")
+    res["other_data"] = _run(mesh, f"{tmp}/kp", "--steps", "9", "--data", f"{tmp}/data2")
+    notes = []
+    res["other_data_named"] = _run(
+        mesh,
+        f"{tmp}/kp",
+        "--steps",
+        "8",
+        "--data",
+        f"{tmp}/data2",
+        "--resume",
+        f"{tmp}/kp/checkpoints/step-00000007",
+        printer=lambda *a, **k: notes.append(" ".join(map(str, a))),
+    )
+    res["other_data_named"]["notes"] = notes
     # output directories that cannot work
     res["out_file"] = _run(mesh, f"{tmp}/afile", "--steps", "2")
     res["out_readonly"] = _run(mesh, "/sys/neuron-tp-test-out", "--steps", "2")
@@ -218,6 +235,15 @@ def test_resume_plan_output_dir_lock_and_nonfinite(tmp_path):
             {"pid": dead.pid, "host": socket.gethostname(), "started": "earlier", "token": "old"}
         )
     )
+    from transformers import AutoModelForCausalLM
+
+    from neuron_tp.train.presets import model_config
+
+    other = model_config("tiny-llama", 257)
+    other.intermediate_size *= 2
+    AutoModelForCausalLM.from_config(other).save_pretrained(tmp_path / "other")
+    (tmp_path / "data2").mkdir()
+    (tmp_path / "data2" / "x.txt").write_text("other words for another run. " * 200)
     try:
         gloo_dist.run(_job, str(tmp_path), world_size=2, timeout=180)
     finally:
@@ -237,6 +263,15 @@ def test_resume_plan_output_dir_lock_and_nonfinite(tmp_path):
         assert res["kp_first"]["ckpts"] == ["step-00000004"]  # the summary lists what exists
         assert res["kp_resumed"]["steps"] == [5, 6, 7]
         assert res["kp_resumed"]["listing"] == ["step-00000004", "step-00000007"]
+        o = res["other_model"]
+        assert o["raised"] == "CheckpointError" and o["steps"] == [], o  # a UserError
+        assert "kp holds checkpoints of another model than --model" in o["msg"], o
+        assert "new --output-dir" in o["msg"] and "mlp.gate_proj.weight" in o["msg"], o
+        d = res["other_data"]
+        assert d["raised"] == "CheckpointError" and d["steps"] == [], d
+        assert "the training data changed since" in d["msg"], d
+        assert "pass --resume " + f"{tmp_path}/kp/checkpoints/step-00000007" in d["msg"], d
+        assert res["other_data_named"]["steps"] == [8], res["other_data_named"]
         for name, text in (
             ("out_file", "failed on every rank: /tmp/"),
             ("out_file", "afile is a file, not a directory"),
@@ -260,6 +295,10 @@ def test_resume_plan_output_dir_lock_and_nonfinite(tmp_path):
     assert any(
         "took over the stale lock" in n and f"pid {dead.pid}" in n for n in r0["stale"]["notes"]
     ), r0["stale"]["notes"]
+    assert any(
+        "warning: resuming" in n and "with other training data" in n
+        for n in r0["other_data_named"]["notes"]
+    ), r0["other_data_named"]["notes"]
     skip = r0["nf_skip"]
     assert skip["raised"] is None and skip["ckpts"] == ["step-00000006"], skip
     assert [e["skipped_steps"] for e in skip["log"]] == [0, 0, 1, 1, 1, 1]
