@@ -63,13 +63,18 @@ def user_error_exit(cmd: str, error: UserError) -> int:
     :func:`neuron_tp.errors.reporter`; rank 0 when none is recorded); return the status 2.
 
     Under torchrun the other ranks wait a moment before they exit, so that the launcher sees
-    the reporting rank fail first, stops them and lists one failure instead of one per rank."""
+    the reporting rank fail first, stops them and lists one failure instead of one per rank.
+    A rank whose error no agreement attributed (it may be the only rank that failed) prints it
+    after that wait, naming itself, if the launcher has not stopped it by then: an error is
+    never lost."""
     rank = int(os.environ.get("RANK", "0"))
     who = reporter(error)
     if rank == (0 if who is None else who):
         print(f"neuron-tp {cmd}: error: {error}", file=sys.stderr, flush=True)
     elif os.environ.get("TORCHELASTIC_RUN_ID"):
         time.sleep(3)
+        if who is None:
+            print(f"neuron-tp {cmd}: error (rank {rank}): {error}", file=sys.stderr, flush=True)
     return 2
 
 

@@ -483,3 +483,29 @@ def test_bad_data_is_one_line(tmp_path, capsys, monkeypatch):
     assert main([*argv, "--data", str(tmp_path / "nodata")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"neuron-tp train: error: --data '{tmp_path / 'nodata'}' does not exist"], err
+
+
+def test_error_of_one_rank_alone_under_torchrun_is_printed(tmp_path):
+    """A user error that only rank 1 hit, outside any agreement (rank 0 would wait in its next
+    collective): rank 1 prints it, naming itself, and torchrun then stops rank 0."""
+    script = tmp_path / "one_rank.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "from neuron_tp.cli import user_error_exit\n"
+        "from neuron_tp.errors import UserError\n"
+        "if os.environ['RANK'] == '1':\n"
+        "    sys.exit(user_error_exit('train', UserError('only rank 1 failed')))\n"
+        "time.sleep(60)\n"
+    )
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    start = time.monotonic()
+    proc = subprocess.run(
+        [torchrun, "--nproc_per_node", "2", str(script)],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    text = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and time.monotonic() - start < 50, text
+    assert text.count("neuron-tp train: error (rank 1): only rank 1 failed") == 1, text
