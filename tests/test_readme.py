@@ -98,8 +98,9 @@ def test_python_block_runs(case, workdir):
 SCRIPTS = {"scripts/train.py": "train", "scripts/generate.py": "generate"}
 
 
-class _Checked(Exception):
-    """Raised by the stand-ins of the commands' work: the options parsed."""
+class _Checked(BaseException):
+    """Raised by the stand-ins of the commands' work: the options parsed (a BaseException:
+    the CLI's own error handling, which turns exceptions into one line, lets it through)."""
 
 
 def _check_cli(argv: list[str], world: int, neuron_only: bool, monkeypatch) -> None:
