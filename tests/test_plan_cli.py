@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 
@@ -177,7 +178,7 @@ def test_train_plan_auto_on_xla_cpu_devices(tmp_path):
         timeout=600,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    rec = re.search(r"recommended: neuron-tp train --tp (\d+)", out.stdout)
+    rec = re.search(r"recommended: torchrun .* -m neuron_tp.cli train .*--tp (\d+)", out.stdout)
     assert rec, out.stdout
     assert f"tp={rec[1]}," in out.stdout  # the mesh the run built is the recommended one
     assert "step      2/2" in out.stdout
@@ -209,3 +210,50 @@ def test_global_batch_without_plan_auto_is_refused():
     args = train_parser().parse_args(["--device", "cpu", "--global-batch", "8"])
     with pytest.raises(ValueError, match="--global-batch is read by --plan auto only"):
         train_command(args)
+
+
+def test_recommended_command_is_complete_and_the_json_agrees(capsys, monkeypatch):
+    """The recommended line is a whole command (torchrun with the job's size, the model, the
+    layout, the batch split, the sequence length, the precision): torchrun's and train's own
+    parsers read it back as the planned job; ``--json`` carries the same command and options.
+    (The text and the JSON report one plan: planned once, then copied.)"""
+    import copy
+
+    from torch.distributed.run import get_args_parser
+
+    from neuron_tp.plan import search
+
+    plans: list = []
+    make_plan = search.make_plan
+
+    def once(*args, **kwargs):
+        if not plans:
+            plans.append(make_plan(*args, **kwargs))
+        return copy.deepcopy(plans[0])
+
+    monkeypatch.setattr(search, "make_plan", once)
+
+    argv = [
+        *("--model", "tiny-llama", "--nodes", "2", "--seq-len", "64", "--global-batch", "64"),
+        *("--tp", "2", "--micro-batch", "1", "--activation-checkpointing", "none"),
+        "--no-sequence-parallel",
+    ]
+    code, out, _ = _plan(capsys, *argv)
+    assert code == 0
+    line = next(x for x in out.splitlines() if x.startswith("recommended: "))
+    cmd = shlex.split(line.removeprefix("recommended: "), comments=True)
+    code, js, _ = _plan(capsys, *argv, "--json")
+    rec = json.loads(js)["recommended"]
+    assert cmd == rec["command"] and cmd[0] == "torchrun"
+    run = get_args_parser().parse_args(cmd[1:])
+    assert (run.nnodes, run.nproc_per_node, run.module) == ("2", "32", True)
+    assert run.rdzv_endpoint  # several nodes meet somewhere
+    assert run.training_script == "neuron_tp.cli" and run.training_script_args[0] == "train"
+    assert run.training_script_args[1:] == rec["train_args"]
+    config = TrainConfig.from_args(train_parser().parse_args(rec["train_args"]))
+    lay = rec["layout"]
+    assert (config.model, config.seq_len, config.bf16) == ("tiny-llama", 64, True)
+    assert (config.tp, config.tp_mode, config.sequence_parallel) == (2, "1d", False)
+    assert (config.micro_batch, config.grad_accum) == (lay["micro_batch"], lay["grad_accum"])
+    assert config.activation_checkpointing == lay["recompute"] and config.uses_zero1
+    assert config.micro_batch * config.grad_accum * (64 // config.tp) == 64  # the global batch

@@ -39,24 +39,32 @@ def gather_hf_state_dict(
 def save_pretrained(model: nn.Module, out_dir: str, mesh: Mesh | None = None) -> None:
     """Write a consolidated transformers checkpoint (config + model.safetensors) from rank 0.
 
-    Collective over tp (every rank calls it); the files load with plain
-    ``AutoModel*.from_pretrained``."""
+    Collective over the job (every rank calls it) and returns on every rank once the files
+    are written (a failure to write raises on every rank): any rank may read them next. The
+    files load with plain ``AutoModel*.from_pretrained``."""
     from safetensors.torch import save_file
+
+    from ..agreement import check_agreement
 
     mesh = get_mesh(mesh if mesh is not None else getattr(model, "_ntp_mesh", None))
     state = gather_hf_state_dict(model, mesh)
-    if mesh.rank == 0:
-        os.makedirs(out_dir, exist_ok=True)
-        model.config.save_pretrained(out_dir)
-        gen = getattr(model, "generation_config", None)
-        if gen is not None:
-            with contextlib.suppress(Exception):
-                gen.save_pretrained(out_dir)
-        save_file(
-            {k: v.contiguous() for k, v in state.items()},
-            os.path.join(out_dir, "model.safetensors"),
-            metadata={"format": "pt"},
-        )
+    error = None
+    try:
+        if mesh.rank == 0:
+            os.makedirs(out_dir, exist_ok=True)
+            model.config.save_pretrained(out_dir)
+            gen = getattr(model, "generation_config", None)
+            if gen is not None:
+                with contextlib.suppress(Exception):
+                    gen.save_pretrained(out_dir)
+            save_file(
+                {k: v.contiguous() for k, v in state.items()},
+                os.path.join(out_dir, "model.safetensors"),
+                metadata={"format": "pt"},
+            )
+    except Exception as e:  # noqa: BLE001 - re-raised on every rank by check_agreement
+        error = e
+    check_agreement({}, mesh.group("world"), error=error, what=f"save_pretrained({out_dir!r})")
 
 
 # Held while nn.Module.register_parameter is patched: the ranks of --xla-cpu-devices are threads

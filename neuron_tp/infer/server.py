@@ -7,10 +7,14 @@ warm-up graphs are captured, else 503).
 
 Parameters: ``max_tokens``, ``temperature`` (0: greedy), ``top_k`` (an extension; 0: off),
 ``seed`` (a seeded request reproduces its text), ``stop`` (a string or a list), ``n`` (1
-only), ``stream_options.include_usage`` (a last chunk with the usage). Chat messages go
-through the tokenizer's chat template; a tokenizer without one (e.g. the byte-level
-fallback) uses ``"{role}: {content}\\n"`` per message then ``"assistant: "``. Invalid requests
-get 400 with ``{"error": {"message", "type": "invalid_request_error", ...}}``.
+only), ``stream_options.include_usage`` (a last chunk with the usage). ``model``: the served
+name (what ``/v1/models`` lists; absent: that one), any other gets 404 ``model_not_found``.
+``logprobs`` / ``top_logprobs`` are refused (400): see :func:`refuse_logprobs`. Chat messages
+go through the tokenizer's chat template; a message's ``content`` is a string or a list of
+text parts (``[{"type": "text", "text": ...}]``, joined with newlines; other part types get
+a 400 naming them); a tokenizer without a template (e.g. the byte-level fallback) uses
+``"{role}: {content}\\n"`` per message then ``"assistant: "``. Invalid requests get 400 with
+``{"error": {"message", "type": "invalid_request_error", ...}}``.
 """
 
 import asyncio
@@ -97,10 +101,55 @@ def parse_params(body: dict, limit: int, default_max: int = 16) -> dict:
     }
 
 
-def _error(status: int, message: str, kind: str = "invalid_request_error", param=None):
+def refuse_logprobs(body: dict) -> None:
+    """BadRequest when a request asks for log-probabilities (``logprobs``, ``top_logprobs``).
+
+    Not supported: the replayed step graphs return only each row's chosen token (one small
+    transfer per token); log-probabilities would be more graph outputs, and with them a
+    second set of prefill/decode graphs per bucket to compile (or top-k work in every
+    request's graphs). Refused rather than answered with ``null``."""
+    for name in ("logprobs", "top_logprobs"):
+        value = body.get(name)
+        if value is not None and value is not False:  # 0 asks for the chosen token's
+            raise BadRequest(
+                f"{name} is not supported by this server (token log-probabilities are not "
+                f"computed); leave {name} unset",
+                name,
+            )
+
+
+def message_text(index: int, message: Any) -> dict:
+    """A chat message with its ``content`` as a string: a string, or a list of text parts
+    (``{"type": "text", "text": ...}``) joined with newlines; BadRequest otherwise."""
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise BadRequest(f"messages[{index}] must be an object with a string role", "messages")
+    content = message.get("content")
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text" or not isinstance(part.get("text"), str):
+                what = f"of type {kind!r}" if isinstance(kind, str) else repr(part)
+                raise BadRequest(
+                    f"messages[{index}].content: a part {what} is not supported; this server "
+                    'takes text only: a string or [{"type": "text", "text": "..."}]',
+                    "messages",
+                )
+            texts.append(part["text"])
+        content = "\n".join(texts)
+    if not isinstance(content, str):
+        raise BadRequest(
+            f"messages[{index}].content must be a string or a list of text parts, got "
+            f"{type(content).__name__}",
+            "messages",
+        )
+    return {**message, "content": content}
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error", param=None, code=None):
     from fastapi.responses import JSONResponse
 
-    body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
     return JSONResponse(body, status_code=status)
 
 
@@ -136,12 +185,19 @@ def create_app(engine: Engine, model_name: str):
             return _error(400, "the request body is not valid JSON")
         if not isinstance(body, dict):
             return _error(400, "the request body must be a JSON object")
+        if body.get("model") not in (None, model_name):
+            message = (
+                f"The model {body['model']!r} does not exist: this server serves "
+                f"{model_name!r} (GET /v1/models)"
+            )
+            return _error(404, message, param="model", code="model_not_found")
         if not engine.ready:
             why = engine.error or "the model is not ready yet"
             return _error(503, why, "service_unavailable")
         try:
             limit = engine.max_tokens_limit  # chat: as long as the server allows
             params = parse_params(body, limit, limit if chat else 16)
+            refuse_logprobs(body)
             prompts = _prompts(engine, body, chat)
             for p in prompts:
                 engine.check(p, params["max_tokens"], params["stop"])
@@ -164,7 +220,7 @@ def create_app(engine: Engine, model_name: str):
         meta = {
             "id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
             "created": int(time.time()),
-            "model": body.get("model") or model_name,
+            "model": model_name,
         }
         if body.get("stream"):
             options = body.get("stream_options") or {}
@@ -192,12 +248,9 @@ def _prompts(engine: Engine, body: dict, chat: bool) -> list[list[int]]:
     tok = engine.tokenizer
     if chat:
         messages = body.get("messages")
-        fine = isinstance(messages, list) and messages
-        for m in messages if fine else ():
-            fine = fine and isinstance(m, dict)
-            fine = fine and all(isinstance(m.get(k), str) for k in ("role", "content"))
-        if not fine:
-            raise BadRequest("messages must be a non-empty list of {role, content} strings")
+        if not isinstance(messages, list) or not messages:
+            raise BadRequest("messages must be a non-empty list of {role, content}", "messages")
+        messages = [message_text(i, m) for i, m in enumerate(messages)]
         return [_encode(tok, chat_prompt(tok, messages), chat=True)]
     prompt = body.get("prompt")
     prompts = [prompt] if isinstance(prompt, str) else prompt

@@ -72,6 +72,7 @@ def apply_plan(config, printer=print):
 
     def plan_now() -> dict:
         plan = make_plan(model_config, job)
+        plan.model = config.model
         best = plan.recommended
         return {
             "layout": asdict(best.layout) if best else None,

@@ -86,7 +86,7 @@ def pins_from_args(args: argparse.Namespace) -> dict:
 
 def plan_command(argv: list[str]) -> int:
     """Run ``neuron-tp plan``; 0 when a layout fits, 1 when none does, 2 on bad input."""
-    from .models import plan_config
+    from .models import KNOWN, plan_config
     from .report import plan_dict, plan_table
     from .search import make_plan
 
@@ -95,6 +95,12 @@ def plan_command(argv: list[str]) -> int:
         job = job_from_args(args)
         config = plan_config(args.model, args.seq_len)
         plan = make_plan(config, job, **pins_from_args(args))
+        plan.model = args.model
+        if args.model.lower() in KNOWN:
+            plan.notes.append(
+                f"--model {args.model} names an architecture: give train the model's "
+                "directory (config.json, weights, tokenizer) instead"
+            )
     except ValueError as e:
         print(f"neuron-tp plan: error: {e}", file=sys.stderr)
         return 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import asdict
 
 from .search import Candidate, Plan
@@ -14,9 +15,32 @@ def _mode(c: Candidate) -> str:
     return lay.tp_mode + ("+sp" if lay.sequence_parallel else "")
 
 
-def candidate_dict(c: Candidate) -> dict:
-    """One candidate: layout, memory (bytes), time (seconds), throughput, fit."""
-    out = {"layout": asdict(c.layout), "train_args": c.layout.train_args(), "fits": c.fits}
+def train_args(plan: Plan, c: Candidate) -> list[str]:
+    """The ``neuron-tp train`` options that run ``c`` for the plan's job: the model, the
+    layout (tp, mode, micro-batch x gradient accumulation: the global batch over dp), the
+    sequence length and the precision."""
+    job = plan.job
+    args = ["--model", plan.model] if plan.model else []
+    args += c.layout.train_args() + ["--seq-len", str(job.seq_len)]
+    return args + (["--bf16"] if job.bf16 else [])
+
+
+def command(plan: Plan, c: Candidate) -> list[str]:
+    """The whole command line of ``c`` on every node: torchrun with the job's size, then
+    ``-m neuron_tp.cli train`` and :func:`train_args` (one builder for the text and JSON)."""
+    job = plan.job
+    launch = ["torchrun", "--nnodes", str(job.nodes), "--nproc_per_node", str(job.per_node)]
+    if job.nodes > 1:  # every node rendezvouses at the first one
+        launch += ["--rdzv_backend", "c10d", "--rdzv_endpoint", "HEAD_NODE:29500"]
+    return launch + ["-m", "neuron_tp.cli", "train", *train_args(plan, c)]
+
+
+def candidate_dict(plan: Plan, c: Candidate) -> dict:
+    """One candidate: layout, its train options and command, memory (bytes), time
+    (seconds), throughput, fit."""
+    out = {"layout": asdict(c.layout), "train_args": train_args(plan, c)}
+    out["command"] = command(plan, c)
+    out["fits"] = c.fits
     out["tight"] = c.tight
     if c.memory is not None:
         out["memory_bytes"] = {**asdict(c.memory), "total": c.memory.total}
@@ -51,8 +75,8 @@ def plan_dict(plan: Plan, limit: int = 0) -> dict:
             "sources": list(job.instance.sources),
         },
         "verdict": plan.verdict,
-        "recommended": candidate_dict(rec) if rec else None,
-        "candidates": [candidate_dict(c) for c in cands],
+        "recommended": candidate_dict(plan, rec) if rec else None,
+        "candidates": [candidate_dict(plan, c) for c in cands],
         "notes": plan.notes,
         "plan_seconds": plan.seconds,
         "traces": plan.traces,
@@ -104,8 +128,7 @@ def plan_table(plan: Plan, limit: int = 20) -> str:
     if rec:
         t = rec.timing
         lines.append(
-            f"recommended: neuron-tp train {' '.join(rec.layout.train_args())} "
-            f"{'--bf16 ' if job.bf16 else ''}--seq-len {job.seq_len}  # predicted "
+            f"recommended: {shlex.join(command(plan, rec))}  # predicted "
             f"{rec.seq_per_s:.1f} seq/s ({rec.seq_per_s * tokens:,.0f} tokens/s), step "
             f"{t.step:.2f} s = compute {t.compute:.2f} + tp comm {t.tp_comm:.2f} + grad "
             f"reduction {t.step_comm:.2f} + optimizer {t.optimizer:.2f}"

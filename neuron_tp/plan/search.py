@@ -106,6 +106,7 @@ class Plan:
     seconds: float
     traces: int
     notes: list[str] = field(default_factory=list)
+    model: str = ""  # the --model the job trains (the command lines carry it)
 
     @property
     def recommended(self) -> Candidate | None:

@@ -157,8 +157,7 @@ def _checkpoints(ref, tmp: str, rank: int) -> None:
     full = gather_hf_state_dict(half)
     for n, p in ref.named_parameters():
         assert full[n].dtype == torch.bfloat16 and torch.equal(full[n], p.to(torch.bfloat16)), n
-    save_pretrained(loaded, out)
-    torch.distributed.barrier()
+    save_pretrained(loaded, out)  # returns once written: every rank reads it at once
     back = tf.AutoModelForCausalLM.from_pretrained(out).eval()
     _close(back(x).logits, ref(x).logits, f"save_pretrained reload {tmp}")
     for n, p in ref.state_dict().items():

@@ -282,6 +282,67 @@ def test_bad_requests_get_400_and_the_server_goes_on(tp1):
     assert _complete(client, "Hello", 6).choices[0].text == ref.text("Hello", 6)
 
 
+def test_unknown_model_gets_404_model_not_found(tp1):
+    _, ref, url = tp1
+    client = _client(url)
+    (listed,) = [m.id for m in client.models.list()]
+    for call in (
+        lambda m: client.completions.create(model=m, prompt="Hello", max_tokens=4),
+        lambda m: client.chat.completions.create(
+            model=m, messages=[{"role": "user", "content": "hi"}], max_tokens=4
+        ),
+    ):
+        with pytest.raises(openai.NotFoundError) as err:
+            call("gpt-4o")
+        assert err.value.status_code == 404 and err.value.body["code"] == "model_not_found"
+        assert "'gpt-4o'" in err.value.body["message"] and repr(listed) in err.value.body["message"]
+        assert call(listed).model == listed  # the listed id is accepted
+    assert _complete(client, "Hello", 6).choices[0].text == ref.text("Hello", 6)
+
+
+def test_logprobs_are_refused_not_silently_null(tp1):
+    _, _, url = tp1
+    client = _client(url)
+    asks = [
+        (lambda: _complete(client, "Hello", 4, logprobs=2), "logprobs"),
+        (lambda: _complete(client, "Hello", 4, logprobs=0), "logprobs"),
+        (lambda: _chat(client, "hi", 4, logprobs=True), "logprobs"),
+        (lambda: _chat(client, "hi", 4, top_logprobs=3), "top_logprobs"),
+    ]
+    for ask, name in asks:
+        with pytest.raises(openai.BadRequestError) as err:
+            ask()
+        assert err.value.body["param"] == name
+        assert f"{name} is not supported" in err.value.body["message"], err.value.body
+    assert _chat(client, "hi", 4, logprobs=False).choices[0].message.content  # off: fine
+
+
+def test_chat_content_as_text_parts(tp1):
+    _, ref, url = tp1
+    client = _client(url)
+
+    def chat(content, n=8):
+        messages = [{"role": "user", "content": content}]
+        r = client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=n, temperature=0
+        )
+        return r.choices[0].message.content
+
+    assert chat([{"type": "text", "text": "hi"}]) == ref.text("hi", 8, chat=True)
+    parts = [{"type": "text", "text": "Once"}, {"type": "text", "text": "upon"}]
+    assert chat(parts) == ref.text("Once\nupon", 8, chat=True)
+    image = {"type": "image_url", "image_url": {"url": "http://x/y.png"}}
+    for content, named in (
+        ([image], "'image_url'"),
+        ([{"text": "no type"}], "'no type'"),
+        (5, "int"),
+    ):
+        with pytest.raises(openai.BadRequestError) as err:
+            chat(content)
+        assert "messages[0].content" in err.value.body["message"], err.value.body
+        assert named in err.value.body["message"], err.value.body
+
+
 class _FailingGenerator:
     """Accepts every request, then fails on the device."""
 

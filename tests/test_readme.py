@@ -1,0 +1,206 @@
+"""README.md is executable documentation.
+
+- Every ```python block runs as written, in a namespace of its own, on 4 gloo ranks (the
+  blocks call ``ntp.init_mesh`` with tp 2 or 4 and run collectives; one launch for all of
+  them), in a scratch directory the ranks share (the HF block writes and reads ``out-dir``).
+- Every ```bash command line is read back by what would run it: torchrun's own parser for the
+  launcher, ``neuron_tp.cli.main`` for ``neuron-tp`` / ``-m neuron_tp.cli`` (its sub-command
+  parsers, with the commands' work replaced by a check of the parsed options: the train,
+  generate and serve configs are built), the train / generate parsers for ``scripts/*.py``;
+  scripts and files that are named must exist; ``python -c`` code must compile. A multi-rank
+  command that is not Neuron-only (``neuron_parallel_compile``, ``compile_and_train.sh``) must
+  pass the startup check that refuses several XLA ranks off Neuron (it runs here). A command
+  the test does not know how to read fails it, so new kinds of examples get checked too.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+
+import pytest
+
+import gloo_dist
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+README = os.path.join(REPO, "README.md")
+
+
+def fenced(kind: str) -> dict[str, str]:
+    """The README's ```kind blocks by ``"<kind>-L<line of the fence>"``."""
+    with open(README) as fh:
+        lines = fh.read().splitlines()
+    out, start = {}, None
+    for i, line in enumerate(lines, 1):
+        if start is None and line.strip() == f"```{kind}":
+            start, body = i, []
+        elif start is not None and line.strip() == "```":
+            out[f"{kind}-L{start}"] = "\n".join(body) + "\n"
+            start = None
+        elif start is not None:
+            body.append(line)
+    return out
+
+
+PYTHON = fenced("python")
+
+
+def commands() -> dict[str, list[str]]:
+    """Every command of the bash blocks (continuations joined, comments and ``...``
+    placeholders dropped) as words, by ``"L<line>"``."""
+    out = {}
+    for name, block in fenced("bash").items():
+        fence = int(name.rsplit("-L", 1)[1])
+        lines, i = block.splitlines(), 0
+        while i < len(lines):
+            start, text = i, lines[i]
+            while text.endswith("\\") and i + 1 < len(lines):  # a continuation
+                i += 1
+                text = text[:-1] + lines[i]
+            i += 1
+            words = [w for w in shlex.split(text, comments=True) if w != "..."]
+            if words:
+                out[f"L{fence + 1 + start}"] = words
+    return out
+
+
+COMMANDS = commands()
+
+
+# -- python blocks ---------------------------------------------------------------------------
+
+
+def _run_block(case: str, workdir: str) -> None:
+    where = os.path.join(workdir, case)
+    os.makedirs(where, exist_ok=True)
+    os.chdir(where)
+    code = compile(PYTHON[case], f"README.md ({case})", "exec")
+    exec(code, {"__name__": "__readme__"})  # noqa: S102 - the README's own example
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("readme"))
+
+
+def test_readme_has_python_blocks():
+    assert len(PYTHON) >= 3, PYTHON.keys()
+
+
+@pytest.mark.parametrize("case", sorted(PYTHON))
+def test_python_block_runs(case, workdir):
+    gloo_dist.run_case(_run_block, case, workdir, cases=sorted(PYTHON), world_size=4)
+
+
+# -- bash commands ---------------------------------------------------------------------------
+
+SCRIPTS = {"scripts/train.py": "train", "scripts/generate.py": "generate"}
+
+
+class _Checked(BaseException):
+    """Raised by the stand-ins of the commands' work: the options parsed (a BaseException:
+    the CLI's own error handling, which turns exceptions into one line, lets it through)."""
+
+
+def _check_cli(argv: list[str], world: int, neuron_only: bool, monkeypatch) -> None:
+    """``neuron-tp ARGV`` parses, and its options make a valid config (that would run here)."""
+    import neuron_tp.checkpoint
+    import neuron_tp.plan.cli
+    import neuron_tp.train.launch
+    from neuron_tp.cli import main
+    from neuron_tp.train.config import GenerateConfig, ServeConfig, TrainConfig
+    from neuron_tp.train.runtime import refuse_xla_ranks_off_neuron
+
+    def with_config(kind):
+        def check(args):
+            kind.from_args(args)
+            if not neuron_only:
+                monkeypatch.setenv("WORLD_SIZE", str(world))
+                refuse_xla_ranks_off_neuron(args.device)
+            raise _Checked
+
+        return check
+
+    def plan(rest):
+        neuron_tp.plan.cli.plan_parser().parse_args(rest)
+        raise _Checked
+
+    def consolidate(checkpoint, out_dir):
+        raise _Checked
+
+    monkeypatch.setattr(neuron_tp.train.launch, "train_command", with_config(TrainConfig))
+    monkeypatch.setattr(neuron_tp.train.launch, "generate_command", with_config(GenerateConfig))
+    monkeypatch.setattr(neuron_tp.train.launch, "serve_command", with_config(ServeConfig))
+    monkeypatch.setattr(neuron_tp.plan.cli, "plan_command", plan)
+    monkeypatch.setattr(neuron_tp.checkpoint, "consolidate", consolidate)
+    try:
+        code = main(argv)
+    except _Checked:
+        return
+    except SystemExit as e:  # argparse refused an option
+        raise AssertionError(f"neuron-tp {shlex.join(argv)}: exit {e.code}") from None
+    raise AssertionError(f"neuron-tp {shlex.join(argv)}: not run (exit {code})")
+
+
+def _check_file(path: str, executable: bool = False) -> None:
+    full = os.path.join(REPO, path)
+    assert os.path.isfile(full), f"{path} does not exist"
+    assert not executable or os.access(full, os.X_OK), f"{path} is not executable"
+
+
+def _check_python(words: list[str], world: int, neuron_only: bool, monkeypatch) -> None:
+    """``python ...`` (or a script run by torchrun): ``-c CODE``, ``-m pytest FILES``,
+    ``-m neuron_tp.cli``, ``scripts/*.py`` with its options, another repository script."""
+    if words[0] == "-c":
+        compile(words[1], "python -c", "exec")
+    elif words[:2] == ["-m", "pytest"]:
+        for w in words[2:]:
+            if not w.startswith("-"):
+                _check_file(w.split("::")[0])
+    elif words[:2] == ["-m", "neuron_tp.cli"]:
+        _check_cli(words[2:], world, neuron_only, monkeypatch)
+    elif words[0] in SCRIPTS:
+        _check_file(words[0])
+        _check_cli([SCRIPTS[words[0]], *words[1:]], world, neuron_only, monkeypatch)
+    else:
+        assert words[0].endswith(".py") and len(words) == 1, f"cannot check python {words}"
+        _check_file(words[0])
+
+
+def check_command(words: list[str], monkeypatch) -> None:
+    """AssertionError unless the command ``words`` would start as the README says."""
+    from torch.distributed.run import get_args_parser
+
+    while re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", words[0]):  # VAR=value prefixes
+        words = words[1:]
+    neuron_only = words[0] == "neuron_parallel_compile"
+    words = words[1:] if neuron_only else words
+    head, rest = words[0], words[1:]
+    if head == "torchrun":
+        run = get_args_parser().parse_args(rest)
+        world = int(run.nproc_per_node) * int(str(run.nnodes).split(":")[-1])
+        target = ["-m", run.training_script] if run.module else [run.training_script]
+        _check_python(target + run.training_script_args, world, neuron_only, monkeypatch)
+    elif head in ("python", ".venv/bin/python"):
+        _check_python(rest, 1, neuron_only, monkeypatch)
+    elif head == "neuron-tp":
+        _check_cli(rest, 1, neuron_only, monkeypatch)
+    elif head.endswith("compile_and_train.sh"):  # NPROC then train.py options, on Neuron
+        _check_file(head.removeprefix("./"), executable=True)
+        assert rest and rest[0].isdigit(), f"{head} takes NPROC first, got {rest}"
+        _check_cli(["train", *rest[1:]], int(rest[0]), True, monkeypatch)
+    elif head.endswith(".sh"):
+        assert not rest, f"{head} takes no arguments here"
+        _check_file(head.removeprefix("./"), executable=True)
+    else:
+        raise AssertionError(f"test_readme does not know how to check {shlex.join(words)!r}")
+
+
+@pytest.mark.parametrize("line", sorted(COMMANDS, key=lambda k: int(k[1:])))
+def test_bash_command_is_valid(line, monkeypatch):
+    monkeypatch.chdir(REPO)
+    try:
+        check_command(COMMANDS[line], monkeypatch)
+    except (AssertionError, ValueError) as e:
+        raise AssertionError(f"README.md {line}: {shlex.join(COMMANDS[line])}\n{e}") from e
