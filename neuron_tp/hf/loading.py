@@ -12,6 +12,7 @@ from torch import nn
 
 from ..mesh import Mesh, get_mesh
 from ..sharding import Sharding, gather_full, get_param_meta, named_parameter_meta, shard_of
+from .lora_files import plain_name
 from .parallelize import parallelize
 from .slice_map import WHOLE, get_slice_map, read_local, to_hf
 
@@ -215,12 +216,6 @@ def read_block(sl, shape: tuple[int, ...], sharding: Sharding | None, mesh: Mesh
     return t
 
 
-def _stored_name(name: str) -> str:
-    """The checkpoint name of a parameter, also inside a peft wrapper (PeftModel prefix and
-    ``base_layer`` of a wrapped projection removed)."""
-    return name.removeprefix("base_model.model.").replace(".base_layer.", ".")
-
-
 def from_pretrained(
     path: str,
     mesh: Mesh | None = None,
@@ -273,7 +268,7 @@ def from_pretrained(
     try:
         for mname, mod in model.named_modules():
             for pname, p in list(mod.named_parameters(recurse=False)):
-                name = _stored_name(f"{mname}.{pname}" if mname else pname)
+                name = plain_name(f"{mname}.{pname}" if mname else pname)
                 if p.device.type != "meta":
                     continue
                 if name not in files:
