@@ -31,7 +31,9 @@ from torch import nn
 
 from .. import regions
 from ..agreement import check_agreement, tensor_checksum
+from ..errors import UserError
 from ..layers import RowParallelLinear
+from ..layers.common import WRAP_FIRST
 from ..mesh import Mesh, get_mesh
 from ..sharding import Sharding, gather_full, get_param_meta, mark_sharded, shard_of
 from .lora_files import SAFETENSORS, write_adapter_dir
@@ -44,6 +46,13 @@ from .slice_map import HFSliceMap, even_pieces, get_slice_map, read_local, set_s
 def is_peft_model(model: nn.Module) -> bool:
     """True for a ``peft.PeftModel`` (checked without importing peft)."""
     return type(model).__module__.startswith("peft.") and hasattr(model, "peft_config")
+
+
+def refuse_parallelized(model: nn.Module) -> None:
+    """UserError for a model already sharded that is about to be wrapped by peft (neuron_tp's
+    own ``get_peft_model`` calls; peft's own call is refused by the parallel layers)."""
+    if getattr(model, "_ntp_parallel", False):
+        raise UserError(f"{type(model).__name__} is already parallelized; {WRAP_FIRST}")
 
 
 def refuse_peft_layers(model: nn.Module) -> None:
@@ -246,6 +255,7 @@ def _shard_wrapper(w: nn.Module, base: nn.Module, adapter: str, mesh: Mesh) -> N
             a_mod, "weight", HFSliceMap(1, tuple(even_pieces(a_full.shape[1], *_rank_tp(mesh))))
         )
         a_mod.in_features = local.shape[1]
+    base._ntp_lora_base = True  # peft's layer code may ask it for a plan: it has none
     w.base_layer = base
     w.fan_in_fan_out = False  # the parallel base weight is [out, in] (GPT-2 Conv1D too)
 

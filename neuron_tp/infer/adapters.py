@@ -16,21 +16,12 @@ from ..errors import UserError
 CONFIG = "adapter_config.json"
 
 
-def refuse_parallelized(model: nn.Module) -> None:
-    """UserError for adapters asked on a model already sharded: peft must wrap it first."""
-    if getattr(model, "_ntp_parallel", False):
-        raise UserError(
-            f"{type(model).__name__} is already parallelized: wrap first, then parallelize: "
-            "ntp.parallelize(get_peft_model(model, cfg), mesh)"
-        )
-
-
 def peft_wrap(model: nn.Module, config) -> nn.Module:
     """``get_peft_model(model, config)`` with the adapter weights zeros on the CPU (the same on
     every rank, no random init drawn): for adapters that are loaded afterwards."""
     from peft import get_peft_model
 
-    from ..hf.lora import materialize_adapters
+    from ..hf.lora import materialize_adapters, refuse_parallelized
     from ..train.runtime import BUILD_LOCK
 
     refuse_parallelized(model)
