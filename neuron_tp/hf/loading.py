@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import threading
 import zlib
 
 import torch
@@ -15,6 +16,8 @@ from ..sharding import Sharding, gather_full, get_param_meta, named_parameter_me
 from .lora_files import plain_name
 from .parallelize import parallelize
 from .slice_map import WHOLE, get_slice_map, read_local, to_hf
+
+PATCH_LOCK = threading.Lock()  # held while nn.Module.register_parameter is patched
 
 
 def gather_hf_state_dict(
@@ -60,20 +63,27 @@ def save_pretrained(model: nn.Module, out_dir: str, mesh: Mesh | None = None) ->
 
 @contextlib.contextmanager
 def _params_on_meta():
-    """Create parameters on the meta device (buffers stay real: rotary tables, position ids)."""
-    original = nn.Module.register_parameter
+    """Create parameters on the meta device (buffers stay real: rotary tables, position ids).
+    The patch of ``nn.Module.register_parameter`` is process-wide: ranks that are threads of
+    one process (``--xla-cpu-devices``) take turns, or one thread could save another's patch
+    as the original and leave it installed (every later parameter on the meta device); the
+    parameters of other threads are left alone."""
+    owner = threading.get_ident()
 
     def register(self, name, param):
         original(self, name, param)
-        if param is not None and param.device.type != "meta":
+        mine = threading.get_ident() == owner
+        if mine and param is not None and param.device.type != "meta":
             p = self._parameters[name]
             self._parameters[name] = nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
 
-    nn.Module.register_parameter = register
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = original
+    with PATCH_LOCK:
+        original = nn.Module.register_parameter
+        nn.Module.register_parameter = register
+        try:
+            yield
+        finally:
+            nn.Module.register_parameter = original
 
 
 def check_model_dir(path: str) -> None:

@@ -18,15 +18,17 @@ CONFIG = "adapter_config.json"
 
 def peft_wrap(model: nn.Module, config) -> nn.Module:
     """``get_peft_model(model, config)`` with the adapter weights zeros on the CPU (the same on
-    every rank, no random init drawn): for adapters that are loaded afterwards."""
+    every rank): for adapters that are loaded afterwards."""
     from peft import get_peft_model
 
     from ..hf.lora import materialize_adapters, refuse_parallelized
     from ..train.runtime import BUILD_LOCK
 
     refuse_parallelized(model)
-    with BUILD_LOCK:  # ranks may be threads of one process: one peft wrap at a time
-        wrapped = get_peft_model(model, config, low_cpu_mem_usage=True)
+    # Ranks may be threads of one process: one peft wrap at a time (it draws an init from the
+    # global RNG; not low_cpu_mem_usage: peft's meta-init patches a class for the process).
+    with BUILD_LOCK:
+        wrapped = get_peft_model(model, config)
         materialize_adapters(wrapped)
     return wrapped
 

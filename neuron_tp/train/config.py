@@ -108,10 +108,10 @@ class GenerateConfig(_CommonConfig):
     temperature: float
     top_k: int  # 0: no top-k filter
     dtype: str  # "float32" or "bfloat16"
-    adapter: str | None  # a PEFT (LoRA) adapter directory merged into --model on load
     batch_buckets: list[int]  # batch sizes, sorted; more prompts run in several batches
     stop: list[str]  # stop strings (the text is cut before the first one)
     ignore_eos: bool  # always generate --max-new-tokens (benchmarks)
+    adapter: str | None = None  # a PEFT (LoRA) adapter dir merged into --model on load
 
 
 @dataclass(frozen=True)
@@ -125,9 +125,9 @@ class ServeConfig(_CommonConfig):
     batch_buckets: list[int]  # batch sizes, sorted: concurrent requests share a batch
     batch_wait_ms: float  # how long the batcher waits for concurrent requests
     dtype: str  # "float32" or "bfloat16"
-    adapter: str | None  # a PEFT (LoRA) adapter directory merged into --model on load
     served_model_name: str | None  # None: --model
     warmup: str  # graphs captured before ready: "smallest" shapes or "all" buckets
+    adapter: str | None = None  # a PEFT (LoRA) adapter dir merged into --model on load
 
     @property
     def model_name(self) -> str:
