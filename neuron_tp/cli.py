@@ -16,14 +16,20 @@ COMMANDS = ("train", "generate", "serve", "consolidate", "plan")
 def _consolidate(argv: list[str]) -> int:
     p = argparse.ArgumentParser(
         prog="neuron-tp consolidate",
-        description="Merge a sharded checkpoint into one HF directory.",
+        description="Merge a sharded checkpoint into one HF directory (a LoRA run: the base "
+        "with its adapters merged in).",
     )
     p.add_argument("checkpoint", help="a checkpoint directory (or an output dir: the newest)")
     p.add_argument("out_dir", help="new (or empty) directory for config.json + model.safetensors")
+    p.add_argument(
+        "--adapter-only",
+        action="store_true",
+        help="a LoRA run (--lora-r): write its PEFT adapter directory instead of the merged model",
+    )
     args = p.parse_args(argv)
     from .checkpoint import consolidate
 
-    out = consolidate(args.checkpoint, args.out_dir)
+    out = consolidate(args.checkpoint, args.out_dir, adapter_only=args.adapter_only)
     print(f"wrote {out}")
     return 0
 

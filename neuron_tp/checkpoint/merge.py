@@ -9,6 +9,7 @@ import shutil
 
 import torch
 
+from ..errors import UserError
 from .agree import describe
 from .format import CheckpointError, fsync, latest, read_meta
 from .reader import Shards
@@ -80,20 +81,41 @@ def full_optimizer_state(path: str) -> dict[str, dict[str, torch.Tensor]]:
     return out
 
 
-def consolidate(path: str, out_dir: str) -> str:
+def _commit(tmp: str, out_dir: str) -> None:
+    """Make the written temporary directory durable and put it in place of ``out_dir``."""
+    fsync(tmp)
+    if os.path.exists(out_dir):
+        os.rmdir(out_dir)
+    os.replace(tmp, out_dir)
+
+
+def consolidate(path: str, out_dir: str, adapter_only: bool = False) -> str:
     """Write checkpoint ``path`` (or the newest one under it) as one standard HF directory
-    (config.json + model.safetensors, HF tensor names). Every tensor's checksum is verified
-    and non-finite weights are refused; an unusable ``out_dir`` (a file, not writable, not
-    empty) is refused before any shard is read. Returns ``out_dir``."""
+    (config.json + model.safetensors, HF tensor names). A LoRA run's checkpoint is written
+    merged (``W + scaling * B A``, peft's ``merge_and_unload``: the plain model's keys), or
+    with ``adapter_only`` as PEFT's adapter directory (adapter_config.json +
+    adapter_model.safetensors). Every tensor's checksum is verified and non-finite weights are
+    refused; an unusable ``out_dir`` (a file, not writable, not empty) is refused before any
+    shard is read. Returns ``out_dir``."""
     from safetensors.torch import save_file
+
+    from ..hf import lora_files
 
     ckpt = _find(path)
     meta = read_meta(ckpt)
+    lora = lora_files.checkpoint_lora(meta, ckpt)
+    if adapter_only and lora is None:
+        raise UserError(
+            f"{ckpt}: not a checkpoint of a LoRA run (--lora-r); --adapter-only writes the "
+            "adapter of one, leave it out to consolidate the whole model"
+        )
     tmp = _prepare_target(out_dir)
     try:
         shards = _shards(ckpt, meta)
         tensors = {}
         for name, rec in meta["params"].items():
+            if adapter_only and name not in lora["keys"]:
+                continue
             t = to_hf(shards.full(f"model/{name}", rec), rec["hf"]).contiguous()
             if t.is_floating_point() and not bool(torch.isfinite(t).all()):
                 raise CheckpointError(
@@ -101,6 +123,13 @@ def consolidate(path: str, out_dir: str) -> str:
                     "(NaN/inf); refusing to write a diverged model"
                 )
             tensors[name] = t
+        if adapter_only:
+            state = lora_files.adapter_state(tensors, lora)
+            lora_files.write_adapter_dir(tmp, lora_files.config_from_record(lora), state)
+            _commit(tmp, out_dir)
+            return out_dir
+        if lora is not None:
+            tensors = lora_files.merged_state(tensors, lora)
         cfg = meta["model"]["config"]
         if cfg is not None:
             from transformers import CONFIG_MAPPING
@@ -110,10 +139,7 @@ def consolidate(path: str, out_dir: str) -> str:
         target = os.path.join(tmp, "model.safetensors")
         save_file(tensors, target, metadata={"format": "pt"})
         fsync(target)
-        fsync(tmp)
-        if os.path.exists(out_dir):
-            os.rmdir(out_dir)
-        os.replace(tmp, out_dir)
+        _commit(tmp, out_dir)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, Exception) and not isinstance(e, ValueError):

@@ -99,6 +99,8 @@ def _metadata(model, optimizer, scheduler, step: int, mesh: Mesh, data_state, ex
             "class": type(model).__name__,
             "config": config.to_dict() if hasattr(config, "to_dict") else None,
             "sequence_parallel": bool(getattr(model, "_ntp_sequence_parallel", False)),
+            # a parallelized PeftModel: how to merge / export its LoRA adapter offline
+            "lora": getattr(model, "_ntp_lora", None),
         },
         "params": {
             n: {

@@ -14,6 +14,7 @@ from torch import nn
 from ..errors import UserError
 from ..mesh import Mesh, get_mesh
 from ..sharding import Sharding, gather_full, get_param_meta, named_parameter_meta, shard_of
+from .lora_files import plain_name
 from .parallelize import parallelize
 from .slice_map import WHOLE, get_slice_map, read_local, to_hf
 
@@ -74,16 +75,22 @@ META_LOCK = threading.RLock()
 
 @contextlib.contextmanager
 def _params_on_meta():
-    """Create parameters on the meta device (buffers stay real: rotary tables, position ids)."""
-    with META_LOCK:  # the patch is process-wide: one builder at a time (rank threads)
+    """Create parameters on the meta device (buffers stay real: rotary tables, position ids).
+    The patch of ``nn.Module.register_parameter`` is process-wide: ranks that are threads of
+    one process (``--xla-cpu-devices``) take turns, or one thread could save another's patch
+    as the original and leave it installed (every later parameter on the meta device); the
+    parameters of other threads are left alone."""
+    owner = threading.get_ident()
+
+    def register(self, name, param):
+        original(self, name, param)
+        mine = threading.get_ident() == owner
+        if mine and param is not None and param.device.type != "meta":
+            p = self._parameters[name]
+            self._parameters[name] = nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
+
+    with META_LOCK:
         original = nn.Module.register_parameter
-
-        def register(self, name, param):
-            original(self, name, param)
-            if param is not None and param.device.type != "meta":
-                p = self._parameters[name]
-                self._parameters[name] = nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
-
         nn.Module.register_parameter = register
         try:
             yield
@@ -231,12 +238,6 @@ def read_block(sl, shape: tuple[int, ...], sharding: Sharding | None, mesh: Mesh
     return t
 
 
-def _stored_name(name: str) -> str:
-    """The checkpoint name of a parameter, also inside a peft wrapper (PeftModel prefix and
-    ``base_layer`` of a wrapped projection removed)."""
-    return name.removeprefix("base_model.model.").replace(".base_layer.", ".")
-
-
 def from_pretrained(
     path: str,
     mesh: Mesh | None = None,
@@ -289,7 +290,7 @@ def from_pretrained(
     try:
         for mname, mod in model.named_modules():
             for pname, p in list(mod.named_parameters(recurse=False)):
-                name = _stored_name(f"{mname}.{pname}" if mname else pname)
+                name = plain_name(f"{mname}.{pname}" if mname else pname)
                 if p.device.type != "meta":
                     continue
                 if name not in files:

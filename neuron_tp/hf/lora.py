@@ -31,20 +31,28 @@ from torch import nn
 
 from .. import regions
 from ..agreement import check_agreement, tensor_checksum
+from ..errors import UserError
 from ..layers import RowParallelLinear
+from ..layers.common import WRAP_FIRST
 from ..mesh import Mesh, get_mesh
 from ..sharding import Sharding, gather_full, get_param_meta, mark_sharded, shard_of
+from .lora_files import SAFETENSORS, write_adapter_dir
 from .modules import HFColumnLinear
 from .plans import Style
 from .resolve import plan_model
 from .slice_map import HFSliceMap, even_pieces, get_slice_map, read_local, set_slice_map, to_hf
 
-SAFETENSORS = "adapter_model.safetensors"
-
 
 def is_peft_model(model: nn.Module) -> bool:
     """True for a ``peft.PeftModel`` (checked without importing peft)."""
     return type(model).__module__.startswith("peft.") and hasattr(model, "peft_config")
+
+
+def refuse_parallelized(model: nn.Module) -> None:
+    """UserError for a model already sharded that is about to be wrapped by peft (neuron_tp's
+    own ``get_peft_model`` calls; peft's own call is refused by the parallel layers)."""
+    if getattr(model, "_ntp_parallel", False):
+        raise UserError(f"{type(model).__name__} is already parallelized; {WRAP_FIRST}")
 
 
 def refuse_peft_layers(model: nn.Module) -> None:
@@ -177,7 +185,41 @@ def parallelize_peft(model: nn.Module, mesh: Mesh | None, parallelize_fn, **opti
         w.__class__ = cls
     _swap(inner, wrappers)
     model._ntp_parallel, model._ntp_mesh = True, mesh
+    model._ntp_lora = lora_record(model, {n: w.scaling[adapter] for n, w in wrappers.items()})
     return model
+
+
+def lora_record(model: nn.Module, scaling: dict[str, float]) -> dict:
+    """What a checkpoint of a parallelized PeftModel records to be merged or turned into an
+    adapter directory offline (:mod:`neuron_tp.hf.lora_files`): the adapter name, its
+    ``LoraConfig`` (JSON), peft's ``scaling`` per adapted module (``scaling``, module names of
+    the plain model) and each LoRA parameter's key in peft's adapter file."""
+    adapter = model.active_adapters[0]
+    params = _adapter_params(model)
+    config = model.peft_config[adapter].to_dict()
+    config = {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
+    return {
+        "adapter": adapter,
+        "config": json.loads(json.dumps(config, default=str)),
+        "scaling": {n: float(s) for n, s in scaling.items()},
+        "keys": _peft_keys(model, [n for n, _ in params], adapter),
+    }
+
+
+def materialize_adapters(model: nn.Module) -> None:
+    """Give a (meta-device) PeftModel's LoRA weights zeros on the CPU, the same on every rank:
+    for a model whose adapters are loaded afterwards (a checkpoint, an adapter directory)."""
+    from peft.tuners.lora import LoraLayer
+
+    for mod in model.modules():
+        if isinstance(mod, LoraLayer):
+            for name in mod.active_adapters:
+                for part in (mod.lora_A[name], mod.lora_B[name]):
+                    w = part.weight  # set in _parameters: not through register_parameter,
+                    part._parameters["weight"] = nn.Parameter(  # which a meta-init context
+                        torch.zeros(w.shape, dtype=w.dtype),  # of another thread may patch
+                        requires_grad=w.requires_grad,
+                    )
 
 
 def _full_reader(full: torch.Tensor):
@@ -213,6 +255,7 @@ def _shard_wrapper(w: nn.Module, base: nn.Module, adapter: str, mesh: Mesh) -> N
             a_mod, "weight", HFSliceMap(1, tuple(even_pieces(a_full.shape[1], *_rank_tp(mesh))))
         )
         a_mod.in_features = local.shape[1]
+    base._ntp_lora_base = True  # peft's layer code may ask it for a plan: it has none
     w.base_layer = base
     w.fan_in_fan_out = False  # the parallel base weight is [out, in] (GPT-2 Conv1D too)
 
@@ -334,24 +377,10 @@ def gather_adapter(model: nn.Module, mesh: Mesh | None = None) -> dict[str, torc
 def save_adapter(model: nn.Module, out_dir: str, mesh: Mesh | None = None) -> None:
     """Write peft's adapter format (``adapter_model.safetensors`` + ``adapter_config.json``)
     from rank 0; collective over tp. Loads with ``PeftModel.from_pretrained(base, out_dir)``."""
-    from safetensors.torch import save_file
-
     mesh = get_mesh(mesh if mesh is not None else model._ntp_mesh)
     state = gather_adapter(model, mesh)
     if mesh.rank == 0:
-        os.makedirs(out_dir, exist_ok=True)
-        cfg = model.peft_config[model.active_adapters[0]]
-        before = cfg.inference_mode
-        cfg.inference_mode = True
-        try:
-            cfg.save_pretrained(out_dir)
-        finally:
-            cfg.inference_mode = before
-        save_file(
-            {k: v.contiguous() for k, v in state.items()},
-            os.path.join(out_dir, SAFETENSORS),
-            metadata={"format": "pt"},
-        )
+        write_adapter_dir(out_dir, model.peft_config[model.active_adapters[0]], state)
 
 
 _SAME = ("r", "lora_alpha", "use_rslora", "fan_in_fan_out")

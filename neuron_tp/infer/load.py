@@ -47,14 +47,17 @@ def skipped_checkpoints(path: str, chosen: str) -> list[str]:
 
 def load_checkpoint_model(path: str, mesh, dtype: torch.dtype = torch.float32):
     """A causal LM built from the config recorded in neuron_tp checkpoint ``path``, sharded
-    over ``mesh`` (any tp: resharded on load) with the checkpoint's weights. The full model is
+    over ``mesh`` (any tp: resharded on load) with the checkpoint's weights; a LoRA run's
+    checkpoint with its adapters merged into the sharded base weights. The full model is
     never built: parameters are created on the meta device, sharded, then filled."""
     from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
     from .. import checkpoint, hf
     from ..hf.loading import _params_on_meta
+    from ..hf.lora_files import checkpoint_lora, config_from_record
 
     meta = checkpoint.read_meta(path)
+    lora = checkpoint_lora(meta, path)
     recorded = meta.get("model") or {}
     cfg = recorded.get("config") or {}
     if cfg.get("model_type") not in CONFIG_MAPPING:
@@ -66,6 +69,10 @@ def load_checkpoint_model(path: str, mesh, dtype: torch.dtype = torch.float32):
     config = CONFIG_MAPPING[cfg["model_type"]].from_dict(cfg)
     with _params_on_meta():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if lora is not None:  # the adapters are merged once loaded
+        from .adapters import peft_wrap
+
+        model = peft_wrap(model, config_from_record(lora))
     if recorded.get("class") not in (None, type(model).__name__):
         raise UserError(
             f"{path}: a checkpoint of {recorded['class']}, not of a causal LM "
@@ -85,16 +92,22 @@ def load_checkpoint_model(path: str, mesh, dtype: torch.dtype = torch.float32):
                     )
                 mod._parameters[name] = made[id(p)][1]
     checkpoint.load(path, model, mesh=mesh, restore_rng=False)
+    if lora is not None:
+        from ..hf.lora import merge_adapters
+
+        model = merge_adapters(model)
     return model
 
 
 def load_for_generation(args: GenerateConfig | argparse.Namespace, mesh):
     """The model named by ``--model`` sharded over ``mesh``, and the tokenizer: a preset
     (random init from the seed), a local HF directory (read slice by slice) or a neuron_tp
-    checkpoint (at any tp)."""
+    checkpoint (at any tp; a LoRA run's: adapters merged). ``--adapter DIR``: the PEFT adapter
+    in DIR merged into a preset or HF directory base on load."""
     from .. import hf
     from ..train.data import load_tokenizer, vocab_size
     from ..train.presets import PRESETS, build_model, is_preset
+    from .adapters import adapter_wrap, merge_adapter_dir
 
     config = GenerateConfig.from_args(args)
     tok = load_tokenizer(config.tokenizer)
@@ -104,18 +117,27 @@ def load_for_generation(args: GenerateConfig | argparse.Namespace, mesh):
             f"--model {config.model!r} is neither a preset ({', '.join(PRESETS)}) "
             "nor a local directory (a HuggingFace model or a neuron_tp checkpoint)"
         )
+    wrap = adapter_wrap(config.adapter) if config.adapter else None
     if is_preset(config.model):
         from ..train.runtime import BUILD_LOCK
 
         with BUILD_LOCK:  # seeds and draws the global RNG, shared by a process's threads
             full = build_model(config.model, vocab_size(tok), config.seed, dtype)
-        model = hf.parallelize(full, mesh)
+        model = hf.parallelize(wrap(full) if wrap else full, mesh)
     elif (ckpt := checkpoint_path(config.model)) is not None:
+        if wrap:
+            raise UserError(
+                f"--adapter applies to a base model (a HuggingFace directory or a preset), not "
+                f"to the neuron_tp checkpoint {ckpt}; consolidate it first (neuron-tp "
+                "consolidate CKPT DIR) and pass --model DIR"
+            )
         if mesh.rank == 0:
             skipped = skipped_checkpoints(config.model, ckpt)
             also = f" (skipped the incomplete newer {', '.join(skipped)})" if skipped else ""
             print(f"loading checkpoint {ckpt}{also}", flush=True)
         model = load_checkpoint_model(ckpt, mesh, dtype)
     else:
-        model = hf.from_pretrained(config.model, mesh, torch_dtype=dtype)
+        model = hf.from_pretrained(config.model, mesh, torch_dtype=dtype, wrap=wrap)
+    if wrap:
+        model = merge_adapter_dir(model, config.adapter)
     return model.eval(), tok

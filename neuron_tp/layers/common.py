@@ -8,6 +8,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from ..errors import UserError
 from ..mesh import Group, Mesh, valid_tp_degrees
 from ..sharding import Sharding, get_sharding, mark_sharded, shard_of
 
@@ -173,7 +174,28 @@ def load_shards_from(layer: nn.Module, full: nn.Module) -> nn.Module:
     return layer
 
 
-class FromLinear:
+WRAP_FIRST = "wrap first, then parallelize: ntp.parallelize(get_peft_model(model, cfg), mesh)"
+
+
+class RefusesPeftWrap:
+    """Mixin of the parallel layers: peft's ``get_peft_model`` on an already parallelized
+    model is refused with the order that works. peft asks each layer it is about to wrap for
+    its transformers tensor-parallel plan (``_hf_tp_plan``); a parallel layer answers with a
+    :class:`~neuron_tp.errors.UserError`, unless it is the base of a LoRA wrapper that
+    :func:`neuron_tp.hf.parallelize` made (``_ntp_lora_base``: peft's layer code reads the
+    attribute too, and there the answer is "no transformers plan")."""
+
+    @property
+    def _hf_tp_plan(self) -> None:
+        if self.__dict__.get("_ntp_lora_base", False):
+            return None
+        raise UserError(
+            f"{type(self).__name__} is a tensor-parallel layer (the model is already "
+            f"parallelized); peft cannot wrap it: {WRAP_FIRST}"
+        )
+
+
+class FromLinear(RefusesPeftWrap):
     """Mixin: ``from_linear`` for a layer whose constructor takes ``(in_features,
     out_features, bias=..., mesh=..., device=..., dtype=...)`` like ``nn.Linear``."""
 

@@ -15,7 +15,7 @@ from torch import nn
 from .. import regions
 from ..mesh import Group, Mesh, get_mesh
 from .activation_layout import REPLICATED, SHARDED_SEQUENCE
-from .common import check_device, load_shards_from, make_parameter
+from .common import RefusesPeftWrap, check_device, load_shards_from, make_parameter
 
 
 def check_ids(ids: torch.Tensor, mesh: Mesh, layer: str) -> None:
@@ -64,7 +64,7 @@ def embedding_init(
     return init
 
 
-class FromEmbedding:
+class FromEmbedding(RefusesPeftWrap):
     """Mixin: ``from_embedding`` for a layer whose constructor takes ``(num_embeddings,
     embedding_dim, padding_idx=..., mesh=..., device=..., dtype=...)`` like ``nn.Embedding``."""
 

@@ -194,7 +194,8 @@ def train_parser() -> argparse.ArgumentParser:
 
 
 def _shapes(p: argparse.ArgumentParser, batching: str) -> None:
-    """The graph-shape options of generate and serve: length and batch buckets, dtype."""
+    """The model-loading and graph-shape options of generate and serve: length and batch
+    buckets, dtype, adapter."""
     p.add_argument(
         "--buckets",
         type=_buckets,
@@ -208,6 +209,13 @@ def _shapes(p: argparse.ArgumentParser, batching: str) -> None:
         help=f"comma-separated batch sizes (graph shapes); {batching}",
     )
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument(
+        "--adapter",
+        default=None,
+        metavar="DIR",
+        help="a PEFT LoRA adapter directory, merged into --model (a HF directory or preset) "
+        "on load; a LoRA run's checkpoint needs none (its adapters are merged)",
+    )
 
 
 def generate_parser() -> argparse.ArgumentParser:

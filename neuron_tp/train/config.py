@@ -111,6 +111,7 @@ class GenerateConfig(_CommonConfig):
     batch_buckets: list[int]  # batch sizes, sorted; more prompts run in several batches
     stop: list[str]  # stop strings (the text is cut before the first one)
     ignore_eos: bool  # always generate --max-new-tokens (benchmarks)
+    adapter: str | None = None  # a PEFT (LoRA) adapter dir merged into --model on load
 
 
 @dataclass(frozen=True)
@@ -126,6 +127,7 @@ class ServeConfig(_CommonConfig):
     dtype: str  # "float32" or "bfloat16"
     served_model_name: str | None  # None: --model
     warmup: str  # graphs captured before ready: "smallest" shapes or "all" buckets
+    adapter: str | None = None  # a PEFT (LoRA) adapter dir merged into --model on load
 
     @property
     def model_name(self) -> str:

@@ -36,6 +36,9 @@ def wrap(model: nn.Module, config: TrainConfig) -> nn.Module:
     from peft import get_peft_model
     from peft.tuners.lora import LoraLayer
 
+    from ..hf.lora import refuse_parallelized
+
+    refuse_parallelized(model)
     cfg = lora_config(config)
     peft_model = get_peft_model(model, cfg)
     with torch.random.fork_rng(devices=[]):

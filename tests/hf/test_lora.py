@@ -16,6 +16,7 @@ pytest.importorskip("peft")
 sys.path.insert(0, os.path.dirname(__file__))
 import gloo_dist  # noqa: E402
 import neuron_tp as ntp  # noqa: E402
+from neuron_tp.errors import UserError  # noqa: E402
 from neuron_tp.hf import gather_hf_state_dict, parallelize  # noqa: E402
 from neuron_tp.hf.lora import load_adapter, merge_adapters, save_adapter  # noqa: E402
 
@@ -169,8 +170,8 @@ def _check_refusals() -> None:
     _raises(lambda: parallelize(two), "exactly one")
     inner = peft_model(name)
     _raises(lambda: parallelize(inner.base_model.model), "PeftModel")
-    # the other order: peft itself refuses the parallel layers
-    with pytest.raises(ValueError, match="not supported"):
+    # the other order: peft's get_peft_model gets our refusal from the parallel layers
+    with pytest.raises(UserError, match="wrap first, then parallelize"):
         get_peft_model(parallelize(base_model(name)), lora_config(name))
 
 
