@@ -10,6 +10,7 @@ import shutil
 import torch
 
 from .agree import describe
+from .assets import export_for_transformers
 from .format import CheckpointError, fsync, latest, read_meta
 from .reader import Shards
 from .reshard import to_hf
@@ -82,9 +83,10 @@ def full_optimizer_state(path: str) -> dict[str, dict[str, torch.Tensor]]:
 
 def consolidate(path: str, out_dir: str) -> str:
     """Write checkpoint ``path`` (or the newest one under it) as one standard HF directory
-    (config.json + model.safetensors, HF tensor names). Every tensor's checksum is verified
-    and non-finite weights are refused; an unusable ``out_dir`` (a file, not writable, not
-    empty) is refused before any shard is read. Returns ``out_dir``."""
+    (config.json + model.safetensors, HF tensor names, the run's tokenizer files and a
+    generation_config.json: plain transformers loads and generates from it). Every tensor's
+    checksum is verified and non-finite weights are refused; an unusable ``out_dir`` (a file,
+    not writable, not empty) is refused before any shard is read. Returns ``out_dir``."""
     from safetensors.torch import save_file
 
     ckpt = _find(path)
@@ -101,12 +103,13 @@ def consolidate(path: str, out_dir: str) -> str:
                     "(NaN/inf); refusing to write a diverged model"
                 )
             tensors[name] = t
-        cfg = meta["model"]["config"]
+        cfg, config = meta["model"]["config"], None
         if cfg is not None:
             from transformers import CONFIG_MAPPING
 
             config = CONFIG_MAPPING[cfg["model_type"]].from_dict(cfg)
             config.save_pretrained(tmp)
+        export_for_transformers(ckpt, config, tmp)  # tokenizer, generation config
         target = os.path.join(tmp, "model.safetensors")
         save_file(tensors, target, metadata={"format": "pt"})
         fsync(target)

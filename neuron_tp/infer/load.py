@@ -69,27 +69,49 @@ def load_checkpoint_model(path: str, mesh, dtype: torch.dtype = torch.float32):
 def load_for_generation(args: GenerateConfig | argparse.Namespace, mesh):
     """The model named by ``--model`` sharded over ``mesh``, and the tokenizer: a preset
     (random init from the seed), a local HF directory (read slice by slice) or a neuron_tp
-    checkpoint (at any tp)."""
+    checkpoint (at any tp). The tokenizer follows :func:`~neuron_tp.train.tokenizer.
+    resolve_tokenizer` (its choice printed on rank 0) and is checked against the model's
+    vocabulary before any weight is read."""
     from .. import hf
-    from ..train.data import load_tokenizer, vocab_size
-    from ..train.presets import PRESETS, build_model, is_preset
+    from ..train.presets import PRESETS, build_model, is_preset, model_config
+    from ..train.tokenizer import check_vocab, config_vocab, resolve_tokenizer
 
     config = GenerateConfig.from_args(args)
-    tok = load_tokenizer(config.tokenizer)
     dtype = torch.bfloat16 if config.dtype == "bfloat16" else torch.float32
     if not is_preset(config.model) and not os.path.exists(config.model):
         raise ValueError(
             f"--model {config.model!r} is neither a preset ({', '.join(PRESETS)}) "
             "nor a local directory (a HuggingFace model or a neuron_tp checkpoint)"
         )
+    ckpt = None if is_preset(config.model) else checkpoint_path(config.model)
+    resolved = resolve_tokenizer(config.tokenizer, config.model, ckpt)
+    tok = resolved.tokenizer
+    if mesh.rank == 0:
+        print(resolved.describe(), flush=True)
     if is_preset(config.model):
         from ..train.runtime import BUILD_LOCK
 
         with BUILD_LOCK:  # seeds and draws the global RNG, shared by a process's threads
-            full = build_model(config.model, vocab_size(tok), config.seed, dtype)
+            full = build_model(config.model, resolved.size, config.seed, dtype)
         model = hf.parallelize(full, mesh)
-    elif (ckpt := checkpoint_path(config.model)) is not None:
+    elif ckpt is not None:
+        from ..checkpoint import read_meta
+
+        check_vocab(resolved, config_vocab(read_meta(ckpt)["model"]["config"]), config.model)
         model = load_checkpoint_model(ckpt, mesh, dtype)
     else:
+        check_vocab(resolved, config_vocab(model_config(config.model, 0)), config.model)
         model = hf.from_pretrained(config.model, mesh, torch_dtype=dtype)
+    use_generation_config(model, ckpt or config.model)
     return model.eval(), tok
+
+
+def use_generation_config(model, path: str) -> None:
+    """Give ``model`` the ``generation_config.json`` in ``path`` (a HF directory or a
+    checkpoint), as transformers' ``from_pretrained`` does; keep its own when there is none."""
+    from ..checkpoint.assets import GENERATION_CONFIG
+
+    if os.path.isfile(os.path.join(path, GENERATION_CONFIG)):
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_pretrained(path)

@@ -145,6 +145,8 @@ def save(run: Run) -> str:
         data_state=run.data.state_dict(),
         keep_last=run.config.keep_last,
         protect=[run.resumed_from] if run.resumed_from else (),
+        extra=run.checkpoint_extra,
+        files=run.checkpoint_files,  # the tokenizer's, the model's generation config
     )
 
 
