@@ -20,6 +20,7 @@ import sys
 
 import pytest
 import torch
+from transformers import GenerationConfig
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 import gloo_dist  # noqa: E402
@@ -49,8 +50,12 @@ def dirs(tmp_path_factory):
     data = root / "d.jsonl"
     text = open(os.path.join(REPO, "data", "corpus.txt")).read()[:20000]
     data.write_text("\n".join(json.dumps({"text": p}) for p in text.split("\n\n") if p) + "\n")
+    model = llama_dir(str(root / "model"), 300, seed=3, tokenizer_vocab=300)
+    gen = GenerationConfig.from_pretrained(model)
+    gen.eos_token_id = [1, 2]  # the tokenizer's </s> too: not what the model config derives
+    gen.save_pretrained(model)
     return {
-        "model": llama_dir(str(root / "model"), 300, seed=3, tokenizer_vocab=300),
+        "model": model,
         "bare": llama_dir(str(root / "bare"), 300, seed=3),
         "big": bpe_tokenizer_dir(str(root / "big"), 400),
         "data": str(data),
@@ -100,6 +105,13 @@ def test_train_uses_the_model_directorys_tokenizer(dirs, tmp_path):
     assert (step / "generation_config.json").read_bytes() == open(
         os.path.join(dirs["model"], "generation_config.json"), "rb"
     ).read()
+    # generate reads the directory's / checkpoint's generation config, as transformers does
+    from neuron_tp.infer.load import load_for_generation
+
+    for path in (dirs["model"], str(tmp_path / "own")):
+        args = generate_parser().parse_args(["--device", "cpu", "--model", path])
+        model, _ = load_for_generation(args, ntp.Mesh(1, 0))
+        assert model.generation_config.eos_token_id == [1, 2]
     meta = json.loads(
         (tmp_path / "bytes" / "checkpoints" / "step-00000001" / "meta.json").read_text()
     )
