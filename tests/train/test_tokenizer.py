@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -25,6 +24,7 @@ from transformers import GenerationConfig
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 import gloo_dist  # noqa: E402
 import neuron_tp as ntp  # noqa: E402
+import xla_dist  # noqa: E402
 from neuron_tp.errors import UserError  # noqa: E402
 from neuron_tp.train.args import generate_parser, serve_parser, train_parser  # noqa: E402
 from neuron_tp.train.config import ServeConfig  # noqa: E402
@@ -218,28 +218,22 @@ def test_generate_and_consolidate_carry_the_runs_tokenizer(dirs, tmp_path):
     texts = json.loads((tmp_path / "texts.json").read_text())
     ref = _transformers_texts(hf)
     assert texts == ref
-    # the XLA tier: 2 XLA CPU devices of one process, through the command line
-    env = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONPATH": REPO}
-    base = [sys.executable, "-m", "neuron_tp.cli", "generate", "--xla-cpu-devices", "2"]
-    base += ["--tp", "2", "--model", f"{tmp}/run", "--buckets", "8"]
-    proc = subprocess.run(
-        [*base, "--max-new-tokens", str(NEW), *(f"--prompt={p}" for p in PROMPTS)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f"tokenizer: {tmp}/run/checkpoints/step-00000003/tokenizer (" in proc.stdout
-    for p, t in zip(PROMPTS, ref):
-        assert f"{p!r} -> {t!r}" in proc.stdout
-    # XLA path: a tokenizer larger than the model is refused before any id reaches the device
-    proc = subprocess.run(
-        [*base, "--prompt", "Hello", "--tokenizer", dirs["big"]],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode != 0
-    assert "the tokenizer has 400 tokens but --model" in proc.stderr + proc.stdout
+    # the XLA tier (2 XLA CPU devices of one process): the same text; a tokenizer larger
+    # than the model is refused there too, before any id reaches the device
+    res = xla_dist.run(_xla_generate, f"{tmp}/run", dirs["big"], devices=2)
+    for r in res:
+        assert r["texts"] == ref
+        assert "the tokenizer has 400 tokens but --model" in r["refused"]
+
+
+def _xla_generate(run: str, big: str) -> dict:
+    from neuron_tp.infer.cli import run_cli
+
+    base = ["--tp", "2", "--model", run, "--buckets", "8", "--max-new-tokens", str(NEW)]
+    texts = run_cli(generate_parser().parse_args([*base, *(f"--prompt={p}" for p in PROMPTS)]))
+    try:
+        run_cli(generate_parser().parse_args([*base, "--prompt", "Hello", "--tokenizer", big]))
+        refused = None
+    except UserError as e:
+        refused = str(e)
+    return {"texts": texts, "refused": refused}
