@@ -36,7 +36,8 @@ def _worker(rank: int, world: int, port: int, lora: bool, args, model: str, out:
     from neuron_tp.train.loop import train
 
     mesh = ntp.init_mesh(tp=world)
-    argv = ["--device", "cpu", "--model", model, "--tp", str(world), "--resume", "none"]
+    argv = ["--device", "cpu", "--model", model, "--tokenizer", "bytes", "--tp", str(world)]
+    argv += ["--resume", "none"]
     argv += ["--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch)]
     argv += ["--steps", str(args.steps), "--log-every", "1000", "--output-dir", out]
     argv += ["--save-every", "0"]

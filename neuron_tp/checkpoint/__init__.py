@@ -10,6 +10,9 @@ Layout of one checkpoint ``ROOT/step-00000100/``::
     ...                            optimizer state and fp32 masters (none in shard-tp*; the
                                    metadata's optimizer.dp_shards says at which dp)
     rng-rank00000.safetensors/json each rank's RNG states
+    tokenizer/, generation_config.json   the run's tokenizer files (meta.json's
+                                   extra.tokenizer says which, or "bytes") and the model's
+                                   generation config, when it has one (:mod:`.assets`)
 
 All ranks write (and fsync) into ``ROOT/.tmp-step-00000100``; rank 0 renames it only after
 every rank finished, so an interrupted or failed save never touches an earlier checkpoint and
@@ -19,8 +22,8 @@ and commits / modifies nothing. No tensor is pickled.
 
 Modules: :mod:`.format` (names, checksums, durable writes), :mod:`.agree` (failure agreement),
 :mod:`.writer` (save), :mod:`.reader` (load), :mod:`.merge` (consolidate), :mod:`.reshard`
-(layouts), :mod:`.zero1_files` (dp-sharded ZeRO-1 state), :mod:`.outdir` (output directory
-checks, job lock, resume plan).
+(layouts), :mod:`.assets` (tokenizer and generation config files), :mod:`.zero1_files`
+(dp-sharded ZeRO-1 state), :mod:`.outdir` (output directory checks, job lock, resume plan).
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ import torch
 
 from ..errors import UserError
 from .agree import describe
+from .assets import export_for_transformers
 from .format import CheckpointError, fsync, latest, read_meta
 from .reader import Shards
 from .reshard import to_hf
@@ -91,9 +92,10 @@ def _commit(tmp: str, out_dir: str) -> None:
 
 def consolidate(path: str, out_dir: str, adapter_only: bool = False) -> str:
     """Write checkpoint ``path`` (or the newest one under it) as one standard HF directory
-    (config.json + model.safetensors, HF tensor names). A LoRA run's checkpoint is written
-    merged (``W + scaling * B A``, peft's ``merge_and_unload``: the plain model's keys), or
-    with ``adapter_only`` as PEFT's adapter directory (adapter_config.json +
+    (config.json + model.safetensors, HF tensor names, the run's tokenizer files and a
+    generation_config.json: plain transformers loads and generates from it). A LoRA run's
+    checkpoint is written merged (``W + scaling * B A``, peft's ``merge_and_unload``: the plain
+    model's keys), or with ``adapter_only`` as PEFT's adapter directory (adapter_config.json +
     adapter_model.safetensors). Every tensor's checksum is verified and non-finite weights are
     refused; an unusable ``out_dir`` (a file, not writable, not empty) is refused before any
     shard is read. Returns ``out_dir``."""
@@ -130,12 +132,13 @@ def consolidate(path: str, out_dir: str, adapter_only: bool = False) -> str:
             return out_dir
         if lora is not None:
             tensors = lora_files.merged_state(tensors, lora)
-        cfg = meta["model"]["config"]
+        cfg, config = meta["model"]["config"], None
         if cfg is not None:
             from transformers import CONFIG_MAPPING
 
             config = CONFIG_MAPPING[cfg["model_type"]].from_dict(cfg)
             config.save_pretrained(tmp)
+        export_for_transformers(ckpt, config, tmp)  # tokenizer, generation config
         target = os.path.join(tmp, "model.safetensors")
         save_file(tensors, target, metadata={"format": "pt"})
         fsync(target)

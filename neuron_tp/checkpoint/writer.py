@@ -21,6 +21,7 @@ from ..mesh import Mesh, get_mesh
 from ..sharding import named_parameter_meta
 from . import zero1_files
 from .agree import agree
+from .assets import write_files
 from .format import (
     FORMAT,
     FORMAT_DP_SHARDED,
@@ -145,6 +146,7 @@ def _write_rank_files(
     mesh: Mesh,
     step: int,
     meta_text: str | None,
+    files: dict[str, bytes] | None = None,
 ) -> None:
     if is_zero1(optimizer):  # every rank its own ZeRO-1 shard, no dp gather
         zero1_files.write_shard(tmp, optimizer, mesh, step)
@@ -161,7 +163,8 @@ def _write_rank_files(
     base = os.path.join(tmp, f"rng-rank{mesh.rank:05d}")
     write_tensors(base + ".safetensors", rng_t, {"step": int(step), "rank": mesh.rank})
     write_text(base + ".json", json.dumps(rng_j))
-    if meta_text is not None:
+    if meta_text is not None:  # rank 0
+        write_files(tmp, files or {})
         write_text(os.path.join(tmp, "meta.json"), meta_text)
     fsync(tmp)  # the directory entries of this rank's files
 
@@ -194,11 +197,14 @@ def save(
     extra: dict | None = None,
     keep_last: int | None = None,
     protect: Iterable[str] = (),
+    files: dict[str, bytes] | None = None,
 ) -> str:
     """Write checkpoint ``root/step-<step>`` (collective: every rank calls it); returns its
     path. Refuses to overwrite an existing one and to save non-finite parameters. With
     ``keep_last`` deletes all but the newest ``keep_last`` checkpoints afterwards, except the
-    paths in ``protect`` (e.g. the one the run resumed from). Any failure on any rank:
+    paths in ``protect`` (e.g. the one the run resumed from). ``files`` (path inside the
+    checkpoint -> bytes, e.g. the tokenizer's; :mod:`.assets`) are written by rank 0 and
+    committed with the rest. Any failure on any rank:
     :class:`CheckpointError` on every rank, nothing committed."""
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last must be >= 1 (or None to keep all), got {keep_last}")
@@ -221,7 +227,7 @@ def save(
     agree(mesh, device, what, error)
     error = None
     try:
-        _write_rank_files(tmp, model, optimizer, mesh, step, meta_text)
+        _write_rank_files(tmp, model, optimizer, mesh, step, meta_text, files)
     except Exception as e:  # noqa: BLE001 - e.g. disk full on one rank
         error = e
     try:

@@ -103,14 +103,15 @@ def load_for_generation(args: GenerateConfig | argparse.Namespace, mesh):
     """The model named by ``--model`` sharded over ``mesh``, and the tokenizer: a preset
     (random init from the seed), a local HF directory (read slice by slice) or a neuron_tp
     checkpoint (at any tp; a LoRA run's: adapters merged). ``--adapter DIR``: the PEFT adapter
-    in DIR merged into a preset or HF directory base on load."""
+    in DIR merged into a preset or HF directory base on load. The tokenizer follows
+    :func:`~neuron_tp.train.tokenizer.resolve_tokenizer` (its choice printed on rank 0) and is
+    checked against the model's vocabulary before any weight is read."""
     from .. import hf
-    from ..train.data import load_tokenizer, vocab_size
-    from ..train.presets import PRESETS, build_model, is_preset
+    from ..train.presets import PRESETS, build_model, is_preset, model_config
+    from ..train.tokenizer import check_vocab, config_vocab, resolve_tokenizer
     from .adapters import adapter_wrap, merge_adapter_dir
 
     config = GenerateConfig.from_args(args)
-    tok = load_tokenizer(config.tokenizer)
     dtype = torch.bfloat16 if config.dtype == "bfloat16" else torch.float32
     if not is_preset(config.model) and not os.path.exists(config.model):
         raise UserError(
@@ -118,26 +119,47 @@ def load_for_generation(args: GenerateConfig | argparse.Namespace, mesh):
             "nor a local directory (a HuggingFace model or a neuron_tp checkpoint)"
         )
     wrap = adapter_wrap(config.adapter) if config.adapter else None
+    ckpt = None if is_preset(config.model) else checkpoint_path(config.model)
+    if wrap and ckpt is not None:
+        raise UserError(
+            f"--adapter applies to a base model (a HuggingFace directory or a preset), not "
+            f"to the neuron_tp checkpoint {ckpt}; consolidate it first (neuron-tp "
+            "consolidate CKPT DIR) and pass --model DIR"
+        )
+    resolved = resolve_tokenizer(config.tokenizer, config.model, ckpt)
+    tok = resolved.tokenizer
+    if mesh.rank == 0:
+        print(resolved.describe(), flush=True)
     if is_preset(config.model):
         from ..train.runtime import BUILD_LOCK
 
         with BUILD_LOCK:  # seeds and draws the global RNG, shared by a process's threads
-            full = build_model(config.model, vocab_size(tok), config.seed, dtype)
+            full = build_model(config.model, resolved.size, config.seed, dtype)
         model = hf.parallelize(wrap(full) if wrap else full, mesh)
-    elif (ckpt := checkpoint_path(config.model)) is not None:
-        if wrap:
-            raise UserError(
-                f"--adapter applies to a base model (a HuggingFace directory or a preset), not "
-                f"to the neuron_tp checkpoint {ckpt}; consolidate it first (neuron-tp "
-                "consolidate CKPT DIR) and pass --model DIR"
-            )
+    elif ckpt is not None:
+        from ..checkpoint import read_meta
+
+        check_vocab(resolved, config_vocab(read_meta(ckpt)["model"]["config"]), config.model)
         if mesh.rank == 0:
             skipped = skipped_checkpoints(config.model, ckpt)
             also = f" (skipped the incomplete newer {', '.join(skipped)})" if skipped else ""
             print(f"loading checkpoint {ckpt}{also}", flush=True)
         model = load_checkpoint_model(ckpt, mesh, dtype)
     else:
+        check_vocab(resolved, config_vocab(model_config(config.model, 0)), config.model)
         model = hf.from_pretrained(config.model, mesh, torch_dtype=dtype, wrap=wrap)
     if wrap:
         model = merge_adapter_dir(model, config.adapter)
+    use_generation_config(model, ckpt or config.model)
     return model.eval(), tok
+
+
+def use_generation_config(model, path: str) -> None:
+    """Give ``model`` the ``generation_config.json`` in ``path`` (a HF directory or a
+    checkpoint), as transformers' ``from_pretrained`` does; keep its own when there is none."""
+    from ..checkpoint.assets import GENERATION_CONFIG
+
+    if os.path.isfile(os.path.join(path, GENERATION_CONFIG)):
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_pretrained(path)

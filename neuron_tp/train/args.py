@@ -60,7 +60,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--tokenizer",
         default=None,
-        help="local HF tokenizer directory (default: byte-level fallback)",
+        help="local HF tokenizer directory, or 'bytes' (byte-level); default: the --model "
+        "directory's tokenizer, a checkpoint's recorded one, byte-level for a preset",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(

@@ -197,9 +197,10 @@ def save(run: Run) -> str:
         run.step,
         mesh=run.mesh,
         data_state=run.data.state_dict(),
-        extra={DATA_KEY: data_fingerprint(run)},
+        extra={**run.checkpoint_extra, DATA_KEY: data_fingerprint(run)},
         keep_last=run.config.keep_last,
         protect=[run.resumed_from] if run.resumed_from else (),
+        files=run.checkpoint_files,  # the tokenizer's, the model's generation config
     )
 
 

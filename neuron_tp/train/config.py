@@ -26,7 +26,7 @@ class _CommonConfig:
     model: str  # a preset name or a local directory
     tp: int
     device: str  # "xla" or "cpu"
-    tokenizer: str | None  # None: the byte-level fallback
+    tokenizer: str | None  # a directory or "bytes"; None: see train.tokenizer.resolve_tokenizer
     seed: int
     xla_cpu_devices: int  # 0: this process is one rank
 

@@ -28,13 +28,15 @@ class ByteTokenizer:
 
 
 def load_tokenizer(path: str | None):
-    """The HF tokenizer in the local directory ``path``, or :class:`ByteTokenizer` for None."""
-    if path is None:
+    """The HF tokenizer in the local directory ``path``, or :class:`ByteTokenizer` for None or
+    ``"bytes"``. Which tokenizer a run uses is :func:`neuron_tp.train.tokenizer.
+    resolve_tokenizer`'s decision."""
+    if path is None or path == "bytes":
         return ByteTokenizer()
     if not os.path.isdir(path):
         raise UserError(
             f"--tokenizer {path!r} is not a directory; pass a local HF tokenizer "
-            "directory or omit it for the byte-level tokenizer"
+            "directory or --tokenizer bytes for the byte-level tokenizer"
         )
     from transformers import AutoTokenizer
 

@@ -37,7 +37,7 @@ from .checkpoint_policy import (
     save_at_end,
 )
 from .config import TrainConfig
-from .data import PackedData, load_tokenizer, vocab_size
+from .data import PackedData, vocab_size
 from .graph_guard import check_same_graph
 from .graphs import (
     apply_neuron_defaults,
@@ -49,9 +49,10 @@ from .graphs import (
 )
 from .nonfinite import NonFiniteGuard
 from .optim import WarmupCosine, make_optimizer
-from .presets import build_model, is_preset, preload
+from .presets import build_model, is_preset, model_config, preload
 from .runtime import BUILD_LOCK, rank_device, refuse_xla_ranks_off_neuron
 from .step_log import Printer, StepLogger
+from .tokenizer import check_vocab, checkpoint_assets, config_vocab, resolve_tokenizer
 from .tp_mode import check_tp_mode
 
 
@@ -73,6 +74,10 @@ class Run:
     resumed_from: str | None = None  # never deleted by --keep-last during this run
     graph_checked: bool = False  # ranks compared their step graphs (XLA, first step)
     data_fingerprint: dict | None = None  # recorded in checkpoints, compared on resume
+    tokenizer_source: str = ""  # "tokenizer: DIR (class, N tokens; why)", logged at start
+    # written with every checkpoint: meta extra (the tokenizer record), files (its files)
+    checkpoint_extra: dict = field(default_factory=dict)
+    checkpoint_files: dict = field(default_factory=dict)
 
 
 def setup(args: TrainConfig | argparse.Namespace, mesh: Mesh | None = None) -> Run:
@@ -88,7 +93,9 @@ def setup(args: TrainConfig | argparse.Namespace, mesh: Mesh | None = None) -> R
     refuse_xla_ranks_off_neuron(config.device)
     apply_neuron_defaults()  # before the first (agreement) graph compiles on Neuron
     world = mesh.group("world") if mesh is not None else agreement.world_group()
-    error, values, details, tokenizer, data = None, {}, {}, None, None
+    error, values, details, resolved, data = None, {}, {}, None, None
+    extra: dict = {}
+    files: dict[str, bytes] = {}
     try:  # local work only: a failure here is shared with every rank by the check below
         with BUILD_LOCK:
             preload(config.model)
@@ -125,7 +132,9 @@ def setup(args: TrainConfig | argparse.Namespace, mesh: Mesh | None = None) -> R
                 raise UserError(
                     "--tensorboard needs the tensorboard package (pip install tensorboard)"
                 )
-        tokenizer = load_tokenizer(config.tokenizer)
+        resolved = resolve_tokenizer(config.tokenizer, config.model)
+        tokenizer = resolved.tokenizer
+        check_vocab(resolved, config_vocab(model_config(config.model, resolved.size)), config.model)
         check_tp_mode(config, vocab_size(tokenizer))
         data = PackedData(
             config.data,
@@ -137,6 +146,8 @@ def setup(args: TrainConfig | argparse.Namespace, mesh: Mesh | None = None) -> R
             config.seed,
         )
         values, details = startup_values(config, tokenizer, data)
+        record, files = checkpoint_assets(resolved, config.model)
+        extra = {"tokenizer": record}
     except Exception as e:  # noqa: BLE001 - re-raised on this rank by check_agreement
         error = e
     agreement.check_agreement(values, world, details=details, error=error, what="neuron-tp train")
@@ -177,11 +188,6 @@ def setup(args: TrainConfig | argparse.Namespace, mesh: Mesh | None = None) -> R
             )
         if config.lora_r:
             lora.frozen_check(model)
-        if model.config.vocab_size < vocab_size(tokenizer):
-            raise UserError(
-                f"model vocabulary {model.config.vocab_size} < tokenizer vocabulary "
-                f"{vocab_size(tokenizer)}; pass the model's own --tokenizer"
-            )
     except Exception as e:  # noqa: BLE001 - re-raised on this rank by the check below
         error = e
     # Same shard on data-parallel replicas, same replicated parameters everywhere.
@@ -206,6 +212,9 @@ def setup(args: TrainConfig | argparse.Namespace, mesh: Mesh | None = None) -> R
         data,
         tokenizer,
         guard=NonFiniteGuard(device, skip=config.skip_nonfinite),
+        tokenizer_source=resolved.describe(),
+        checkpoint_extra=extra,
+        checkpoint_files=files,
     )
 
 
@@ -344,6 +353,7 @@ def train(
     the resume source and the planned checkpoints fit those already there."""
     run = setup(args, mesh)
     say = printer if run.mesh.rank == 0 else _silent
+    say(run.tokenizer_source)
     lock = claim_output(run, say)
     try:
         return _train(run, stop_at, say, on_step)

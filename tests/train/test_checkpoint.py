@@ -145,7 +145,9 @@ def test_consolidate_cli_refuses_non_empty_target(tmp_path, capsys):
     assert os.listdir(target) == ["keep.txt"]
     assert cli_main(["consolidate", str(tmp_path / "nope"), str(tmp_path / "o2")]) == 2
     assert cli_main(["consolidate", str(tmp_path / "run"), str(tmp_path / "o3")]) == 0
-    assert sorted(os.listdir(tmp_path / "o3")) == ["config.json", "model.safetensors"]
+    # a checkpoint saved without a tokenizer: config, a generation config derived from it
+    files = ["config.json", "generation_config.json", "model.safetensors"]
+    assert sorted(os.listdir(tmp_path / "o3")) == files
     import transformers as tf
 
     loaded = tf.AutoModelForCausalLM.from_pretrained(str(tmp_path / "o3"))

@@ -90,6 +90,8 @@ def _sharded(tmp: str) -> None:
             "2",
             "--model",
             f"{tmp}/model",
+            "--tokenizer",
+            "bytes",  # the saved directory holds no tokenizer
             "--prompt",
             "The old",
             "--prompt",

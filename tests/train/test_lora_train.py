@@ -49,7 +49,8 @@ def _lora_rank(tmp: str) -> None:
     if mesh.rank == 0:
         build_model("tiny-llama", 257, 3).save_pretrained(f"{tmp}/hf")
     torch.distributed.barrier()
-    args = _args(f"{tmp}/run-hf", "--tp", "2", "--model", f"{tmp}/hf", *LORA, *HF_STEPS)
+    hf = ["--model", f"{tmp}/hf", "--tokenizer", "bytes"]  # a directory without a tokenizer
+    args = _args(f"{tmp}/run-hf", "--tp", "2", *hf, *LORA, *HF_STEPS)
     res["hf_losses"] = _losses(train(args, mesh=mesh, printer=_quiet))
     with open(f"{tmp}/lora-{mesh.rank}.json", "w") as fh:
         json.dump(res, fh)
@@ -86,7 +87,16 @@ def test_lora_training_follows_unsharded_peft_and_saves_a_peft_adapter(tmp_path)
     saved = load_file(str(adapter / "adapter_model.safetensors"))
     assert len(saved) == 2 * 4 * 2  # A and B of 4 target modules x 2 layers
     hf_losses, _ = reference_run(
-        _args(tmp_path / "ref-hf", "--model", str(tmp_path / "hf"), *LORA, *HF_STEPS), 2
+        _args(
+            tmp_path / "ref-hf",
+            "--model",
+            str(tmp_path / "hf"),
+            "--tokenizer",
+            "bytes",
+            *LORA,
+            *HF_STEPS,
+        ),
+        2,
     )
     torch.testing.assert_close(
         torch.tensor(r0["hf_losses"]), torch.tensor(hf_losses), atol=2e-4, rtol=0

@@ -65,4 +65,6 @@ def test_compile_and_train_script_then_consolidate(tmp_path):
         text=True,
     )
     assert cons.returncode == 0, cons.stderr
-    assert sorted(os.listdir(tmp_path / "hf")) == ["config.json", "model.safetensors"]
+    # a byte-level preset run: no tokenizer files, a generation config derived from the config
+    files = ["config.json", "generation_config.json", "model.safetensors"]
+    assert sorted(os.listdir(tmp_path / "hf")) == files
