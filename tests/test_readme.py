@@ -126,7 +126,7 @@ def _check_cli(argv: list[str], world: int, neuron_only: bool, monkeypatch) -> N
         neuron_tp.plan.cli.plan_parser().parse_args(rest)
         raise _Checked
 
-    def consolidate(checkpoint, out_dir):
+    def consolidate(checkpoint, out_dir, adapter_only=False):
         raise _Checked
 
     monkeypatch.setattr(neuron_tp.train.launch, "train_command", with_config(TrainConfig))

@@ -374,7 +374,23 @@ def _cli_ranks(tmp: str, m3: str) -> None:
         tdist.barrier()
 
     run("tp3", ["train", "--device", "cpu", "--tp", "3", "--steps", "1", *TINY])
-    run("heads", ["train", "--device", "cpu", "--tp", "2", "--model", m3, "--steps", "1", *TINY])
+    run(
+        "heads",
+        [
+            "train",
+            "--device",
+            "cpu",
+            "--tp",
+            "2",
+            "--model",
+            m3,
+            "--tokenizer",
+            "bytes",
+            "--steps",
+            "1",
+            *TINY,
+        ],
+    )
     out = f"{tmp}/run"
     run(
         "train",
@@ -455,7 +471,19 @@ def test_bad_tp_under_torchrun_is_one_line(tmp_path):
     remains is torchrun's own report of a failed child (its traceback and summary)."""
     m3 = _three_head_model(tmp_path / "m3")
     cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node", "2"]
-    cmd += ["-m", "neuron_tp.cli", "train", "--device", "cpu", "--tp", "2", "--model", m3]
+    cmd += [
+        "-m",
+        "neuron_tp.cli",
+        "train",
+        "--device",
+        "cpu",
+        "--tp",
+        "2",
+        "--model",
+        m3,
+        "--tokenizer",
+        "bytes",
+    ]
     proc = subprocess.run(
         [*cmd, "--steps", "1", "--output-dir", str(tmp_path / "out"), *TINY],
         env=_env(),

@@ -30,7 +30,18 @@ LORA = [
     "--lora-target-modules",
     "q_proj,v_proj,o_proj,down_proj",
 ]
-TRAIN = ["--micro-batch", "2", "--save-every", "0", "--lr", "1e-2", "--warmup-steps", "0"]
+TRAIN = [
+    "--tokenizer",
+    "bytes",
+    "--micro-batch",
+    "2",
+    "--save-every",
+    "0",
+    "--lr",
+    "1e-2",
+    "--warmup-steps",
+    "0",
+]
 PROMPTS = ["The old", "A"]
 NEW = 6
 
@@ -48,7 +59,9 @@ def _both(tmp: str, tp: int, device: str) -> dict:
     """Generation from the tp-2 run's output directory and from the base with --adapter."""
     return {
         "run": _generate(f"{tmp}/run2", tp, device),
-        "adapter": _generate(f"{tmp}/base", tp, device, "--adapter", f"{tmp}/run2/adapter"),
+        "adapter": _generate(
+            f"{tmp}/base", tp, device, "--adapter", f"{tmp}/run2/adapter", "--tokenizer", "bytes"
+        ),
     }
 
 
