@@ -201,6 +201,12 @@ def test_a_model_directory_or_config_json(tmp_path, capsys):
         code, out, _ = _plan(capsys, "--model", model, *job, *pins)
         assert code == 0
         plans.append(json.loads(out)["recommended"])
+    # the command names the model it was planned for; everything else is the same plan
+    for plan, model in zip(plans, (str(tmp_path), "tiny-llama")):
+        for key in ("train_args", "command"):
+            args = plan.pop(key)
+            assert args[args.index("--model") + 1] == model
+            plan[key] = [a for a in args if a != model]
     assert plans[0] == plans[1]
 
 

@@ -128,7 +128,9 @@ def _job(tmp: str) -> None:
     )
     # the output dir of another model; of other training data (refused unless --resume
     # names the checkpoint: then a warning)
-    res["other_model"] = _run(mesh, f"{tmp}/kp", "--steps", "9", "--model", f"{tmp}/other")
+    res["other_model"] = _run(
+        mesh, f"{tmp}/kp", "--steps", "9", "--model", f"{tmp}/other", "--tokenizer", "bytes"
+    )
     res["other_data"] = _run(mesh, f"{tmp}/kp", "--steps", "9", "--data", f"{tmp}/data2")
     notes = []
     res["other_data_named"] = _run(
