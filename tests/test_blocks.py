@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 import gloo_dist
 import neuron_tp as ntp
-from neuron_tp import regions
+from neuron_tp.parallel import regions
 from reference import assert_close
 
 HID, HEADS, FFN, B, S = 12, 4, 20, 2, 4

@@ -12,7 +12,7 @@ import torch
 
 import gloo_dist
 import neuron_tp as ntp
-from neuron_tp.blocks_nd import TransformerBlockND
+from neuron_tp.blocks.block_nd import TransformerBlockND
 from neuron_tp.layers import nd
 from test_sp_memory import SavedBytes
 

@@ -6,18 +6,15 @@ the default), against the unsharded computation; the saved-for-backward bytes pe
 from __future__ import annotations
 
 import copy
-import os
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "hf"))
 import gloo_dist  # noqa: E402
 import neuron_tp as ntp  # noqa: E402
-from neuron_tp import regions  # noqa: E402
+from neuron_tp.parallel import regions  # noqa: E402
 from reference import assert_close, full_param_and_grad  # noqa: E402
 from test_blocks import FFN, HEADS, HID, _ref_block  # noqa: E402
 

@@ -9,10 +9,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .. import comm, regions
 from ..errors import UserError
 from ..layers.activation_layout import SHARDED_FEATURES
-from ..mesh import Mesh, divisors, valid_tp_degrees
+from ..parallel import comm, regions
+from ..parallel.mesh import Mesh, divisors, valid_tp_degrees
 
 SUPPORTED_ATTN = ("eager", "sdpa", None)
 

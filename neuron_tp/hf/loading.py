@@ -12,8 +12,14 @@ import torch
 from torch import nn
 
 from ..errors import UserError
-from ..mesh import Mesh, get_mesh
-from ..sharding import Sharding, gather_full, get_param_meta, named_parameter_meta, shard_of
+from ..parallel.mesh import Mesh, get_mesh
+from ..parallel.sharding import (
+    Sharding,
+    gather_full,
+    get_param_meta,
+    named_parameter_meta,
+    shard_of,
+)
 from .lora_files import plain_name
 from .parallelize import parallelize
 from .slice_map import WHOLE, get_slice_map, read_local, to_hf
@@ -45,7 +51,7 @@ def save_pretrained(model: nn.Module, out_dir: str, mesh: Mesh | None = None) ->
     files load with plain ``AutoModel*.from_pretrained``."""
     from safetensors.torch import save_file
 
-    from ..agreement import check_agreement
+    from ..parallel.agreement import check_agreement
 
     mesh = get_mesh(mesh if mesh is not None else getattr(model, "_ntp_mesh", None))
     state = gather_hf_state_dict(model, mesh)
@@ -187,7 +193,7 @@ def _checkpoint_files(path: str) -> dict[str, str]:
 
 def block_ranges(sharding: Sharding, mesh: Mesh) -> list[tuple[int, int]]:
     """This rank's ``[start, stop)`` along every dim of the full tensor: the block
-    :func:`~neuron_tp.sharding.shard_of` gives it (``stop`` past the end = zero padding).
+    :func:`~neuron_tp.parallel.sharding.shard_of` gives it (``stop`` past the end = zero padding).
 
     Derived by running ``shard_of`` itself, one dim at a time, on the 1-based indices of that
     dim (0 = padding), so the rule (ceil chunks, splits applied outermost first, several splits
@@ -259,7 +265,7 @@ def from_pretrained(
     come out of it with real weights: only meta parameters are read from the files)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from ..agreement import check_agreement
+    from ..parallel.agreement import check_agreement
 
     auto_class = auto_class or AutoModelForCausalLM
     mesh = get_mesh(mesh)

@@ -8,10 +8,10 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from .. import regions
 from ..layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from ..layers.activation_layout import REPLICATED
-from ..mesh import Mesh, valid_tp_degrees
+from ..parallel import regions
+from ..parallel.mesh import Mesh, valid_tp_degrees
 from .attention import _SyncReplicatedRows
 from .slice_map import HFSliceMap, even_pieces, set_slice_map
 

@@ -12,12 +12,8 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from ..errors import UserError
-from ..mesh import Mesh, get_mesh
-from ..sharding import (
-    copy_param_meta,
-    get_sharding,
-    mark_sequence_parallel,
-)
+from ..parallel.mesh import Mesh, get_mesh
+from ..parallel.sharding import copy_param_meta, get_sharding, mark_sequence_parallel
 from .attention import (
     SUPPORTED_ATTN,
     Heads,
@@ -75,8 +71,8 @@ def parallelize(
     all-gather per attention/MLP fewer in backward). ``plan``: ``{module-name pattern: style}``
     replacing the architecture's styles (:mod:`neuron_tp.hf.plans`). Collective over tp: first
     verifies that every tp rank holds the same model, weights (checksums; skipped for
-    meta-device ones) and options (:class:`neuron_tp.agreement.RankMismatchError` on every rank
-    otherwise); then raises ValueError, identically on every rank and before the model is
+    meta-device ones) and options (:class:`neuron_tp.parallel.agreement.RankMismatchError` on every
+    rank otherwise); then raises ValueError, identically on every rank and before the model is
     changed, for what cannot be sharded exactly. On a 2d/3d mesh (``init_mesh(tp_mode=...)``)
     Llama-family models get the 2D/3D layers (:mod:`neuron_tp.hf.parallelize_nd`).
     """
@@ -90,7 +86,7 @@ def parallelize(
         options.update(plan=plan, sequence_parallel_regather=sequence_parallel_regather)
         return lora.parallelize_peft(model, mesh, parallelize, **options)
     lora.refuse_peft_layers(model)
-    from ..agreement import check_same_model
+    from ..parallel.agreement import check_same_model
 
     check_same_model(
         model,

@@ -60,7 +60,7 @@ from ..layers.vocab_nd import (
     cross_entropy_nd,
     gather_logits,
 )
-from ..mesh import Mesh, valid_tp_degrees
+from ..parallel.mesh import Mesh, valid_tp_degrees
 from .attention import SUPPORTED_ATTN, model_heads, patch_attention_module
 
 # Causal LMs with the Llama structure: model.embed_tokens / layers[i].{input_layernorm,
@@ -357,7 +357,7 @@ def _split_batch(t, layout: ActivationLayout, mesh: Mesh, b: int, what: str):
     local chunk: no autograd, no layout tag (a float mask is added to the attention scores)."""
     import torch
 
-    from .. import comm
+    from ..parallel import comm
 
     if isinstance(t, dict):
         return {k: _split_batch(v, layout, mesh, b, f"{what}[{k!r}]") for k, v in t.items()}

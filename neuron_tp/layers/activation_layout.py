@@ -34,8 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import comm, regions
-from ..mesh import Mesh
+from ..parallel import comm, regions
+from ..parallel.mesh import Mesh
 from .common import check_device
 
 REPLICATED = "replicated"

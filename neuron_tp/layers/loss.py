@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import comm
-from ..mesh import Group, Mesh, get_mesh
+from ..parallel import comm
+from ..parallel.mesh import Group, Mesh, get_mesh
 
 _NEG = -1e30  # finite "minus infinity": a shard made only of padding stays NaN-free
 

@@ -19,9 +19,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .. import comm, regions
-from ..mesh import Mesh, get_mesh
-from ..sharding import get_sharding
+from ..parallel import comm, regions
+from ..parallel.mesh import Mesh, get_mesh
+from ..parallel.sharding import get_sharding
 from .activation_layout import (
     LAYOUT_2D,
     LAYOUT_3D_A,

@@ -16,7 +16,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
-from ..mesh import divisors
+from ..parallel.mesh import divisors
 from .hardware import Instance
 from .predict import Memory, Timing, memory, timing
 from .state import StateBytes, state_bytes

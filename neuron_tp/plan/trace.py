@@ -38,7 +38,7 @@ class Spec:
     tp: int
     tp_mode: str = "1d"
     sequence_parallel: bool = False
-    recompute: str = "none"  # neuron_tp.recompute: none | selective | full
+    recompute: str = "none"  # neuron_tp.hf.recompute: none | selective | full
     micro_batch: int = 1
     seq_len: int = 128
     dp: int = 1
@@ -81,7 +81,7 @@ def dot_flops(hlo: str) -> int:
 
 
 def _comms(hlo: str, rank: int) -> list[Comm]:
-    from ..hlo import parse_collectives
+    from ..backend.hlo import parse_collectives
 
     found = []
     for c in parse_collectives(hlo):
@@ -119,8 +119,8 @@ def sharded_meta_model(config, spec: Spec, rank: int = 0):
 
     from .. import hf
     from ..hf.loading import _params_on_meta
-    from ..mesh import Mesh
-    from ..recompute import apply_activation_checkpointing
+    from ..hf.recompute import apply_activation_checkpointing
+    from ..parallel.mesh import Mesh
 
     dtype = torch.bfloat16 if spec.bf16 else torch.float32
     with _params_on_meta():
@@ -137,9 +137,9 @@ def trace_step(config, spec: Spec, rank: int = 0) -> Trace:
 
     import torch_xla
 
-    from ..hlo import trace_hlo
+    from ..backend.hlo import trace_hlo
+    from ..optim.adamw import make_optimizer
     from ..train.loop import reduce_gradients
-    from ..train.optim import make_optimizer
 
     config = copy.deepcopy(config)
     config.num_hidden_layers = spec.layers
@@ -170,7 +170,7 @@ def trace_step(config, spec: Spec, rank: int = 0) -> Trace:
     optimizer = make_optimizer(model, 1e-3, 0.0, device, zero1_mesh=mesh if spec.zero1 else None)
     norm = reduce_gradients(model, optimizer, mesh, spec.max_grad_norm, spec.zero1)
     optimizer.step()
-    from .. import comm
+    from ..parallel import comm
 
     mean_loss = comm.all_reduce(loss.detach().float().reshape(1), mesh.dp)
     step_hlo = trace_hlo([mean_loss, norm] + list(model.parameters()))

@@ -16,18 +16,32 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import comm
+from ..backend.graphs import (
+    apply_neuron_defaults,
+    extract_graphs_only,
+    graph_counters,
+    on_step_end,
+    peak_memory_mb,
+    step_boundary,
+)
 from ..errors import UserError
-from ..grads import (
+from ..hf.recompute import apply_activation_checkpointing
+from ..job.config import TrainConfig
+from ..job.data import PackedData, vocab_size
+from ..job.presets import build_model, is_preset, model_config, preload
+from ..job.runtime import BUILD_LOCK, rank_device, refuse_xla_ranks_off_neuron
+from ..job.tokenizer import check_vocab, checkpoint_assets, config_vocab, resolve_tokenizer
+from ..optim.adamw import WarmupCosine, make_optimizer
+from ..optim.grads import (
     allreduce_data_parallel_grads,
     clip_grad_norm_,
     global_grad_norm,
     sync_sequence_parallel_grads,
 )
-from ..mesh import Mesh, init_mesh
-from ..recompute import apply_activation_checkpointing
-from ..sharding import move_to
-from . import lora
+from ..parallel import comm
+from ..parallel.mesh import Mesh, init_mesh
+from ..parallel.sharding import move_to
+from . import peft_wrap as lora
 from .checkpoint_policy import (
     check_finite,
     claim_output,
@@ -36,23 +50,9 @@ from .checkpoint_policy import (
     save,
     save_at_end,
 )
-from .config import TrainConfig
-from .data import PackedData, vocab_size
 from .graph_guard import check_same_graph
-from .graphs import (
-    apply_neuron_defaults,
-    extract_graphs_only,
-    graph_counters,
-    on_step_end,
-    peak_memory_mb,
-    step_boundary,
-)
 from .nonfinite import NonFiniteGuard
-from .optim import WarmupCosine, make_optimizer
-from .presets import build_model, is_preset, model_config, preload
-from .runtime import BUILD_LOCK, rank_device, refuse_xla_ranks_off_neuron
 from .step_log import Printer, StepLogger
-from .tokenizer import check_vocab, checkpoint_assets, config_vocab, resolve_tokenizer
 from .tp_mode import check_tp_mode
 
 
@@ -64,7 +64,7 @@ class Run:
     mesh: Mesh
     device: torch.device
     model: torch.nn.Module
-    optimizer: torch.optim.Optimizer  # or a neuron_tp.zero1.Zero1 (--zero1, --bf16)
+    optimizer: torch.optim.Optimizer  # or a neuron_tp.optim.zero1.Zero1 (--zero1, --bf16)
     schedule: WarmupCosine
     data: PackedData
     tokenizer: object
@@ -86,8 +86,8 @@ def setup(args: TrainConfig | argparse.Namespace, mesh: Mesh | None = None) -> R
     The ranks first agree (one small all-gather over the world, before the tp groups exist) on
     every option, library versions, model config and files, tokenizer and training tokens, and
     once the model is sharded on its weights; a rank that differs or fails makes every rank
-    raise (:mod:`neuron_tp.agreement`) instead of hanging or training different models."""
-    from .. import agreement
+    raise (:mod:`neuron_tp.parallel.agreement`) instead of hanging or training different models."""
+    from ..parallel import agreement
 
     config = TrainConfig.from_args(args)
     refuse_xla_ranks_off_neuron(config.device)
@@ -233,11 +233,11 @@ def startup_values(
     config: TrainConfig, tokenizer, data: PackedData | None = None
 ) -> tuple[dict, dict[str, dict]]:
     """What every rank must agree on before anything else (``values``, ``details``, see
-    :func:`neuron_tp.agreement.check_agreement`): every option, library versions, the model
+    :func:`neuron_tp.parallel.agreement.check_agreement`): every option, library versions, the model
     config (and, for a local model, its files), the tokenizer and the training tokens."""
-    from ..agreement import fingerprint, tensor_checksum, versions
     from ..hf.loading import _checkpoint_files, check_model_dir, files_fingerprint
-    from .presets import model_config
+    from ..job.presets import model_config
+    from ..parallel.agreement import fingerprint, tensor_checksum, versions
 
     values = config.option_values()
     if not is_preset(config.model) and os.path.isdir(config.model):
@@ -342,8 +342,8 @@ def train(
     printer: Printer = print,
     on_step: Callable[[Run], None] | None = None,
 ) -> dict:
-    """Run training as configured by ``args`` (a :class:`~neuron_tp.train.config.TrainConfig`,
-    or the Namespace of :func:`~neuron_tp.train.args.train_parser`).
+    """Run training as configured by ``args`` (a :class:`~neuron_tp.job.config.TrainConfig`,
+    or the Namespace of :func:`~neuron_tp.cli.args.train_parser`).
 
     ``stop_at``: end the process's work after that global step (and its periodic checkpoint)
     without a final checkpoint, as if the job had been killed (for resume tests).
@@ -367,7 +367,7 @@ def _train(
 ) -> dict:
     """The steps of this process, from the resumed one to ``--steps`` (or ``stop_at``).
 
-    Under ``neuron_parallel_compile`` (:func:`~neuron_tp.train.graphs.extract_graphs_only`)
+    Under ``neuron_parallel_compile`` (:func:`~neuron_tp.backend.graphs.extract_graphs_only`)
     only three steps are traced, and nothing is checked or saved."""
     config, extract = run.config, extract_graphs_only()
     steps = min(config.steps, 3) if extract else config.steps

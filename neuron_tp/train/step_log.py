@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .graphs import graph_counters
+from ..backend.graphs import graph_counters
 
 if TYPE_CHECKING:
     from .loop import Run
@@ -105,7 +105,7 @@ class StepLogger:
         the first two steps unless fewer than two came after them."""
         mark = self._steady if step - self._steady[0] >= 2 else self._start
         if self.run.device.type == "xla":
-            from .. import _xla
+            from ..backend import xla as _xla
 
             _xla.xm().wait_device_ops()
         elapsed = time.perf_counter() - mark[1]
