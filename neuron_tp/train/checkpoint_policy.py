@@ -19,11 +19,10 @@ from .. import checkpoint
 from ..backend.graphs import extract_graphs_only
 from ..errors import UserError
 from ..job.config import TrainConfig
+from .run import Printer, Run
 
 if TYPE_CHECKING:
     from ..checkpoint.outdir import OutputLock
-    from .loop import Run
-    from .step_log import Printer
 
 
 def checkpoint_root(config: TrainConfig) -> str:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
@@ -52,32 +51,9 @@ from .checkpoint_policy import (
 )
 from .graph_guard import check_same_graph
 from .nonfinite import NonFiniteGuard
-from .step_log import Printer, StepLogger
+from .run import Printer, Run
+from .step_log import StepLogger
 from .tp_mode import check_tp_mode
-
-
-@dataclass
-class Run:
-    """Everything a training run holds (returned by :func:`setup`)."""
-
-    config: TrainConfig
-    mesh: Mesh
-    device: torch.device
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer  # or a neuron_tp.optim.zero1.Zero1 (--zero1, --bf16)
-    schedule: WarmupCosine
-    data: PackedData
-    tokenizer: object
-    step: int = 0
-    log: list = field(default_factory=list)  # dicts of logged steps (rank 0 and others)
-    guard: NonFiniteGuard | None = None  # non-finite loss / grad norm: stop, or skip the step
-    resumed_from: str | None = None  # never deleted by --keep-last during this run
-    graph_checked: bool = False  # ranks compared their step graphs (XLA, first step)
-    data_fingerprint: dict | None = None  # recorded in checkpoints, compared on resume
-    tokenizer_source: str = ""  # "tokenizer: DIR (class, N tokens; why)", logged at start
-    # written with every checkpoint: meta extra (the tokenizer record), files (its files)
-    checkpoint_extra: dict = field(default_factory=dict)
-    checkpoint_files: dict = field(default_factory=dict)
 
 
 def setup(args: TrainConfig | argparse.Namespace, mesh: Mesh | None = None) -> Run:

@@ -5,17 +5,11 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 
 from ..backend.graphs import graph_counters
-
-if TYPE_CHECKING:
-    from .loop import Run
-
-Printer = Callable[..., None]  # print-like: rank 0's printer, a no-op on the other ranks
+from .run import Printer, Run
 
 
 class StepLogger:
