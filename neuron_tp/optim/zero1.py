@@ -34,51 +34,17 @@ from ..parallel import comm
 from ..parallel.mesh import Mesh, get_mesh
 from . import zero1_state
 from .grads import norm_weights
+from .zero1_layout import Slot, chunk_of, padded_blocks
 from .zero1_state import FULL_FORMAT, SHARD_FORMAT, gather_full_state
 
 __all__ = ["Zero1", "gather_full_state", "SHARD_FORMAT", "FULL_FORMAT"]
 
 
 @dataclass
-class _Slot:
-    """One parameter: its shard (what the inner optimizer steps) and its layout."""
-
-    name: str
-    param: nn.Parameter
-    shard: torch.Tensor  # (chunk,) in master dtype
-    chunk: int
-    keeps_master: bool  # the shard is a persistent master (param dtype != master dtype)
-    norm_weight: torch.Tensor | float = 1.0  # per-element weight of the squared grad norm
-
-    @property
-    def numel(self) -> int:
-        return self.param.numel()
-
-
-@dataclass
 class _Bucket:
     """Parameters of one param group and dtype: one reduce-scatter, one all-gather."""
 
-    slots: list[_Slot] = field(default_factory=list)
-
-
-def _padded_blocks(tensors: list[torch.Tensor], chunks: list[int], dp: int) -> torch.Tensor:
-    """The 1-D concatenation of the ``(dp, chunk_i)`` blocks of the zero-padded ``tensors``,
-    block-row-major: rank ``r``'s piece (``r * C`` to ``(r + 1) * C``, ``C = sum chunks``)
-    holds chunk ``r`` of every tensor."""
-    blocks = []
-    for t, chunk in zip(tensors, chunks):
-        flat = t.reshape(-1)
-        pad = dp * chunk - flat.numel()
-        if pad:
-            flat = torch.cat([flat, flat.new_zeros(pad)])
-        blocks.append(flat.view(dp, chunk))
-    return torch.cat(blocks, 1).reshape(-1)
-
-
-def _chunk_of(full: torch.Tensor, chunk: int, group) -> torch.Tensor:
-    """This rank's chunk of the flattened, padded ``full`` (no communication)."""
-    return comm.local_chunk(_padded_blocks([full], [chunk], group.size), group, 0)
+    slots: list[Slot] = field(default_factory=list)
 
 
 class Zero1:
@@ -119,7 +85,7 @@ class Zero1:
         names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
         dp = self.group.size
         self.buckets: list[_Bucket] = []
-        self.slots: dict[str, _Slot] = {}
+        self.slots: dict[str, Slot] = {}
         inner_groups = []
         for gi, g in enumerate(groups):
             opts = {k: v for k, v in g.items() if k != "params"}
@@ -131,8 +97,8 @@ class Zero1:
                     raise ValueError(f"parameter {name!r} appears twice")
                 chunk = -(-p.numel() // dp)
                 with torch.no_grad():
-                    shard = _chunk_of(p.detach(), chunk, self.group).to(master_dtype).clone()
-                slot = _Slot(name, p, shard, chunk, p.dtype != master_dtype)
+                    shard = chunk_of(p.detach(), chunk, self.group).to(master_dtype).clone()
+                slot = Slot(name, p, shard, chunk, p.dtype != master_dtype)
                 by_dtype.setdefault(p.dtype, _Bucket()).slots.append(slot)
                 self.slots[name] = slot
                 shards.append(shard)
@@ -177,7 +143,7 @@ class Zero1:
                 for s in slots
             ]
             chunks = [s.chunk for s in slots]
-            blocks = _padded_blocks(grads, chunks, dp)
+            blocks = padded_blocks(grads, chunks, dp)
             # With the mesh's reduce_dtype the sum stays wide: it feeds the fp32 masters.
             blocks = blocks.to(comm.accumulation_dtype(blocks, self.group))
             mine = comm.reduce_scatter(blocks, self.group, 0)
@@ -201,7 +167,7 @@ class Zero1:
                 factor, rows = norm_weights(self.model, s.name, self.mesh)
             if rows is not None:
                 per_elem = rows.float().repeat_interleave(s.numel // rows.shape[0])
-                w = _chunk_of(per_elem.to(s.shard.device), s.chunk, self.group) * factor
+                w = chunk_of(per_elem.to(s.shard.device), s.chunk, self.group) * factor
                 s.norm_weight = w
             else:
                 s.norm_weight = factor
@@ -241,7 +207,7 @@ class Zero1:
             self.reduce_grads()
         for s in self.slots.values():  # working copies follow the parameters
             if not s.keeps_master:
-                s.shard.copy_(_chunk_of(s.param.detach(), s.chunk, self.group))
+                s.shard.copy_(chunk_of(s.param.detach(), s.chunk, self.group))
         saved = []
         if ok is not None:
             for s in self.slots.values():
@@ -259,11 +225,11 @@ class Zero1:
                 if isinstance(v, torch.Tensor):
                     prev = old[k] if k in old else torch.zeros_like(v)
                     v.copy_(torch.where(ok.to(v.device), v, prev))
-        self._gather_params()
+        self.gather_params()
         self._reduced = False
 
     @torch.no_grad()
-    def _gather_params(self) -> None:
+    def gather_params(self) -> None:
         dp = self.group.size
         for bucket in self.buckets:
             slots = bucket.slots

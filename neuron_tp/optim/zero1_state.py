@@ -20,14 +20,11 @@ same on every dp rank.
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING
 
 import torch
 
 from ..parallel import comm
-
-if TYPE_CHECKING:
-    from .zero1 import Zero1, _Slot
+from .zero1_layout import Sharded, Slot, chunk_of
 
 __all__ = [
     "SHARD_FORMAT",
@@ -60,7 +57,7 @@ def _snapshot(v):
     return v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
 
 
-def groups_meta(zero: Zero1) -> list[dict]:
+def groups_meta(zero: Sharded) -> list[dict]:
     """The inner optimizer's param groups with parameter names instead of shards."""
     by_shard = {id(s.shard): s.name for s in zero.slots.values()}
     out = []
@@ -71,7 +68,7 @@ def groups_meta(zero: Zero1) -> list[dict]:
     return out
 
 
-def state_dict(zero: Zero1) -> dict:
+def state_dict(zero: Sharded) -> dict:
     """This rank's shards (inner state, fp32 masters) and the layout needed to assemble the
     full state (:func:`gather_full_state`). Like ``torch.optim``, the tensors are the live ones:
     save (or copy) before the next step."""
@@ -94,7 +91,7 @@ def state_dict(zero: Zero1) -> dict:
     }
 
 
-def check_shard_state(zero: Zero1, state: dict) -> None:
+def check_shard_state(zero: Sharded, state: dict) -> None:
     """ValueError unless ``state`` is a shard state of this dp rank, degree and layout (every
     parameter present, same shape and chunk). Modifies nothing."""
     if state.get("format") != SHARD_FORMAT:
@@ -118,12 +115,11 @@ def check_shard_state(zero: Zero1, state: dict) -> None:
 
 
 @torch.no_grad()
-def load_state_dict(zero: Zero1, state: dict, gather: bool = True) -> None:
+def load_state_dict(zero: Sharded, state: dict, gather: bool = True) -> None:
     """Load a :func:`state_dict` saved by the same dp rank at the same dp degree (other
     degrees: :func:`gather_full_state` then :func:`load_full_state_dict`). ``gather``: set the
     parameters from the masters (an all-gather over dp; skip it when the parameters are
     loaded already). Hyperparameters are loaded when the state has ``param_groups``."""
-    from .zero1 import _chunk_of
 
     check_shard_state(zero, state)
     for name, entry in state["params"].items():
@@ -132,15 +128,15 @@ def load_state_dict(zero: Zero1, state: dict, gather: bool = True) -> None:
         if entry["master"] is not None and s.keeps_master:
             s.shard.copy_(entry["master"].to(s.shard.device))
         elif s.keeps_master:  # saved without a master (fp32 params): from the parameter
-            s.shard.copy_(_chunk_of(s.param.detach(), s.chunk, zero.group))
+            s.shard.copy_(chunk_of(s.param.detach(), s.chunk, zero.group))
     if state.get("param_groups") is not None:
         _load_hyper(zero, state["param_groups"])
     if gather:
-        zero._gather_params()
+        zero.gather_params()
 
 
 @torch.no_grad()
-def full_state_dict(zero: Zero1) -> dict:
+def full_state_dict(zero: Sharded) -> dict:
     """The unsharded (over dp) state, per parameter, on every rank: collective over dp."""
     params = {}
     for s in zero.slots.values():
@@ -153,16 +149,15 @@ def full_state_dict(zero: Zero1) -> dict:
     return {"format": FULL_FORMAT, "params": params, "param_groups": groups_meta(zero)}
 
 
-def _gather(zero: Zero1, v: torch.Tensor, s: _Slot) -> torch.Tensor:
+def _gather(zero: Sharded, v: torch.Tensor, s: Slot) -> torch.Tensor:
     full = comm.all_gather(v.detach().contiguous(), zero.group, 0)
     return full[: s.numel].view(s.param.shape)
 
 
 @torch.no_grad()
-def load_full_state_dict(zero: Zero1, state: dict) -> None:
+def load_full_state_dict(zero: Sharded, state: dict) -> None:
     """Take this rank's chunks of a :func:`full_state_dict` (made at any dp degree, same tp
     layout). A saved fp32 master also sets the parameters (to it, cast). No communication."""
-    from .zero1 import _chunk_of
 
     if state.get("format") != FULL_FORMAT:
         raise ValueError(f"not a Zero1 full state (format {state.get('format')!r})")
@@ -175,7 +170,7 @@ def load_full_state_dict(zero: Zero1, state: dict) -> None:
         shard_state = {}
         for k, v in entry["state"].items():
             if isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(s.param.shape) and v.dim():
-                v = _chunk_of(v.to(dev), s.chunk, zero.group).clone()
+                v = chunk_of(v.to(dev), s.chunk, zero.group).clone()
             shard_state[k] = v
         _set_state(s, zero.inner, shard_state)
         master = entry.get("master")
@@ -183,13 +178,13 @@ def load_full_state_dict(zero: Zero1, state: dict) -> None:
             master = master.to(dev)
             s.param.detach().copy_(master.to(s.param.dtype))
             if s.keeps_master:
-                s.shard.copy_(_chunk_of(master, s.chunk, zero.group))
+                s.shard.copy_(chunk_of(master, s.chunk, zero.group))
         elif s.keeps_master:  # saved without a master (fp32 params): from the parameter
-            s.shard.copy_(_chunk_of(s.param.detach(), s.chunk, zero.group))
+            s.shard.copy_(chunk_of(s.param.detach(), s.chunk, zero.group))
     _load_hyper(zero, state["param_groups"])
 
 
-def _slot(zero: Zero1, name: str, shape) -> _Slot:
+def _slot(zero: Sharded, name: str, shape) -> Slot:
     if name not in zero.slots:
         raise KeyError(f"optimizer state for unknown parameter {name!r}")
     s = zero.slots[name]
@@ -198,7 +193,7 @@ def _slot(zero: Zero1, name: str, shape) -> _Slot:
     return s
 
 
-def _set_state(s: _Slot, inner: torch.optim.Optimizer, st: dict) -> None:
+def _set_state(s: Slot, inner: torch.optim.Optimizer, st: dict) -> None:
     out = {}
     for k, v in st.items():
         if isinstance(v, torch.Tensor):
@@ -211,7 +206,7 @@ def _set_state(s: _Slot, inner: torch.optim.Optimizer, st: dict) -> None:
         inner.state.pop(s.shard, None)
 
 
-def _load_hyper(zero: Zero1, saved: list[dict]) -> None:
+def _load_hyper(zero: Sharded, saved: list[dict]) -> None:
     """Hyperparameters of the saved groups (tensor values, e.g. a device lr, in place)."""
     groups = zero.inner.param_groups
     if len(saved) != len(groups):
