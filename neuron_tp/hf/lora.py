@@ -131,7 +131,7 @@ def _swap(inner: nn.Module, modules: dict[str, nn.Module]) -> None:
 
 def _check_targets(inner: nn.Module, names, plan: dict[str, str] | None) -> None:
     """Every LoRA target must be a column projection with a split output or a row one."""
-    from .parallelize import _column_role
+    from .resolve import column_role
 
     mp = plan_model(inner, plan)
     for name in names:
@@ -139,7 +139,7 @@ def _check_targets(inner: nn.Module, names, plan: dict[str, str] | None) -> None
         ok = style in (Style.ROW, Style.ROW_SPLIT_INPUT) or (
             style is not None
             and style.is_column
-            and _column_role(name, style, mp) in ("attention", "plain")
+            and column_role(name, style, mp) in ("attention", "plain")
         )
         if not ok:
             what = "not sharded by the plan" if style is None else f"planned {style.value!r}"

@@ -270,7 +270,7 @@ def _build(model: nn.Module, mesh: Mesh) -> dict[str, nn.Module]:
 
 
 def _install(model: nn.Module, built: dict[str, nn.Module], mesh: Mesh, parallel_loss: bool):
-    from .parallelize import _guard_meta
+    from .meta_guard import guard_meta
 
     for name, new in built.items():
         parent, _, attr = name.rpartition(".")
@@ -283,7 +283,7 @@ def _install(model: nn.Module, built: dict[str, nn.Module], mesh: Mesh, parallel
     model.lm_head.gather_output = not parallel_loss
     model._ntp_parallel, model._ntp_mesh = True, mesh
     model._ntp_parallel_loss, model._ntp_sequence_parallel = parallel_loss, False
-    _guard_meta(model)  # built from a meta-device model: refuses to run until loaded
+    guard_meta(model)  # built from a meta-device model: refuses to run until loaded
     _wrap_forward(model, mesh)
 
 
