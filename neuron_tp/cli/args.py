@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
 
 REPO_DATA = os.path.join(
     os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "data"
 )
 
 
-def _positive(kind):
+def positive(kind: type) -> Callable[[str], int | float]:
+    """An argparse ``type``: ``kind(text)``, refused unless > 0 (also ``neuron-tp plan``'s)."""
+
     def parse(text: str):
         value = kind(text)
         if value <= 0:
@@ -50,7 +53,7 @@ def _common(p: argparse.ArgumentParser) -> None:
         default="tiny-llama",
         help="local HF model directory or a built-in preset (tiny-llama, tiny-gpt2, tiny-qwen3)",
     )
-    p.add_argument("--tp", type=_positive(int), default=1, help="tensor-parallel degree")
+    p.add_argument("--tp", type=positive(int), default=1, help="tensor-parallel degree")
     p.add_argument(
         "--device",
         choices=("xla", "cpu"),
@@ -92,11 +95,11 @@ def train_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--sequence-parallel", action="store_true", help="1d only")
     p.add_argument("--data", default=REPO_DATA, help="a .txt/.jsonl file or a directory of them")
-    p.add_argument("--seq-len", type=_positive(int), default=128)
-    p.add_argument("--micro-batch", type=_positive(int), default=4, help="sequences per rank")
-    p.add_argument("--grad-accum", type=_positive(int), default=1)
-    p.add_argument("--steps", type=_positive(int), default=100, help="optimizer steps")
-    p.add_argument("--lr", type=_positive(float), default=1e-3)
+    p.add_argument("--seq-len", type=positive(int), default=128)
+    p.add_argument("--micro-batch", type=positive(int), default=4, help="sequences per rank")
+    p.add_argument("--grad-accum", type=positive(int), default=1)
+    p.add_argument("--steps", type=positive(int), default=100, help="optimizer steps")
+    p.add_argument("--lr", type=positive(float), default=1e-3)
     p.add_argument("--min-lr", type=_non_negative(float), default=1e-4)
     p.add_argument("--warmup-steps", type=_non_negative(int), default=10)
     p.add_argument("--weight-decay", type=_non_negative(float), default=0.01)
@@ -128,11 +131,11 @@ def train_parser() -> argparse.ArgumentParser:
         help="recompute activations in backward: every decoder layer (full) or the attention "
         "core only (selective); saves activation memory for extra compute",
     )
-    p.add_argument("--log-every", type=_positive(int), default=10)
+    p.add_argument("--log-every", type=positive(int), default=10)
     p.add_argument("--save-every", type=_non_negative(int), default=0, help="0 = only at the end")
     p.add_argument(
         "--keep-last",
-        type=_positive(int),
+        type=positive(int),
         default=2,
         help="keep the newest N checkpoints (and always the one resumed from)",
     )
@@ -164,7 +167,7 @@ def train_parser() -> argparse.ArgumentParser:
         default=0,
         help="train LoRA adapters of this rank (peft) instead of the whole model; 0: off",
     )
-    p.add_argument("--lora-alpha", type=_positive(float), default=16.0, help="LoRA scaling alpha")
+    p.add_argument("--lora-alpha", type=positive(float), default=16.0, help="LoRA scaling alpha")
     p.add_argument("--lora-dropout", type=_non_negative(float), default=0.0)
     p.add_argument(
         "--lora-target-modules",
@@ -229,10 +232,10 @@ def generate_parser() -> argparse.ArgumentParser:
     _common(p)
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     p.add_argument("--prompts-file", default=None, help="one prompt per line")
-    p.add_argument("--max-new-tokens", type=_positive(int), default=32)
+    p.add_argument("--max-new-tokens", type=positive(int), default=32)
     _shapes(p, "more prompts run in several batches")
     p.add_argument("--do-sample", action="store_true")
-    p.add_argument("--temperature", type=_positive(float), default=1.0)
+    p.add_argument("--temperature", type=positive(float), default=1.0)
     p.add_argument("--top-k", type=_non_negative(int), default=0, help="0 = no top-k filter")
     p.add_argument(
         "--stop", action="append", default=[], help="stop string (repeatable): text ends before it"
@@ -255,7 +258,7 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=_non_negative(int), default=8000, help="HTTP port")
     p.add_argument(
         "--max-new-tokens",
-        type=_positive(int),
+        type=positive(int),
         default=256,
         help="the largest max_tokens a request may ask for (sets the KV cache length)",
     )

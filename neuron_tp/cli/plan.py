@@ -7,7 +7,7 @@ import json
 import sys
 
 from ..plan.hardware import INSTANCES
-from .args import _positive
+from .args import positive
 
 
 def plan_parser() -> argparse.ArgumentParser:
@@ -23,17 +23,17 @@ def plan_parser() -> argparse.ArgumentParser:
         "preset, a model directory or a config.json",
     )
     p.add_argument("--instance", default="trn1.32xlarge", choices=sorted(INSTANCES))
-    p.add_argument("--nodes", type=_positive(int), default=1)
-    p.add_argument("--seq-len", type=_positive(int), required=True)
+    p.add_argument("--nodes", type=positive(int), default=1)
+    p.add_argument("--seq-len", type=positive(int), required=True)
     p.add_argument(
-        "--global-batch", type=_positive(int), required=True, help="sequences per optimizer step"
+        "--global-batch", type=positive(int), required=True, help="sequences per optimizer step"
     )
     p.add_argument("--fp32", action="store_true", help="fp32 training (default: --bf16)")
     pins = p.add_argument_group("pin a choice (default: try them all)")
-    pins.add_argument("--tp", type=_positive(int))
+    pins.add_argument("--tp", type=positive(int))
     pins.add_argument("--tp-mode", choices=("1d", "2d", "3d"))
     pins.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction)
-    pins.add_argument("--micro-batch", type=_positive(int))
+    pins.add_argument("--micro-batch", type=positive(int))
     pins.add_argument("--activation-checkpointing", choices=("none", "selective", "full"))
     pins.add_argument("--zero1", action=argparse.BooleanOptionalAction, help="fp32 jobs")
     model = p.add_argument_group("assumptions")

@@ -80,7 +80,7 @@ META_LOCK = threading.RLock()
 
 
 @contextlib.contextmanager
-def _params_on_meta():
+def params_on_meta():
     """Create parameters on the meta device (buffers stay real: rotary tables, position ids).
     The patch of ``nn.Module.register_parameter`` is process-wide: ranks that are threads of
     one process (``--xla-cpu-devices``) take turns, or one thread could save another's patch
@@ -171,7 +171,7 @@ def files_fingerprint(files) -> dict[str, list]:
     return out
 
 
-def _checkpoint_files(path: str) -> dict[str, str]:
+def checkpoint_files(path: str) -> dict[str, str]:
     """``{tensor name: file}`` of a single-file or sharded (index.json) safetensors checkpoint."""
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
@@ -273,10 +273,10 @@ def from_pretrained(
     try:  # a failure on one rank (a truncated file on one node) must stop every tp rank
         check_model_dir(path)
         config = AutoConfig.from_pretrained(path, **config_kwargs)
-        files = _checkpoint_files(path)
+        files = checkpoint_files(path)
         found = files_fingerprint(files.values())
         kwargs = {"dtype": torch_dtype} if torch_dtype is not None else {}
-        with _params_on_meta():
+        with params_on_meta():
             model = auto_class.from_config(config, **kwargs)
         if wrap is not None:
             model = wrap(model)

@@ -53,7 +53,7 @@ def load_checkpoint_model(path: str, mesh, dtype: torch.dtype = torch.float32):
     from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
     from .. import checkpoint, hf
-    from ..hf.loading import _params_on_meta
+    from ..hf.loading import params_on_meta
     from ..hf.lora_files import checkpoint_lora, config_from_record
 
     meta = checkpoint.read_meta(path)
@@ -67,7 +67,7 @@ def load_checkpoint_model(path: str, mesh, dtype: torch.dtype = torch.float32):
             "of a transformers causal LM"
         )
     config = CONFIG_MAPPING[cfg["model_type"]].from_dict(cfg)
-    with _params_on_meta():
+    with params_on_meta():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     if lora is not None:  # the adapters are merged once loaded
         from .adapters import peft_wrap

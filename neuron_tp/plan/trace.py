@@ -118,12 +118,12 @@ def sharded_meta_model(config, spec: Spec, rank: int = 0):
     from transformers import AutoModelForCausalLM
 
     from .. import hf
-    from ..hf.loading import _params_on_meta
+    from ..hf.loading import params_on_meta
     from ..hf.recompute import apply_activation_checkpointing
     from ..parallel.mesh import Mesh
 
     dtype = torch.bfloat16 if spec.bf16 else torch.float32
-    with _params_on_meta():
+    with params_on_meta():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     mesh = Mesh.virtual(spec.tp * spec.dp, rank, tp=spec.tp, tp_mode=spec.tp_mode)
     hf.parallelize(model, mesh, sequence_parallel=spec.sequence_parallel, parallel_loss=spec.tp > 1)

@@ -211,7 +211,7 @@ def startup_values(
     """What every rank must agree on before anything else (``values``, ``details``, see
     :func:`neuron_tp.parallel.agreement.check_agreement`): every option, library versions, the model
     config (and, for a local model, its files), the tokenizer and the training tokens."""
-    from ..hf.loading import _checkpoint_files, check_model_dir, files_fingerprint
+    from ..hf.loading import check_model_dir, checkpoint_files, files_fingerprint
     from ..job.presets import model_config
     from ..parallel.agreement import fingerprint, tensor_checksum, versions
 
@@ -226,7 +226,7 @@ def startup_values(
     details = {"model config": model_cfg}
     values.update({"library versions": versions(), "model config": model_cfg})
     if not is_preset(config.model):
-        files = files_fingerprint(_checkpoint_files(config.model).values())
+        files = files_fingerprint(checkpoint_files(config.model).values())
         values["model files (size, header + sampled data checksum)"] = details[
             "model files (size, header + sampled data checksum)"
         ] = files

@@ -323,14 +323,14 @@ def test_params_on_meta_is_safe_for_rank_threads():
     both (the issue's `lm_head.weight: rank 0: meta; rank 1: <checksum>`)."""
     import threading
 
-    from neuron_tp.hf.loading import _params_on_meta
+    from neuron_tp.hf.loading import params_on_meta
 
     original = torch.nn.Module.register_parameter
     a_in, b_started, a_done = threading.Event(), threading.Event(), threading.Event()
     got = {}
 
     def first():
-        with _params_on_meta():
+        with params_on_meta():
             got["a"] = torch.nn.Linear(2, 2).weight.is_meta
             a_in.set()
             b_started.wait(5)
@@ -340,7 +340,7 @@ def test_params_on_meta_is_safe_for_rank_threads():
     def second():
         a_in.wait(5)
         b_started.set()
-        with _params_on_meta():
+        with params_on_meta():
             a_done.wait(5)  # the first builder has left its context
             got["b"] = torch.nn.Linear(2, 2).weight.is_meta
 
