@@ -99,3 +99,22 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, mesh: Mesh | None = None)
         if p.grad is not None:
             p.grad.detach().mul_(coef.to(p.grad.dtype))
     return norm
+
+
+def reduce_gradients(
+    model: torch.nn.Module, optimizer, mesh: Mesh, max_grad_norm: float, zero1: bool
+) -> torch.Tensor:
+    """After the step's backward passes: complete the gradients of replicated parameters over
+    tp, average over dp (all-reduce, or ``optimizer``'s reduce-scatter with ZeRO-1), clip to
+    ``max_grad_norm`` (0: no clipping); returns the global gradient norm."""
+    # Replicated parameters with partial gradients: SP norms, but also e.g. Qwen3's q/k norms
+    # (replicated_with_grad_allreduce) without SP. A no-op when the model has none.
+    sync_sequence_parallel_grads(model, mesh)
+    if zero1:  # reduce-scatter over dp (the mean) instead of the all-reduce
+        if max_grad_norm > 0:
+            return optimizer.clip_grad_norm_(max_grad_norm)
+        return optimizer.grad_norm()
+    allreduce_data_parallel_grads(model, mesh)
+    if max_grad_norm > 0:
+        return clip_grad_norm_(model, max_grad_norm, mesh)
+    return global_grad_norm(model, mesh)

@@ -4,7 +4,7 @@ The transformers model is built on the meta device, sharded by :func:`neuron_tp.
 for one rank of a virtual mesh (``tp x dp`` ranks), given activation recompute as
 ``neuron-tp train`` does, and its parameters become lazy XLA zeros (one IR node each: no
 memory). Then the step of :mod:`neuron_tp.train.loop` is traced: forward + backward of one
-micro-batch, then :func:`~neuron_tp.train.loop.reduce_gradients` and the optimizer step. Read
+micro-batch, then :func:`~neuron_tp.optim.grads.reduce_gradients` and the optimizer step. Read
 off the graph: every collective (kind, bytes, the ranks it spans), the FLOPs of every matrix
 product, and the bytes autograd saves for backward (parameters excluded).
 
@@ -139,7 +139,7 @@ def trace_step(config, spec: Spec, rank: int = 0) -> Trace:
 
     from ..backend.hlo import trace_hlo
     from ..optim.adamw import make_optimizer
-    from ..train.loop import reduce_gradients
+    from ..optim.grads import reduce_gradients
 
     config = copy.deepcopy(config)
     config.num_hidden_layers = spec.layers

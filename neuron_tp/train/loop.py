@@ -31,12 +31,7 @@ from ..job.presets import build_model, is_preset, model_config, preload
 from ..job.runtime import BUILD_LOCK, rank_device, refuse_xla_ranks_off_neuron
 from ..job.tokenizer import check_vocab, checkpoint_assets, config_vocab, resolve_tokenizer
 from ..optim.adamw import WarmupCosine, make_optimizer
-from ..optim.grads import (
-    allreduce_data_parallel_grads,
-    clip_grad_norm_,
-    global_grad_norm,
-    sync_sequence_parallel_grads,
-)
+from ..optim.grads import reduce_gradients
 from ..parallel import comm
 from ..parallel.mesh import Mesh, init_mesh
 from ..parallel.sharding import move_to
@@ -242,25 +237,6 @@ def startup_values(
             "checksum": tensor_checksum(data.chunks),
         }
     return values, details
-
-
-def reduce_gradients(
-    model: torch.nn.Module, optimizer, mesh: Mesh, max_grad_norm: float, zero1: bool
-) -> torch.Tensor:
-    """After the step's backward passes: complete the gradients of replicated parameters over
-    tp, average over dp (all-reduce, or ``optimizer``'s reduce-scatter with ZeRO-1), clip to
-    ``max_grad_norm`` (0: no clipping); returns the global gradient norm."""
-    # Replicated parameters with partial gradients: SP norms, but also e.g. Qwen3's q/k norms
-    # (replicated_with_grad_allreduce) without SP. A no-op when the model has none.
-    sync_sequence_parallel_grads(model, mesh)
-    if zero1:  # reduce-scatter over dp (the mean) instead of the all-reduce
-        if max_grad_norm > 0:
-            return optimizer.clip_grad_norm_(max_grad_norm)
-        return optimizer.grad_norm()
-    allreduce_data_parallel_grads(model, mesh)
-    if max_grad_norm > 0:
-        return clip_grad_norm_(model, max_grad_norm, mesh)
-    return global_grad_norm(model, mesh)
 
 
 def train_step(run: Run, log_this_step: bool, on_log: Callable | None) -> None:

@@ -65,7 +65,7 @@ def _measure_layout(mesh, lever: str) -> dict:
     from neuron_tp import hf
     from neuron_tp.hf.recompute import apply_activation_checkpointing
     from neuron_tp.optim.adamw import make_optimizer
-    from neuron_tp.train.loop import reduce_gradients
+    from neuron_tp.optim.grads import reduce_gradients
 
     s = _settings(lever)
     torch.manual_seed(0)
