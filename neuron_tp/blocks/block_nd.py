@@ -12,7 +12,7 @@ input and weight blocks and all-gather them again in backward (two more all-gath
 per backward; see :mod:`~neuron_tp.layers.linear_2d` / ``linear_3d`` for the bytes), so the
 saved activations of a block are ~1/P of the unsharded block's; ``regather=False`` saves the
 gathered operands instead (~1.65x that at 2D P=4, ~1.8x at 3D P=8, measured by
-tests/test_nd_memory.py) and skips those all-gathers.
+tests/layers/test_nd_memory.py) and skips those all-gathers.
 """
 
 from __future__ import annotations

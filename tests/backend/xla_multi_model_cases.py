@@ -25,9 +25,9 @@ import torch_xla
 import transformers  # noqa: F401  (imported before the device threads start)
 from torch import nn
 
+import block_reference as b1d
 import nd_reference as ndr
 import neuron_tp as ntp
-import test_blocks as b1d
 from hf_archs import V as HF_VOCAB  # noqa: E402
 from hf_archs import build
 from neuron_tp.blocks.block_nd import TransformerBlockND
@@ -109,8 +109,9 @@ def _check_norm(c: Checks, model, mesh, full: dict, what: str) -> None:
 
 
 def block_1d_case(c: Checks, mesh, sp: bool) -> None:
-    """neuron_tp.blocks.block_1d.TransformerBlock vs tests/test_blocks.py's plain-torch block; each
-    dp replica sees its own rows of the batch, the reference the concatenation (loss / dp)."""
+    """neuron_tp.blocks.block_1d.TransformerBlock vs the plain-torch block of
+    tests/helpers/block_reference.py; each dp replica sees its own rows of the batch, the
+    reference the concatenation (loss / dp)."""
     tp, dp, r = mesh.tp_size, mesh.dp_size, mesh.tp_rank
     what = f"1D block tp={tp} dp={dp} sp={sp} [rank {mesh.rank}]"
     with serial():
@@ -123,7 +124,7 @@ def block_1d_case(c: Checks, mesh, sp: bool) -> None:
         t.requires_grad_(True)
     gen = torch.Generator().manual_seed(12)
     x_all = torch.randn(dp * b1d.B, b1d.S, b1d.HID, generator=gen, requires_grad=True)
-    y_ref = b1d._ref_block(full, x_all)
+    y_ref = b1d.ref_block(full, x_all)
     g_all = torch.randn(y_ref.shape, generator=gen)
     ((y_ref * g_all).sum() / dp).backward()
 

@@ -14,9 +14,10 @@ from torch import nn
 
 import gloo_dist  # noqa: E402
 import neuron_tp as ntp  # noqa: E402
+from block_reference import FFN, HEADS, HID, ref_block  # noqa: E402
 from neuron_tp.parallel import regions  # noqa: E402
 from reference import assert_close, full_param_and_grad  # noqa: E402
-from test_blocks import FFN, HEADS, HID, _ref_block  # noqa: E402
+from saved_bytes import SavedBytes  # noqa: E402
 
 B, S = 2, 8
 
@@ -50,7 +51,7 @@ def _linear_pair(mesh, regather: bool, dim: int) -> None:
 
 
 def _block(mesh, regather: bool) -> None:
-    """TransformerBlock with SP against the plain-torch block of test_blocks."""
+    """TransformerBlock with SP against the plain-torch block of block_reference."""
     torch.manual_seed(0)
     block = ntp.blocks.TransformerBlock(
         HID, HEADS, FFN, mesh=mesh, sequence_parallel=True, sequence_parallel_regather=regather
@@ -62,7 +63,7 @@ def _block(mesh, regather: bool) -> None:
     full = {n: t.clone().requires_grad_(True) for n, t in ntp.gather_params(block, mesh).items()}
     torch.manual_seed(1)
     x_full = torch.randn(B, S, HID, requires_grad=True)
-    y_ref = _ref_block(full, x_full)
+    y_ref = ref_block(full, x_full)
     g = torch.randn_like(y_ref)
     (y_ref * g).sum().backward()
     tp = mesh.tp
@@ -103,27 +104,6 @@ def _llama(mesh, regather: bool) -> None:
     assert set(grads) == set(expected), f"{tag}: {set(grads) ^ set(expected)}"
     for n, want in expected.items():
         assert_close(grads[n], want, f"{tag} grad {n}")
-
-
-class SavedBytes:
-    """Saved-for-backward activation bytes, one count per storage (views and re-saves counted
-    once). The parameters of ``module`` are left out: they are not activations (and on CPU a
-    shard initialised by slicing the full weight may still view the full storage)."""
-
-    def __init__(self, module: nn.Module):
-        self.params = {p.untyped_storage().data_ptr() for p in module.parameters()}
-        self.seen: dict[int, int] = {}
-        self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        s = t.untyped_storage()
-        if s.data_ptr() not in self.params:
-            self.seen[s.data_ptr()] = s.nbytes()
-        return t
-
-    @property
-    def total(self) -> int:
-        return sum(self.seen.values())
 
 
 MEM_HID, MEM_HEADS, MEM_S, MEM_B = 512, 8, 256, 2

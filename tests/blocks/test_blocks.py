@@ -7,36 +7,16 @@ import torch.nn.functional as F
 
 import gloo_dist
 import neuron_tp as ntp
+from block_reference import FFN, HEADS, HID, B, S, ref_block
 from neuron_tp.parallel import regions
 from reference import assert_close
 
-HID, HEADS, FFN, B, S = 12, 4, 20, 2, 4
 P_DROP = 0.25
 
 
 def _dropout(x):
     """Dropout by definition, drawing the mask for the whole (global-batch) tensor."""
     return x * (torch.rand(x.shape) >= P_DROP) / (1 - P_DROP)
-
-
-def _ref_block(p, x, drop=lambda t: t):
-    """The block computed from full weights with plain torch ops (independent reference)."""
-    h = F.layer_norm(x, (HID,), p["ln1.weight"], p["ln1.bias"])
-    qkv = F.linear(h, p["attn.qkv.weight"], p["attn.qkv.bias"])
-    q, k, v = (t.view(x.shape[0], x.shape[1], HEADS, -1).transpose(1, 2) for t in qkv.chunk(3, -1))
-    scores = (q @ k.transpose(-1, -2)) / (HID // HEADS) ** 0.5
-    mask = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).tril()
-    att = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v
-    x = x + drop(
-        F.linear(att.transpose(1, 2).reshape(x.shape), p["attn.out.weight"], p["attn.out.bias"])
-    )
-    h = F.layer_norm(x, (HID,), p["ln2.weight"], p["ln2.bias"])
-    h = F.linear(
-        F.gelu(F.linear(h, p["mlp.up.weight"], p["mlp.up.bias"])),
-        p["mlp.down.weight"],
-        p["mlp.down.bias"],
-    )
-    return x + drop(h)
 
 
 def _block(tp, sp, dropout=False):
@@ -55,7 +35,7 @@ def _block(tp, sp, dropout=False):
     torch.manual_seed(1)
     x_all = torch.randn(mesh.dp_size * B, S, HID, requires_grad=True)
     torch.manual_seed(99)  # dropout: both sides draw from the same RNG state
-    y_ref = _ref_block(full, x_all, _dropout if dropout else (lambda t: t))
+    y_ref = ref_block(full, x_all, _dropout if dropout else (lambda t: t))
     g_all = torch.randn_like(y_ref)
     ((y_ref * g_all).sum() / mesh.dp_size).backward()
 

@@ -1,7 +1,7 @@
 """2D and 3D tensor parallelism divide every saved activation by P: the Linear2D / Linear3D
 save only their local input and weight blocks and all-gather them again in backward
 (``regather=True``, the default). Measured per rank: the saved-for-backward bytes
-(storage-deduplicated, parameters left out; tests/test_sp_memory.py's method) of a
+(storage-deduplicated, parameters left out; tests/helpers/saved_bytes.py) of a
 ``TransformerBlockND`` on gloo ranks against the same block unsharded (a tp=1 mesh of the same
 mode: the same ops, every collective skipped) / P, with and without the re-gather."""
 
@@ -14,7 +14,7 @@ import gloo_dist
 import neuron_tp as ntp
 from neuron_tp.blocks.block_nd import TransformerBlockND
 from neuron_tp.layers import nd
-from test_sp_memory import SavedBytes
+from saved_bytes import SavedBytes
 
 HID, HEADS, FFN, S = 512, 8, 2048, 256
 LIMIT = 1.15  # x (unsharded bytes / P) with the re-gather
