@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..layers.activation_layout import LAYOUT_2D, LAYOUT_3D_A, ActivationLayout
+from ..layers.activation_layout import ActivationLayout, residual_layout
 from ..layers.linear_2d import Linear2D
 from ..layers.linear_3d import Linear3D
 from ..layers.norm_nd import LayerNorm2D, LayerNorm3D
@@ -52,7 +52,7 @@ def _pair(
 
 def block_layout(mesh: Mesh) -> ActivationLayout:
     """The layout of the residual stream between blocks of this mesh's mode."""
-    return LAYOUT_2D if _mode(mesh) == "2d" else LAYOUT_3D_A
+    return residual_layout(_mode(mesh))
 
 
 class MLPND(nn.Module):
@@ -91,7 +91,7 @@ class SelfAttentionND(nn.Module):
         super().__init__()
         mesh = get_mesh(mesh)
         mode = _mode(mesh)
-        q = mesh.group("row" if mode == "2d" else "input").size
+        q = mesh.grid_side
         if hidden % num_heads:
             raise ValueError(f"hidden={hidden} is not divisible by num_heads={num_heads}")
         if num_heads % q:

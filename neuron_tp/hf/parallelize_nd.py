@@ -43,9 +43,9 @@ from torch import nn
 
 from ..layers.activation_layout import (
     LAYOUT_2D,
-    LAYOUT_3D_A,
     LAYOUT_3D_B,
     ActivationLayout,
+    residual_layout,
     split_input,
 )
 from ..layers.common import load_shards_from
@@ -69,15 +69,6 @@ SUPPORTED_ND = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
 _NORMS = ("input_layernorm", "post_attention_layernorm")
-
-
-def grid_side(mesh: Mesh) -> int:
-    """``q``: the side of the 2D grid (``tp = q*q``) or 3D cube (``tp = q^3``)."""
-    return mesh.group("row" if mesh.tp_mode == "2d" else "input").size
-
-
-def residual_layout(mesh: Mesh) -> ActivationLayout:
-    return LAYOUT_2D if mesh.tp_mode == "2d" else LAYOUT_3D_A
 
 
 def logits_layout(mesh: Mesh) -> ActivationLayout:
@@ -153,7 +144,7 @@ def _alternatives(config, world_size: int) -> str:
 def _validate(model: nn.Module, mesh: Mesh, sequence_parallel: bool, plan) -> None:
     """ValueError for anything this path cannot shard exactly (nothing is built or changed)."""
     name, mode = type(model).__name__, mesh.tp_mode
-    q = grid_side(mesh)
+    q = mesh.grid_side
     if name not in SUPPORTED_ND:
         raise ValueError(
             f"{name}: tp_mode={mode!r} supports only {list(SUPPORTED_ND)} so far; "
@@ -276,7 +267,7 @@ def _install(model: nn.Module, built: dict[str, nn.Module], mesh: Mesh, parallel
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent), attr, new)
     heads = model_heads(model.config)
-    q = grid_side(mesh)
+    q = mesh.grid_side
     for layer in model.model.layers:
         patch_attention_module(layer.self_attn, heads, q, heads.kv // q)
     # full_logits() toggles this: False keeps the LM head output as this rank's block.
@@ -295,7 +286,7 @@ def _wrap_forward(model: nn.Module, mesh: Mesh) -> None:
     forward = model.forward
     sig = inspect.signature(forward)
     name = type(model).__name__
-    res, out_layout = residual_layout(mesh), logits_layout(mesh)
+    res, out_layout = residual_layout(mesh.tp_mode), logits_layout(mesh)
     nb = res.batch_split(mesh)
     vocab_size = model.lm_head.vocab_size  # the true vocabulary (the head may be padded)
     # attention_mask / position_ids only feed the causal mask and the rotary tables, which only
@@ -320,7 +311,7 @@ def _wrap_forward(model: nn.Module, mesh: Mesh) -> None:
         b = ids.shape[0]
         if b % nb:
             raise ValueError(
-                f"{name} on a {mesh.tp_mode} mesh (q={grid_side(mesh)}) splits the batch "
+                f"{name} on a {mesh.tp_mode} mesh (q={mesh.grid_side}) splits the batch "
                 f"into {nb} chunks: batch size must be divisible by {nb}, got {b}"
             )
         a["input_ids"] = split_input(ids, res, mesh, feature_dim=False)

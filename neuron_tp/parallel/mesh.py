@@ -67,16 +67,23 @@ def valid_tp_degrees(world_size: int, *sizes: int) -> list[int]:
     return [d for d in divisors(world_size) if all(s % d == 0 for s in sizes)]
 
 
+def grid_side(tp: int, tp_mode: str) -> int:
+    """``q``, the side of the 2D grid (``tp = q*q``) or 3D cube (``tp = q^3``) of ``tp`` ranks;
+    1 for ``1d``. The one place this is computed (whether ``tp`` is such a power: ``_check_tp``)."""
+    if tp_mode == "2d":
+        return math.isqrt(tp)
+    return round(tp ** (1 / 3)) if tp_mode == "3d" else 1
+
+
 def _tp_axes(tp_mode: str, tp: int) -> dict[str, list[list[int]]]:
     """tp-local rank lists of each axis of the tensor-parallel group."""
     axes = {"tp": [list(range(tp))]}
+    q = grid_side(tp, tp_mode)
     if tp_mode == "2d":
-        q = math.isqrt(tp)
         # row group: same row, varying column; col group: same column, varying row.
         axes["row"] = [[r * q + c for c in range(q)] for r in range(q)]
         axes["col"] = [[r * q + c for r in range(q)] for c in range(q)]
     elif tp_mode == "3d":
-        q = round(tp ** (1 / 3))
 
         def idx(i: int, j: int, l: int) -> int:
             return (i * q + j) * q + l
@@ -109,11 +116,11 @@ def _check_tp(world_size: int, tp: int, tp_mode: str) -> None:
             f"tp={tp} does not divide the world size {world_size}; valid tp degrees: "
             f"{divisors(world_size)}" + _launch_hint(world_size, tp)
         )
-    if tp_mode == "2d" and math.isqrt(tp) ** 2 != tp:
-        valid = [d for d in divisors(world_size) if math.isqrt(d) ** 2 == d]
+    if tp_mode == "2d" and grid_side(tp, "2d") ** 2 != tp:
+        valid = [d for d in divisors(world_size) if grid_side(d, "2d") ** 2 == d]
         raise UserError(f"tp_mode='2d' needs tp = q*q, got tp={tp}; valid: {valid}")
-    if tp_mode == "3d" and round(tp ** (1 / 3)) ** 3 != tp:
-        valid = [d for d in divisors(world_size) if round(d ** (1 / 3)) ** 3 == d]
+    if tp_mode == "3d" and grid_side(tp, "3d") ** 3 != tp:
+        valid = [d for d in divisors(world_size) if grid_side(d, "3d") ** 3 == d]
         raise UserError(f"tp_mode='3d' needs tp = q*q*q, got tp={tp}; valid: {valid}")
 
 
@@ -204,6 +211,11 @@ class Mesh:
     @property
     def tp(self) -> Group:
         return self.groups["tp"]
+
+    @property
+    def grid_side(self) -> int:
+        """``q`` of a 2D (``tp = q*q``) or 3D (``tp = q^3``) mesh; 1 on a 1D mesh."""
+        return grid_side(self.tp_size, self.tp_mode)
 
     @property
     def dp(self) -> Group:

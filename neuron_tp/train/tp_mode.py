@@ -4,19 +4,11 @@ checked by :class:`~neuron_tp.parallel.mesh.Mesh`, head and size splits by ``par
 
 from __future__ import annotations
 
-import math
 import os
 
 from ..job.config import TrainConfig
 from ..job.presets import is_preset
-
-
-def grid_side(tp: int, tp_mode: str) -> int:
-    """``q`` of ``--tp-mode 2d`` (tp = q*q) or ``3d`` (tp = q^3); 1 for 1d."""
-    if tp_mode == "2d":
-        return math.isqrt(tp)
-    return round(tp ** (1 / 3)) if tp_mode == "3d" else 1
-
+from ..parallel.mesh import grid_side
 
 ND_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
