@@ -1,9 +1,9 @@
 """The options of a training or generation run as typed, frozen records.
 
-The command-line parsers (:mod:`.args`) stay the one home of option names, defaults, help and
-validation; these records are what the rest of the code reads. Each field is the parser's
-destination of one option (``--seq-len`` -> ``seq_len``), so ``config.seq_len`` reads like the
-option it came from. Built once at the entry point::
+The command-line parsers (:mod:`neuron_tp.cli.args`) stay the one home of option names,
+defaults, help and validation; these records are what the rest of the code reads. Each field is
+the parser's destination of one option (``--seq-len`` -> ``seq_len``), so ``config.seq_len``
+reads like the option it came from. Built once at the entry point::
 
     config = TrainConfig.from_args(train_parser().parse_args(argv))
 

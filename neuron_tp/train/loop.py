@@ -2,9 +2,10 @@
 accumulation, TP/DP gradient sync, clipping by the true global norm, one graph per step, host
 reads only at log intervals) and the run from first to last step.
 
-Its parts live next to it: options in :mod:`.config`, AdamW and the schedule in :mod:`.optim`,
-graph shaping and counters in :mod:`.graphs`, reporting in :mod:`.step_log`, checkpoints and
-resume in :mod:`.checkpoint_policy`.
+Its parts: options in :mod:`neuron_tp.job.config`, AdamW and the schedule in
+:mod:`neuron_tp.optim.adamw`, gradient reduction in :mod:`neuron_tp.optim.grads`, graph shaping
+and counters in :mod:`neuron_tp.backend.graphs`; next to it the run's state (:mod:`.run`),
+reporting (:mod:`.step_log`), checkpoints and resume (:mod:`.checkpoint_policy`).
 """
 
 from __future__ import annotations
