@@ -18,11 +18,11 @@ from __future__ import annotations
 import argparse
 from collections import Counter
 
-from neuron_tp.hlo import collectives_in_fresh_process
+from neuron_tp.backend.hlo import collectives_in_fresh_process
 
 CODE = """
 import torch, neuron_tp as ntp
-from neuron_tp.hlo import trace_hlo
+from neuron_tp.backend.hlo import trace_hlo
 mesh = ntp.Mesh.virtual(world_size={tp}, rank=1, tp={tp})
 dev = ntp.xla_device()
 block = ntp.blocks.TransformerBlock(

@@ -32,7 +32,7 @@ def _worker(rank: int, world: int, port: int, lora: bool, args, model: str, out:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     import neuron_tp as ntp
-    from neuron_tp.train.args import train_parser
+    from neuron_tp.cli.args import train_parser
     from neuron_tp.train.loop import train
 
     mesh = ntp.init_mesh(tp=world)

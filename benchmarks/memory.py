@@ -1,14 +1,14 @@
 """Per-rank memory of one transformer layer, lever by lever, next to the Megatron formulas.
 
 For each tp in ``--tp`` (default 1 2 4), tp gloo CPU processes (one thread each, world = tp,
-dp = 1) build a ``neuron_tp.blocks.TransformerBlock(h, heads)`` (fp32, bias, 4h GeLU MLP,
+dp = 1) build a ``neuron_tp.blocks.block_1d.TransformerBlock(h, heads)`` (fp32, bias, 4h GeLU MLP,
 dropout 0, SDPA attention) and run forward + backward under four levers; rank 0 reports:
 
 * ``tp``       plain tensor parallelism (residual stream replicated over tp);
 * ``sp-keep``  TP + SP keeping the all-gathered column-linear inputs
   (``sequence_parallel_regather=False``);
 * ``sp``       TP + SP saving only the sequence shard, re-gathered in backward (default);
-* ``sp-full``  ``sp`` with full recompute (``neuron_tp.recompute.checkpoint(block, x)``,
+* ``sp-full``  ``sp`` with full recompute (``neuron_tp.hf.recompute.checkpoint(block, x)``,
   ``torch.utils.checkpoint`` non-reentrant on CPU).
 
 Columns (bytes per rank of rank 0, one layer):
@@ -74,7 +74,7 @@ def _saved_bytes(block, fn, x) -> int:
 
 def _measure(args, lever: str) -> dict:
     import neuron_tp as ntp
-    from neuron_tp.recompute import checkpoint
+    from neuron_tp.hf.recompute import checkpoint
 
     mesh = ntp.get_mesh()
     t, sp = mesh.tp_size, lever != "tp"

@@ -38,7 +38,7 @@ def _worker(rank: int, world: int, port: int, case: tuple, args, out: str, queue
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     import neuron_tp as ntp
-    from neuron_tp.train.args import train_parser
+    from neuron_tp.cli.args import train_parser
     from neuron_tp.train.loop import train
 
     _, tp, mode, sp, dp = case

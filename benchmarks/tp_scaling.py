@@ -34,12 +34,12 @@ from collections import Counter
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from neuron_tp.hlo import parse_collectives  # noqa: E402
+from neuron_tp.backend.hlo import parse_collectives  # noqa: E402
 
 CODE = """
 import torch, neuron_tp as ntp
-from neuron_tp.hlo import trace_hlo
-from neuron_tp.blocks_nd import TransformerBlockND
+from neuron_tp.backend.hlo import trace_hlo
+from neuron_tp.blocks.block_nd import TransformerBlockND
 P, mode, sp, regather = {P}, "{mode}", {sp}, {regather}
 b, s, h = {b}, {s}, {h}
 dev = ntp.xla_device()
@@ -72,7 +72,7 @@ print(trace_hlo([y, x.grad] + [p.grad for p in block.parameters()]))
 
 LLAMA_CODE = """
 import torch, transformers as tf, neuron_tp as ntp
-from neuron_tp.hlo import trace_hlo
+from neuron_tp.backend.hlo import trace_hlo
 P, mode, sp, regather = {P}, "{mode}", {sp}, {regather}
 b, s, h, heads, kv, f = {b}, {s}, {h}, {heads}, {kv}, {f}
 cfg = tf.LlamaConfig(vocab_size=64 * 1024, hidden_size=h, intermediate_size=f,

@@ -49,8 +49,8 @@ def _drain(device) -> None:
 
 
 def worker_ntp(opts) -> dict:
-    from neuron_tp.train.args import train_parser
-    from neuron_tp.train.graphs import graph_counters
+    from neuron_tp.backend.graphs import graph_counters
+    from neuron_tp.cli.args import train_parser
     from neuron_tp.train.loop import train
 
     args = train_parser().parse_args(
@@ -86,11 +86,11 @@ def worker_ntp(opts) -> dict:
 def worker_plain(opts) -> dict:
     import torch
 
-    from neuron_tp.train.args import REPO_DATA
-    from neuron_tp.train.data import ByteTokenizer, PackedData
-    from neuron_tp.train.graphs import graph_counters, step_boundary
-    from neuron_tp.train.optim import WarmupCosine, make_optimizer
-    from neuron_tp.train.presets import build_model
+    from neuron_tp.backend.graphs import graph_counters, step_boundary
+    from neuron_tp.cli.args import REPO_DATA
+    from neuron_tp.job.data import ByteTokenizer, PackedData
+    from neuron_tp.job.presets import build_model
+    from neuron_tp.optim.adamw import WarmupCosine, make_optimizer
 
     device = torch.device("cpu")
     if opts.device == "xla":
@@ -126,9 +126,9 @@ def worker_generate(opts) -> dict:
 
     dev = ntp.xla_device()
     from neuron_tp import hf
+    from neuron_tp.backend.graphs import graph_counters
     from neuron_tp.infer.generate import generate
-    from neuron_tp.train.graphs import graph_counters
-    from neuron_tp.train.presets import build_model
+    from neuron_tp.job.presets import build_model
 
     model = hf.parallelize(build_model("tiny-llama", 257, 0), ntp.Mesh(1, 0)).eval().to(dev)
     t0 = time.perf_counter()

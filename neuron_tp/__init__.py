@@ -13,25 +13,28 @@ Public API::
     ntp.plan.make_plan(hf_config, job).recommended   # will it fit, which layout is fastest
 """
 
-from . import blocks, blocks_nd, checkpoint, comm, layers, plan, regions
-from ._xla import cpu_devices_env as xla_cpu_devices_env
-from ._xla import device as xla_device
-from .grads import (
-    allreduce_data_parallel_grads,
-    clip_grad_norm_,
-    global_grad_norm,
-    sync_sequence_parallel_grads,
-)
+from . import blocks, checkpoint, layers, plan
+from .backend.xla import cpu_devices_env as xla_cpu_devices_env
+from .backend.xla import device as xla_device
+from .blocks import block_nd as blocks_nd
 from .hf import from_pretrained, parallelize, save_pretrained
+from .hf.recompute import Recompute, apply_activation_checkpointing
 from .layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
     parallel_cross_entropy,
 )
-from .mesh import Group, Mesh, get_mesh, init_mesh, set_default_mesh
-from .recompute import Recompute, apply_activation_checkpointing
-from .sharding import (
+from .optim.grads import (
+    allreduce_data_parallel_grads,
+    clip_grad_norm_,
+    global_grad_norm,
+    sync_sequence_parallel_grads,
+)
+from .optim.zero1 import Zero1, gather_full_state
+from .parallel import comm, regions
+from .parallel.mesh import Group, Mesh, get_mesh, init_mesh, set_default_mesh
+from .parallel.sharding import (
     gather_full,
     gather_params,
     get_param_meta,
@@ -39,7 +42,6 @@ from .sharding import (
     mark_sequence_parallel,
     move_to,
 )
-from .zero1 import Zero1, gather_full_state
 
 __version__ = "0.1.0"
 

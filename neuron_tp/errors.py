@@ -4,7 +4,7 @@
 one line from one rank and exits non-zero (``NEURON_TP_DEBUG=1`` shows the traceback); any
 other exception is a bug and keeps its traceback.
 
-When the ranks of a job learn of a failure from each other (:func:`neuron_tp.agreement.
+When the ranks of a job learn of a failure from each other (:func:`neuron_tp.parallel.agreement.
 check_agreement`, :func:`neuron_tp.checkpoint.agree.agree`), every rank raises and the error
 records which rank reports it (:func:`set_reporter`): the lowest rank that failed on its own,
 so the root cause is printed once, not the other ranks' echo of it.

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import neuron_tp as ntp
-from neuron_tp import regions
+from neuron_tp.parallel import regions
 
 
 class TinyGPT(nn.Module):

@@ -7,7 +7,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from neuron_tp.cli import main  # noqa: E402
+from neuron_tp.cli.entry import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main(["train", *sys.argv[1:]]))

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import neuron_tp as ntp
-from neuron_tp.mesh import Mesh, set_default_mesh
+from neuron_tp.parallel.mesh import Mesh, set_default_mesh
 
 
 @pytest.fixture(autouse=True)

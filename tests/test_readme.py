@@ -4,7 +4,7 @@
   blocks call ``ntp.init_mesh`` with tp 2 or 4 and run collectives; one launch for all of
   them), in a scratch directory the ranks share (the HF block writes and reads ``out-dir``).
 - Every ```bash command line is read back by what would run it: torchrun's own parser for the
-  launcher, ``neuron_tp.cli.main`` for ``neuron-tp`` / ``-m neuron_tp.cli`` (its sub-command
+  launcher, ``neuron_tp.cli.entry.main`` for ``neuron-tp`` / ``-m neuron_tp.cli`` (its sub-command
   parsers, with the commands' work replaced by a check of the parsed options: the train,
   generate and serve configs are built), the train / generate parsers for ``scripts/*.py``;
   scripts and files that are named must exist; ``python -c`` code must compile. A multi-rank
@@ -106,11 +106,11 @@ class _Checked(BaseException):
 def _check_cli(argv: list[str], world: int, neuron_only: bool, monkeypatch) -> None:
     """``neuron-tp ARGV`` parses, and its options make a valid config (that would run here)."""
     import neuron_tp.checkpoint
-    import neuron_tp.plan.cli
-    import neuron_tp.train.launch
-    from neuron_tp.cli import main
-    from neuron_tp.train.config import GenerateConfig, ServeConfig, TrainConfig
-    from neuron_tp.train.runtime import refuse_xla_ranks_off_neuron
+    import neuron_tp.cli.launch
+    import neuron_tp.cli.plan
+    from neuron_tp.cli.entry import main
+    from neuron_tp.job.config import GenerateConfig, ServeConfig, TrainConfig
+    from neuron_tp.job.runtime import refuse_xla_ranks_off_neuron
 
     def with_config(kind):
         def check(args):
@@ -123,16 +123,16 @@ def _check_cli(argv: list[str], world: int, neuron_only: bool, monkeypatch) -> N
         return check
 
     def plan(rest):
-        neuron_tp.plan.cli.plan_parser().parse_args(rest)
+        neuron_tp.cli.plan.plan_parser().parse_args(rest)
         raise _Checked
 
     def consolidate(checkpoint, out_dir, adapter_only=False):
         raise _Checked
 
-    monkeypatch.setattr(neuron_tp.train.launch, "train_command", with_config(TrainConfig))
-    monkeypatch.setattr(neuron_tp.train.launch, "generate_command", with_config(GenerateConfig))
-    monkeypatch.setattr(neuron_tp.train.launch, "serve_command", with_config(ServeConfig))
-    monkeypatch.setattr(neuron_tp.plan.cli, "plan_command", plan)
+    monkeypatch.setattr(neuron_tp.cli.launch, "train_command", with_config(TrainConfig))
+    monkeypatch.setattr(neuron_tp.cli.launch, "generate_command", with_config(GenerateConfig))
+    monkeypatch.setattr(neuron_tp.cli.launch, "serve_command", with_config(ServeConfig))
+    monkeypatch.setattr(neuron_tp.cli.plan, "plan_command", plan)
     monkeypatch.setattr(neuron_tp.checkpoint, "consolidate", consolidate)
     try:
         code = main(argv)

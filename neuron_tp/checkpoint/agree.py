@@ -4,8 +4,8 @@ A failure on one rank must not leave the others waiting in a collective the fail
 never reaches: each phase of a save, a load or the startup checks catches *any* exception,
 then every rank calls :func:`agree`, which raises on every rank when any rank failed.
 
-:func:`neuron_tp.agreement.check_agreement` (``error=``) does the same for the startup checks,
-but re-raises a failing rank's own exception where this wraps every rank's in one
+:func:`neuron_tp.parallel.agreement.check_agreement` (``error=``) does the same for the startup
+checks, but re-raises a failing rank's own exception where this wraps every rank's in one
 :class:`CheckpointError` naming the phase, and it cannot run on a trace-only mesh (this falls
 back to one all-reduce). Both record the lowest failing rank as the one that reports
 (:func:`neuron_tp.errors.set_reporter`).
@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from .. import comm
 from ..errors import set_reporter
-from ..mesh import Mesh
+from ..parallel import comm
+from ..parallel.mesh import Mesh
 from .format import CheckpointError
 
 MESSAGE_BYTES = 512  # of each rank's message carried to the others

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import zero1_state
-from ..mesh import Mesh
-from ..sharding import ParamMeta, named_parameter_meta
+from ..optim import zero1_state
+from ..parallel.mesh import Mesh
+from ..parallel.sharding import ParamMeta, named_parameter_meta
 from . import zero1_files
 from .agree import agree
 from .format import CheckpointError, file_record, read_meta, verify
@@ -274,7 +274,7 @@ def _apply(model, optimizer, scheduler, s: Staged) -> None:
 
 def _apply_zero1(model, optimizer, s: Staged) -> None:
     """The per-parameter state (saved with or without ZeRO-1, at any dp degree) into a
-    :class:`~neuron_tp.zero1.Zero1`; its hyperparameters stay (the schedule sets the lr)."""
+    :class:`~neuron_tp.optim.zero1.Zero1`; its hyperparameters stay (the schedule sets the lr)."""
     params = {}
     for name, p in model.named_parameters():
         if name not in optimizer.slots:

@@ -7,8 +7,8 @@ from collections.abc import Callable
 
 import torch
 
-from ..mesh import Mesh
-from ..sharding import ParamMeta, Sharding, join_shards, shard_of, trim_padding
+from ..parallel.mesh import Mesh
+from ..parallel.sharding import ParamMeta, Sharding, join_shards, shard_of, trim_padding
 
 
 def sharding_record(meta: ParamMeta) -> dict | None:
@@ -71,7 +71,7 @@ def assemble(
     tp_mode: str = "1d",
 ) -> torch.Tensor:
     """The unsharded tensor from the saved tp ranks' pieces, offline: the equivalent of
-    :func:`neuron_tp.sharding.gather_full` for the layout the checkpoint was saved in.
+    :func:`neuron_tp.parallel.sharding.gather_full` for the layout the checkpoint was saved in.
 
     ``shards``: every saved tp rank's piece in tp-rank order, or ``get(tp_rank)`` returning
     it (then only the ranks needed are read: a piece replicated over an axis is read once);

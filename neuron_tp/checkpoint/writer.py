@@ -17,8 +17,8 @@ from collections.abc import Iterable
 
 import torch
 
-from ..mesh import Mesh, get_mesh
-from ..sharding import named_parameter_meta
+from ..parallel.mesh import Mesh, get_mesh
+from ..parallel.sharding import named_parameter_meta
 from . import zero1_files
 from .agree import agree
 from .assets import write_files
@@ -135,7 +135,8 @@ def _model_tensors(model) -> dict[str, torch.Tensor]:
 
 
 def is_zero1(optimizer) -> bool:
-    """A :class:`~neuron_tp.zero1.Zero1`: its state is saved dp-sharded (:mod:`.zero1_files`)."""
+    """A :class:`~neuron_tp.optim.zero1.Zero1`: its state is saved dp-sharded
+    (:mod:`.zero1_files`)."""
     return hasattr(optimizer, "load_full_state_dict")
 
 

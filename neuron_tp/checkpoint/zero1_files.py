@@ -1,7 +1,7 @@
 """A ZeRO-1 optimizer state in a checkpoint: one file per (tp, dp) rank, joined over dp on read.
 
-Every rank of a :class:`~neuron_tp.zero1.Zero1` run writes its own shard
-(:meth:`~neuron_tp.zero1.Zero1.state_dict`: device-to-host copies of local tensors, no
+Every rank of a :class:`~neuron_tp.optim.zero1.Zero1` run writes its own shard
+(:meth:`~neuron_tp.optim.zero1.Zero1.state_dict`: device-to-host copies of local tensors, no
 collective) to ``optim-tp<T>-dp<D>.safetensors``: ``optim/<name>/<key>`` (AdamW's moments as
 ``(chunk,)`` pieces, its 0-dim ``step``) and ``optim/<name>/master`` (the fp32 master of a
 parameter of another dtype). The file header records step, tp and dp rank and degree, and per
@@ -20,8 +20,8 @@ import os
 
 import torch
 
-from ..mesh import Mesh
-from ..zero1_state import SHARD_FORMAT, check_shard_state, is_sharded, join_chunks
+from ..optim.zero1_state import SHARD_FORMAT, check_shard_state, is_sharded, join_chunks
+from ..parallel.mesh import Mesh
 from .format import CheckpointError, file_record, verify, write_tensors
 
 
@@ -116,7 +116,7 @@ class DpShards:
         return join_chunks(pieces, numel, shape)
 
     def shard_state(self, tp_rank: int, dp_rank: int) -> dict:
-        """The :meth:`~neuron_tp.zero1.Zero1.state_dict` (without hyperparameters) saved by
+        """The :meth:`~neuron_tp.optim.zero1.Zero1.state_dict` (without hyperparameters) saved by
         rank (tp_rank, dp_rank): what it loads at the same layout."""
         handle, rec = self._open(tp_rank, dp_rank)
         by_name: dict[str, list[str]] = {}

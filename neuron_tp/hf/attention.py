@@ -9,10 +9,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .. import comm, regions
 from ..errors import UserError
 from ..layers.activation_layout import SHARDED_FEATURES
-from ..mesh import Mesh, divisors, valid_tp_degrees
+from ..parallel import comm, regions
+from ..parallel.mesh import Mesh, divisors, valid_tp_degrees
 
 SUPPORTED_ATTN = ("eager", "sdpa", None)
 
@@ -78,7 +78,7 @@ def is_plain_split(slots: list[list[int]], kv: int) -> bool:
     return [h for s in slots for h in s] == list(range(kv))
 
 
-class _SyncReplicatedRows(torch.autograd.Function):
+class SyncReplicatedRows(torch.autograd.Function):
     """Identity forward. Backward: rows that are copies of the same kv head (on this and other
     ranks) get the sum of all copies' gradients (the gradient of the one unsharded head)."""
 

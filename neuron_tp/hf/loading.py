@@ -12,8 +12,14 @@ import torch
 from torch import nn
 
 from ..errors import UserError
-from ..mesh import Mesh, get_mesh
-from ..sharding import Sharding, gather_full, get_param_meta, named_parameter_meta, shard_of
+from ..parallel.mesh import Mesh, get_mesh
+from ..parallel.sharding import (
+    Sharding,
+    gather_full,
+    get_param_meta,
+    named_parameter_meta,
+    shard_of,
+)
 from .lora_files import plain_name
 from .parallelize import parallelize
 from .slice_map import WHOLE, get_slice_map, read_local, to_hf
@@ -45,7 +51,7 @@ def save_pretrained(model: nn.Module, out_dir: str, mesh: Mesh | None = None) ->
     files load with plain ``AutoModel*.from_pretrained``."""
     from safetensors.torch import save_file
 
-    from ..agreement import check_agreement
+    from ..parallel.agreement import check_agreement
 
     mesh = get_mesh(mesh if mesh is not None else getattr(model, "_ntp_mesh", None))
     state = gather_hf_state_dict(model, mesh)
@@ -74,7 +80,7 @@ META_LOCK = threading.RLock()
 
 
 @contextlib.contextmanager
-def _params_on_meta():
+def params_on_meta():
     """Create parameters on the meta device (buffers stay real: rotary tables, position ids).
     The patch of ``nn.Module.register_parameter`` is process-wide: ranks that are threads of
     one process (``--xla-cpu-devices``) take turns, or one thread could save another's patch
@@ -165,7 +171,7 @@ def files_fingerprint(files) -> dict[str, list]:
     return out
 
 
-def _checkpoint_files(path: str) -> dict[str, str]:
+def checkpoint_files(path: str) -> dict[str, str]:
     """``{tensor name: file}`` of a single-file or sharded (index.json) safetensors checkpoint."""
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
@@ -187,7 +193,7 @@ def _checkpoint_files(path: str) -> dict[str, str]:
 
 def block_ranges(sharding: Sharding, mesh: Mesh) -> list[tuple[int, int]]:
     """This rank's ``[start, stop)`` along every dim of the full tensor: the block
-    :func:`~neuron_tp.sharding.shard_of` gives it (``stop`` past the end = zero padding).
+    :func:`~neuron_tp.parallel.sharding.shard_of` gives it (``stop`` past the end = zero padding).
 
     Derived by running ``shard_of`` itself, one dim at a time, on the 1-based indices of that
     dim (0 = padding), so the rule (ceil chunks, splits applied outermost first, several splits
@@ -259,7 +265,7 @@ def from_pretrained(
     come out of it with real weights: only meta parameters are read from the files)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from ..agreement import check_agreement
+    from ..parallel.agreement import check_agreement
 
     auto_class = auto_class or AutoModelForCausalLM
     mesh = get_mesh(mesh)
@@ -267,10 +273,10 @@ def from_pretrained(
     try:  # a failure on one rank (a truncated file on one node) must stop every tp rank
         check_model_dir(path)
         config = AutoConfig.from_pretrained(path, **config_kwargs)
-        files = _checkpoint_files(path)
+        files = checkpoint_files(path)
         found = files_fingerprint(files.values())
         kwargs = {"dtype": torch_dtype} if torch_dtype is not None else {}
-        with _params_on_meta():
+        with params_on_meta():
             model = auto_class.from_config(config, **kwargs)
         if wrap is not None:
             model = wrap(model)

@@ -29,13 +29,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import regions
-from ..agreement import check_agreement, tensor_checksum
 from ..errors import UserError
 from ..layers import RowParallelLinear
 from ..layers.common import WRAP_FIRST
-from ..mesh import Mesh, get_mesh
-from ..sharding import Sharding, gather_full, get_param_meta, mark_sharded, shard_of
+from ..parallel import regions
+from ..parallel.agreement import check_agreement, tensor_checksum
+from ..parallel.mesh import Mesh, get_mesh
+from ..parallel.sharding import Sharding, gather_full, get_param_meta, mark_sharded, shard_of
 from .lora_files import SAFETENSORS, write_adapter_dir
 from .modules import HFColumnLinear
 from .plans import Style
@@ -131,7 +131,7 @@ def _swap(inner: nn.Module, modules: dict[str, nn.Module]) -> None:
 
 def _check_targets(inner: nn.Module, names, plan: dict[str, str] | None) -> None:
     """Every LoRA target must be a column projection with a split output or a row one."""
-    from .parallelize import _column_role
+    from .resolve import column_role
 
     mp = plan_model(inner, plan)
     for name in names:
@@ -139,7 +139,7 @@ def _check_targets(inner: nn.Module, names, plan: dict[str, str] | None) -> None
         ok = style in (Style.ROW, Style.ROW_SPLIT_INPUT) or (
             style is not None
             and style.is_column
-            and _column_role(name, style, mp) in ("attention", "plain")
+            and column_role(name, style, mp) in ("attention", "plain")
         )
         if not ok:
             what = "not sharded by the plan" if style is None else f"planned {style.value!r}"
@@ -368,7 +368,7 @@ def gather_adapter(model: nn.Module, mesh: Mesh | None = None) -> dict[str, torc
         full = gather_full(p, meta.sharding, mesh)
         out[keys[name]] = to_hf(full, meta.hf_layout) if meta.sharding else full.clone()
     if any(t.device.type == "xla" for t in out.values()):
-        from .. import _xla
+        from ..backend import xla as _xla
 
         _xla.xm().mark_step()  # one graph for every gather, on every rank alike
     return {k: v.cpu() for k, v in out.items()}

@@ -8,11 +8,11 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from .. import regions
 from ..layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from ..layers.activation_layout import REPLICATED
-from ..mesh import Mesh, valid_tp_degrees
-from .attention import _SyncReplicatedRows
+from ..parallel import regions
+from ..parallel.mesh import Mesh, valid_tp_degrees
+from .attention import SyncReplicatedRows
 from .slice_map import HFSliceMap, even_pieces, set_slice_map
 
 
@@ -52,7 +52,7 @@ class HFColumnLinear(ColumnParallelLinear):
             if tp.size == 1
             else uid.index_select(0, tp.rank_tensor(device).view(1)).squeeze(0)
         )
-        return _SyncReplicatedRows.apply(t, self._rows.to(device), uid, self.replicas, tp)
+        return SyncReplicatedRows.apply(t, self._rows.to(device), uid, self.replicas, tp)
 
     @property
     def input_layout(self) -> str:

@@ -9,8 +9,8 @@ import copy
 import torch
 from torch import nn
 
-from ..mesh import Mesh, valid_tp_degrees
-from ..sharding import Sharding, mark_sharded, shard_of
+from ..parallel.mesh import Mesh, valid_tp_degrees
+from ..parallel.sharding import Sharding, mark_sharded, shard_of
 from .attention import Heads, ShardedRMSNorm
 from .modules import require_even_split
 from .slice_map import HFSliceMap, even_pieces, set_slice_map

@@ -9,7 +9,7 @@ import functools
 from torch import nn
 
 from ..layers import parallel_cross_entropy
-from ..mesh import Mesh
+from ..parallel.mesh import Mesh
 
 
 @contextlib.contextmanager

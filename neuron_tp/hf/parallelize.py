@@ -12,12 +12,8 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from ..errors import UserError
-from ..mesh import Mesh, get_mesh
-from ..sharding import (
-    copy_param_meta,
-    get_sharding,
-    mark_sequence_parallel,
-)
+from ..parallel.mesh import Mesh, get_mesh
+from ..parallel.sharding import copy_param_meta, get_sharding, mark_sequence_parallel
 from .attention import (
     SUPPORTED_ATTN,
     Heads,
@@ -27,6 +23,7 @@ from .attention import (
     model_heads,
     patch_attention_module,
 )
+from .meta_guard import guard_meta
 from .modules import (
     HFColumnLinear,
     build_column_linear,
@@ -40,7 +37,7 @@ from .modules import (
 from .norms import build_sharded_norm, check_sharded_norm
 from .parallel_loss import wrap_loss
 from .plans import Style
-from .resolve import ModelPlan, check_split_pairs, plan_model
+from .resolve import ModelPlan, check_split_pairs, column_role, plan_model
 from .sequence_parallel import (
     apply_sequence_parallel,
     check_sequence_parallel,
@@ -75,8 +72,8 @@ def parallelize(
     all-gather per attention/MLP fewer in backward). ``plan``: ``{module-name pattern: style}``
     replacing the architecture's styles (:mod:`neuron_tp.hf.plans`). Collective over tp: first
     verifies that every tp rank holds the same model, weights (checksums; skipped for
-    meta-device ones) and options (:class:`neuron_tp.agreement.RankMismatchError` on every rank
-    otherwise); then raises ValueError, identically on every rank and before the model is
+    meta-device ones) and options (:class:`neuron_tp.parallel.agreement.RankMismatchError` on every
+    rank otherwise); then raises ValueError, identically on every rank and before the model is
     changed, for what cannot be sharded exactly. On a 2d/3d mesh (``init_mesh(tp_mode=...)``)
     Llama-family models get the 2D/3D layers (:mod:`neuron_tp.hf.parallelize_nd`).
     """
@@ -90,7 +87,7 @@ def parallelize(
         options.update(plan=plan, sequence_parallel_regather=sequence_parallel_regather)
         return lora.parallelize_peft(model, mesh, parallelize, **options)
     lora.refuse_peft_layers(model)
-    from ..agreement import check_same_model
+    from ..parallel.agreement import check_same_model
 
     check_same_model(
         model,
@@ -161,7 +158,7 @@ def _check_target(
     """The refusals for sharding module ``name`` as ``style``."""
     mod = model.get_submodule(name)
     if style.is_column:
-        role = _column_role(name, style, mp)
+        role = column_role(name, style, mp)
         args = _column_args(mod, name, style, role, heads, mesh, head_gathered=True)
         check_column_linear(
             mod,
@@ -191,19 +188,6 @@ def _check_target(
         check_vocab_embedding(mod, name)
     elif style is Style.SHARDED_NORM:
         check_sharded_norm(mod, name, mesh, heads)
-
-
-def _column_role(name: str, style: Style, mp: ModelPlan) -> str:
-    """How a column-style module is sharded: ``"head"`` (vocab padded, gathered unless
-    parallel_loss), ``"gathered"`` (output gathered), ``"attention"`` (split per head) or
-    ``"plain"`` (contiguous split, of each packed part)."""
-    if name == mp.structure.lm_head or (
-        style is Style.COLUMN_GATHER_OUTPUT and not mp.structure.in_layers(name)
-    ):
-        return "head"
-    if style is Style.COLUMN_GATHER_OUTPUT:
-        return "gathered"
-    return "attention" if _parent(name) in mp.structure.attention else "plain"
 
 
 def _kv_rows(heads: Heads, tp: int, offset: int) -> list[list[int]]:
@@ -282,7 +266,7 @@ def _build(
     for name, style in mp.targets.items():
         mod = model.get_submodule(name)
         if style.is_column:
-            role = _column_role(name, style, mp)
+            role = column_role(name, style, mp)
             new = build_column_linear(
                 mod,
                 name,
@@ -351,7 +335,7 @@ def _install(
     if sequence_parallel:
         apply_sequence_parallel(model, mesh, s.layers, s.final_norm)
     model._ntp_parallel, model._ntp_mesh = True, mesh
-    _guard_meta(model)
+    guard_meta(model)
     model._ntp_parallel_loss, model._ntp_sequence_parallel = parallel_loss, sequence_parallel
     if parallel_loss:
         wrap_loss(model, mesh)
@@ -363,26 +347,6 @@ def _tie_groups(model: nn.Module) -> list[list[tuple[str, str]]]:
         for pname, p in mod.named_parameters(recurse=False):
             seen.setdefault(id(p), []).append((mname, pname))
     return [g for g in seen.values() if len(g) > 1]
-
-
-def _guard_meta(model: nn.Module) -> None:
-    """A model parallelized on the meta device refuses to run until its weights are loaded
-    (the hook removes itself at the first forward that finds none left on meta)."""
-    if not any(p.is_meta for p in model.parameters()):
-        return
-
-    def check(module, args, kwargs):
-        left = [n for n, p in module.named_parameters() if p.is_meta]
-        if left:
-            raise UserError(
-                f"{type(module).__name__}: {len(left)} parameters (e.g. {left[0]}) are still on "
-                "the meta device: the model was parallelized without weights. Load them first: "
-                "neuron_tp.from_pretrained(path, mesh) reads each rank's slices of a HF "
-                "checkpoint; or parallelize a model built with real weights"
-            )
-        handle.remove()
-
-    handle = model.register_forward_pre_hook(check, with_kwargs=True)
 
 
 def _retie(model: nn.Module, ties) -> None:

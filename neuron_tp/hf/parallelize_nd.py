@@ -43,9 +43,9 @@ from torch import nn
 
 from ..layers.activation_layout import (
     LAYOUT_2D,
-    LAYOUT_3D_A,
     LAYOUT_3D_B,
     ActivationLayout,
+    residual_layout,
     split_input,
 )
 from ..layers.common import load_shards_from
@@ -60,7 +60,7 @@ from ..layers.vocab_nd import (
     cross_entropy_nd,
     gather_logits,
 )
-from ..mesh import Mesh, valid_tp_degrees
+from ..parallel.mesh import Mesh, valid_tp_degrees
 from .attention import SUPPORTED_ATTN, model_heads, patch_attention_module
 
 # Causal LMs with the Llama structure: model.embed_tokens / layers[i].{input_layernorm,
@@ -69,15 +69,6 @@ SUPPORTED_ND = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
 _NORMS = ("input_layernorm", "post_attention_layernorm")
-
-
-def grid_side(mesh: Mesh) -> int:
-    """``q``: the side of the 2D grid (``tp = q*q``) or 3D cube (``tp = q^3``)."""
-    return mesh.group("row" if mesh.tp_mode == "2d" else "input").size
-
-
-def residual_layout(mesh: Mesh) -> ActivationLayout:
-    return LAYOUT_2D if mesh.tp_mode == "2d" else LAYOUT_3D_A
 
 
 def logits_layout(mesh: Mesh) -> ActivationLayout:
@@ -153,7 +144,7 @@ def _alternatives(config, world_size: int) -> str:
 def _validate(model: nn.Module, mesh: Mesh, sequence_parallel: bool, plan) -> None:
     """ValueError for anything this path cannot shard exactly (nothing is built or changed)."""
     name, mode = type(model).__name__, mesh.tp_mode
-    q = grid_side(mesh)
+    q = mesh.grid_side
     if name not in SUPPORTED_ND:
         raise ValueError(
             f"{name}: tp_mode={mode!r} supports only {list(SUPPORTED_ND)} so far; "
@@ -270,20 +261,20 @@ def _build(model: nn.Module, mesh: Mesh) -> dict[str, nn.Module]:
 
 
 def _install(model: nn.Module, built: dict[str, nn.Module], mesh: Mesh, parallel_loss: bool):
-    from .parallelize import _guard_meta
+    from .meta_guard import guard_meta
 
     for name, new in built.items():
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent), attr, new)
     heads = model_heads(model.config)
-    q = grid_side(mesh)
+    q = mesh.grid_side
     for layer in model.model.layers:
         patch_attention_module(layer.self_attn, heads, q, heads.kv // q)
     # full_logits() toggles this: False keeps the LM head output as this rank's block.
     model.lm_head.gather_output = not parallel_loss
     model._ntp_parallel, model._ntp_mesh = True, mesh
     model._ntp_parallel_loss, model._ntp_sequence_parallel = parallel_loss, False
-    _guard_meta(model)  # built from a meta-device model: refuses to run until loaded
+    guard_meta(model)  # built from a meta-device model: refuses to run until loaded
     _wrap_forward(model, mesh)
 
 
@@ -295,7 +286,7 @@ def _wrap_forward(model: nn.Module, mesh: Mesh) -> None:
     forward = model.forward
     sig = inspect.signature(forward)
     name = type(model).__name__
-    res, out_layout = residual_layout(mesh), logits_layout(mesh)
+    res, out_layout = residual_layout(mesh.tp_mode), logits_layout(mesh)
     nb = res.batch_split(mesh)
     vocab_size = model.lm_head.vocab_size  # the true vocabulary (the head may be padded)
     # attention_mask / position_ids only feed the causal mask and the rotary tables, which only
@@ -320,7 +311,7 @@ def _wrap_forward(model: nn.Module, mesh: Mesh) -> None:
         b = ids.shape[0]
         if b % nb:
             raise ValueError(
-                f"{name} on a {mesh.tp_mode} mesh (q={grid_side(mesh)}) splits the batch "
+                f"{name} on a {mesh.tp_mode} mesh (q={mesh.grid_side}) splits the batch "
                 f"into {nb} chunks: batch size must be divisible by {nb}, got {b}"
             )
         a["input_ids"] = split_input(ids, res, mesh, feature_dim=False)
@@ -357,7 +348,7 @@ def _split_batch(t, layout: ActivationLayout, mesh: Mesh, b: int, what: str):
     local chunk: no autograd, no layout tag (a float mask is added to the attention scores)."""
     import torch
 
-    from .. import comm
+    from ..parallel import comm
 
     if isinstance(t, dict):
         return {k: _split_batch(v, layout, mesh, b, f"{what}[{k!r}]") for k, v in t.items()}

@@ -277,3 +277,16 @@ def check_split_pairs(
             f"it in {where} is colwise; {fix}, or use 'rowwise_split_input' for "
             f"{_pattern(name)!r} to split a replicated input"
         )
+
+
+def column_role(name: str, style: Style, mp: ModelPlan) -> str:
+    """How a column-style module is sharded: ``"head"`` (vocab padded, gathered unless
+    parallel_loss), ``"gathered"`` (output gathered), ``"attention"`` (split per head) or
+    ``"plain"`` (contiguous split, of each packed part)."""
+    if name == mp.structure.lm_head or (
+        style is Style.COLUMN_GATHER_OUTPUT and not mp.structure.in_layers(name)
+    ):
+        return "head"
+    if style is Style.COLUMN_GATHER_OUTPUT:
+        return "gathered"
+    return "attention" if name.rpartition(".")[0] in mp.structure.attention else "plain"

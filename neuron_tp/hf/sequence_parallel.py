@@ -14,10 +14,10 @@ import weakref
 import torch
 from torch import nn
 
-from .. import regions
 from ..layers.activation_layout import REPLICATED, SHARDED_SEQUENCE
-from ..mesh import Group, Mesh
-from ..sharding import get_sharding, mark_sequence_parallel
+from ..parallel import regions
+from ..parallel.mesh import Group, Mesh
+from ..parallel.sharding import get_sharding, mark_sequence_parallel
 
 
 def _first_input(args, kwargs):
@@ -97,8 +97,8 @@ class SharedInputRegion:
 
     With SP and ``regather`` (the default) the children save only the sequence shard and
     all-gather it again in backward, once for all of them
-    (:func:`neuron_tp.regions.gather_for_shared_linears`): still one all-gather forward, one
-    more in backward, and 1/tp of the gathered input's memory. ``regather=False`` lets the
+    (:func:`neuron_tp.parallel.regions.gather_for_shared_linears`): still one all-gather forward,
+    one more in backward, and 1/tp of the gathered input's memory. ``regather=False`` lets the
     children save the gathered input (no backward all-gather)."""
 
     output_layout = REPLICATED

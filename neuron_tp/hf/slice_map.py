@@ -1,9 +1,9 @@
 """How an HF-parallelized parameter relates to its tensor in a HuggingFace checkpoint: which
 slices of the stored tensor this rank holds (loading) and how the gathered parameter maps back
 to it (saving). Recorded with the parameter's other metadata on its owning module
-(:mod:`neuron_tp.sharding`), so moving or reloading the model keeps it.
+(:mod:`neuron_tp.parallel.sharding`), so moving or reloading the model keeps it.
 
-Not to be confused with a parameter's :class:`neuron_tp.sharding.Sharding` (how it is split
+Not to be confused with a parameter's :class:`neuron_tp.parallel.sharding.Sharding` (how it is split
 over the mesh) or with activation layouts (:mod:`neuron_tp.layers.activation_layout`)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..sharding import get_param_meta, set_param_meta
+from ..parallel.sharding import get_param_meta, set_param_meta
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ def peft_wrap(model: nn.Module, config) -> nn.Module:
     from peft import get_peft_model
 
     from ..hf.lora import materialize_adapters, refuse_parallelized
-    from ..train.runtime import BUILD_LOCK
+    from ..job.runtime import BUILD_LOCK
 
     refuse_parallelized(model)
     # Ranks may be threads of one process: one peft wrap at a time (it draws an init from the

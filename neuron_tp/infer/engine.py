@@ -2,7 +2,7 @@
 
 Rank 0 owns the request queue. Its worker thread takes the oldest request, waits a few
 milliseconds for concurrent ones with the same sampling parameters (up to the largest batch
-bucket), broadcasts the batch to the other tp ranks (:func:`neuron_tp.comm.host_broadcast`)
+bucket), broadcasts the batch to the other tp ranks (:func:`neuron_tp.parallel.comm.host_broadcast`)
 and runs it; the other ranks run the same batch in :meth:`Engine.follow`. Everything that
 ends a sequence early (EOS, a stop string, the request's own ``max_tokens`` below the batch's)
 is decided from the batch and the generated tokens alone, which every rank has: all ranks run
@@ -23,7 +23,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
-from .. import comm
+from ..parallel import comm
 from .generate import Generator, Sampling
 from .text import Detokenizer
 

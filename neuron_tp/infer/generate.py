@@ -229,7 +229,7 @@ class Generator:
         else:
             outputs = list(self._step_fn(batch, prefill, *key[2:])(*args))
             if self.device.type == "xla":
-                from .. import _xla
+                from ..backend import xla as _xla
 
                 _xla.xm().mark_step()
         ids, pos, cache_pos, done, *cache = outputs

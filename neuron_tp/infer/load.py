@@ -9,7 +9,7 @@ import os
 import torch
 
 from ..errors import UserError
-from ..train.config import GenerateConfig
+from ..job.config import GenerateConfig
 
 
 def checkpoint_path(path: str) -> str | None:
@@ -53,7 +53,7 @@ def load_checkpoint_model(path: str, mesh, dtype: torch.dtype = torch.float32):
     from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
     from .. import checkpoint, hf
-    from ..hf.loading import _params_on_meta
+    from ..hf.loading import params_on_meta
     from ..hf.lora_files import checkpoint_lora, config_from_record
 
     meta = checkpoint.read_meta(path)
@@ -67,7 +67,7 @@ def load_checkpoint_model(path: str, mesh, dtype: torch.dtype = torch.float32):
             "of a transformers causal LM"
         )
     config = CONFIG_MAPPING[cfg["model_type"]].from_dict(cfg)
-    with _params_on_meta():
+    with params_on_meta():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     if lora is not None:  # the adapters are merged once loaded
         from .adapters import peft_wrap
@@ -104,11 +104,11 @@ def load_for_generation(args: GenerateConfig | argparse.Namespace, mesh):
     (random init from the seed), a local HF directory (read slice by slice) or a neuron_tp
     checkpoint (at any tp; a LoRA run's: adapters merged). ``--adapter DIR``: the PEFT adapter
     in DIR merged into a preset or HF directory base on load. The tokenizer follows
-    :func:`~neuron_tp.train.tokenizer.resolve_tokenizer` (its choice printed on rank 0) and is
+    :func:`~neuron_tp.job.tokenizer.resolve_tokenizer` (its choice printed on rank 0) and is
     checked against the model's vocabulary before any weight is read."""
     from .. import hf
-    from ..train.presets import PRESETS, build_model, is_preset, model_config
-    from ..train.tokenizer import check_vocab, config_vocab, resolve_tokenizer
+    from ..job.presets import PRESETS, build_model, is_preset, model_config
+    from ..job.tokenizer import check_vocab, config_vocab, resolve_tokenizer
     from .adapters import adapter_wrap, merge_adapter_dir
 
     config = GenerateConfig.from_args(args)
@@ -131,7 +131,7 @@ def load_for_generation(args: GenerateConfig | argparse.Namespace, mesh):
     if mesh.rank == 0:
         print(resolved.describe(), flush=True)
     if is_preset(config.model):
-        from ..train.runtime import BUILD_LOCK
+        from ..job.runtime import BUILD_LOCK
 
         with BUILD_LOCK:  # seeds and draws the global RNG, shared by a process's threads
             full = build_model(config.model, resolved.size, config.seed, dtype)

@@ -338,10 +338,10 @@ def serve(config, stop: threading.Event | None = None) -> None:
     (``/health`` from the start, ``/ready`` once warm) while the other tp ranks follow its
     batches. SIGTERM/SIGINT (on the main thread; or ``stop`` set by the caller): rank 0 stops
     accepting, finishes what runs, tells the other ranks to stop; every rank returns."""
-    from .. import agreement
-    from ..mesh import init_mesh
-    from ..train.config import ServeConfig
-    from ..train.runtime import refuse_xla_ranks_off_neuron
+    from ..job.config import ServeConfig
+    from ..job.runtime import refuse_xla_ranks_off_neuron
+    from ..parallel import agreement
+    from ..parallel.mesh import init_mesh
 
     config = ServeConfig.from_args(config)
     refuse_xla_ranks_off_neuron(config.device)
@@ -411,9 +411,9 @@ def stop_on_signals() -> threading.Event:
 
 def _load(engine: Engine, config, mesh) -> None:
     """Load the model onto this rank's device, attach it to ``engine`` and warm up."""
-    from ..sharding import move_to
-    from ..train.runtime import rank_device
-    from .cli import eos_ids
+    from ..job.runtime import rank_device
+    from ..parallel.sharding import move_to
+    from .batch import eos_ids
     from .generate import Generator
     from .load import load_for_generation
 

@@ -34,8 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import comm, regions
-from ..mesh import Mesh
+from ..parallel import comm, regions
+from ..parallel.mesh import Mesh
 from .common import check_device
 
 REPLICATED = "replicated"
@@ -74,6 +74,14 @@ Layout = ActivationLayout  # the earlier name, kept for existing imports
 LAYOUT_2D = ActivationLayout("2d", "2d", ("col",), "row", "col")
 LAYOUT_3D_A = ActivationLayout("3d-a", "3d", ("input", "weight"), "output", "input_weight")
 LAYOUT_3D_B = ActivationLayout("3d-b", "3d", ("input", "output"), "weight", "input_output")
+
+
+def residual_layout(tp_mode: str) -> ActivationLayout:
+    """The layout of the residual stream between 2D / 3D transformer blocks (and into the LM
+    head): ``2d`` on a 2D mesh, ``3d-a`` on a 3D one."""
+    return LAYOUT_2D if tp_mode == "2d" else LAYOUT_3D_A
+
+
 LAYOUTS = {layout.name: layout for layout in (LAYOUT_2D, LAYOUT_3D_A, LAYOUT_3D_B)}
 
 

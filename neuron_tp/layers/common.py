@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from ..errors import UserError
-from ..mesh import Group, Mesh, valid_tp_degrees
-from ..sharding import Sharding, get_sharding, mark_sharded, shard_of
+from ..parallel.mesh import Group, Mesh, valid_tp_degrees
+from ..parallel.sharding import Sharding, get_sharding, mark_sharded, shard_of
 
 
 def require_divisible(size: int, group: Group, what: str, world_size: int) -> None:

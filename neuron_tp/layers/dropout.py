@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import comm
-from ..mesh import Group
+from ..parallel import comm
+from ..parallel.mesh import Group
 
 
 def sharded_dropout(

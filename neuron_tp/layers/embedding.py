@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import regions
-from ..mesh import Group, Mesh, get_mesh
+from ..parallel import regions
+from ..parallel.mesh import Group, Mesh, get_mesh
 from .activation_layout import REPLICATED, SHARDED_SEQUENCE
 from .common import RefusesPeftWrap, check_device, load_shards_from, make_parameter
 

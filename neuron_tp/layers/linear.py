@@ -1,6 +1,6 @@
 """Column- and row-parallel linear layers (1D, Megatron-style), with optional sequence parallelism.
 
-The communication uses the Megatron role names of :mod:`neuron_tp.regions` (e.g.
+The communication uses the Megatron role names of :mod:`neuron_tp.parallel.regions` (e.g.
 ``copy_to_tensor_parallel`` = ``identity_fwd_all_reduce_bwd``).
 """
 
@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import regions
-from ..mesh import Mesh, get_mesh
-from ..sharding import mark_sequence_parallel
+from ..parallel import regions
+from ..parallel.mesh import Mesh, get_mesh
+from ..parallel.sharding import mark_sequence_parallel
 from .activation_layout import REPLICATED, SHARDED_FEATURES, SHARDED_SEQUENCE
 from .common import FromLinear, check_input, make_linear_parameters, require_divisible
 
@@ -31,7 +31,7 @@ class ColumnParallelLinear(FromLinear, nn.Module):
 
     With ``sequence_parallel`` the all-gathered input is not saved for backward: the layer
     saves its sequence shard and all-gathers it again in backward for the weight gradient
-    (:func:`neuron_tp.regions.gathered_linear`; Megatron's choice, activation memory / tp).
+    (:func:`neuron_tp.parallel.regions.gathered_linear`; Megatron's choice, activation memory / tp).
     ``sequence_parallel_regather=False`` keeps the gathered input instead (tp times the
     memory of that activation, one all-gather fewer in backward).
     """

@@ -33,8 +33,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .. import regions
-from ..mesh import Mesh, get_mesh
+from ..parallel import regions
+from ..parallel.mesh import Mesh, get_mesh
 from .activation_layout import LAYOUT_2D, ActivationLayout, check_layout, check_mode, tag
 from .common import FromLinear, check_dtype, make_linear_parameters, require_multiple
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from .. import comm
-from ..mesh import Group, Mesh, get_mesh
+from ..parallel import comm
+from ..parallel.mesh import Group, Mesh, get_mesh
 
-_NEG = -1e30  # finite "minus infinity": a shard made only of padding stays NaN-free
+FINITE_NEG_INF = -1e30  # finite "minus infinity": a shard made only of padding stays NaN-free
 
 
 def check_loss_inputs(logits: torch.Tensor, labels: torch.Tensor, reduction: str) -> None:
@@ -55,7 +55,7 @@ class _VocabParallelCE(torch.autograd.Function):
         else:  # the one full-size allocation: an fp32 copy, padded columns at -1e30
             p = logits.to(torch.float32, copy=True)
             if padded:
-                p.masked_fill_(keep == 0, _NEG)
+                p.masked_fill_(keep == 0, FINITE_NEG_INF)
             m = p.amax(-1, keepdim=True)
             p.sub_(m)
         valid = labels != ignore_index

@@ -19,9 +19,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .. import comm, regions
-from ..mesh import Mesh, get_mesh
-from ..sharding import get_sharding
+from ..parallel import comm, regions
+from ..parallel.mesh import Mesh, get_mesh
+from ..parallel.sharding import get_sharding
 from .activation_layout import (
     LAYOUT_2D,
     LAYOUT_3D_A,
@@ -36,7 +36,7 @@ from .common import make_linear_parameters, make_parameter, require_multiple
 from .embedding import FromEmbedding, check_ids, embedding_init, lookup_vocab_slice
 from .linear_2d import Linear2D
 from .linear_3d import Linear3D
-from .loss import _NEG, check_loss_inputs
+from .loss import FINITE_NEG_INF, check_loss_inputs
 
 
 class _EmbeddingND(FromEmbedding, nn.Module):
@@ -207,7 +207,7 @@ def cross_entropy_nd(
         cols = cols + vocab.rank_tensor(z.device) * local_v
     keep = cols < vocab_size if vocab_size != full_v else None  # not padding
     if keep is not None:  # finite: a shard made only of padding stays NaN-free
-        z = z.masked_fill(~keep, _NEG)
+        z = z.masked_fill(~keep, FINITE_NEG_INF)
     local_lse = torch.logsumexp(z, dim=-1, keepdim=True)
     lse = torch.logsumexp(regions.all_gather_fwd_split_bwd(local_lse, vocab, dim=-1), dim=-1)
     valid = labels != ignore_index

@@ -35,8 +35,8 @@ def job_size(config) -> tuple[int, int]:
 
 
 def _model_config(config):
-    from ..train.data import load_tokenizer, vocab_size
-    from ..train.presets import is_preset, model_config
+    from ..job.data import load_tokenizer, vocab_size
+    from ..job.presets import is_preset, model_config
     from .models import plan_config
 
     if is_preset(config.model):

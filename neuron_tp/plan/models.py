@@ -30,7 +30,7 @@ def plan_config(model: str, seq_len: int):
     holding config.json, or a config.json path)."""
     from transformers import AutoConfig, LlamaConfig
 
-    from ..train.presets import PRESETS, model_config
+    from ..job.presets import PRESETS, model_config
 
     key = model.lower()
     if key in _LLAMA:

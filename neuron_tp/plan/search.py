@@ -16,7 +16,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
-from ..mesh import divisors
+from ..parallel.mesh import divisors, grid_side
 from .hardware import Instance
 from .predict import Memory, Timing, memory, timing
 from .state import StateBytes, state_bytes
@@ -118,7 +118,7 @@ def _modes(tp: int, seq_len: int) -> list[tuple[str, bool, int]]:
     modes = [("1d", False, 1)]
     if tp > 1 and seq_len % tp == 0:
         modes.append(("1d", True, 1))
-    q2, q3 = round(tp**0.5), round(tp ** (1 / 3))
+    q2, q3 = grid_side(tp, "2d"), grid_side(tp, "3d")
     if tp > 1 and q2 * q2 == tp:
         modes.append(("2d", False, q2))
     if tp > 1 and q3**3 == tp:
@@ -170,7 +170,8 @@ def _spec_key(lay: Layout) -> tuple:
 
 def _b0(lay: Layout) -> int:
     """Sequences per micro-batch step: 2d splits the batch over q ranks, 3d over q^2."""
-    return {"1d": 1, "2d": round(lay.tp**0.5), "3d": round(lay.tp ** (1 / 3)) ** 2}[lay.tp_mode]
+    q = grid_side(lay.tp, lay.tp_mode)
+    return {"1d": 1, "2d": q, "3d": q * q}[lay.tp_mode]
 
 
 def _trace_all(config, job: Job, layouts: list[Layout]) -> dict[tuple, dict | str]:

@@ -2,7 +2,7 @@
 transformers model is built on the meta device (no memory), sharded by
 :func:`neuron_tp.hf.parallelize` for one rank of a virtual mesh, and every local parameter
 shape is read off the result; the optimizer's share follows the rules of ``torch.optim.AdamW``
-(two fp32 moments per trained element) and of :class:`neuron_tp.zero1.Zero1` (each parameter
+(two fp32 moments per trained element) and of :class:`neuron_tp.optim.zero1.Zero1` (each parameter
 flattened, zero-padded to a multiple of dp and cut into dp chunks; fp32 masters for bf16
 parameters)."""
 

@@ -4,7 +4,7 @@ The transformers model is built on the meta device, sharded by :func:`neuron_tp.
 for one rank of a virtual mesh (``tp x dp`` ranks), given activation recompute as
 ``neuron-tp train`` does, and its parameters become lazy XLA zeros (one IR node each: no
 memory). Then the step of :mod:`neuron_tp.train.loop` is traced: forward + backward of one
-micro-batch, then :func:`~neuron_tp.train.loop.reduce_gradients` and the optimizer step. Read
+micro-batch, then :func:`~neuron_tp.optim.grads.reduce_gradients` and the optimizer step. Read
 off the graph: every collective (kind, bytes, the ranks it spans), the FLOPs of every matrix
 product, and the bytes autograd saves for backward (parameters excluded).
 
@@ -38,7 +38,7 @@ class Spec:
     tp: int
     tp_mode: str = "1d"
     sequence_parallel: bool = False
-    recompute: str = "none"  # neuron_tp.recompute: none | selective | full
+    recompute: str = "none"  # neuron_tp.hf.recompute: none | selective | full
     micro_batch: int = 1
     seq_len: int = 128
     dp: int = 1
@@ -81,7 +81,7 @@ def dot_flops(hlo: str) -> int:
 
 
 def _comms(hlo: str, rank: int) -> list[Comm]:
-    from ..hlo import parse_collectives
+    from ..backend.hlo import parse_collectives
 
     found = []
     for c in parse_collectives(hlo):
@@ -118,12 +118,12 @@ def sharded_meta_model(config, spec: Spec, rank: int = 0):
     from transformers import AutoModelForCausalLM
 
     from .. import hf
-    from ..hf.loading import _params_on_meta
-    from ..mesh import Mesh
-    from ..recompute import apply_activation_checkpointing
+    from ..hf.loading import params_on_meta
+    from ..hf.recompute import apply_activation_checkpointing
+    from ..parallel.mesh import Mesh
 
     dtype = torch.bfloat16 if spec.bf16 else torch.float32
-    with _params_on_meta():
+    with params_on_meta():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     mesh = Mesh.virtual(spec.tp * spec.dp, rank, tp=spec.tp, tp_mode=spec.tp_mode)
     hf.parallelize(model, mesh, sequence_parallel=spec.sequence_parallel, parallel_loss=spec.tp > 1)
@@ -137,9 +137,9 @@ def trace_step(config, spec: Spec, rank: int = 0) -> Trace:
 
     import torch_xla
 
-    from ..hlo import trace_hlo
-    from ..train.loop import reduce_gradients
-    from ..train.optim import make_optimizer
+    from ..backend.hlo import trace_hlo
+    from ..optim.adamw import make_optimizer
+    from ..optim.grads import reduce_gradients
 
     config = copy.deepcopy(config)
     config.num_hidden_layers = spec.layers
@@ -170,7 +170,7 @@ def trace_step(config, spec: Spec, rank: int = 0) -> Trace:
     optimizer = make_optimizer(model, 1e-3, 0.0, device, zero1_mesh=mesh if spec.zero1 else None)
     norm = reduce_gradients(model, optimizer, mesh, spec.max_grad_norm, spec.zero1)
     optimizer.step()
-    from .. import comm
+    from ..parallel import comm
 
     mean_loss = comm.all_reduce(loss.detach().float().reshape(1), mesh.dp)
     step_hlo = trace_hlo([mean_loss, norm] + list(model.parameters()))

@@ -16,14 +16,13 @@ import os
 from typing import TYPE_CHECKING
 
 from .. import checkpoint
+from ..backend.graphs import extract_graphs_only
 from ..errors import UserError
-from .config import TrainConfig
-from .graphs import extract_graphs_only
+from ..job.config import TrainConfig
+from .run import Printer, Run
 
 if TYPE_CHECKING:
     from ..checkpoint.outdir import OutputLock
-    from .loop import Run
-    from .step_log import Printer
 
 
 def checkpoint_root(config: TrainConfig) -> str:
@@ -88,7 +87,7 @@ DATA_KEY = "training data"  # checkpoint meta["extra"]: what the run trained on
 def data_fingerprint(run: Run) -> dict | None:
     """The run's training tokens in brief (sequences, CRC-32), computed once per run."""
     if run.data_fingerprint is None and getattr(run.data, "chunks", None) is not None:
-        from ..agreement import tensor_checksum
+        from ..parallel.agreement import tensor_checksum
 
         chunks = run.data.chunks
         run.data_fingerprint = {"sequences": len(chunks), "checksum": tensor_checksum(chunks)}
@@ -138,9 +137,9 @@ def _check_shared(run: Run, lock: OutputLock | None) -> None:
     so ``--output-dir`` must be the same directory everywhere (a file system every node
     mounts), not a node-local path that gives each node its own (found only at the first
     save, hours later)."""
-    from .. import comm
     from ..checkpoint import outdir
     from ..checkpoint.agree import agree, has_store
+    from ..parallel import comm
 
     world = run.mesh.group("world")
     if world.size == 1 or not has_store(world):

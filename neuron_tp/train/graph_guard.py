@@ -18,8 +18,8 @@ import zlib
 
 import torch
 
-from .. import comm
-from ..mesh import Group
+from ..parallel import comm
+from ..parallel.mesh import Group
 
 _NAME = re.compile(r"%[\w.\-]+")
 _META = re.compile(r",?\s*(metadata|frontend_attributes|sharding)=\{[^}]*\}")

@@ -2,9 +2,10 @@
 accumulation, TP/DP gradient sync, clipping by the true global norm, one graph per step, host
 reads only at log intervals) and the run from first to last step.
 
-Its parts live next to it: options in :mod:`.config`, AdamW and the schedule in :mod:`.optim`,
-graph shaping and counters in :mod:`.graphs`, reporting in :mod:`.step_log`, checkpoints and
-resume in :mod:`.checkpoint_policy`.
+Its parts: options in :mod:`neuron_tp.job.config`, AdamW and the schedule in
+:mod:`neuron_tp.optim.adamw`, gradient reduction in :mod:`neuron_tp.optim.grads`, graph shaping
+and counters in :mod:`neuron_tp.backend.graphs`; next to it the run's state (:mod:`.run`),
+reporting (:mod:`.step_log`), checkpoints and resume (:mod:`.checkpoint_policy`).
 """
 
 from __future__ import annotations
@@ -12,22 +13,30 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
-from .. import comm
-from ..errors import UserError
-from ..grads import (
-    allreduce_data_parallel_grads,
-    clip_grad_norm_,
-    global_grad_norm,
-    sync_sequence_parallel_grads,
+from ..backend.graphs import (
+    apply_neuron_defaults,
+    extract_graphs_only,
+    graph_counters,
+    on_step_end,
+    peak_memory_mb,
+    step_boundary,
 )
-from ..mesh import Mesh, init_mesh
-from ..recompute import apply_activation_checkpointing
-from ..sharding import move_to
-from . import lora
+from ..errors import UserError
+from ..hf.recompute import apply_activation_checkpointing
+from ..job.config import TrainConfig
+from ..job.data import PackedData, vocab_size
+from ..job.presets import build_model, is_preset, model_config, preload
+from ..job.runtime import BUILD_LOCK, rank_device, refuse_xla_ranks_off_neuron
+from ..job.tokenizer import check_vocab, checkpoint_assets, config_vocab, resolve_tokenizer
+from ..optim.adamw import WarmupCosine, make_optimizer
+from ..optim.grads import reduce_gradients
+from ..parallel import comm
+from ..parallel.mesh import Mesh, init_mesh
+from ..parallel.sharding import move_to
+from . import peft_wrap as lora
 from .checkpoint_policy import (
     check_finite,
     claim_output,
@@ -36,48 +45,11 @@ from .checkpoint_policy import (
     save,
     save_at_end,
 )
-from .config import TrainConfig
-from .data import PackedData, vocab_size
 from .graph_guard import check_same_graph
-from .graphs import (
-    apply_neuron_defaults,
-    extract_graphs_only,
-    graph_counters,
-    on_step_end,
-    peak_memory_mb,
-    step_boundary,
-)
 from .nonfinite import NonFiniteGuard
-from .optim import WarmupCosine, make_optimizer
-from .presets import build_model, is_preset, model_config, preload
-from .runtime import BUILD_LOCK, rank_device, refuse_xla_ranks_off_neuron
-from .step_log import Printer, StepLogger
-from .tokenizer import check_vocab, checkpoint_assets, config_vocab, resolve_tokenizer
+from .run import Printer, Run
+from .step_log import StepLogger
 from .tp_mode import check_tp_mode
-
-
-@dataclass
-class Run:
-    """Everything a training run holds (returned by :func:`setup`)."""
-
-    config: TrainConfig
-    mesh: Mesh
-    device: torch.device
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer  # or a neuron_tp.zero1.Zero1 (--zero1, --bf16)
-    schedule: WarmupCosine
-    data: PackedData
-    tokenizer: object
-    step: int = 0
-    log: list = field(default_factory=list)  # dicts of logged steps (rank 0 and others)
-    guard: NonFiniteGuard | None = None  # non-finite loss / grad norm: stop, or skip the step
-    resumed_from: str | None = None  # never deleted by --keep-last during this run
-    graph_checked: bool = False  # ranks compared their step graphs (XLA, first step)
-    data_fingerprint: dict | None = None  # recorded in checkpoints, compared on resume
-    tokenizer_source: str = ""  # "tokenizer: DIR (class, N tokens; why)", logged at start
-    # written with every checkpoint: meta extra (the tokenizer record), files (its files)
-    checkpoint_extra: dict = field(default_factory=dict)
-    checkpoint_files: dict = field(default_factory=dict)
 
 
 def setup(args: TrainConfig | argparse.Namespace, mesh: Mesh | None = None) -> Run:
@@ -86,8 +58,8 @@ def setup(args: TrainConfig | argparse.Namespace, mesh: Mesh | None = None) -> R
     The ranks first agree (one small all-gather over the world, before the tp groups exist) on
     every option, library versions, model config and files, tokenizer and training tokens, and
     once the model is sharded on its weights; a rank that differs or fails makes every rank
-    raise (:mod:`neuron_tp.agreement`) instead of hanging or training different models."""
-    from .. import agreement
+    raise (:mod:`neuron_tp.parallel.agreement`) instead of hanging or training different models."""
+    from ..parallel import agreement
 
     config = TrainConfig.from_args(args)
     refuse_xla_ranks_off_neuron(config.device)
@@ -233,11 +205,11 @@ def startup_values(
     config: TrainConfig, tokenizer, data: PackedData | None = None
 ) -> tuple[dict, dict[str, dict]]:
     """What every rank must agree on before anything else (``values``, ``details``, see
-    :func:`neuron_tp.agreement.check_agreement`): every option, library versions, the model
+    :func:`neuron_tp.parallel.agreement.check_agreement`): every option, library versions, the model
     config (and, for a local model, its files), the tokenizer and the training tokens."""
-    from ..agreement import fingerprint, tensor_checksum, versions
-    from ..hf.loading import _checkpoint_files, check_model_dir, files_fingerprint
-    from .presets import model_config
+    from ..hf.loading import check_model_dir, checkpoint_files, files_fingerprint
+    from ..job.presets import model_config
+    from ..parallel.agreement import fingerprint, tensor_checksum, versions
 
     values = config.option_values()
     if not is_preset(config.model) and os.path.isdir(config.model):
@@ -250,7 +222,7 @@ def startup_values(
     details = {"model config": model_cfg}
     values.update({"library versions": versions(), "model config": model_cfg})
     if not is_preset(config.model):
-        files = files_fingerprint(_checkpoint_files(config.model).values())
+        files = files_fingerprint(checkpoint_files(config.model).values())
         values["model files (size, header + sampled data checksum)"] = details[
             "model files (size, header + sampled data checksum)"
         ] = files
@@ -266,25 +238,6 @@ def startup_values(
             "checksum": tensor_checksum(data.chunks),
         }
     return values, details
-
-
-def reduce_gradients(
-    model: torch.nn.Module, optimizer, mesh: Mesh, max_grad_norm: float, zero1: bool
-) -> torch.Tensor:
-    """After the step's backward passes: complete the gradients of replicated parameters over
-    tp, average over dp (all-reduce, or ``optimizer``'s reduce-scatter with ZeRO-1), clip to
-    ``max_grad_norm`` (0: no clipping); returns the global gradient norm."""
-    # Replicated parameters with partial gradients: SP norms, but also e.g. Qwen3's q/k norms
-    # (replicated_with_grad_allreduce) without SP. A no-op when the model has none.
-    sync_sequence_parallel_grads(model, mesh)
-    if zero1:  # reduce-scatter over dp (the mean) instead of the all-reduce
-        if max_grad_norm > 0:
-            return optimizer.clip_grad_norm_(max_grad_norm)
-        return optimizer.grad_norm()
-    allreduce_data_parallel_grads(model, mesh)
-    if max_grad_norm > 0:
-        return clip_grad_norm_(model, max_grad_norm, mesh)
-    return global_grad_norm(model, mesh)
 
 
 def train_step(run: Run, log_this_step: bool, on_log: Callable | None) -> None:
@@ -342,8 +295,8 @@ def train(
     printer: Printer = print,
     on_step: Callable[[Run], None] | None = None,
 ) -> dict:
-    """Run training as configured by ``args`` (a :class:`~neuron_tp.train.config.TrainConfig`,
-    or the Namespace of :func:`~neuron_tp.train.args.train_parser`).
+    """Run training as configured by ``args`` (a :class:`~neuron_tp.job.config.TrainConfig`,
+    or the Namespace of :func:`~neuron_tp.cli.args.train_parser`).
 
     ``stop_at``: end the process's work after that global step (and its periodic checkpoint)
     without a final checkpoint, as if the job had been killed (for resume tests).
@@ -367,7 +320,7 @@ def _train(
 ) -> dict:
     """The steps of this process, from the resumed one to ``--steps`` (or ``stop_at``).
 
-    Under ``neuron_parallel_compile`` (:func:`~neuron_tp.train.graphs.extract_graphs_only`)
+    Under ``neuron_parallel_compile`` (:func:`~neuron_tp.backend.graphs.extract_graphs_only`)
     only three steps are traced, and nothing is checked or saved."""
     config, extract = run.config, extract_graphs_only()
     steps = min(config.steps, 3) if extract else config.steps

@@ -5,17 +5,11 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 
-from .graphs import graph_counters
-
-if TYPE_CHECKING:
-    from .loop import Run
-
-Printer = Callable[..., None]  # print-like: rank 0's printer, a no-op on the other ranks
+from ..backend.graphs import graph_counters
+from .run import Printer, Run
 
 
 class StepLogger:
@@ -105,7 +99,7 @@ class StepLogger:
         the first two steps unless fewer than two came after them."""
         mark = self._steady if step - self._steady[0] >= 2 else self._start
         if self.run.device.type == "xla":
-            from .. import _xla
+            from ..backend import xla as _xla
 
             _xla.xm().wait_device_ops()
         elapsed = time.perf_counter() - mark[1]

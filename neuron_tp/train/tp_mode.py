@@ -1,22 +1,14 @@
 """Checks of a ``--tp-mode 2d|3d`` training run made locally, before any collective: the
 micro-batch the grid splits, the model family the 2D/3D layers take (the tp degree itself is
-checked by :class:`~neuron_tp.mesh.Mesh`, head and size splits by ``parallelize``)."""
+checked by :class:`~neuron_tp.parallel.mesh.Mesh`, head and size splits by ``parallelize``)."""
 
 from __future__ import annotations
 
-import math
 import os
 
-from .config import TrainConfig
-from .presets import is_preset
-
-
-def grid_side(tp: int, tp_mode: str) -> int:
-    """``q`` of ``--tp-mode 2d`` (tp = q*q) or ``3d`` (tp = q^3); 1 for 1d."""
-    if tp_mode == "2d":
-        return math.isqrt(tp)
-    return round(tp ** (1 / 3)) if tp_mode == "3d" else 1
-
+from ..job.config import TrainConfig
+from ..job.presets import is_preset
+from ..parallel.mesh import grid_side
 
 ND_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
@@ -27,7 +19,7 @@ def check_tp_mode(config: TrainConfig, tokenizer_vocab: int) -> None:
     was checked by the Mesh; head and size splits by ``parallelize``)."""
     if config.tp_mode == "1d":
         return
-    from .presets import model_config
+    from ..job.presets import model_config
 
     q = grid_side(config.tp, config.tp_mode)
     chunks = q if config.tp_mode == "2d" else q * q

@@ -257,7 +257,7 @@ def test_trainium_pods_request_all_devices_and_efa(variant):
 
 
 def test_train_command_parses_with_the_real_train_parser(variant):
-    from neuron_tp.train.args import train_parser
+    from neuron_tp.cli.args import train_parser
 
     _, params, docs = variant
     (c,) = worker_template(one(docs["train"], "PyTorchJob"))["spec"]["containers"]
@@ -273,7 +273,7 @@ def test_train_command_parses_with_the_real_train_parser(variant):
 
 
 def test_precompile_runs_the_same_command_under_neuron_parallel_compile(variant):
-    from neuron_tp.train.args import train_parser
+    from neuron_tp.cli.args import train_parser
 
     _, _, docs = variant
     train_job, pre_job = one(docs["train"], "PyTorchJob"), one(docs["precompile"], "PyTorchJob")
@@ -312,7 +312,7 @@ def test_precompile_runs_the_same_command_under_neuron_parallel_compile(variant)
 
 
 def test_inference_serves_with_tp_over_neuroncores(variant):
-    from neuron_tp.train.args import serve_parser
+    from neuron_tp.cli.args import serve_parser
 
     _, params, docs = variant
     deploy = one(docs["inference"], "Deployment")
@@ -423,7 +423,7 @@ def test_dockerfile_copies_what_exists_and_keeps_the_neuron_stack():
     runs = " ".join(re.findall(r"^RUN\s+((?:.*\\\n)*.*)$", text, re.M))
     installs = re.findall(r"pip install ([^&]+)", runs)
     assert any(re.search(r"--no-deps (-e )?\.", i) for i in installs)
-    from neuron_tp.train.args import train_parser  # the default corpus ships in the image
+    from neuron_tp.cli.args import train_parser  # the default corpus ships in the image
 
     corpus = Path(train_parser().get_default("data")).resolve().relative_to(REPO)
     assert corpus.parts[0] in copied and any("--no-deps -e ." in i for i in installs)

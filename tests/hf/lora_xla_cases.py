@@ -1,5 +1,5 @@
 """Run on 2 XLA CPU devices by tests/hf/test_lora.py (one thread per device, see
-tests/xla_dist.py): a parallelized LoRA tiny Llama (tp=2) vs the unsharded peft model on the
+tests/helpers/xla_dist.py): a parallelized LoRA tiny Llama (tp=2) vs the unsharded peft model on the
 CPU: logits, loss, every gathered adapter gradient, the global grad norm."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import peft  # noqa: F401  (imported before the device threads start)
 import torch
 import torch_xla
 import transformers  # noqa: F401
+from test_lora import _ids, peft_model
 
 import neuron_tp as ntp
 from neuron_tp.hf import gather_hf_state_dict, parallelize
-from test_lora import _ids, peft_model
 from xla_dist import serial
 
 TOL = dict(atol=2e-5, rtol=1e-5)

@@ -144,7 +144,7 @@ def _check(dirs: dict[str, str], tp: int, mode: str) -> None:
         print(f"{tag}: rank 0 read {read} of {stored} elements ({read / stored:.3f})")
 
     # A meta-device model parallelized without loading refuses to run.
-    with loading._params_on_meta():
+    with loading.params_on_meta():
         bare = tf.AutoModelForCausalLM.from_config(ref.config)
     bare = parallelize(bare, mesh)
     with pytest.raises(ValueError, match="still on the meta device"):

@@ -22,7 +22,7 @@ from neuron_tp.hf.fallback import guess_structure, shipped_styles  # noqa: E402
 from neuron_tp.hf.plans import arch_plan  # noqa: E402
 from neuron_tp.hf.resolve import match_modules, plan_model  # noqa: E402
 from neuron_tp.hf.slice_map import get_slice_map  # noqa: E402
-from neuron_tp.sharding import get_sharding  # noqa: E402
+from neuron_tp.parallel.sharding import get_sharding  # noqa: E402
 
 EXPLICIT = [n for n, (config, _, _) in ARCHS.items() if config().model_type in ARCH_PLANS]
 FALLBACK = [n for n in ARCHS if n not in EXPLICIT]

@@ -37,7 +37,7 @@ def _close(a, b, what):
 def base_model(name: str, seed: int = 0):
     """A tiny random causal LM: a preset, or ``odd-llama`` (tp 3: 6 heads over 3 kv heads)."""
     if name != "odd-llama":
-        from neuron_tp.train.presets import build_model
+        from neuron_tp.job.presets import build_model
 
         return build_model(name, V, seed)
     import transformers as tf
@@ -228,6 +228,7 @@ def test_lora_tp3(case):
 
 def test_lora_xla_tp2():
     import lora_xla_cases
+
     import xla_dist
 
     (r0, r1) = xla_dist.run(lora_xla_cases.job, devices=2)

@@ -13,8 +13,8 @@ import torch
 import transformers as tf
 
 import neuron_tp as ntp
+from neuron_tp.backend.hlo import parse_collectives, trace_hlo
 from neuron_tp.hf import parallelize
-from neuron_tp.hlo import parse_collectives, trace_hlo
 
 B, S, H, V, LAYERS = 2, 16, 64, 100, 2
 

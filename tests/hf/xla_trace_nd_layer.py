@@ -11,7 +11,7 @@ import torch
 import transformers as tf
 
 import neuron_tp as ntp
-from neuron_tp.hlo import parse_collectives, trace_hlo
+from neuron_tp.backend.hlo import parse_collectives, trace_hlo
 
 B, S, H, HEADS, KV, FFN = 16, 8, 64, 8, 4, 96
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from neuron_tp.infer.generate import Generator, Sampling
-from neuron_tp.train.presets import build_model
+from neuron_tp.job.presets import build_model
 
 
 @pytest.fixture(scope="module")

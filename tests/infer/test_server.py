@@ -3,7 +3,7 @@
 streaming, stop strings, concurrent clients, a client that disconnects mid-stream, refused
 requests; at tp=1 in this process and at tp=2 as two torchrun ranks (gloo), whose tokens
 equal tp=1's (same preset and seed: the same full model, sharded). Also
-:func:`neuron_tp.comm.host_broadcast` on two gloo ranks."""
+:func:`neuron_tp.parallel.comm.host_broadcast` on two gloo ranks."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def _free_port() -> int:
 
 
 def _config(port: int, tp: int = 1):
-    from neuron_tp.train.config import ServeConfig
+    from neuron_tp.job.config import ServeConfig
 
     o = OPTIONS
     return ServeConfig(
@@ -361,7 +361,7 @@ def test_a_failed_generation_is_reported_and_ends_serving():
 
     from neuron_tp.infer.engine import Engine
     from neuron_tp.infer.server import create_app
-    from neuron_tp.train.data import ByteTokenizer
+    from neuron_tp.job.data import ByteTokenizer
 
     engine = Engine()
     engine.attach(_FailingGenerator(), ByteTokenizer(), [256])
@@ -381,7 +381,8 @@ def test_a_failed_generation_is_reported_and_ends_serving():
 def _broadcast_rounds() -> None:
     import torch.distributed as dist
 
-    from neuron_tp import comm, init_mesh
+    from neuron_tp import init_mesh
+    from neuron_tp.parallel import comm
 
     group = init_mesh(tp=2).group("world")
     store = dist.distributed_c10d._get_default_store()

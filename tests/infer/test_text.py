@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from neuron_tp.infer.text import Detokenizer
-from neuron_tp.train.data import ByteTokenizer
+from neuron_tp.job.data import ByteTokenizer
 
 TOK = ByteTokenizer()
 

@@ -12,10 +12,11 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+from test_train_dist import _args, _losses, _quiet, gloo_dist  # noqa: E402
+
 import neuron_tp as ntp  # noqa: E402
 from neuron_tp.train.loop import train  # noqa: E402
 from reference_train import reference_run  # noqa: E402
-from test_train_dist import _args, _losses, _quiet, gloo_dist  # noqa: E402
 
 STEPS = ["--steps", "50", "--lr", "1e-3", "--min-lr", "1e-3", "--micro-batch", "2"]
 

@@ -56,7 +56,7 @@ def test_grad_norm_with_replicated_kv_heads(tp, heads):
 
 
 def _train_tp4(out: str, result: str) -> None:
-    from neuron_tp.train.args import train_parser
+    from neuron_tp.cli.args import train_parser
     from neuron_tp.train.loop import train
 
     mesh = ntp.init_mesh(tp=4)  # tiny-llama: 4 heads, 2 kv heads -> each kv head on 2 ranks

@@ -18,9 +18,10 @@ import torch
 import transformers  # noqa: F401
 
 sys.path.insert(0, os.path.dirname(__file__))
+from test_train_dist import _args, _quiet  # noqa: E402
+
 import gloo_dist  # noqa: E402
 import neuron_tp as ntp  # noqa: E402
-from test_train_dist import _args, _quiet  # noqa: E402
 
 LORA = [
     "--lora-r",
@@ -47,8 +48,8 @@ NEW = 6
 
 
 def _generate(model: str, tp: int, device: str, *extra: str) -> list[str]:
-    from neuron_tp.infer.cli import run_cli
-    from neuron_tp.train.args import generate_parser
+    from neuron_tp.cli.args import generate_parser
+    from neuron_tp.infer.batch import run_cli
 
     argv = ["--device", device, "--tp", str(tp), "--model", model, "--max-new-tokens", str(NEW)]
     argv += ["--buckets", "8", *(a for p in PROMPTS for a in ("--prompt", p)), *extra]
@@ -66,8 +67,8 @@ def _both(tmp: str, tp: int, device: str) -> dict:
 
 
 def _rank(tmp: str, tp: int) -> None:
+    from neuron_tp.job.presets import build_model
     from neuron_tp.train.loop import train
-    from neuron_tp.train.presets import build_model
 
     mesh = ntp.init_mesh(tp=tp)
     if tp == 2 and mesh.rank == 0:
@@ -116,7 +117,7 @@ def test_consolidate_lora_run_writes_the_merged_plain_model(runs, tp, tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from neuron_tp.cli import main
+    from neuron_tp.cli.entry import main
 
     assert main(["consolidate", f"{runs}/run{tp}", str(tmp_path / "merged")]) == 0
     plain, info = AutoModelForCausalLM.from_pretrained(
@@ -137,7 +138,7 @@ def test_consolidate_adapter_only_writes_the_peft_adapter(runs, tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from neuron_tp.cli import main
+    from neuron_tp.cli.entry import main
 
     out = tmp_path / "adapter"
     assert main(["consolidate", "--adapter-only", f"{runs}/run2", str(out)]) == 0
@@ -156,8 +157,8 @@ def test_consolidate_adapter_only_writes_the_peft_adapter(runs, tmp_path):
 def _hf_texts(tmp: str, merge: bool = True) -> list[str]:
     """transformers' greedy generate on the merged unsharded model (or the base), decoded by
     the run's (byte-level) tokenizer."""
-    from neuron_tp.infer.cli import eos_ids
-    from neuron_tp.train.data import load_tokenizer
+    from neuron_tp.infer.batch import eos_ids
+    from neuron_tp.job.data import load_tokenizer
 
     tok = load_tokenizer(None)
     merged, base = _reference(tmp, f"{tmp}/run2/adapter")

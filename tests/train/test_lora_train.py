@@ -13,9 +13,10 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+from test_train_dist import _args, _losses, _quiet  # noqa: E402
+
 import gloo_dist  # noqa: E402
 import neuron_tp as ntp  # noqa: E402
-from test_train_dist import _args, _losses, _quiet  # noqa: E402
 
 TARGETS = "q_proj,v_proj,o_proj,down_proj"  # column and row projections
 LORA = ["--lora-r", "4", "--lora-alpha", "12", "--lora-target-modules", TARGETS]
@@ -25,7 +26,7 @@ HF_STEPS = ["--steps", "4", "--micro-batch", "2", "--save-every", "0"]
 
 def _lora_rank(tmp: str) -> None:
     from neuron_tp.train.loop import train
-    from neuron_tp.train.lora import trainable_summary
+    from neuron_tp.train.peft_wrap import trainable_summary
 
     mesh = ntp.init_mesh(tp=2)
     runs = []
@@ -44,7 +45,7 @@ def _lora_rank(tmp: str) -> None:
         ),
     }
     # a local HF directory: the base read slice by slice onto the meta-device peft model
-    from neuron_tp.train.presets import build_model
+    from neuron_tp.job.presets import build_model
 
     if mesh.rank == 0:
         build_model("tiny-llama", 257, 3).save_pretrained(f"{tmp}/hf")
@@ -60,7 +61,7 @@ def test_lora_training_follows_unsharded_peft_and_saves_a_peft_adapter(tmp_path)
     from peft import PeftModel
     from safetensors.torch import load_file
 
-    from neuron_tp.train.presets import build_model
+    from neuron_tp.job.presets import build_model
     from reference_train import reference_run
 
     gloo_dist.run(_lora_rank, str(tmp_path), world_size=2)

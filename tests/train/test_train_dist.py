@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import gloo_dist  # noqa: E402
 import neuron_tp as ntp  # noqa: E402
 from neuron_tp import checkpoint  # noqa: E402
-from neuron_tp.train.args import train_parser  # noqa: E402
+from neuron_tp.cli.args import train_parser  # noqa: E402
 from neuron_tp.train.loop import train  # noqa: E402
 from reference_train import reference_run  # noqa: E402
 
@@ -56,7 +56,7 @@ def _two_ranks(tmp: str) -> None:
     from transformers import AutoModelForCausalLM
 
     from neuron_tp.hf import full_logits
-    from neuron_tp.train.presets import build_model
+    from neuron_tp.job.presets import build_model
 
     mesh = ntp.init_mesh(tp=2)
     res, runs = {}, {}

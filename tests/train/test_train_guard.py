@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 import gloo_dist  # noqa: E402
 from neuron_tp.checkpoint.outdir import LOCK_NAME, OutputLock  # noqa: E402
-from neuron_tp.train.args import train_parser  # noqa: E402
+from neuron_tp.cli.args import train_parser  # noqa: E402
 
 COMMON = [
     "--device",
@@ -192,8 +192,8 @@ def _job(tmp: str) -> None:
 def _reference(args, skip_step: int | None) -> list[float]:
     """Plain transformers + torch AdamW / LambdaLR / clip_grad_norm_ on one process, the
     optimizer update of ``skip_step`` left out (data and schedule move on)."""
-    from neuron_tp.train.data import ByteTokenizer, PackedData
-    from neuron_tp.train.presets import build_model
+    from neuron_tp.job.data import ByteTokenizer, PackedData
+    from neuron_tp.job.presets import build_model
     from reference_train import lr_factor
 
     model = build_model(args.model, ByteTokenizer.vocab_size, args.seed).train()
@@ -239,7 +239,7 @@ def test_resume_plan_output_dir_lock_and_nonfinite(tmp_path):
     )
     from transformers import AutoModelForCausalLM
 
-    from neuron_tp.train.presets import model_config
+    from neuron_tp.job.presets import model_config
 
     other = model_config("tiny-llama", 257)
     other.intermediate_size *= 2

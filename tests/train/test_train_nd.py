@@ -15,13 +15,14 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+from test_train_dist import _args, _losses, _quiet, gloo_dist  # noqa: E402
+
 import neuron_tp as ntp  # noqa: E402
-from neuron_tp.train.args import train_parser  # noqa: E402
-from neuron_tp.train.config import TrainConfig  # noqa: E402
+from neuron_tp.cli.args import train_parser  # noqa: E402
+from neuron_tp.job.config import TrainConfig  # noqa: E402
 from neuron_tp.train.loop import train  # noqa: E402
 from neuron_tp.train.tp_mode import check_tp_mode  # noqa: E402
 from reference_train import reference_run  # noqa: E402
-from test_train_dist import _args, _losses, _quiet, gloo_dist  # noqa: E402
 
 # Gradient norms are compared tighter than test_train_dist's rel=2e-3 (seen: ~6e-7): counting a
 # 2D norm weight on each of its q holders moves the norm by only ~1e-4 relative.
@@ -40,7 +41,7 @@ def _norm_and_clip(tp_mode: str, tp: int) -> dict:
     the dp / sequence-parallel gradient syncs (no-ops for 2D/3D parameters at dp=1)."""
     from neuron_tp.hf import parallelize
     from neuron_tp.hf.loading import gather_hf_state_dict
-    from neuron_tp.train.presets import build_model
+    from neuron_tp.job.presets import build_model
 
     mesh = ntp.init_mesh(tp=tp, tp_mode=tp_mode)
     ids = torch.randint(0, 257, (4, 16), generator=torch.Generator().manual_seed(7))

@@ -15,11 +15,11 @@ import sys
 import pytest
 import torch
 
-from neuron_tp.train.args import generate_parser, train_parser
-from neuron_tp.train.config import GenerateConfig, TrainConfig
-from neuron_tp.train.data import ByteTokenizer, PackedData
-from neuron_tp.train.graphs import apply_neuron_defaults, extract_graphs_only, merged_cc_flags
-from neuron_tp.train.optim import WarmupCosine
+from neuron_tp.backend.graphs import apply_neuron_defaults, extract_graphs_only, merged_cc_flags
+from neuron_tp.cli.args import generate_parser, train_parser
+from neuron_tp.job.config import GenerateConfig, TrainConfig
+from neuron_tp.job.data import ByteTokenizer, PackedData
+from neuron_tp.optim.adamw import WarmupCosine
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 
@@ -162,7 +162,7 @@ def test_config_has_exactly_the_parser_options(parser, config_type):
 
 def test_cli_train_bf16_one_rank_and_device_refusal(tmp_path, monkeypatch, capsys):
     import neuron_tp as ntp
-    from neuron_tp.cli import main
+    from neuron_tp.cli.entry import main
     from neuron_tp.train.loop import setup, train
 
     args = train_parser().parse_args(
@@ -223,8 +223,8 @@ def test_hf_tokenizer_directory(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from neuron_tp.train.data import load_tokenizer, vocab_size
-    from neuron_tp.train.presets import build_model
+    from neuron_tp.job.data import load_tokenizer, vocab_size
+    from neuron_tp.job.presets import build_model
 
     bpe = Tokenizer(models.BPE(unk_token="<unk>"))
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -13,9 +13,10 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+import xla_multi_train_cases as cases  # noqa: E402
+
 import gloo_dist  # noqa: E402
 import xla_dist  # noqa: E402
-import xla_multi_train_cases as cases  # noqa: E402
 from reference_train import reference_run  # noqa: E402
 
 N_PARAMS = {"tiny-llama": 21, "tiny-qwen3": 25}
@@ -119,11 +120,11 @@ def test_tp2_qwen3_on_two_xla_devices_resume_and_reshard(tmp_path):
     # and tp=1: the unsharded model loaded from the XLA checkpoint gives the loss of step 5
     import neuron_tp as ntp
     from neuron_tp import checkpoint
-    from neuron_tp.train.presets import build_model
+    from neuron_tp.job.presets import build_model
 
     plain = build_model("tiny-qwen3", 257, seed=123)
     checkpoint.load(ckpt4, plain, mesh=ntp.Mesh(1, 0), restore_rng=False)
-    from neuron_tp.train.data import ByteTokenizer, PackedData
+    from neuron_tp.job.data import ByteTokenizer, PackedData
 
     data = PackedData(args.data, ByteTokenizer(), args.seq_len, 2, 1, 0, args.seed)
     for _ in range(5):
@@ -172,8 +173,9 @@ def test_tp2_generation_on_two_xla_devices_equals_transformers():
     tokens of transformers' own ``generate`` on the unsharded model (same seed for sampling),
     the same on both ranks, per-sequence EOS and batch buckets, and no new trace or graph for
     more tokens."""
-    from neuron_tp.train.presets import build_model
     from test_generate import hf_sample
+
+    from neuron_tp.job.presets import build_model
 
     res = xla_dist.run(cases.run_generate, 2, devices=2, timeout=300)
     assert res[0] == res[1]
@@ -207,7 +209,7 @@ def test_activation_recompute_trains_like_the_reference_on_xla_and_gloo(tmp_path
     """--activation-checkpointing full (with SP) and selective at tp=2 on two XLA CPU devices,
     and full on gloo ranks: the losses and grad norms of the run without recompute (the
     independent unsharded reference), step by step; the recompute is really in the graph
-    (tests/test_recompute.py checks the compiled HLO)."""
+    (tests/hf/test_recompute.py checks the compiled HLO)."""
     base = ["--micro-batch", "2", "--steps", "4", "--save-every", "0"]
     args = cases.args_for(str(tmp_path / "ref"), "--tp", "2", *base)
     losses, norms = reference_run(args, global_micro_batch=2)

@@ -16,10 +16,11 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+from test_train_dist import _args, _losses, _quiet, gloo_dist  # noqa: E402
+
 import neuron_tp as ntp  # noqa: E402
 from neuron_tp.train.loop import train  # noqa: E402
 from reference_train import reference_run  # noqa: E402
-from test_train_dist import _args, _losses, _quiet, gloo_dist  # noqa: E402
 
 COMMON = ["--grad-accum", "2", "--steps", "12", "--save-every", "6"]
 

@@ -7,8 +7,8 @@ import sys
 
 import torch
 
-from neuron_tp.train.args import train_parser
-from neuron_tp.train.graphs import graph_counters
+from neuron_tp.backend.graphs import graph_counters
+from neuron_tp.cli.args import train_parser
 from neuron_tp.train.loop import train
 
 out_dir, argv = sys.argv[1], sys.argv[2:]

@@ -1,4 +1,4 @@
-"""Training-entry-point runs executed on N XLA CPU devices (tests/xla_dist.py), used by
+"""Training-entry-point runs executed on N XLA CPU devices (tests/helpers/xla_dist.py), used by
 test_train_xla_multi.py: each rank runs ``neuron_tp.train.loop.train`` exactly as a Neuron job
 would; rank 0 also records the process-wide compile / host-transfer counters after every step
 (all ranks meet at a barrier first, so a step's counts are complete)."""
@@ -8,9 +8,9 @@ from __future__ import annotations
 import threading
 
 import neuron_tp as ntp
-from neuron_tp.sharding import named_parameter_meta
-from neuron_tp.train.args import train_parser
-from neuron_tp.train.graphs import graph_counters
+from neuron_tp.backend.graphs import graph_counters
+from neuron_tp.cli.args import train_parser
+from neuron_tp.parallel.sharding import named_parameter_meta
 from neuron_tp.train.loop import train
 
 COMMON = [
@@ -119,7 +119,7 @@ def run_generate(tp: int) -> dict:
 
     from neuron_tp import hf
     from neuron_tp.infer.generate import Generator, Sampling
-    from neuron_tp.train.presets import build_model
+    from neuron_tp.job.presets import build_model
     from xla_dist import serial
 
     mesh = ntp.init_mesh(tp=tp)

@@ -11,9 +11,9 @@ import neuron_tp as ntp
 dev = ntp.xla_device()
 import torch_xla  # noqa: E402
 
-from neuron_tp import hlo  # noqa: E402
+from neuron_tp.backend import hlo  # noqa: E402
+from neuron_tp.cli.args import train_parser  # noqa: E402
 from neuron_tp.train import loop  # noqa: E402
-from neuron_tp.train.args import train_parser  # noqa: E402
 
 mesh = ntp.Mesh.virtual(world_size=4, rank=int(sys.argv[1]), tp=2)
 args = train_parser().parse_args(

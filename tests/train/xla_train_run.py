@@ -10,8 +10,8 @@ out_dir, cache_dir = sys.argv[1], sys.argv[2]
 os.environ["XLA_PERSISTENT_CACHE_PATH"] = cache_dir
 os.environ["XLA_PERSISTENT_CACHE_READ_ONLY"] = "0"
 
-from neuron_tp.train.args import train_parser  # noqa: E402
-from neuron_tp.train.graphs import graph_counters  # noqa: E402
+from neuron_tp.backend.graphs import graph_counters  # noqa: E402
+from neuron_tp.cli.args import train_parser  # noqa: E402
 from neuron_tp.train.loop import train  # noqa: E402
 
 args = train_parser().parse_args(

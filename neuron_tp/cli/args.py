@@ -1,0 +1,282 @@
+"""Command-line options of ``scripts/train.py`` / ``neuron-tp train``, of
+``scripts/generate.py`` / ``neuron-tp generate`` and of ``neuron-tp serve`` (names are a
+contract with the deployment templates). Imports nothing beyond the standard library."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable
+
+REPO_DATA = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "data"
+)
+
+
+def positive(kind: type) -> Callable[[str], int | float]:
+    """An argparse ``type``: ``kind(text)``, refused unless > 0 (also ``neuron-tp plan``'s)."""
+
+    def parse(text: str):
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+
+    return parse
+
+
+def _non_negative(kind):
+    def parse(text: str):
+        value = kind(text)
+        if value < 0:
+            raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+        return value
+
+    return parse
+
+
+def _buckets(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"buckets must be comma-separated integers, got {text!r}"
+        ) from None
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"buckets must be positive integers, got {text!r}")
+    return sorted(set(values))
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        default="tiny-llama",
+        help="local HF model directory or a built-in preset (tiny-llama, tiny-gpt2, tiny-qwen3)",
+    )
+    p.add_argument("--tp", type=positive(int), default=1, help="tensor-parallel degree")
+    p.add_argument(
+        "--device",
+        choices=("xla", "cpu"),
+        default="xla",
+        help="xla: NeuronCore when present, else the XLA CPU device; cpu: eager torch",
+    )
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="local HF tokenizer directory, or 'bytes' (byte-level); default: the --model "
+        "directory's tokenizer, a checkpoint's recorded one, byte-level for a preset",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--xla-cpu-devices",
+        type=_non_negative(int),
+        default=0,
+        metavar="N",
+        help="run N ranks as XLA CPU devices of this one process (no torchrun): "
+        "the graphs and collectives of an N-NeuronCore job, on a laptop",
+    )
+
+
+def train_parser() -> argparse.ArgumentParser:
+    """Parser of the training script (dp = world size / tp)."""
+    p = argparse.ArgumentParser(
+        prog="neuron-tp train",
+        allow_abbrev=False,
+        description="Train a causal LM with TP (+SP) x DP.",
+    )
+    _common(p)
+    p.add_argument(
+        "--tp-mode",
+        choices=("1d", "2d", "3d"),
+        default="1d",
+        help="layout of the tp ranks: 1d (Megatron), 2d (a q x q grid, --tp = q*q, Llama-"
+        "family untied models) or 3d (a q x q x q cube, --tp = q^3); 2d/3d split the "
+        "micro-batch over the grid (--micro-batch divisible by q / q*q)",
+    )
+    p.add_argument("--sequence-parallel", action="store_true", help="1d only")
+    p.add_argument("--data", default=REPO_DATA, help="a .txt/.jsonl file or a directory of them")
+    p.add_argument("--seq-len", type=positive(int), default=128)
+    p.add_argument("--micro-batch", type=positive(int), default=4, help="sequences per rank")
+    p.add_argument("--grad-accum", type=positive(int), default=1)
+    p.add_argument("--steps", type=positive(int), default=100, help="optimizer steps")
+    p.add_argument("--lr", type=positive(float), default=1e-3)
+    p.add_argument("--min-lr", type=_non_negative(float), default=1e-4)
+    p.add_argument("--warmup-steps", type=_non_negative(int), default=10)
+    p.add_argument("--weight-decay", type=_non_negative(float), default=0.01)
+    p.add_argument(
+        "--max-grad-norm",
+        type=_non_negative(float),
+        default=1.0,
+        help="clip by the global norm across all shards (0 = off)",
+    )
+    p.add_argument(
+        "--bf16",
+        action="store_true",
+        help="bfloat16 parameters and compute, fp32 master weights and AdamW state (kept by "
+        "ZeRO-1, sharded over the data-parallel ranks: the same bytes on the wire as the "
+        "gradient all-reduce)",
+    )
+    p.add_argument(
+        "--reduce-dtype",
+        choices=["param", "fp32"],
+        default="param",
+        help="dtype every cross-rank sum accumulates in (row-parallel outputs, sequence-"
+        "parallel reduce-scatters, gradients): the tensors' own (param) or fp32 (more "
+        "accurate for --bf16, twice the bytes of those collectives)",
+    )
+    p.add_argument(
+        "--activation-checkpointing",
+        choices=["none", "full", "selective"],
+        default="none",
+        help="recompute activations in backward: every decoder layer (full) or the attention "
+        "core only (selective); saves activation memory for extra compute",
+    )
+    p.add_argument("--log-every", type=positive(int), default=10)
+    p.add_argument("--save-every", type=_non_negative(int), default=0, help="0 = only at the end")
+    p.add_argument(
+        "--keep-last",
+        type=positive(int),
+        default=2,
+        help="keep the newest N checkpoints (and always the one resumed from)",
+    )
+    p.add_argument("--output-dir", default="runs/train")
+    p.add_argument(
+        "--resume",
+        default="auto",
+        help="auto (newest complete checkpoint in --output-dir), none, or a path",
+    )
+    p.add_argument("--tensorboard", action="store_true", help="write TensorBoard scalars")
+    p.add_argument(
+        "--skip-nonfinite",
+        action="store_true",
+        help="skip (undo on the device) the update of a step whose loss or grad "
+        "norm is NaN/inf instead of stopping the run; holds a copy of params "
+        "and optimizer states during each step",
+    )
+    p.add_argument(
+        "--zero1",
+        action="store_true",
+        help="ZeRO-1: shard the AdamW state and fp32 master weights over the data-parallel "
+        "ranks (reduce-scatter + all-gather instead of the gradient all-reduce); at dp=1 "
+        "plain AdamW with fp32 master weights; checkpoints load with or without it "
+        "(always on with --bf16)",
+    )
+    p.add_argument(
+        "--lora-r",
+        type=_non_negative(int),
+        default=0,
+        help="train LoRA adapters of this rank (peft) instead of the whole model; 0: off",
+    )
+    p.add_argument("--lora-alpha", type=positive(float), default=16.0, help="LoRA scaling alpha")
+    p.add_argument("--lora-dropout", type=_non_negative(float), default=0.0)
+    p.add_argument(
+        "--lora-target-modules",
+        type=lambda t: [m for m in t.split(",") if m.strip()],
+        default=[],
+        help="comma-separated module names to adapt (default: peft's for the model type)",
+    )
+    p.add_argument(
+        "--plan",
+        choices=("none", "auto"),
+        default="none",
+        help="auto: run the layout `neuron-tp plan` recommends for this job (sets --tp, "
+        "--tp-mode, --sequence-parallel, --micro-batch, --grad-accum, "
+        "--activation-checkpointing, --zero1; needs --global-batch)",
+    )
+    p.add_argument(
+        "--global-batch",
+        type=_non_negative(int),
+        default=0,
+        help="--plan auto: sequences per optimizer step over all data-parallel ranks",
+    )
+    p.add_argument(
+        "--plan-instance",
+        default="trn1.32xlarge",
+        help="--plan auto: the instance type whose NeuronCore figures the plan uses",
+    )
+    return p
+
+
+def _shapes(p: argparse.ArgumentParser, batching: str) -> None:
+    """The model-loading and graph-shape options of generate and serve: length and batch
+    buckets, dtype, adapter."""
+    p.add_argument(
+        "--buckets",
+        type=_buckets,
+        default=_buckets("32,128,512"),
+        help="comma-separated prompt length buckets",
+    )
+    p.add_argument(
+        "--batch-buckets",
+        type=_buckets,
+        default=_buckets("1,2,4,8"),
+        help=f"comma-separated batch sizes (graph shapes); {batching}",
+    )
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument(
+        "--adapter",
+        default=None,
+        metavar="DIR",
+        help="a PEFT LoRA adapter directory, merged into --model (a HF directory or preset) "
+        "on load; a LoRA run's checkpoint needs none (its adapters are merged)",
+    )
+
+
+def generate_parser() -> argparse.ArgumentParser:
+    """Parser of the generation script (tp ranks launched by torchrun)."""
+    p = argparse.ArgumentParser(
+        prog="neuron-tp generate",
+        allow_abbrev=False,
+        description="Sharded generation with static shapes.",
+    )
+    _common(p)
+    p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
+    p.add_argument("--prompts-file", default=None, help="one prompt per line")
+    p.add_argument("--max-new-tokens", type=positive(int), default=32)
+    _shapes(p, "more prompts run in several batches")
+    p.add_argument("--do-sample", action="store_true")
+    p.add_argument("--temperature", type=positive(float), default=1.0)
+    p.add_argument("--top-k", type=_non_negative(int), default=0, help="0 = no top-k filter")
+    p.add_argument(
+        "--stop", action="append", default=[], help="stop string (repeatable): text ends before it"
+    )
+    p.add_argument(
+        "--ignore-eos", action="store_true", help="do not stop at EOS (always --max-new-tokens)"
+    )
+    return p
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    """Parser of ``neuron-tp serve`` (tp ranks launched by torchrun; rank 0 serves HTTP)."""
+    p = argparse.ArgumentParser(
+        prog="neuron-tp serve",
+        allow_abbrev=False,
+        description="An OpenAI-compatible HTTP server for sharded generation.",
+    )
+    _common(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: all)")
+    p.add_argument("--port", type=_non_negative(int), default=8000, help="HTTP port")
+    p.add_argument(
+        "--max-new-tokens",
+        type=positive(int),
+        default=256,
+        help="the largest max_tokens a request may ask for (sets the KV cache length)",
+    )
+    _shapes(p, "concurrent requests share a batch; longer prompts are refused")
+    p.add_argument(
+        "--batch-wait-ms",
+        type=_non_negative(float),
+        default=5.0,
+        help="how long a new batch waits for concurrent requests to join it",
+    )
+    p.add_argument(
+        "--served-model-name", default=None, help="the model id clients use (default: --model)"
+    )
+    p.add_argument(
+        "--warmup",
+        choices=("smallest", "all"),
+        default="smallest",
+        help="graphs captured (compiled) before /ready: the smallest batch and prompt shape, "
+        "or every batch x prompt bucket (no compile while serving, except for new top_k)",
+    )
+    return p

@@ -1,0 +1,114 @@
+"""``neuron-tp train|generate|serve|consolidate|plan``: the command-line entry point."""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import os
+import sys
+import time
+
+from ..errors import UserError, reporter
+
+COMMANDS = ("train", "generate", "serve", "consolidate", "plan")
+
+
+def _consolidate(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="neuron-tp consolidate",
+        description="Merge a sharded checkpoint into one HF directory (a LoRA run: the base "
+        "with its adapters merged in).",
+    )
+    p.add_argument("checkpoint", help="a checkpoint directory (or an output dir: the newest)")
+    p.add_argument("out_dir", help="new (or empty) directory for config.json + model.safetensors")
+    p.add_argument(
+        "--adapter-only",
+        action="store_true",
+        help="a LoRA run (--lora-r): write its PEFT adapter directory instead of the merged model",
+    )
+    args = p.parse_args(argv)
+    from ..checkpoint import consolidate
+
+    out = consolidate(args.checkpoint, args.out_dir, adapter_only=args.adapter_only)
+    print(f"wrote {out}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Dispatch to the sub-command; returns the exit status. A :class:`UserError` becomes one
+    line ``neuron-tp CMD: error: ...`` from one rank and status 2 (``NEURON_TP_DEBUG=1``:
+    the traceback instead)."""
+    argv = sys.argv[1:] if argv is None else argv
+    usage = (
+        f"usage: neuron-tp {{{','.join(COMMANDS)}}} [options]  (-h after a command for its options)"
+    )
+    if not argv or argv[0] not in COMMANDS:
+        if argv and argv[0] in ("-h", "--help"):
+            print(usage)
+            return 0
+        if argv:
+            near = difflib.get_close_matches(argv[0], COMMANDS, n=1)
+            hint = f"; did you mean {near[0]!r}?" if near else ""
+            print(
+                f"neuron-tp: error: unknown command {argv[0]!r}{hint} "
+                f"(commands: {', '.join(COMMANDS)})",
+                file=sys.stderr,
+            )
+        print(usage, file=sys.stderr)
+        return 2
+    try:
+        return _dispatch(argv[0], argv[1:])
+    except UserError as e:
+        if os.environ.get("NEURON_TP_DEBUG", "") not in ("", "0"):
+            raise
+        return user_error_exit(argv[0], e)
+
+
+def user_error_exit(cmd: str, error: UserError) -> int:
+    """Print ``error`` as one line on the rank that reports it (see
+    :func:`neuron_tp.errors.reporter`; rank 0 when none is recorded); return the status 2.
+
+    Under torchrun the other ranks wait a moment before they exit, so that the launcher sees
+    the reporting rank fail first, stops them and lists one failure instead of one per rank.
+    A rank whose error no agreement attributed (it may be the only rank that failed) prints it
+    after that wait, naming itself, if the launcher has not stopped it by then: an error is
+    never lost."""
+    rank = int(os.environ.get("RANK", "0"))
+    who = reporter(error)
+    if rank == (0 if who is None else who):
+        print(f"neuron-tp {cmd}: error: {error}", file=sys.stderr, flush=True)
+    elif os.environ.get("TORCHELASTIC_RUN_ID"):
+        time.sleep(3)
+        if who is None:
+            print(f"neuron-tp {cmd}: error (rank {rank}): {error}", file=sys.stderr, flush=True)
+    return 2
+
+
+def _dispatch(cmd: str, rest: list[str]) -> int:
+    if cmd == "consolidate":
+        return _consolidate(rest)
+    if cmd == "plan":
+        from .plan import plan_command
+
+        return plan_command(rest)
+    if cmd == "train":
+        from .args import train_parser
+        from .launch import train_command
+
+        train_command(train_parser().parse_args(rest))
+        return 0
+    if cmd == "serve":
+        from .args import serve_parser
+        from .launch import serve_command
+
+        serve_command(serve_parser().parse_args(rest))
+        return 0
+    from .args import generate_parser
+    from .launch import generate_command
+
+    generate_command(generate_parser().parse_args(rest))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,168 @@
+"""Training data with static shapes: local .txt / .jsonl files, tokenized (a HF tokenizer
+directory or a byte-level fallback), packed into fixed-length sequences, shuffled per epoch by
+the seed, split over data-parallel ranks, incomplete batches dropped. The position in the
+stream is one integer (:meth:`PackedData.state_dict`), so a resumed run sees the same batches."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from ..errors import UserError
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens 0..255 plus an end-of-text token 256 (vocabulary 257)."""
+
+    eos_token_id = 256
+    vocab_size = 257
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        """The text of ``ids``; the end-of-text token is always skipped."""
+        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+
+
+def load_tokenizer(path: str | None):
+    """The HF tokenizer in the local directory ``path``, or :class:`ByteTokenizer` for None or
+    ``"bytes"``. Which tokenizer a run uses is :func:`neuron_tp.job.tokenizer.
+    resolve_tokenizer`'s decision."""
+    if path is None or path == "bytes":
+        return ByteTokenizer()
+    if not os.path.isdir(path):
+        raise UserError(
+            f"--tokenizer {path!r} is not a directory; pass a local HF tokenizer "
+            "directory or --tokenizer bytes for the byte-level tokenizer"
+        )
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def vocab_size(tokenizer) -> int:
+    return len(tokenizer) if hasattr(tokenizer, "__len__") else tokenizer.vocab_size
+
+
+def data_files(path: str) -> list[str]:
+    """The .txt / .jsonl files at ``path`` (a file, or a directory searched recursively)."""
+    if os.path.isfile(path):
+        files = [path]
+    elif os.path.isdir(path):
+        files = sorted(os.path.join(d, f) for d, _, names in os.walk(path) for f in names)
+    else:
+        raise UserError(f"--data {path!r} does not exist")
+    files = [f for f in files if f.endswith((".txt", ".jsonl"))]
+    if not files:
+        raise UserError(f"--data {path!r}: no .txt or .jsonl files")
+    return files
+
+
+def read_text(f: str) -> str:
+    """The UTF-8 text of file ``f`` with universal newlines (as ``open(f)`` reads it);
+    ValueError naming the file, byte offset and line of the first invalid byte."""
+    with open(f, "rb") as fh:
+        raw = fh.read()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise UserError(
+            f"{f}: not UTF-8 text: byte {e.start} (line {line}) is "
+            f"{raw[e.start : e.start + 1]!r} ({e.reason}); convert the file to UTF-8 "
+            f"(e.g. iconv -f latin1 -t utf-8) or leave it out"
+        ) from None
+    return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
+def read_documents(path: str) -> list[str]:
+    """Documents: a .txt file is one document, each .jsonl line's ``text`` field is one."""
+    docs = []
+    for f in data_files(path):
+        text = read_text(f)
+        if f.endswith(".txt"):
+            docs.append(text)
+            continue
+        for n, line in enumerate(text.split("\n"), 1):
+            if not line.strip():
+                continue
+            try:
+                docs.append(json.loads(line)["text"])
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise UserError(f"{f}:{n}: expected a JSON object with a 'text' field") from None
+    return docs
+
+
+class PackedData:
+    """Fixed ``[micro_batch, seq_len]`` batches of token ids for one dp rank.
+
+    Global batch ``b`` is the chunks ``perm[b*G : (b+1)*G]`` of the epoch's permutation
+    (``G = micro_batch * dp``); dp rank ``r`` takes its ``r``-th slice of ``micro_batch``
+    chunks. So dp=2 x micro_batch=m sees the same sequences as dp=1 x micro_batch=2m.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        tokenizer,
+        seq_len: int,
+        micro_batch: int,
+        dp_size: int = 1,
+        dp_rank: int = 0,
+        seed: int = 0,
+    ):
+        ids: list[int] = []
+        eos = getattr(tokenizer, "eos_token_id", None)
+        for doc in read_documents(path):
+            ids.extend(tokenizer.encode(doc))
+            if eos is not None:
+                ids.append(eos)
+        self.seq_len, self.micro_batch, self.seed = seq_len, micro_batch, seed
+        self.dp_size, self.dp_rank = dp_size, dp_rank
+        n = len(ids) // seq_len
+        self.global_batch = micro_batch * dp_size
+        self.batches_per_epoch = n // self.global_batch
+        if self.batches_per_epoch == 0:
+            raise UserError(
+                f"{path}: {len(ids)} tokens make {n} sequences of {seq_len}, fewer "
+                f"than one global batch ({self.global_batch} = micro_batch x dp); "
+                "use more data or a smaller --seq-len / --micro-batch"
+            )
+        self.chunks = torch.tensor(ids[: n * seq_len], dtype=torch.long).view(n, seq_len)
+        self.position = 0  # global batches consumed so far
+        self._perm_epoch, self._perm = -1, None
+
+    def _permutation(self, epoch: int) -> torch.Tensor:
+        if epoch != self._perm_epoch:
+            g = torch.Generator().manual_seed(self.seed * 100003 + epoch)
+            self._perm, self._perm_epoch = torch.randperm(len(self.chunks), generator=g), epoch
+        return self._perm
+
+    def next_batch(self) -> torch.Tensor:
+        """This rank's next ``[micro_batch, seq_len]`` batch (CPU int64)."""
+        epoch, b = divmod(self.position, self.batches_per_epoch)
+        perm = self._permutation(epoch)
+        start = b * self.global_batch + self.dp_rank * self.micro_batch
+        self.position += 1
+        return self.chunks[perm[start : start + self.micro_batch]]
+
+    def state_dict(self) -> dict:
+        return {
+            "position": self.position,
+            "seed": self.seed,
+            "seq_len": self.seq_len,
+            "global_batch": self.global_batch,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        for key in ("seed", "seq_len", "global_batch"):
+            if state.get(key) != getattr(self, key):
+                raise UserError(
+                    f"checkpoint data position was recorded with {key}="
+                    f"{state.get(key)}, this run has {getattr(self, key)}; "
+                    "resume with the same --seed/--seq-len/--micro-batch x dp"
+                )
+        self.position = int(state["position"])

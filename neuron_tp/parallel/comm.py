@@ -1,0 +1,283 @@
+"""The one module that calls collectives.
+
+XLA tensors get torch-xla collectives with replica groups (the rank lists of the mesh);
+other tensors get ``torch.distributed`` calls on the group's process group (gloo on CPU, NCCL on
+GPU). A group of size one communicates nothing. All functions are plain (not autograd); the
+differentiable versions live in :mod:`neuron_tp.parallel.regions`.
+
+XLA collectives come in two forms, chosen in one place (:func:`_channel_form`): on Neuron, and
+for virtual (trace-only) meshes, exactly what neuronx-distributed emits (no channel ids); on a
+multi-device CPU runtime (``xmp.spawn`` with ``CPU_NUM_DEVICES=N``) the channel-id form with
+global device ids, the only one XLA:CPU can execute across its device threads.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from ..backend import xla as _xla
+from .mesh import Group
+
+__all__ = [
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "local_chunk",
+    "all_reduce_coalesced",
+    "host_all_gather",
+    "host_broadcast",
+    "accumulation_dtype",
+]
+
+
+def _replica_groups(group: Group) -> list[list[int]]:
+    return [list(g) for g in group.all_groups]
+
+
+def _channel_form(group: Group) -> bool:
+    """True when ``group``'s XLA collectives need channel ids (multi-device CPU runtime)."""
+    return not group.virtual and _xla.cpu_runtime()
+
+
+def _channel_kwargs(group: Group) -> dict:
+    """Extra arguments of xm.all_gather / xm.reduce_scatter in the channel-id form. One id
+    for every op is enough: every device runs the same program, ops meet in program order."""
+    return dict(channel_id=1, use_global_device_ids=True) if _channel_form(group) else {}
+
+
+def _check(x: torch.Tensor, group: Group) -> bool:
+    """True when ``x`` goes through torch-xla; errors for impossible combinations."""
+    if _xla.is_xla(x):
+        return True
+    if group.virtual:
+        raise RuntimeError(
+            f"a virtual (trace-only) mesh can only run on XLA tensors, got a {x.device} tensor; "
+            "move the module and inputs to the XLA device (neuron_tp.xla_device())"
+        )
+    if group.process_group is None:
+        raise RuntimeError(
+            f"group {group.name!r} has no torch.distributed process group (the job uses the xla "
+            f"backend, or was not initialised with init_mesh); got a {x.device} tensor"
+        )
+    return False
+
+
+def accumulation_dtype(x: torch.Tensor, group: Group) -> torch.dtype:
+    """The dtype a sum of ``x`` over ``group`` accumulates in: the group's ``reduce_dtype`` for
+    floats of fewer bits, else ``x.dtype``."""
+    rd = group.reduce_dtype
+    if rd is None or not x.is_floating_point() or x.dtype.itemsize >= rd.itemsize:
+        return x.dtype
+    return rd
+
+
+def all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Sum ``x`` over the group (in the group's ``reduce_dtype`` if wider); returns a new
+    tensor."""
+    if group.size == 1:
+        return x
+    wide = accumulation_dtype(x, group)
+    if wide != x.dtype:
+        return _all_reduce(x.to(wide), group).to(x.dtype)
+    return _all_reduce(x, group)
+
+
+def _all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
+    if _check(x, group):
+        import torch_xla
+
+        # Call the op directly: xm.all_reduce is a no-op when the *runtime* world is one
+        # device, which is exactly the virtual (trace-only) case.
+        xm = _xla.xm()
+        if _channel_form(group):
+            # 1-D operand: XLA:CPU fails to lay out some 2-D channel-id all-reduces. The result
+            # is a fresh tensor, not a view: callers modify it in place (Falcon's ``+=``),
+            # which autograd forbids on a view made inside a Function.
+            flat = torch_xla._XLAC._xla_spmd_all_reduce(
+                xm.REDUCE_SUM, x.reshape(-1), 1.0, _replica_groups(group)
+            )
+            return flat.view(x.shape).clone()
+        return torch_xla._XLAC._xla_all_reduce(xm.REDUCE_SUM, x, 1.0, _replica_groups(group), False)
+    import torch.distributed as dist
+
+    out = x.clone()
+    dist.all_reduce(out, group=group.process_group)
+    return out
+
+
+def all_reduce_coalesced(tensors: list[torch.Tensor], group: Group) -> list[torch.Tensor]:
+    """Sum a list of tensors over the group in one collective (flattened into one buffer)."""
+    if group.size == 1 or not tensors:
+        return tensors
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    flat = all_reduce(flat, group)
+    return [chunk.view_as(t) for chunk, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
+
+
+def all_gather(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim``, in group order."""
+    if group.size == 1:
+        return x
+    dim = dim % x.dim()
+    if _check(x, group):
+        return _xla.xm().all_gather(
+            x, dim=dim, groups=_replica_groups(group), pin_layout=False, **_channel_kwargs(group)
+        )
+    import torch.distributed as dist
+
+    src = x.contiguous()
+    out = src.new_empty((group.size * src.shape[0], *src.shape[1:]))
+    dist.all_gather_into_tensor(out, src, group=group.process_group)
+    if dim == 0:
+        return out
+    # A contiguous result (a strided movedim view made e.g. gathered logits slow downstream).
+    return torch.cat(out.view(group.size, *src.shape).unbind(0), dim)
+
+
+def reduce_scatter(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
+    """Sum ``x`` over the group (in the group's ``reduce_dtype`` if wider) and keep this rank's
+    chunk along ``dim``."""
+    if group.size == 1:
+        return x
+    dim = dim % x.dim()
+    if x.shape[dim] % group.size:
+        raise ValueError(
+            f"reduce_scatter: dim {dim} of shape {tuple(x.shape)} is not divisible "
+            f"by the group size {group.size}"
+        )
+    wide = accumulation_dtype(x, group)
+    if wide != x.dtype:
+        return _reduce_scatter(x.to(wide), group, dim).to(x.dtype)
+    return _reduce_scatter(x, group, dim)
+
+
+def _reduce_scatter(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
+    if _check(x, group):
+        xm = _xla.xm()
+        return xm.reduce_scatter(
+            xm.REDUCE_SUM,
+            x,
+            scale=1.0,
+            scatter_dim=dim,
+            shard_count=group.size,
+            groups=_replica_groups(group),
+            pin_layout=False,
+            **_channel_kwargs(group),
+        )
+    import torch.distributed as dist
+
+    src = x.movedim(dim, 0).contiguous()
+    out = src.new_empty((src.shape[0] // group.size, *src.shape[1:]))
+    dist.reduce_scatter_tensor(out, src, group=group.process_group)
+    if dim == 0:
+        return out
+    # A fresh tensor, not a movedim view: callers may modify it in place (Falcon's
+    # ``mlp_output += attention_output``), which autograd forbids on a view made in a Function.
+    return out.movedim(0, dim).clone(memory_format=torch.contiguous_format)
+
+
+def local_chunk(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
+    """This rank's chunk of ``x`` along ``dim`` (no communication).
+
+    On XLA the chunk is chosen with a device-side rank tensor, so all ranks trace one graph.
+    """
+    if group.size == 1:
+        return x
+    dim = dim % x.dim()
+    n = x.shape[dim]
+    if n % group.size:
+        raise ValueError(
+            f"cannot split dim {dim} of shape {tuple(x.shape)} into {group.size} equal parts"
+        )
+    if not _xla.is_xla(x):
+        return x.narrow(dim, group.rank * (n // group.size), n // group.size)
+    parts = x.unflatten(dim, (group.size, n // group.size))
+    return parts.index_select(dim, group.rank_tensor(x.device).view(1)).squeeze(dim)
+
+
+_host_calls = threading.local()  # per rank: ranks may be threads of one process
+
+
+def host_all_gather(
+    key: str, payload: bytes, group: Group, timeout_s: float = 600.0
+) -> list[bytes]:
+    """Every group rank's ``payload`` (in group order), exchanged on the host through the
+    job's key-value store, never through a device collective: usable while a device graph is
+    pending (e.g. to compare graphs before running them). Every rank must call it with the
+    same ``key`` sequence."""
+    if group.size == 1:
+        return [payload]
+    import datetime
+
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("host_all_gather needs an initialised process group (init_mesh)")
+    store = dist.distributed_c10d._get_default_store()
+    counts = _host_calls.__dict__.setdefault("counts", {})  # per (key, group): ranks of one
+    n = counts[(key, group.ranks)] = counts.get((key, group.ranks), -1) + 1  # group stay in step
+    prefix = f"ntp/{key}/{'-'.join(map(str, group.ranks))}/{n}"
+    store.set(f"{prefix}/{group.ranks[group.rank]}", payload)
+    keys = [f"{prefix}/{r}" for r in group.ranks]
+    store.wait(keys, datetime.timedelta(seconds=timeout_s))
+    return [bytes(store.get(k)) for k in keys]
+
+
+def _store():
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("host collectives need an initialised process group (init_mesh)")
+    return dist.distributed_c10d._get_default_store()
+
+
+def host_broadcast(
+    key: str, payload: bytes | None, group: Group, src: int = 0, timeout_s: float | None = None
+) -> bytes:
+    """Group rank ``src``'s ``payload`` on every rank of ``group``, through the job's
+    key-value store (no device collective). Every rank calls it with the same ``key``
+    sequence; the others pass ``payload=None`` and wait up to ``timeout_s`` (None: forever,
+    e.g. a server's followers while it is idle). A wait that times out raises TimeoutError
+    and does not consume the round: calling again waits for the same one.
+
+    Each receiver acknowledges a round after reading it; ``src`` deletes a round's keys once
+    every receiver has, so a long-running loop keeps the store small."""
+    if group.size == 1:
+        if payload is None:
+            raise ValueError("host_broadcast: the source rank must pass a payload")
+        return payload
+    store = _store()
+    counts = _host_calls.__dict__.setdefault("bcast", {})
+    ident = (key, group.ranks, src)
+    n = counts.get(ident, -1) + 1
+    prefix = f"ntp/bcast/{key}/{'-'.join(map(str, group.ranks))}/{src}"
+    if group.rank == src:
+        if payload is None:
+            raise ValueError("host_broadcast: the source rank must pass a payload")
+        pending = _host_calls.__dict__.setdefault("bcast_pending", {}).setdefault(ident, [])
+        for m in list(pending):  # rounds every receiver has acknowledged
+            if store.add(f"{prefix}/{m}/acks", 0) >= group.size - 1:
+                store.delete_key(f"{prefix}/{m}")
+                store.delete_key(f"{prefix}/{m}/acks")
+                pending.remove(m)
+        store.set(f"{prefix}/{n}", payload)
+        pending.append(n)
+        counts[ident] = n
+        return payload
+    import time
+
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    pause = 0.0005
+    # Poll (store.wait logs a warning per timeout): short sleeps while busy, at most 20 ms
+    # while idle; the main thread's signal handlers run in between.
+    while not store.check([f"{prefix}/{n}"]):
+        if deadline is not None and time.monotonic() >= deadline:
+            raise TimeoutError(f"host_broadcast {key!r}: nothing from rank {src} in {timeout_s}s")
+        time.sleep(pause)
+        pause = min(pause * 2, 0.02)
+    out = bytes(store.get(f"{prefix}/{n}"))
+    store.add(f"{prefix}/{n}/acks", 1)
+    counts[ident] = n
+    return out

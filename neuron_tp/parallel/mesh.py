@@ -1,0 +1,382 @@
+"""The device mesh: which ranks talk to which, computed once, as plain rank lists.
+
+World ranks are laid out ``rank = dp_rank * tp + tp_rank`` so that a tensor-parallel group is
+a block of contiguous ranks (the NeuronCores of one node). In 2D mode the tp group is a
+``q x q`` grid (``tp_rank = row * q + col``); in 3D mode a ``q x q x q`` cube
+(``tp_rank = (i * q + j) * q + l``). Every group of every axis is listed, so the same lists give
+XLA replica groups and torch.distributed process groups.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..backend import xla as _xla
+from ..errors import UserError
+
+TP_MODES = ("1d", "2d", "3d")
+
+
+@dataclass(eq=False)
+class Group:
+    """One axis of the mesh as seen from this rank."""
+
+    name: str
+    ranks: tuple[int, ...]  # world ranks of this rank's group, in group order
+    all_groups: tuple[tuple[int, ...], ...]  # every group of the axis (XLA replica groups)
+    rank: int  # this rank's index inside ``ranks``
+    virtual: bool = False  # trace-only: XLA tensors only, nothing executes
+    process_group: Any = field(default=None, repr=False)
+    # Sums (all-reduce, reduce-scatter) of lower-precision floats accumulate in this dtype
+    # (e.g. fp32 for a bf16 model), then cast back; None: in the tensor's own dtype.
+    reduce_dtype: torch.dtype | None = None
+    _rank_tensors: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def rank_tensor(self, device: torch.device | str) -> torch.Tensor:
+        """This rank's index in the group as a ``[1]`` int64 tensor on ``device`` (cached).
+
+        Rank-dependent values must enter XLA graphs as data, never as Python constants, so
+        every rank traces the same graph (one Neuron compile, not one per rank). Not 0-d:
+        torch-xla turns 0-d tensors holding 0 or 1 into graph constants.
+        """
+        key = str(device)
+        if key not in self._rank_tensors:
+            self._rank_tensors[key] = torch.tensor([self.rank], device=device)
+        return self._rank_tensors[key]
+
+
+def divisors(n: int) -> list[int]:
+    """The positive divisors of ``n``, ascending."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def valid_tp_degrees(world_size: int, *sizes: int) -> list[int]:
+    """The tp degrees that divide ``world_size`` and every one of ``sizes`` (heads, features...):
+    the list error messages offer when a size cannot be split over the requested tp."""
+    return [d for d in divisors(world_size) if all(s % d == 0 for s in sizes)]
+
+
+def grid_side(tp: int, tp_mode: str) -> int:
+    """``q``, the side of the 2D grid (``tp = q*q``) or 3D cube (``tp = q^3``) of ``tp`` ranks;
+    1 for ``1d``. The one place this is computed (whether ``tp`` is such a power: ``_check_tp``)."""
+    if tp_mode == "2d":
+        return math.isqrt(tp)
+    return round(tp ** (1 / 3)) if tp_mode == "3d" else 1
+
+
+def _tp_axes(tp_mode: str, tp: int) -> dict[str, list[list[int]]]:
+    """tp-local rank lists of each axis of the tensor-parallel group."""
+    axes = {"tp": [list(range(tp))]}
+    q = grid_side(tp, tp_mode)
+    if tp_mode == "2d":
+        # row group: same row, varying column; col group: same column, varying row.
+        axes["row"] = [[r * q + c for c in range(q)] for r in range(q)]
+        axes["col"] = [[r * q + c for r in range(q)] for c in range(q)]
+    elif tp_mode == "3d":
+
+        def idx(i: int, j: int, l: int) -> int:
+            return (i * q + j) * q + l
+
+        r = range(q)
+        axes["input"] = [[idx(i, j, l) for i in r] for j in r for l in r]  # vary i
+        axes["weight"] = [[idx(i, j, l) for j in r] for i in r for l in r]  # vary j
+        axes["output"] = [[idx(i, j, l) for l in r] for i in r for j in r]  # vary l
+        axes["input_weight"] = [[idx(i, j, l) for i in r for j in r] for l in r]  # vary i, j
+        axes["input_output"] = [[idx(i, j, l) for i in r for l in r] for j in r]  # vary i, l
+    return axes
+
+
+def _launch_hint(world_size: int, tp: int) -> str:
+    """How to start a job whose world size tp divides."""
+    if tp < 1:
+        return ""
+    return (
+        f" (this job has {world_size} rank{'s' if world_size > 1 else ''}: start a multiple "
+        f"of {tp} with `torchrun --nproc_per_node {tp} ...`, or on the CPU run all ranks in "
+        f"this one process with `--device xla --xla-cpu-devices {tp}`)"
+    )
+
+
+def _check_tp(world_size: int, tp: int, tp_mode: str) -> None:
+    if tp_mode not in TP_MODES:
+        raise UserError(f"tp_mode must be one of {TP_MODES}, got {tp_mode!r}")
+    if tp < 1 or world_size % tp:
+        raise UserError(
+            f"tp={tp} does not divide the world size {world_size}; valid tp degrees: "
+            f"{divisors(world_size)}" + _launch_hint(world_size, tp)
+        )
+    if tp_mode == "2d" and grid_side(tp, "2d") ** 2 != tp:
+        valid = [d for d in divisors(world_size) if grid_side(d, "2d") ** 2 == d]
+        raise UserError(f"tp_mode='2d' needs tp = q*q, got tp={tp}; valid: {valid}")
+    if tp_mode == "3d" and grid_side(tp, "3d") ** 3 != tp:
+        valid = [d for d in divisors(world_size) if grid_side(d, "3d") ** 3 == d]
+        raise UserError(f"tp_mode='3d' needs tp = q*q*q, got tp={tp}; valid: {valid}")
+
+
+class Mesh:
+    """dp x tp mesh (tp optionally a 2D grid or 3D cube) with one :class:`Group` per axis.
+
+    Use :func:`init_mesh` in a real job and :meth:`Mesh.virtual` to trace what one rank of a
+    large job would run, on a single XLA device, without executing it.
+    """
+
+    def __init__(
+        self,
+        world_size: int,
+        rank: int,
+        tp: int = 1,
+        tp_mode: str = "1d",
+        virtual: bool = False,
+        create_process_groups: bool = False,
+        reduce_dtype: torch.dtype | None = None,
+    ):
+        _check_tp(world_size, tp, tp_mode)
+        if reduce_dtype is not None and not reduce_dtype.is_floating_point:
+            raise ValueError(f"reduce_dtype must be a floating dtype (or None), got {reduce_dtype}")
+        self.reduce_dtype = reduce_dtype
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside the world of size {world_size}")
+        self.world_size, self.rank, self.tp_mode, self.virtual = world_size, rank, tp_mode, virtual
+        dp = world_size // tp
+        dp_rank, tp_rank = divmod(rank, tp)
+        lists: dict[str, list[list[int]]] = {
+            "dp": [[d * tp + t for d in range(dp)] for t in range(tp)],
+            "world": [list(range(world_size))],
+        }
+        for name, local_groups in _tp_axes(tp_mode, tp).items():
+            lists[name] = [[d * tp + t for t in g] for d in range(dp) for g in local_groups]
+        self.groups: dict[str, Group] = {}
+        for name, groups in lists.items():
+            mine = next(g for g in groups if rank in g)
+            pg = None
+            if create_process_groups:
+                # Every rank must create every group, in the same order.
+                import torch.distributed as dist
+
+                for g in groups:
+                    if len(g) == world_size:
+                        created = dist.group.WORLD
+                    elif len(g) == 1:
+                        created = None
+                    else:
+                        created = dist.new_group(g)
+                    if g == mine:
+                        pg = created
+            self.groups[name] = Group(
+                name,
+                tuple(mine),
+                tuple(map(tuple, groups)),
+                mine.index(rank),
+                virtual,
+                pg,
+                reduce_dtype,
+            )
+
+    @classmethod
+    def virtual(
+        cls,
+        world_size: int,
+        rank: int,
+        tp: int,
+        tp_mode: str = "1d",
+        reduce_dtype: torch.dtype | None = None,
+    ) -> Mesh:
+        """A trace-only mesh: layers emit XLA collectives for rank ``rank`` of ``world_size``.
+
+        Only XLA tensors may be fed to its layers; the graph is traced, not executed.
+        """
+        return cls(
+            world_size, rank, tp=tp, tp_mode=tp_mode, virtual=True, reduce_dtype=reduce_dtype
+        )
+
+    def group(self, name: str) -> Group:
+        try:
+            return self.groups[name]
+        except KeyError:
+            raise ValueError(
+                f"mesh ({self.tp_mode}) has no axis {name!r}; axes: {sorted(self.groups)}"
+            ) from None
+
+    @property
+    def tp(self) -> Group:
+        return self.groups["tp"]
+
+    @property
+    def grid_side(self) -> int:
+        """``q`` of a 2D (``tp = q*q``) or 3D (``tp = q^3``) mesh; 1 on a 1D mesh."""
+        return grid_side(self.tp_size, self.tp_mode)
+
+    @property
+    def dp(self) -> Group:
+        return self.groups["dp"]
+
+    @property
+    def tp_size(self) -> int:
+        return self.tp.size
+
+    @property
+    def tp_rank(self) -> int:
+        return self.tp.rank
+
+    @property
+    def dp_size(self) -> int:
+        return self.dp.size
+
+    @property
+    def dp_rank(self) -> int:
+        return self.dp.rank
+
+    def __repr__(self) -> str:
+        kind = "virtual " if self.virtual else ""
+        return (
+            f"{kind}Mesh(world={self.world_size}, rank={self.rank}, dp={self.dp_size}, "
+            f"tp={self.tp_size}, tp_mode={self.tp_mode!r})"
+        )
+
+
+# The default mesh is per thread: under ``xmp.spawn`` every rank is a thread of one process.
+# A thread that never set one (a data-loader or autograd worker) falls back to the mesh set
+# process-wide, unless threads of this process hold meshes of different ranks (then there is
+# no right answer and get_mesh says so instead of silently picking one rank's mesh).
+_local = threading.local()
+_lock = threading.Lock()
+_lock_init = threading.Lock()  # init_mesh: one thread at a time creates the process group
+_process_default: Mesh | None = None
+_holders: dict[int, int] = {}  # thread id -> rank of the default mesh it set
+
+
+def set_default_mesh(mesh: Mesh | None) -> None:
+    """Make ``mesh`` the one layers use when they are given ``mesh=None`` (in this thread, and
+    in threads of this process that never set one)."""
+    global _process_default
+    _local.mesh = mesh
+    with _lock:
+        if mesh is None:
+            _holders.pop(threading.get_ident(), None)
+            if not _holders:
+                _process_default = None
+        else:
+            _holders[threading.get_ident()] = mesh.rank
+            _process_default = mesh
+
+
+def get_mesh(mesh: Mesh | None = None) -> Mesh:
+    """``mesh`` itself, or the default mesh; a clear error when neither exists."""
+    if mesh is not None:
+        return mesh
+    found = getattr(_local, "mesh", None)
+    if found is None and not hasattr(_local, "mesh"):
+        with _lock:
+            if len(set(_holders.values())) > 1:
+                raise RuntimeError(
+                    "no mesh in this thread, and threads of this process hold meshes of "
+                    f"different ranks {sorted(set(_holders.values()))} (xmp.spawn): pass mesh= "
+                    "or call neuron_tp.set_default_mesh(mesh) in this thread"
+                )
+            found = _process_default
+    if found is None:
+        raise RuntimeError("no mesh: call neuron_tp.init_mesh(tp=...) first or pass mesh=")
+    return found
+
+
+def _init_process_group(backend: str | None, world: int) -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized() or world <= 1:
+        return
+    spawned = _spawned_world()
+    if backend is None:
+        backend = "xla" if _xla.on_neuron() or spawned else "gloo"
+    if backend == "xla" and spawned and _xla.cpu_runtime():
+        # Devices are threads of one process: an in-memory store (xla:// would listen on a
+        # fixed TCP port, MASTER_PORT or 12355, and collide with any other such job).
+        import torch_xla.distributed.xla_backend  # noqa: F401  (registers the backend)
+
+        dist.init_process_group(
+            "xla", store=dist.HashStore(), rank=spawned[1], world_size=spawned[0]
+        )
+    elif backend == "xla":
+        import torch_xla.distributed.xla_backend  # noqa: F401  (registers the backend)
+
+        dist.init_process_group("xla", init_method="xla://")
+    else:
+        dist.init_process_group(backend)
+
+
+def _spawned_world() -> tuple[int, int] | None:
+    """(world, rank) of this thread when it is one of several XLA devices of a process started
+    by ``xmp.spawn`` (no torchrun environment, XLA runtime already up); else None."""
+    if "WORLD_SIZE" in os.environ or "torch_xla" not in sys.modules:
+        return None
+    import torch_xla
+
+    if not torch_xla._XLAC._xla_runtime_is_initialized():
+        return None
+    return _xla.runtime_world()
+
+
+def init_mesh(
+    tp: int = 1,
+    tp_mode: str = "1d",
+    backend: str | None = None,
+    reduce_dtype: torch.dtype | None = None,
+) -> Mesh:
+    """Build the mesh of this job (world = dp x tp) and make it the default.
+
+    ``reduce_dtype`` (e.g. ``torch.float32`` for a bf16 model): every sum over a group of this
+    mesh (row-parallel outputs, sequence-parallel reduce-scatters, input and data-parallel
+    gradients, ZeRO-1's reduce-scatter) accumulates lower-precision floats in that dtype, at
+    twice the bytes on the wire for bf16; None sums in the tensor's own dtype.
+
+    Uses the existing torch.distributed process group (``xla``, gloo or NCCL); when none
+    exists and torchrun's environment says the world is larger than one, creates it
+    (``xla`` on Neuron, gloo otherwise, or ``backend``). Inside ``xmp.spawn`` (several XLA
+    devices of one process, one thread each) the first thread creates the ``xla`` group. On the
+    ``xla`` backend world size and rank come from the XLA runtime (per thread; on Neuron under
+    torchrun they equal torch.distributed's).
+    """
+    import torch.distributed as dist
+
+    with _lock_init:  # xmp.spawn threads: only one may create the process group
+        spawned = _spawned_world()
+        world = spawned[0] if spawned else int(os.environ.get("WORLD_SIZE", "1"))
+        if not dist.is_initialized():
+            # Validate before any rendezvous so a bad tp never leaves ranks waiting.
+            _check_tp(world, tp, tp_mode)
+        _init_process_group(backend, world)
+        if dist.is_available() and dist.is_initialized():
+            if dist.get_backend() == "xla":
+                world, rank = dist.get_world_size(), dist.get_rank()
+                runtime = _xla.runtime_world()  # per thread (xmp.spawn); None: runtime world 1
+                if runtime is not None and runtime[0] != world:
+                    raise RuntimeError(
+                        f"the xla process group has {world} ranks but the XLA "
+                        f"runtime has {runtime[0]} devices"
+                    )
+                world, rank = runtime or (world, rank)
+                needs_groups = False
+            else:
+                world, rank, needs_groups = dist.get_world_size(), dist.get_rank(), True
+        else:
+            world, rank, needs_groups = 1, 0, False
+    mesh = Mesh(
+        world,
+        rank,
+        tp=tp,
+        tp_mode=tp_mode,
+        create_process_groups=needs_groups,
+        reduce_dtype=reduce_dtype,
+    )
+    set_default_mesh(mesh)
+    return mesh

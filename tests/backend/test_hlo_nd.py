@@ -1,0 +1,148 @@
+"""XLA path of 2D/3D tensor parallelism: the traced HLO (forward + backward) of one rank of a
+virtual mesh holds exactly the collectives of the documented schedule, with replica groups
+computed here independently from the rank layout (numpy reshapes of the world); both schedules:
+``regather=True`` (backward all-gathers the saved local X and W blocks again) and ``False``."""
+
+import numpy as np
+import pytest
+
+from neuron_tp.backend.hlo import collectives_in_fresh_process
+
+TRACE = """
+import torch, neuron_tp as ntp
+from neuron_tp.backend.hlo import trace_hlo
+from neuron_tp.layers import nd
+mesh = ntp.Mesh.virtual(world_size={world}, rank={rank}, tp={tp}, tp_mode="{mode}")
+dev = ntp.xla_device()
+lin = {ctor}.to(dev)
+x = torch.randn({x_shape}, device=dev, requires_grad=True)
+y = lin(x)
+y.square().sum().backward()
+print(trace_hlo([y, x.grad, lin.weight.grad, lin.bias.grad]))
+"""
+
+
+def _groups(lists):
+    return tuple(sorted(tuple(int(r) for r in g) for g in lists))
+
+
+def _summary(colls):
+    """(kind, shape, groups) of each op; torch-xla may list the groups in its own order."""
+    return sorted((c.kind, c.shape, _groups(c.replica_groups)) for c in colls)
+
+
+@pytest.mark.parametrize("regather", [True, False])
+@pytest.mark.parametrize("world,tp,rank", [(32, 16, 21), (64, 64, 45)])
+def test_linear2d_collectives(world, tp, rank, regather):
+    q = int(round(tp**0.5))
+    b, s, a, c = q, 3, 4 * q, 2 * q
+    grid = np.arange(world).reshape(world // tp, q, q)  # (dp, r, c)
+    row = _groups(grid[d, r, :] for d in range(world // tp) for r in range(q))  # vary c
+    col = _groups(grid[d, :, k] for d in range(world // tp) for k in range(q))  # vary r
+    colls = collectives_in_fresh_process(
+        TRACE.format(
+            world=world,
+            rank=rank,
+            tp=tp,
+            mode="2d",
+            ctor=f"nd.Linear2D({a}, {c}, mesh=mesh, regather={regather})",
+            x_shape=(b // q, s, a // q),
+        )
+    )
+    want = [
+        ("all-gather", (b // q, s, a), row),  # fwd: X along the row
+        ("all-gather", (c // q, a), col),  # fwd: W along the column
+        ("reduce-scatter", (b // q, s, a), row),  # bwd: dX
+        ("reduce-scatter", (c // q, a), col),  # bwd: dW
+        ("all-reduce", (c // q,), col),
+    ]  # bwd: bias grad over batch shards
+    if regather:  # bwd: the saved local blocks gathered again, as in forward
+        want += [("all-gather", (b // q, s, a), row), ("all-gather", (c // q, a), col)]
+    assert _summary(colls) == sorted(want)
+    assert all(cl.dtype == "f32" for cl in colls)
+    ring = sum(cl.ring_bytes for cl in colls if cl.kind != "all-reduce")
+    factor = 3 if regather else 2  # (q-1)/q * (N a + a c)/q per pass over X and W
+    assert ring == pytest.approx(factor * (q - 1) / q * (b * s * a + a * c) / q * 4)
+
+
+@pytest.mark.parametrize("regather", [True, False])
+@pytest.mark.parametrize("world,tp,rank", [(16, 8, 13), (64, 64, 45)])
+def test_linear3d_collectives(world, tp, rank, regather):
+    q = int(round(tp ** (1 / 3)))
+    b, s, a, c = q * q, 2, 2 * q * q, 3 * q
+    cube = np.arange(world).reshape(world // tp, q, q, q)  # (dp, i, j, l)
+    dp, r = range(world // tp), range(q)
+    inp = _groups(cube[d, :, j, l] for d in dp for j in r for l in r)
+    wgt = _groups(cube[d, i, :, l] for d in dp for i in r for l in r)
+    out = _groups(cube[d, i, j, :] for d in dp for i in r for j in r)
+    in_out = _groups(cube[d, :, j, :].reshape(-1) for d in dp for j in r)
+    colls = collectives_in_fresh_process(
+        TRACE.format(
+            world=world,
+            rank=rank,
+            tp=tp,
+            mode="3d",
+            ctor=f"nd.Linear3D({a}, {c}, orientation='ab', mesh=mesh, regather={regather})",
+            x_shape=(b // q // q, s, a // q),
+        )
+    )
+    want = [
+        ("all-gather", (b // q, s, a // q), wgt),  # fwd: X over weight (batch)
+        ("all-gather", (c // q, a // q), inp),  # fwd: W over input
+        ("reduce-scatter", (b // q, s, c // q), out),  # fwd: Y over output (batch)
+        ("all-gather", (b // q, s, c // q), out),  # bwd: dY
+        ("reduce-scatter", (b // q, s, a // q), wgt),  # bwd: dX
+        ("reduce-scatter", (c // q, a // q), inp),  # bwd: dW
+        ("all-reduce", (c // q,), in_out),
+    ]  # bwd: bias grad over batch shards
+    if regather:  # bwd: the saved local blocks of X and W gathered again, as in forward
+        want += [("all-gather", (b // q, s, a // q), wgt), ("all-gather", (c // q, a // q), inp)]
+    assert _summary(colls) == sorted(want)
+    ring = sum(cl.ring_bytes for cl in colls if cl.kind != "all-reduce")
+    n_a, a_c, n_c = b * s * a, a * c, b * s * c
+    units = 3 * n_a + 3 * a_c + 2 * n_c if regather else 2 * (n_a + a_c + n_c)
+    assert ring == pytest.approx((q - 1) / q**3 * units * 4)
+
+
+MODEL = """
+import torch, neuron_tp as ntp
+from neuron_tp.backend.hlo import trace_hlo
+from neuron_tp.layers import nd
+from neuron_tp.blocks.block_nd import TransformerBlockND
+mesh = ntp.Mesh.virtual(world_size=8, rank={rank}, tp=8, tp_mode="3d")
+dev = ntp.xla_device()
+emb = nd.Embedding3D(16, 8, mesh=mesh).to(dev)
+block = TransformerBlockND(8, 2, 8, mesh=mesh).to(dev)
+head = nd.Classifier3D(8, 16, mesh=mesh).to(dev)
+ids = torch.zeros(1, 3, dtype=torch.long, device=dev)
+loss = nd.cross_entropy_3d(head(block(emb(ids))), ids, mesh)
+loss.backward()
+print(trace_hlo([loss] + [p.grad for m in (emb, block, head) for p in m.parameters()]))
+"""
+
+
+def test_3d_model_traces_one_graph_for_all_ranks():
+    """Embedding, norms, block, classifier and loss: rank-dependent values are device data, so
+    two ranks trace the same HLO (one Neuron compile), and it holds 3D collectives only."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONPATH": root}
+    texts = []
+    for rank in (0, 6):
+        out = subprocess.run(
+            [sys.executable, "-c", MODEL.format(rank=rank)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert out.returncode == 0, out.stderr[-3000:]
+        texts.append(out.stdout)
+    assert texts[0] == texts[1]
+    from neuron_tp.backend.hlo import parse_collectives
+
+    sizes = {c.group_size for c in parse_collectives(texts[0])}
+    assert sizes == {2, 4}  # q = 2 axes and the q^2 batch groups; never the whole tp group

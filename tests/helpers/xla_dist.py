@@ -1,0 +1,164 @@
+"""Run a test body on N XLA CPU devices of one process: the executed XLA multi-rank harness.
+
+``run(fn, *args, devices=n)`` starts ONE fresh Python process with the environment of
+``neuron_tp.backend.xla.cpu_devices_env(n)`` (n CPU devices, a thread pool >= n, no buffer donation,
+LLVM -O0 compiles); it calls ``xmp.spawn``, whose child runs ``fn(*args)`` once per device,
+each in its own thread (the "ranks"), with channel-id collectives between them (see
+``../shared/PLATFORM.md``, "torch-xla on the CPU"). Inside ``fn``, ``neuron_tp.init_mesh(tp=...)``
+creates the ``xla`` process group (first thread) and takes world size and rank from the XLA
+runtime. Threads share the process: build reference modules and draw from the global RNG inside
+``with serial():`` (or use explicit generators), and import what ``fn`` needs at module level
+(the module is imported once, before the threads start). Call ``torch_xla.sync()`` once per
+step. A failure on any rank fails ``run`` with that rank's traceback; a hang fails after
+``timeout`` seconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable
+
+from neuron_tp.backend.xla import cpu_devices_env
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+_serial = threading.Lock()
+_failed = threading.Event()
+
+
+@contextlib.contextmanager
+def serial():
+    """One rank at a time (the global RNG, module construction, lazy imports are shared)."""
+    with _serial:
+        yield
+
+
+def _write(path: str, obj) -> None:
+    with open(path + ".tmp", "wb") as f:
+        pickle.dump(obj, f)
+    os.replace(path + ".tmp", path)
+
+
+def _exit_soon(grace: float) -> None:
+    """After a rank failed: give the other ranks ``grace`` seconds to report their own
+    failure, then end the process (ranks waiting in a collective would wait forever)."""
+    time.sleep(grace)
+    os._exit(3)
+
+
+def _thread_main(index: int, fn, args: tuple, out_dir: str) -> None:
+    """Body of each device thread (called by xmp.spawn with the device index)."""
+    import torch_xla.runtime as xr
+
+    import neuron_tp
+
+    rank = xr.global_ordinal()
+    try:
+        result = fn(*args)
+        _write(os.path.join(out_dir, f"result-{rank}.pkl"), result)
+    except BaseException:  # noqa: BLE001 - every failure goes back to pytest, with its rank
+        _write(os.path.join(out_dir, f"error-{rank}.pkl"), traceback.format_exc())
+        if not _failed.is_set():
+            _failed.set()
+            threading.Thread(target=_exit_soon, args=(3.0,), daemon=True).start()
+        raise
+    finally:
+        neuron_tp.set_default_mesh(None)
+
+
+def _main(job_path: str) -> None:
+    with open(job_path, "rb") as f:
+        module, qualname, args, out_dir = pickle.load(f)
+    import importlib
+
+    import torch_xla.distributed.xla_multiprocessing as xmp
+
+    from xla_dist import _thread_main  # by module name, not __main__: one copy in the child
+
+    fn = importlib.import_module(module)
+    for part in qualname.split("."):
+        fn = getattr(fn, part)
+    xmp.spawn(_thread_main, args=(fn, args, out_dir))
+
+
+def run(fn: Callable[..., object], *args: object, devices: int, timeout: float = 600) -> list:
+    """Call ``fn(*args)`` on ``devices`` XLA CPU devices (one thread each, one process);
+    return the per-rank results in rank order. Raises AssertionError naming every failed rank.
+
+    ``fn`` must be a module-level function of an importable module (it is pickled by name);
+    ``args`` and its return value must be picklable (return CPU values, not XLA tensors).
+    """
+    module = sys.modules[fn.__module__]
+    paths = [REPO, HERE, os.path.dirname(os.path.abspath(module.__file__))]
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k
+        not in (
+            "WORLD_SIZE",
+            "RANK",
+            "LOCAL_RANK",
+            "LOCAL_WORLD_SIZE",
+            "MASTER_ADDR",
+            "MASTER_PORT",
+            "TORCHELASTIC_RUN_ID",
+        )
+    }
+    env.update(
+        cpu_devices_env(devices, env),
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join(paths + [env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+    )
+    with tempfile.TemporaryDirectory(prefix="xla_dist-") as tmp:
+        job = os.path.join(tmp, "job.pkl")
+        _write(job, (fn.__module__, fn.__qualname__, args, tmp))
+        # A new session: on timeout the whole tree (xmp.spawn's child too) is killed.
+        proc = subprocess.Popen(
+            [sys.executable, __file__, job],
+            env=env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            log, _ = proc.communicate(timeout=timeout)
+            status = f"exit code {proc.returncode}"
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            log, _ = proc.communicate()
+            status = f"timeout after {timeout:.0f}s (a hang?)"
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # leftovers of the tree, if any
+        errors, results = {}, {}
+        for name in sorted(os.listdir(tmp)):
+            kind, _, rest = name.partition("-")
+            if name.endswith(".pkl") and kind in ("error", "result"):
+                with open(os.path.join(tmp, name), "rb") as f:
+                    (errors if kind == "error" else results)[int(rest[:-4])] = pickle.load(f)
+    if errors:
+        raise AssertionError(
+            "\n".join(
+                f"rank {r} of {devices} XLA devices failed:\n{tb}"
+                for r, tb in sorted(errors.items())
+            )
+        )
+    if len(results) != devices or status != "exit code 0":
+        raise AssertionError(
+            f"{status}; ranks that finished: {sorted(results)} of {devices}\n{log[-4000:]}"
+        )
+    return [results[r] for r in range(devices)]
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1])
