@@ -10,7 +10,7 @@ import shutil
 import torch
 
 from ..errors import UserError
-from .agree import describe
+from ..parallel.failures import describe
 from .assets import export_for_transformers
 from .format import CheckpointError, fsync, latest, read_meta
 from .reader import Shards

@@ -6,7 +6,9 @@ exchanges one fixed-size ``int32`` vector per rank through the job's host-side s
 device graph: :func:`neuron_tp.parallel.comm.host_all_gather`) and
 raises :class:`RankMismatchError` on EVERY rank, naming the keys and which ranks hold which
 value. A rank that failed locally while computing its values passes ``error=``: every rank then
-raises (the failing one its own error), so nobody is left waiting in the next collective.
+raises (the failing one its own error, the others a :class:`RankMismatchError` quoting it, as
+learned from :func:`neuron_tp.parallel.failures.gather_failures`), so nobody is left waiting in
+the next collective.
 Further exchanges happen only on a mismatch, and all ranks decide on them from the same data.
 """
 
@@ -24,6 +26,7 @@ import torch
 
 from ..errors import UserError, set_reporter
 from . import comm
+from .failures import gather_failures
 from .mesh import Group, get_mesh, init_mesh, set_default_mesh
 
 __all__ = [
@@ -37,7 +40,6 @@ __all__ = [
 
 SLOTS = 128  # fixed width of the exchanged vector: same on every rank, whatever its keys
 TEXT = 200  # bytes of a value shown per rank in the error
-ERROR_TEXT = 1000  # bytes of a failed rank's own error message
 SHOWN = 4  # differing sub-keys named per key
 
 
@@ -212,15 +214,15 @@ def check_agreement(
     everyone = [list(range(group.size))]
     failed = [r for r in range(group.size) if table[r, 0]]
     if failed:
-        msg = "" if error is None else f"{type(error).__name__}: {error}"
-        texts = _gather(_encode([msg], ERROR_TEXT), group, device)
+        msg = None if error is None else f"{type(error).__name__}: {error}"
+        texts = gather_failures(group, msg, device)
         first = failed[0]  # the lowest failing rank reports its own error, once
         if error is not None:
             raise set_reporter(error, first)
         raise set_reporter(
             RankMismatchError(
                 f"{what}: rank {_ranks(failed)} failed before the ranks could agree, so this "
-                f"rank stops too; rank {first}: {_decode(texts[first], 0, ERROR_TEXT)}"
+                f"rank stops too; rank {first}: {texts[first]}"
             ),
             first,
         )

@@ -138,8 +138,9 @@ def _check_shared(run: Run, lock: OutputLock | None) -> None:
     mounts), not a node-local path that gives each node its own (found only at the first
     save, hours later)."""
     from ..checkpoint import outdir
-    from ..checkpoint.agree import agree, has_store
+    from ..checkpoint.agree import agree
     from ..parallel import comm
+    from ..parallel.failures import has_store
 
     world = run.mesh.group("world")
     if world.size == 1 or not has_store(world):
