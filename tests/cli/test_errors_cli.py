@@ -519,7 +519,7 @@ def test_error_of_one_rank_alone_under_torchrun_is_printed(tmp_path):
     script = tmp_path / "one_rank.py"
     script.write_text(
         "import os, sys, time\n"
-        "from neuron_tp.cli import user_error_exit\n"
+        "from neuron_tp.cli.entry import user_error_exit\n"
         "from neuron_tp.errors import UserError\n"
         "if os.environ['RANK'] == '1':\n"
         "    sys.exit(user_error_exit('train', UserError('only rank 1 failed')))\n"
