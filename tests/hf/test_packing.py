@@ -29,10 +29,15 @@ TOL = dict(atol=2e-5, rtol=1e-5)
 
 
 def tiny_model(arch: str, impl: str = "sdpa", dtype=torch.float32):
-    """A tiny random Llama / Qwen2 / Qwen3 (seeded: the same weights on every rank)."""
+    """A tiny random Llama / Qwen2 / Qwen3 / GPT-2 (seeded: the same weights on every rank).
+    GPT-2's learned absolute positions are the ones that notice positions that do not restart
+    (rotary attention only sees position differences, equal within a sample either way)."""
     import transformers as tf
 
-    if arch == "qwen3":  # per-head q/k norms: replicated, gradients partial on each tp rank
+    if arch == "gpt2":
+        drop = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        cfg = tf.GPT2Config(vocab_size=V, n_embd=32, n_layer=2, n_head=4, n_positions=64, **drop)
+    elif arch == "qwen3":  # per-head q/k norms: replicated, gradients partial on each tp rank
         kw = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, head_dim=8)
         kw.update(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
         cfg = tf.Qwen3Config(vocab_size=V, max_position_embeddings=64, **kw)
@@ -60,7 +65,15 @@ def _ref_grads(model, batches) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
 
 
 @pytest.mark.parametrize(
-    "arch,impl", [("llama", "sdpa"), ("llama", "eager"), ("qwen2", "sdpa"), ("qwen3", "eager")]
+    "arch,impl",
+    [
+        ("llama", "sdpa"),
+        ("llama", "eager"),
+        ("qwen2", "sdpa"),
+        ("qwen3", "eager"),
+        ("gpt2", "sdpa"),
+        ("gpt2", "eager"),
+    ],
 )
 def test_packed_matches_per_sample(arch, impl):
     model = tiny_model(arch, impl)
@@ -143,7 +156,7 @@ def test_check_packable():
 
 # --- gloo ranks: the parallelized model -----------------------------------------------------
 
-TP2_CASES = ["llama", "llama-sp", "llama-eager", "llama-selective", "qwen3", "qwen3-sp"]
+TP2_CASES = ["llama", "llama-sp", "llama-eager", "llama-selective", "qwen3", "qwen3-sp", "gpt2"]
 W4_CASES = ["tp4-llama", "tp4-qwen3-sp", "tp2dp2-llama"]
 
 
