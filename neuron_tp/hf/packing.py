@@ -35,7 +35,9 @@ IGNORE_INDEX = -100
 _PACKED = ("position_ids", "segment_ids")
 
 
-def block_causal_mask(segment_ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def block_causal_mask(
+    segment_ids: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """The additive ``[b, 1, s, s]`` mask of ``segment_ids`` ``[b, s]``: 0 where query ``i``
     may attend key ``j`` (``j <= i``, same non-zero segment; and ``j == i`` always), the
     minimum of ``dtype`` elsewhere."""
@@ -110,9 +112,7 @@ def check_packable(config, seq_len: int) -> None:
     mask replaces that one)."""
     window = getattr(config, "sliding_window", None)
     types = getattr(config, "layer_types", None)
-    uses_window = window is not None and (
-        types is None or any("sliding" in str(t) for t in types)
-    )
+    uses_window = window is not None and (types is None or any("sliding" in str(t) for t in types))
     if getattr(config, "use_sliding_window", True) is False:
         uses_window = False
     if uses_window and window < seq_len:

@@ -157,15 +157,16 @@ def test_check_packable():
 # --- gloo ranks: the parallelized model -----------------------------------------------------
 
 TP2_CASES = ["llama", "llama-sp", "llama-eager", "llama-selective", "qwen3", "qwen3-sp", "gpt2"]
-W4_CASES = ["tp4-llama", "tp4-qwen3-sp", "tp2dp2-llama"]
+W4_CASES = ["tp4-llama", "tp4-qwen3-sp", "tp2dp2-llama", "2d-llama"]
 
 
 def _parallel_case(case: str, world: int) -> None:
     parts = case.split("-")
-    tp, dp = (2, 1) if world == 2 else ((4, 1) if parts[0] == "tp4" else (2, 2))
+    tp, dp = (2, 1) if world == 2 else ((2, 2) if parts[0] == "tp2dp2" else (4, 1))
     parts = parts[1:] if world == 4 else parts
     arch, sp = parts[0], "sp" in parts
-    mesh = gloo_dist.shared_mesh(tp)
+    # 2d: the batch rows are split over the grid's 2 rows (the mask with them)
+    mesh = ntp.init_mesh(tp=4, tp_mode="2d") if case == "2d-llama" else gloo_dist.shared_mesh(tp)
     assert (mesh.tp_size, mesh.dp_size) == (tp, dp)
     ref = tiny_model(arch, "eager" if "eager" in parts else "sdpa")
     batches = [packed_batch(LAYOUTS["ab"[r % 2]], V, seed=11 + r) for r in range(dp)]
