@@ -14,6 +14,8 @@ turns it into the keyword arguments of the model's forward:
   alike (eager adds it to the scores, sdpa takes a float mask as a bias).
 - ``labels``: -100 on padding and at each sample's first token (its label would be predicted
   by the previous sample's last token once the model shifts the labels).
+- ``position_ids``: as given, 0 on padding (any value there would do, as long as it is a
+  valid index of a learned position table).
 
 Everything is computed with tensor ops on the batch's device: on XLA the mask is part of the
 step graph, built from ``segment_ids`` (data), so every packing runs the same graph. Nothing
@@ -89,7 +91,7 @@ def model_inputs(
     """The forward kwargs of a transformers causal LM (parallelized or not) for ``batch``:
     ``input_ids`` and ``labels``, plus for a packed batch ``position_ids`` and the
     block-diagonal causal ``attention_mask`` (additive, ``dtype``), with the labels of
-    padding and of every sample's first token set to -100.
+    padding and of every sample's first token set to -100 (and padding at position 0).
 
     ``device``: move the batch there first (the mask is built where ``segment_ids`` is, so
     build it on the XLA device, not on the host). ``dtype``: the mask's dtype (float32 works
@@ -101,7 +103,8 @@ def model_inputs(
     if "segment_ids" in batch:
         seg = batch["segment_ids"]
         out["labels"] = packed_labels(batch["labels"], seg)
-        out["position_ids"] = batch["position_ids"]
+        # padding at position 0: whatever the data put there stays inside the position table
+        out["position_ids"] = batch["position_ids"].masked_fill(seg == 0, 0)
         out["attention_mask"] = block_causal_mask(seg, dtype)
     return out
 

@@ -97,6 +97,17 @@ def test_sample_starts_and_padding_lose_their_labels():
     _close(model(**model_inputs(raw)).loss, reference_loss(model, batch), "raw labels")
 
 
+def test_padding_positions_are_ignored():
+    """Padding positions beyond GPT-2's learned position table (64) do not matter."""
+    model = tiny_model("gpt2")
+    batch = packed_batch(LAYOUTS["a"], V, seed=6)
+    far = {
+        **batch,
+        "position_ids": batch["position_ids"].masked_fill(batch["segment_ids"] == 0, 999),
+    }
+    _close(model(**model_inputs(far)).loss, reference_loss(model, batch), "padding at 999")
+
+
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
 def test_padding_rows_stay_finite(impl):
     """A row of padding only (every query attends to itself only), in bf16: no NaN anywhere,
