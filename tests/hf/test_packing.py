@@ -216,9 +216,12 @@ def test_xla_two_devices():
     """tp=2 on 2 XLA CPU devices: loss and gradients against the per-sample reference, then 3
     steps of 3 different packings: the graph count after the first step does not grow."""
     results = xla_dist.run(_xla_job, devices=2)
-    counts = results[0]["compiles"]
-    print(f"XLA compiles (process-wide) before and after each of 3 packed steps: {counts}")
-    assert counts[2] == counts[3] == counts[1] > counts[0], counts  # one step graph
+    counts = results[0]["counters"]
+    print("XLA (compiles, transfers to host), process-wide, before and after each of 3 steps:")
+    print(f"  {counts}")
+    compiles, transfers = zip(*counts)
+    assert compiles[2] == compiles[3] == compiles[1] > compiles[0], counts  # one step graph
+    assert transfers[3] == transfers[0], counts  # nothing read back (no mid-step graph cut)
 
 
 _XLA_BARRIER = threading.Barrier(2)  # the device threads of one process
@@ -244,7 +247,12 @@ def _xla_job() -> dict:
     for n, g in grads.items():
         _close(got[n].cpu(), g, f"xla grad {n}")
     _XLA_BARRIER.wait()
-    compiles = [graph_counters()["compiles"]]  # before the steps
+
+    def counters_now():
+        c = graph_counters()
+        return c["compiles"], c["transfers_to_host"]
+
+    counters = [counters_now()]  # before the steps
     _XLA_BARRIER.wait()
     for name in ("a", "c", "b"):  # a step: forward, backward, the graph cut
         for p in m.parameters():
@@ -253,6 +261,6 @@ def _xla_job() -> dict:
         m(**model_inputs(step, device=dev)).loss.backward()
         torch_xla.sync()
         _XLA_BARRIER.wait()  # both threads' graphs are compiled: the count is complete
-        compiles.append(graph_counters()["compiles"])
+        counters.append(counters_now())
         _XLA_BARRIER.wait()
-    return {"compiles": compiles}
+    return {"counters": counters}
