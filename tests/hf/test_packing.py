@@ -58,7 +58,7 @@ def _ref_grads(model, batches) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     model.zero_grad()
     losses = [reference_loss(model, b) for b in batches]
     (sum(losses) / len(losses)).backward()
-    return losses[0], {n: p.grad.clone() for n, p in model.named_parameters()}
+    return losses[0], {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
 # --- one process, the unsharded model -------------------------------------------------------
@@ -86,6 +86,23 @@ def test_packed_matches_per_sample(arch, impl):
         loss.backward()
         for n, p in model.named_parameters():
             _close(p.grad, grads[n], f"{arch}/{impl} layout {name} grad {n}")
+
+
+def test_lora_model():
+    """A peft LoRA model (the usual fine-tuning recipe) passes the mask and positions on."""
+    import peft
+
+    lora = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    model = peft.get_peft_model(tiny_model("llama"), lora)
+    batch = packed_batch(LAYOUTS["a"], V, seed=8)
+    want, grads = _ref_grads(model, [batch])
+    model.zero_grad()
+    loss = model(**model_inputs(batch)).loss
+    _close(loss, want, "lora loss")
+    loss.backward()
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            _close(p.grad, grads[n], f"lora grad {n}")
 
 
 def test_sample_starts_and_padding_lose_their_labels():
