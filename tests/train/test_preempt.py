@@ -1,5 +1,6 @@
 """Preemption (neuron_tp.train.preempt): SIGTERM sent to torchrun (2 gloo ranks) and to
-``neuron-tp train --xla-cpu-devices 2`` (rank threads of a spawned child) mid-run: every rank
+the parent of XLA CPU device threads (as ``neuron-tp train --xla-cpu-devices 2`` runs them;
+twice: the second changes nothing) mid-run: every rank
 finishes its step, one checkpoint at that step, the output lock released, exit status 143;
 ``--resume auto`` then continues with the losses of an uninterrupted run. A stop requested on
 one rank only stops every rank after the same step."""
@@ -18,9 +19,9 @@ import preempt_cases  # noqa: E402
 
 import gloo_dist  # noqa: E402
 import xla_dist  # noqa: E402
-from neuron_tp.backend.xla import cpu_devices_env  # noqa: E402
 from neuron_tp.checkpoint.format import step_dirs  # noqa: E402
 from neuron_tp.checkpoint.outdir import LOCK_NAME  # noqa: E402
+from neuron_tp.train.preempt import StopSignal  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
@@ -84,12 +85,12 @@ def test_sigterm_to_torchrun_with_two_gloo_ranks_saves_and_resumes_exactly(tmp_p
     gloo_dist.run(preempt_cases.gloo_rank, str(tmp_path), out, PARK, world_size=2, timeout=300)
 
 
-def test_sigterm_to_xla_cpu_devices_command_saves_and_resumes_exactly(tmp_path):
-    env = _env(PJRT_DEVICE="CPU")
-    env = {**env, **cpu_devices_env(2, env)}
-    out = _signalled_run(tmp_path, [sys.executable], "xla", ["--xla-cpu-devices", "2"], env)
+def test_sigterm_to_the_parent_of_xla_cpu_device_threads_saves_and_resumes_exactly(tmp_path):
+    """The ranks are threads of xmp.spawn's child: SIGTERM (twice) to the parent process is
+    forwarded to the child, whose main thread installed the handlers while unpickling the
+    StopSignal it was sent (the path of ``neuron-tp train --xla-cpu-devices``)."""
     res = xla_dist.run(
-        preempt_cases.stop_resume_cases, "xla", str(tmp_path), out, PARK, devices=2, timeout=600
+        preempt_cases.xla_signal_cases, str(tmp_path), StopSignal(), PARK, devices=2, timeout=600
     )
     for r in res:
         preempt_cases.check(r)
