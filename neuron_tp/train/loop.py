@@ -352,7 +352,7 @@ def _train(
             on_step(run)
         if not extract and periodic_save_due(config, run.step):
             saved.append(save(run))
-        if not extract and stop_agreed(stop, run.mesh, run.step):
+        if not extract and stop_agreed(stop, run.mesh):
             stopped = run.step < steps
             if stopped:
                 say(f"stop requested: saving step {run.step} of {steps} and exiting")

@@ -115,8 +115,8 @@ def signal_name(stop: StopSignal | None) -> str:
     return signal.Signals(signum or signal.SIGTERM).name
 
 
-def stop_agreed(stop: StopSignal | None, mesh, step: int) -> bool:
-    """At the boundary after ``step``: True on every rank when any rank was signalled.
+def stop_agreed(stop: StopSignal | None, mesh) -> bool:
+    """At a step boundary: True on every rank when any rank was signalled.
 
     One host-store exchange per step (:func:`~neuron_tp.parallel.comm.host_any`), no device
     collective; without a store (one rank, a trace-only mesh) this rank's own flag."""
@@ -128,4 +128,4 @@ def stop_agreed(stop: StopSignal | None, mesh, step: int) -> bool:
     world = mesh.group("world")
     if world.size == 1 or not has_store(world):
         return stop.requested
-    return comm.host_any("preempt", stop.requested, world, step)
+    return comm.host_any("preempt", stop.requested, world)

@@ -37,19 +37,11 @@ def _losses(summary: dict) -> dict[int, float]:
 
 
 def stop_resume_cases(device: str, tmp: str, signalled: str, signalled_step: int) -> dict:
-    """One rank: the reference run; the resume of ``signalled`` (a checkpoint at
-    ``signalled_step`` written on SIGTERM); a run where only rank 1 requests a stop after
-    step 2 (every rank must stop there and save step 2), and its resume."""
+    """One rank: a run where only rank 1 requests a stop after step 2 (every rank must stop
+    there and save step 2); the reference run, uninterrupted with an unset StopSignal of its
+    own (it must not read the first run's answers); the resume of ``signalled`` (a checkpoint
+    at ``signalled_step`` written on SIGTERM); the resume of the first run."""
     mesh = ntp.init_mesh(tp=2)
-    ref = _losses(train(args_for(device, os.path.join(tmp, "ref")), mesh, printer=_quiet))
-    resumed = train(args_for(device, signalled, "--resume", "auto"), mesh, printer=_quiet)
-    out = {
-        "rank": mesh.rank,
-        "ref": ref,
-        "resumed": _losses(resumed),
-        "resumed_first": resumed["steps"] - resumed["steps_this_run"],
-        "signalled_step": signalled_step,
-    }
     one = os.path.join(tmp, "one")
     stop = StopSignal()
 
@@ -59,6 +51,18 @@ def stop_resume_cases(device: str, tmp: str, signalled: str, signalled_step: int
 
     stopped = train(args_for(device, one), mesh, printer=_quiet, on_step=rank1_asks, stop=stop)
     after = step_dirs(os.path.join(one, "checkpoints"))
+    ref_run = train(
+        args_for(device, os.path.join(tmp, "ref")), mesh, printer=_quiet, stop=StopSignal()
+    )
+    ref = _losses(ref_run)
+    resumed = train(args_for(device, signalled, "--resume", "auto"), mesh, printer=_quiet)
+    out = {
+        "rank": mesh.rank,
+        "ref": ref,
+        "resumed": _losses(resumed),
+        "resumed_first": resumed["steps"] - resumed["steps_this_run"],
+        "signalled_step": signalled_step,
+    }
     again = train(args_for(device, one, "--resume", "auto"), mesh, printer=_quiet)
     return {
         **out,
