@@ -95,8 +95,7 @@ def _dispatch(cmd: str, rest: list[str]) -> int:
         from .args import train_parser
         from .launch import train_command
 
-        train_command(train_parser().parse_args(rest))
-        return 0
+        return train_command(train_parser().parse_args(rest))
     if cmd == "serve":
         from .args import serve_parser
         from .launch import serve_command

@@ -9,6 +9,7 @@ a Neuron configuration's numerics and graph counts on a laptop; far slower than 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import threading
@@ -58,11 +59,11 @@ def _per_device(_index: int, fn: Callable, args: tuple) -> None:
     fn(*args)
 
 
-def _command(config: TrainConfig | GenerateConfig | ServeConfig, fn: Callable) -> None:
-    """Run ``fn(config)`` as this process's rank, or as N ranks with ``--xla-cpu-devices N``."""
+def _command(config: TrainConfig | GenerateConfig | ServeConfig, fn: Callable):
+    """Run ``fn(config)`` as this process's rank (returns what it returns), or as N ranks with
+    ``--xla-cpu-devices N`` (returns None)."""
     if not config.xla_cpu_devices:
-        fn(config)
-        return
+        return fn(config)
     if config.device != "xla":
         raise UserError("--xla-cpu-devices runs the XLA path: use it with --device xla")
     try:
@@ -70,12 +71,19 @@ def _command(config: TrainConfig | GenerateConfig | ServeConfig, fn: Callable) -
     except UserError as e:  # one rank's error, raised here: this process reports it
         set_reporter(e, None)
         raise
+    return None
 
 
-def train_command(args: argparse.Namespace | TrainConfig) -> None:
+def train_command(args: argparse.Namespace | TrainConfig, on_step: Callable | None = None) -> int:
     """``neuron-tp train``: this process's rank(s) of the job described by the parsed
-    options ``args`` (turned into a :class:`~neuron_tp.job.config.TrainConfig` here)."""
+    options ``args`` (turned into a :class:`~neuron_tp.job.config.TrainConfig` here).
+
+    Returns the exit status: 0, or ``128 + signal`` (143 for SIGTERM) when SIGTERM / SIGINT
+    stopped the run early after saving a checkpoint (:mod:`neuron_tp.train.preempt`), so
+    that nothing takes a preempted run for a finished one (Kubeflow's ``ExitCode`` restart
+    policy retries 128-255). ``on_step(run)``: passed to ``train`` (tests)."""
     from ..train.loop import train
+    from ..train.preempt import StopSignal
 
     config = TrainConfig.from_args(args)
     if config.global_batch and config.plan != "auto":
@@ -87,7 +95,11 @@ def train_command(args: argparse.Namespace | TrainConfig) -> None:
         from ..plan.auto import apply_plan, rank0_printer
 
         config = apply_plan(config, rank0_printer)
-    _command(config, train)
+    stop = StopSignal()
+    with stop.installed():  # the main thread's handlers; the ranks check the flag per step
+        summary = _command(config, functools.partial(train, on_step=on_step, stop=stop))
+    stopped = summary.get("stopped_by") if summary is not None else stop.requested
+    return stop.exit_code() if stopped else 0
 
 
 def generate_command(args: argparse.Namespace | GenerateConfig) -> None:

@@ -233,6 +233,38 @@ def _store():
     return dist.distributed_c10d._get_default_store()
 
 
+def host_any(key: str, flag: bool, group: Group, timeout_s: float = 600.0) -> bool:
+    """True on every rank of ``group`` when any rank passed ``flag`` (through the job's
+    key-value store, no device collective). Every rank calls it with the same ``key``
+    sequence (calls are numbered per key, so a later job in the same process never reads an
+    earlier one's answer). O(1) store requests per rank: each rank adds
+    ``1 + size * flag`` to one counter; the rank that brings the count of arrivals to
+    ``size`` (``total % size == 0``) publishes the answer, the others wait for it. Two
+    rounds later the keys are deleted (every rank has read the answer by then)."""
+    if group.size == 1:
+        return flag
+    import datetime
+
+    store = _store()
+    ident = "-".join(map(str, group.ranks))
+    prefix = f"ntp/any/{key}/{ident}"
+    done = _host_calls.__dict__.setdefault("any_done", {}).setdefault((key, ident), [])
+    counts = _host_calls.__dict__.setdefault("any", {})
+    round_id = counts[(key, ident)] = counts.get((key, ident), -1) + 1
+    total = store.add(f"{prefix}/{round_id}/n", 1 + group.size * int(bool(flag)))
+    if total % group.size == 0:  # the last arrival: total = size * (1 + flags)
+        store.set(f"{prefix}/{round_id}/any", b"1" if total > group.size else b"0")
+        store.delete_key(f"{prefix}/{round_id}/n")
+    store.wait([f"{prefix}/{round_id}/any"], datetime.timedelta(seconds=timeout_s))
+    answer = bytes(store.get(f"{prefix}/{round_id}/any")) == b"1"
+    done.append(round_id)
+    if len(done) > 2:  # every rank got past the round before last: its answer is read
+        old = done.pop(0)
+        if group.rank == 0:
+            store.delete_key(f"{prefix}/{old}/any")
+    return answer
+
+
 def host_broadcast(
     key: str, payload: bytes | None, group: Group, src: int = 0, timeout_s: float | None = None
 ) -> bytes:

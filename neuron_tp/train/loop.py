@@ -47,6 +47,7 @@ from .checkpoint_policy import (
 )
 from .graph_guard import check_same_graph
 from .nonfinite import NonFiniteGuard
+from .preempt import StopSignal, signal_name, stop_agreed
 from .run import Printer, Run
 from .step_log import StepLogger
 from .tp_mode import check_tp_mode
@@ -294,13 +295,16 @@ def train(
     stop_at: int | None = None,
     printer: Printer = print,
     on_step: Callable[[Run], None] | None = None,
+    stop: StopSignal | None = None,
 ) -> dict:
     """Run training as configured by ``args`` (a :class:`~neuron_tp.job.config.TrainConfig`,
     or the Namespace of :func:`~neuron_tp.cli.args.train_parser`).
 
     ``stop_at``: end the process's work after that global step (and its periodic checkpoint)
     without a final checkpoint, as if the job had been killed (for resume tests).
-    ``on_step(run)`` is called after every step's graph cut. Returns the summary (rank-local
+    ``on_step(run)`` is called after every step's graph cut. ``stop``: when any rank's
+    :class:`~.preempt.StopSignal` is set (SIGTERM / SIGINT), every rank ends after the same
+    step and saves it (summary ``stopped_by``: the signal's name). Returns the summary (rank-local
     ``log`` of the logged steps included). Before training every rank checks, together, that
     --output-dir is writable and not used by another job (a lock held until return), and that
     the resume source and the planned checkpoints fit those already there."""
@@ -309,14 +313,18 @@ def train(
     say(run.tokenizer_source)
     lock = claim_output(run, say)
     try:
-        return _train(run, stop_at, say, on_step)
+        return _train(run, stop_at, say, on_step, stop)
     finally:
         if lock is not None:
             lock.release()
 
 
 def _train(
-    run: Run, stop_at: int | None, say: Printer, on_step: Callable[[Run], None] | None
+    run: Run,
+    stop_at: int | None,
+    say: Printer,
+    on_step: Callable[[Run], None] | None,
+    stop: StopSignal | None = None,
 ) -> dict:
     """The steps of this process, from the resumed one to ``--steps`` (or ``stop_at``).
 
@@ -331,6 +339,7 @@ def _train(
     logger = StepLogger(run, steps, say, extract)
     logger.begin()
     saved: list[str] = []
+    stopped = False
     while run.step < steps:
         nxt = run.step + 1
         train_step(
@@ -343,6 +352,11 @@ def _train(
             on_step(run)
         if not extract and periodic_save_due(config, run.step):
             saved.append(save(run))
+        if not extract and stop_agreed(stop, run.mesh):
+            stopped = run.step < steps
+            if stopped:
+                say(f"stop requested: saving step {run.step} of {steps} and exiting")
+            break
         if stop_at is not None and run.step >= stop_at:
             break
     tokens_per_s = logger.throughput(run.step)  # the final checkpoint is not timed
@@ -352,7 +366,7 @@ def _train(
 
         checkpoint.dry_run_save(run.model, run.mesh)
     else:
-        save_at_end(run, saved, finished=run.step >= steps, trained=trained)
+        save_at_end(run, saved, finished=run.step >= steps or stopped, trained=trained)
         if config.lora_r and trained:
             say(f"LoRA adapters (PEFT format): {lora.save(run.model, config.output_dir, run.mesh)}")
     if not trained:
@@ -366,6 +380,7 @@ def _train(
         "checkpoints": [c for c in saved if os.path.isdir(c)],  # --keep-last removed others
         "log": run.log,
         "extract_graphs_only": extract,
+        "stopped_by": signal_name(stop) if stopped else None,
     }
     logger.finish(summary)
     return summary
