@@ -90,7 +90,9 @@ def _models(dropout: float):
     from neuron_tp import hf
 
     torch.manual_seed(0)
-    ref = tf.LlamaForCausalLM(nd_config(vocab_size=VOCAB, attention_dropout=dropout))
+    ref = tf.LlamaForCausalLM(
+        nd_config(vocab_size=VOCAB, attention_dropout=dropout, initializer_range=0.5)
+    )
     sharded = copy.deepcopy(ref).train()
     mesh = gloo_dist.shared_mesh(2 if dropout else 1)
     hf.parallelize(sharded, mesh, parallel_loss=mesh.tp_size > 1)
