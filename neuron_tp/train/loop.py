@@ -324,7 +324,9 @@ def _train(
     """The steps of this process, from the resumed one to ``--steps`` (or ``stop_at``).
 
     Under ``neuron_parallel_compile`` (:func:`~neuron_tp.backend.graphs.extract_graphs_only`)
-    only three steps are traced, and nothing is checked or saved."""
+    only three steps are traced (with the eval graph after the first, see
+    :class:`~.evaluate.Evaluator`), and nothing is checked or saved. An eval step is a log step
+    too: its metrics line (:mod:`.metrics`) carries both."""
     config, extract = run.config, extract_graphs_only()
     steps = min(config.steps, 3) if extract else config.steps
     restore(run, say)  # the checkpoint claim_output chose, if any
