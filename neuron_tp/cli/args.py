@@ -132,6 +132,21 @@ def train_parser() -> argparse.ArgumentParser:
         "core only (selective); saves activation memory for extra compute",
     )
     p.add_argument("--log-every", type=positive(int), default=10)
+    p.add_argument(
+        "--eval-data",
+        default=None,
+        help="a .txt/.jsonl file or directory evaluated every --eval-every steps (eval loss "
+        "and perplexity over the label tokens, fixed order, split over the dp ranks)",
+    )
+    p.add_argument(
+        "--eval-every", type=_non_negative(int), default=0, help="steps between evaluations"
+    )
+    p.add_argument(
+        "--eval-batches",
+        type=_non_negative(int),
+        default=0,
+        help="micro-batches per rank in one evaluation (0: the whole --eval-data)",
+    )
     p.add_argument("--save-every", type=_non_negative(int), default=0, help="0 = only at the end")
     p.add_argument(
         "--keep-last",

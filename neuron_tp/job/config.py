@@ -81,6 +81,9 @@ class TrainConfig(_CommonConfig):
     plan: str  # "none" or "auto" (neuron_tp.plan chooses the layout options)
     global_batch: int  # --plan auto: sequences per optimizer step
     plan_instance: str  # --plan auto: the instance table entry
+    eval_data: str | None = None  # evaluated every eval_every steps (neuron_tp.train.evaluate)
+    eval_every: int = 0  # 0: no evaluation
+    eval_batches: int = 0  # micro-batches per rank per evaluation; 0: the whole eval set
 
     @property
     def uses_zero1(self) -> bool:

@@ -102,6 +102,7 @@ class PackedData:
     Global batch ``b`` is the chunks ``perm[b*G : (b+1)*G]`` of the epoch's permutation
     (``G = micro_batch * dp``); dp rank ``r`` takes its ``r``-th slice of ``micro_batch``
     chunks. So dp=2 x micro_batch=m sees the same sequences as dp=1 x micro_batch=2m.
+    ``shuffle=False``: the file order every epoch (evaluation data).
     """
 
     def __init__(
@@ -113,6 +114,7 @@ class PackedData:
         dp_size: int = 1,
         dp_rank: int = 0,
         seed: int = 0,
+        shuffle: bool = True,
     ):
         ids: list[int] = []
         eos = getattr(tokenizer, "eos_token_id", None)
@@ -121,6 +123,7 @@ class PackedData:
             if eos is not None:
                 ids.append(eos)
         self.seq_len, self.micro_batch, self.seed = seq_len, micro_batch, seed
+        self.shuffle = shuffle
         self.dp_size, self.dp_rank = dp_size, dp_rank
         n = len(ids) // seq_len
         self.global_batch = micro_batch * dp_size
@@ -138,7 +141,9 @@ class PackedData:
     def _permutation(self, epoch: int) -> torch.Tensor:
         if epoch != self._perm_epoch:
             g = torch.Generator().manual_seed(self.seed * 100003 + epoch)
-            self._perm, self._perm_epoch = torch.randperm(len(self.chunks), generator=g), epoch
+            n = len(self.chunks)
+            perm = torch.randperm(n, generator=g) if self.shuffle else torch.arange(n)
+            self._perm, self._perm_epoch = perm, epoch
         return self._perm
 
     def next_batch(self) -> torch.Tensor:

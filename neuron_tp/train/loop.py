@@ -45,6 +45,7 @@ from .checkpoint_policy import (
     save,
     save_at_end,
 )
+from .evaluate import Evaluator, eval_data
 from .graph_guard import check_same_graph
 from .nonfinite import NonFiniteGuard
 from .preempt import StopSignal, signal_name, stop_agreed
@@ -66,7 +67,7 @@ def setup(args: TrainConfig | argparse.Namespace, mesh: Mesh | None = None) -> R
     refuse_xla_ranks_off_neuron(config.device)
     apply_neuron_defaults()  # before the first (agreement) graph compiles on Neuron
     world = mesh.group("world") if mesh is not None else agreement.world_group()
-    error, values, details, resolved, data = None, {}, {}, None, None
+    error, values, details, resolved, data, evaluation = None, {}, {}, None, None, None
     extra: dict = {}
     files: dict[str, bytes] = {}
     try:  # local work only: a failure here is shared with every rank by the check below
@@ -118,6 +119,7 @@ def setup(args: TrainConfig | argparse.Namespace, mesh: Mesh | None = None) -> R
             layout.dp_rank,
             config.seed,
         )
+        evaluation = eval_data(config, tokenizer, layout)
         values, details = startup_values(config, tokenizer, data)
         record, files = checkpoint_assets(resolved, config.model)
         extra = {"tokenizer": record}
@@ -188,6 +190,7 @@ def setup(args: TrainConfig | argparse.Namespace, mesh: Mesh | None = None) -> R
         tokenizer_source=resolved.describe(),
         checkpoint_extra=extra,
         checkpoint_files=files,
+        eval_data=evaluation,
     )
 
 
@@ -329,7 +332,9 @@ def _train(
     """The steps of this process, from the resumed one to ``--steps`` (or ``stop_at``).
 
     Under ``neuron_parallel_compile`` (:func:`~neuron_tp.backend.graphs.extract_graphs_only`)
-    only three steps are traced, and nothing is checked or saved."""
+    only three steps are traced (with the eval graph after the first, see
+    :class:`~.evaluate.Evaluator`), and nothing is checked or saved. An eval step is a log step
+    too: its metrics line (:mod:`.metrics`) carries both."""
     config, extract = run.config, extract_graphs_only()
     steps = min(config.steps, 3) if extract else config.steps
     restore(run, say)  # the checkpoint claim_output chose, if any
@@ -338,15 +343,20 @@ def _train(
     start_step = run.step
     logger = StepLogger(run, steps, say, extract)
     logger.begin()
+    evaluator = (
+        None if run.eval_data is None else Evaluator(config, run.eval_data, start_step, extract)
+    )
     saved: list[str] = []
     stopped = False
     while run.step < steps:
         nxt = run.step + 1
-        train_step(
-            run, log_this_step=nxt % config.log_every == 0 or nxt == steps, on_log=logger.on_log
-        )
+        evaluate_now = evaluator is not None and evaluator.due(nxt)
+        log_now = nxt % config.log_every == 0 or nxt == steps or evaluate_now
+        train_step(run, log_this_step=log_now, on_log=logger.on_log)
         if run.guard is not None and not extract:  # what the log closure saw (no transfer)
             check_finite(run, sync=False)
+        if evaluate_now:
+            logger.on_eval(run.step, evaluator.evaluate(run.model, run.mesh, run.device))
         logger.step_done(run.step)
         if on_step is not None:
             on_step(run)

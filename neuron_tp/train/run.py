@@ -39,3 +39,4 @@ class Run:
     # written with every checkpoint: meta extra (the tokenizer record), files (its files)
     checkpoint_extra: dict = field(default_factory=dict)
     checkpoint_files: dict = field(default_factory=dict)
+    eval_data: PackedData | None = None  # --eval-data of this dp rank (train.evaluate)

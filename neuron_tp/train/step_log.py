@@ -1,5 +1,6 @@
 """What a training run reports: its opening line, one entry per logged step (kept on every
-rank, printed by rank 0, written to TensorBoard), the throughput, and the closing line."""
+rank, printed by rank 0, written to TensorBoard and ``metrics.jsonl``) with the evaluation's
+values at eval steps, the throughput, and the closing line."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import time
 import torch
 
 from ..backend.graphs import graph_counters
+from .metrics import MetricsFile
 from .run import Printer, Run
 
 
@@ -31,6 +33,10 @@ class StepLogger:
             from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
 
             self.writer = SummaryWriter(os.path.join(config.output_dir, "tensorboard"))
+        self.metrics = None
+        if mesh.rank == 0 and not extract:
+            self.metrics = MetricsFile(config.output_dir, run.step)
+        self._pending: dict | None = None  # this step's entry, written once the step is done
         now = time.perf_counter()
         self._last_log = (run.step, now)  # (step, time) of the previous log line
         self._start = (run.step, now)  # this process's first step
@@ -74,6 +80,7 @@ class StepLogger:
             if run.guard.skip:
                 entry["skipped_steps"] = run.guard.skipped
         run.log.append(entry)
+        self._pending = entry
         self.say(
             f"step {step:>6}/{self.steps} | loss {entry['loss']:.4f} | lr {lr:.2e} | grad "
             f"norm {entry['grad_norm']:.3f} | {tps:,.0f} tok/s | compiles "
@@ -89,8 +96,32 @@ class StepLogger:
             for key in ("loss", "lr", "grad_norm", "tokens_per_s"):
                 self.writer.add_scalar(f"train/{key}", entry[key], step)
 
+    def on_eval(self, step: int, result: dict | None) -> None:
+        """Add an evaluation's values (:meth:`~.evaluate.Evaluator.evaluate`) to step
+        ``step``'s entry (an eval step is a log step) and print them."""
+        if result is None:  # traced only
+            self.say(f"step {step}/{self.steps} eval traced")
+            return
+        entry = self._pending
+        if entry is None or entry["step"] != step:
+            raise RuntimeError(f"evaluation at step {step} without that step's log entry")
+        entry.update(result)
+        self.say(
+            f"eval   {step:>6}/{self.steps} | eval loss {result['eval_loss']:.4f} | "
+            f"perplexity {result['eval_perplexity']:.3f} | {result['eval_tokens']} tokens",
+            flush=True,
+        )
+        if self.writer is not None:
+            self.writer.add_scalar("eval/loss", result["eval_loss"], step)
+            self.writer.add_scalar("eval/perplexity", result["eval_perplexity"], step)
+
     def step_done(self, step: int) -> None:
-        """After each step's graph cut: the throughput clock starts after the first two."""
+        """After each step (and its evaluation): its metrics line; the throughput clock
+        starts after the first two steps."""
+        if self._pending is not None:
+            if self.metrics is not None:
+                self.metrics.write(self._pending)
+            self._pending = None
         if step == self._start[0] + 2:
             self._steady = (step, time.perf_counter())
 
@@ -116,3 +147,5 @@ class StepLogger:
         )
         if self.writer is not None:
             self.writer.close()
+        if self.metrics is not None:
+            self.metrics.close()

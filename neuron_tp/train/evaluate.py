@@ -1,0 +1,143 @@
+"""Evaluation during training (``--eval-data``, ``--eval-every``, ``--eval-batches``).
+
+The eval loss is the mean token loss over every label token (``labels != -100``, after the
+causal shift) of the eval batches of all data-parallel ranks, the same masking as training;
+the perplexity is its exponential. The model runs in eval mode (no dropout) under
+``no_grad``, one micro-batch of the training shape per XLA graph: an evaluation adds exactly
+one graph to a run, compiled once, whatever the number of batches or evaluations. The totals
+(loss sum, token count) stay on the device; the one host read is at the end of an evaluation.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from ..backend.graphs import step_boundary
+from ..errors import UserError
+from ..job.config import TrainConfig
+from ..job.data import PackedData
+from ..parallel import comm
+from ..parallel.mesh import Mesh
+
+
+def eval_data(config: TrainConfig, tokenizer, mesh: Mesh) -> PackedData | None:
+    """This dp rank's eval data (file order, no shuffle), None without ``--eval-data``;
+    UserError for inconsistent options or missing, empty or too small eval data."""
+    if config.eval_data is None:
+        if config.eval_every or config.eval_batches:
+            raise UserError("--eval-every / --eval-batches need --eval-data FILE")
+        return None
+    if not config.eval_every:
+        raise UserError(
+            f"--eval-data {config.eval_data!r} needs --eval-every N (steps between evaluations)"
+        )
+    if not os.path.exists(config.eval_data):
+        raise UserError(
+            f"--eval-data {config.eval_data!r} does not exist; pass a .txt/.jsonl file or a "
+            "directory of them"
+        )
+    try:
+        data = PackedData(
+            config.eval_data,
+            tokenizer,
+            config.seq_len,
+            config.micro_batch,
+            mesh.dp_size,
+            mesh.dp_rank,
+            config.seed,
+            shuffle=False,
+        )
+    except UserError as e:
+        raise UserError(f"--eval-data: {e}") from None
+    if config.eval_batches > data.batches_per_epoch:
+        raise UserError(
+            f"--eval-batches {config.eval_batches}: --eval-data {config.eval_data!r} has only "
+            f"{data.batches_per_epoch} batches of micro_batch x dp = {data.global_batch} "
+            f"sequences of {config.seq_len}; pass at most {data.batches_per_epoch} (or 0: all)"
+        )
+    return data
+
+
+def as_batch(batch) -> dict[str, torch.Tensor]:
+    """A batch of the batch interface (a dict with ``input_ids`` and ``labels``); a plain
+    ``[micro_batch, seq_len]`` id tensor is language modelling on every token."""
+    if isinstance(batch, torch.Tensor):
+        return {"input_ids": batch, "labels": batch}
+    return batch
+
+
+def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The model's keyword arguments for ``batch`` (stand-in for the packing-aware
+    ``neuron_tp.hf.packing.model_inputs`` of the training step)."""
+    return {"input_ids": batch["input_ids"], "labels": batch["labels"]}
+
+
+def label_count(labels: torch.Tensor) -> torch.Tensor:
+    """How many tokens a causal LM's loss averages over: labels after the shift != -100."""
+    return (labels[..., 1:] != -100).sum()
+
+
+def evaluation_totals(
+    model: torch.nn.Module, data, batches: int, mesh: Mesh, device: torch.device
+) -> torch.Tensor:
+    """``[loss sum, label tokens]`` (fp32, on ``device``) of the next ``batches`` batches of
+    ``data`` on every dp rank, summed over the dp ranks; one graph cut per batch."""
+    training = model.training
+    model.eval()
+    totals = torch.zeros(2).to(device)  # device data: every batch traces the same graph
+    try:
+        with torch.no_grad():
+            for _ in range(batches):
+                batch = as_batch(data.next_batch())
+                inputs = {k: v.to(device) for k, v in model_inputs(batch).items()}
+                n = label_count(batch["labels"]).float().to(device)
+                loss = model(**inputs).loss.float()
+                # a batch without label tokens has a NaN mean: it adds nothing
+                part = torch.stack([torch.where(n > 0, loss, torch.zeros_like(loss)) * n, n])
+                totals = totals + comm.all_reduce(part, mesh.dp)
+                step_boundary(device)
+    finally:
+        model.train(training)
+    return totals
+
+
+class Evaluator:
+    """When to evaluate a run and how: every ``--eval-every`` steps the first
+    ``--eval-batches`` batches of the eval data (the same ones each time). Under
+    ``neuron_parallel_compile`` (``extract``) one batch is traced after the first step, so the
+    eval graph is compiled ahead of training, and nothing is read."""
+
+    def __init__(self, config: TrainConfig, data: PackedData, first_step: int, extract: bool):
+        self.every, self.data, self.extract = config.eval_every, data, extract
+        self.batches = config.eval_batches or data.batches_per_epoch
+        self.first_step = first_step
+
+    def due(self, step: int) -> bool:
+        """Whether global step ``step`` ends with an evaluation."""
+        if self.extract:
+            return step == self.first_step + 1
+        return step % self.every == 0
+
+    def evaluate(self, model: torch.nn.Module, mesh: Mesh, device: torch.device) -> dict | None:
+        """``{"eval_loss", "eval_perplexity", "eval_tokens"}`` (None when only tracing)."""
+        self.data.position = 0
+        totals = evaluation_totals(
+            model, self.data, 1 if self.extract else self.batches, mesh, device
+        )
+        if self.extract:
+            return None
+        loss_sum, count = (float(v) for v in totals.cpu())  # the one host read
+        if count == 0:
+            raise UserError(
+                f"--eval-data: the {self.batches} eval batch(es) have no label tokens "
+                "(every label is -100); nothing to evaluate"
+            )
+        loss = loss_sum / count
+        return {
+            "eval_loss": loss,
+            "eval_perplexity": math.exp(loss) if loss < 700 else math.inf,
+            "eval_tokens": int(count),
+        }
