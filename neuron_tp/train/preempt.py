@@ -122,8 +122,8 @@ def stop_agreed(stop: StopSignal | None, mesh) -> bool:
     collective; without a store (one rank, a trace-only mesh) this rank's own flag."""
     if stop is None:
         return False
-    from ..checkpoint.agree import has_store
     from ..parallel import comm
+    from ..parallel.failures import has_store
 
     world = mesh.group("world")
     if world.size == 1 or not has_store(world):
