@@ -1,7 +1,7 @@
 """Training data with static shapes: local .txt / .jsonl files, tokenized (a HF tokenizer
 directory or a byte-level fallback), packed into fixed-length sequences, shuffled per epoch by
 the seed, split over data-parallel ranks, incomplete batches dropped. The position in the
-stream is one integer (:meth:`PackedData.state_dict`), so a resumed run sees the same batches."""
+stream is one integer (:meth:`RowData.state_dict`), so a resumed run sees the same batches."""
 
 from __future__ import annotations
 
@@ -96,44 +96,46 @@ def read_documents(path: str) -> list[str]:
     return docs
 
 
-class PackedData:
-    """Fixed ``[micro_batch, seq_len]`` batches of token ids for one dp rank.
+class RowData:
+    """Fixed ``[micro_batch, seq_len]`` batches of one dp rank, drawn from equal-shape
+    ``[n, seq_len]`` int64 row tensors (``rows``; ``input_ids`` and ``labels`` always, see
+    :mod:`neuron_tp.job.rows` for the packed ones).
 
-    Global batch ``b`` is the chunks ``perm[b*G : (b+1)*G]`` of the epoch's permutation
+    Global batch ``b`` is the rows ``perm[b*G : (b+1)*G]`` of the epoch's permutation
     (``G = micro_batch * dp``); dp rank ``r`` takes its ``r``-th slice of ``micro_batch``
-    chunks. So dp=2 x micro_batch=m sees the same sequences as dp=1 x micro_batch=2m.
+    rows. So dp=2 x micro_batch=m sees the same rows as dp=1 x micro_batch=2m.
+    ``notes``: lines for the startup log (what was dropped or truncated).
     """
 
     def __init__(
         self,
-        path: str,
-        tokenizer,
+        rows: dict[str, torch.Tensor],
         seq_len: int,
         micro_batch: int,
         dp_size: int = 1,
         dp_rank: int = 0,
         seed: int = 0,
+        what: str = "",
     ):
-        ids: list[int] = []
-        eos = getattr(tokenizer, "eos_token_id", None)
-        for doc in read_documents(path):
-            ids.extend(tokenizer.encode(doc))
-            if eos is not None:
-                ids.append(eos)
+        self.rows, self.notes = rows, []
         self.seq_len, self.micro_batch, self.seed = seq_len, micro_batch, seed
         self.dp_size, self.dp_rank = dp_size, dp_rank
-        n = len(ids) // seq_len
+        n = len(rows["input_ids"])
         self.global_batch = micro_batch * dp_size
         self.batches_per_epoch = n // self.global_batch
         if self.batches_per_epoch == 0:
             raise UserError(
-                f"{path}: {len(ids)} tokens make {n} sequences of {seq_len}, fewer "
-                f"than one global batch ({self.global_batch} = micro_batch x dp); "
-                "use more data or a smaller --seq-len / --micro-batch"
+                f"{what}{n} sequences of {seq_len}, fewer than one global batch "
+                f"({self.global_batch} = micro_batch x dp); use more data or a smaller "
+                "--seq-len / --micro-batch"
             )
-        self.chunks = torch.tensor(ids[: n * seq_len], dtype=torch.long).view(n, seq_len)
         self.position = 0  # global batches consumed so far
         self._perm_epoch, self._perm = -1, None
+
+    @property
+    def chunks(self) -> torch.Tensor:
+        """The ``[n, seq_len]`` token ids of every row (what the ranks agree on)."""
+        return self.rows["input_ids"]
 
     def _permutation(self, epoch: int) -> torch.Tensor:
         if epoch != self._perm_epoch:
@@ -141,13 +143,14 @@ class PackedData:
             self._perm, self._perm_epoch = torch.randperm(len(self.chunks), generator=g), epoch
         return self._perm
 
-    def next_batch(self) -> torch.Tensor:
-        """This rank's next ``[micro_batch, seq_len]`` batch (CPU int64)."""
+    def next_batch(self) -> dict[str, torch.Tensor]:
+        """This rank's next batch: ``[micro_batch, seq_len]`` CPU int64 tensors by name."""
         epoch, b = divmod(self.position, self.batches_per_epoch)
         perm = self._permutation(epoch)
         start = b * self.global_batch + self.dp_rank * self.micro_batch
         self.position += 1
-        return self.chunks[perm[start : start + self.micro_batch]]
+        idx = perm[start : start + self.micro_batch]
+        return {name: t[idx] for name, t in self.rows.items()}
 
     def state_dict(self) -> dict:
         return {
@@ -166,3 +169,32 @@ class PackedData:
                     "resume with the same --seed/--seq-len/--micro-batch x dp"
                 )
         self.position = int(state["position"])
+
+
+class PackedData(RowData):
+    """Language modelling on raw text: every document's tokens (and EOS) in one stream cut
+    into ``seq_len`` rows, the loss on every token (``labels`` is ``input_ids``)."""
+
+    def __init__(
+        self,
+        path: str,
+        tokenizer,
+        seq_len: int,
+        micro_batch: int,
+        dp_size: int = 1,
+        dp_rank: int = 0,
+        seed: int = 0,
+        documents: list[str] | None = None,
+    ):
+        """``documents``: the texts already read from ``path`` (None: read them)."""
+        ids: list[int] = []
+        eos = getattr(tokenizer, "eos_token_id", None)
+        for doc in read_documents(path) if documents is None else documents:
+            ids.extend(tokenizer.encode(doc))
+            if eos is not None:
+                ids.append(eos)
+        n = len(ids) // seq_len
+        chunks = torch.tensor(ids[: n * seq_len], dtype=torch.long).view(n, seq_len)
+        what = f"{path}: {len(ids)} tokens make "
+        rows = {"input_ids": chunks, "labels": chunks}
+        super().__init__(rows, seq_len, micro_batch, dp_size, dp_rank, seed, what)

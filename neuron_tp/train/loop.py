@@ -25,11 +25,13 @@ from ..backend.graphs import (
     step_boundary,
 )
 from ..errors import UserError
+from ..hf.packing import model_inputs
 from ..hf.recompute import apply_activation_checkpointing
 from ..job.config import TrainConfig
-from ..job.data import PackedData, vocab_size
+from ..job.data import RowData, vocab_size
 from ..job.presets import build_model, is_preset, model_config, preload
 from ..job.runtime import BUILD_LOCK, rank_device, refuse_xla_ranks_off_neuron
+from ..job.sft_data import load_data
 from ..job.tokenizer import check_vocab, checkpoint_assets, config_vocab, resolve_tokenizer
 from ..optim.adamw import WarmupCosine, make_optimizer
 from ..optim.grads import reduce_gradients
@@ -108,7 +110,7 @@ def setup(args: TrainConfig | argparse.Namespace, mesh: Mesh | None = None) -> R
         tokenizer = resolved.tokenizer
         check_vocab(resolved, config_vocab(model_config(config.model, resolved.size)), config.model)
         check_tp_mode(config, vocab_size(tokenizer))
-        data = PackedData(
+        data = load_data(
             config.data,
             tokenizer,
             config.seq_len,
@@ -116,6 +118,9 @@ def setup(args: TrainConfig | argparse.Namespace, mesh: Mesh | None = None) -> R
             layout.dp_size,
             layout.dp_rank,
             config.seed,
+            loss_on=config.loss_on,
+            packing=config.packing,
+            overlong=config.overlong,
         )
         values, details = startup_values(config, tokenizer, data)
         record, files = checkpoint_assets(resolved, config.model)
@@ -202,7 +207,7 @@ def _seeded_lora_wrap(config: TrainConfig):
 
 
 def startup_values(
-    config: TrainConfig, tokenizer, data: PackedData | None = None
+    config: TrainConfig, tokenizer, data: RowData | None = None
 ) -> tuple[dict, dict[str, dict]]:
     """What every rank must agree on before anything else (``values``, ``details``, see
     :func:`neuron_tp.parallel.agreement.check_agreement`): every option, library versions, the model
@@ -248,8 +253,8 @@ def train_step(run: Run, log_this_step: bool, on_log: Callable | None) -> None:
     lr = run.schedule.apply()
     loss_sum = None
     for _ in range(config.grad_accum):
-        ids = run.data.next_batch().to(dev)
-        loss = model(input_ids=ids, labels=ids).loss / config.grad_accum
+        batch = {k: t.to(dev) for k, t in run.data.next_batch().items()}
+        loss = model(**model_inputs(batch)).loss / config.grad_accum
         loss.backward()
         loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
     norm = reduce_gradients(model, run.optimizer, mesh, config.max_grad_norm, config.uses_zero1)
@@ -307,6 +312,8 @@ def train(
     run = setup(args, mesh)
     say = printer if run.mesh.rank == 0 else _silent
     say(run.tokenizer_source)
+    for note in run.data.notes:
+        say(note)
     lock = claim_output(run, say)
     try:
         return _train(run, stop_at, say, on_step)

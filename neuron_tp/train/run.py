@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..job.config import TrainConfig
-from ..job.data import PackedData
+from ..job.data import RowData
 from ..optim.adamw import WarmupCosine
 from ..parallel.mesh import Mesh
 from .nonfinite import NonFiniteGuard
@@ -27,7 +27,7 @@ class Run:
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer  # or a neuron_tp.optim.zero1.Zero1 (--zero1, --bf16)
     schedule: WarmupCosine
-    data: PackedData
+    data: RowData
     tokenizer: object
     step: int = 0
     log: list = field(default_factory=list)  # dicts of logged steps (rank 0 and others)

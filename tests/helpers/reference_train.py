@@ -48,7 +48,7 @@ def reference_run(
     for _ in range(args.steps):
         total = 0.0
         for _ in range(args.grad_accum):
-            ids = data.next_batch()
+            ids = data.next_batch()["input_ids"]
             loss = model(input_ids=ids, labels=ids).loss / args.grad_accum
             loss.backward()
             total += loss.item()
