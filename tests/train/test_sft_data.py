@@ -238,3 +238,20 @@ def test_bad_datasets_named(tmp_path, tok):
             load_data(chat, tok, 64, 1)
     finally:
         tok.chat_template = CHAT_TEMPLATE
+
+
+def test_shipped_example_loads():
+    """examples/sft (scripts/build_sft_example.py): every sample used, the loss on answers."""
+    import os
+
+    from neuron_tp.job.data import load_tokenizer
+
+    here = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "sft")
+    tok = load_tokenizer(os.path.join(here, "tokenizer"))
+    assert tok.chat_template == CHAT_TEMPLATE
+    for name in ("chat.jsonl", "prompt_completion.jsonl"):
+        data = load_data(os.path.join(here, name), tok, 128, 4)
+        assert "400 of 400 samples used" in data.notes[0], data.notes
+    _, records = read_records(os.path.join(here, "chat.jsonl"))
+    ids, mask = encode_record(records[1], tok, "answers")
+    assert _answers(tok, ids, mask) == records[1].value["messages"][-1]["content"] + "</s>"
