@@ -122,6 +122,13 @@ def train_parser() -> argparse.ArgumentParser:
         help="instruction data: a sample longer than --seq-len is cut to its first --seq-len "
         "tokens (truncate) or left out (drop); counted in the log",
     )
+    p.add_argument(
+        "--data-cache",
+        default=None,
+        metavar="DIR",
+        help="tokenize --data once into DIR (memory-mapped rows keyed by the files, tokenizer "
+        "and options; one writer per node, the other ranks read it); default: no cache",
+    )
     p.add_argument("--micro-batch", type=positive(int), default=4, help="sequences per rank")
     p.add_argument("--grad-accum", type=positive(int), default=1)
     p.add_argument("--steps", type=positive(int), default=100, help="optimizer steps")

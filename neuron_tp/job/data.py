@@ -187,14 +187,23 @@ class PackedData(RowData):
         documents: list[str] | None = None,
     ):
         """``documents``: the texts already read from ``path`` (None: read them)."""
-        ids: list[int] = []
-        eos = getattr(tokenizer, "eos_token_id", None)
-        for doc in read_documents(path) if documents is None else documents:
-            ids.extend(tokenizer.encode(doc))
-            if eos is not None:
-                ids.append(eos)
-        n = len(ids) // seq_len
-        chunks = torch.tensor(ids[: n * seq_len], dtype=torch.long).view(n, seq_len)
-        what = f"{path}: {len(ids)} tokens make "
-        rows = {"input_ids": chunks, "labels": chunks}
+        docs = read_documents(path) if documents is None else documents
+        rows, total = stream_rows(docs, tokenizer, seq_len)
+        what = f"{path}: {total} tokens make "
         super().__init__(rows, seq_len, micro_batch, dp_size, dp_rank, seed, what)
+
+
+def stream_rows(
+    documents: list[str], tokenizer, seq_len: int
+) -> tuple[dict[str, torch.Tensor], int]:
+    """Every document's ids (and EOS) in one stream cut into ``[n, seq_len]`` rows, the labels
+    the ids themselves; with the stream's length (the tail shorter than a row is left out)."""
+    ids: list[int] = []
+    eos = getattr(tokenizer, "eos_token_id", None)
+    for doc in documents:
+        ids.extend(tokenizer.encode(doc))
+        if eos is not None:
+            ids.append(eos)
+    n = len(ids) // seq_len
+    chunks = torch.tensor(ids[: n * seq_len], dtype=torch.long).view(n, seq_len)
+    return {"input_ids": chunks, "labels": chunks}, len(ids)

@@ -121,6 +121,7 @@ def setup(args: TrainConfig | argparse.Namespace, mesh: Mesh | None = None) -> R
             loss_on=config.loss_on,
             packing=config.packing,
             overlong=config.overlong,
+            cache=config.data_cache,
         )
         values, details = startup_values(config, tokenizer, data)
         record, files = checkpoint_assets(resolved, config.model)
