@@ -143,14 +143,30 @@ class RowData:
             self._perm, self._perm_epoch = torch.randperm(len(self.chunks), generator=g), epoch
         return self._perm
 
+    def _rows_of(self, position: int, whole: bool) -> torch.Tensor:
+        """The row indices of global batch ``position``: all of them (``whole``) or this dp
+        rank's."""
+        epoch, b = divmod(position, self.batches_per_epoch)
+        start = b * self.global_batch + (0 if whole else self.dp_rank * self.micro_batch)
+        return self._permutation(epoch)[
+            start : start + (self.global_batch if whole else self.micro_batch)
+        ]
+
     def next_batch(self) -> dict[str, torch.Tensor]:
         """This rank's next batch: ``[micro_batch, seq_len]`` CPU int64 tensors by name."""
-        epoch, b = divmod(self.position, self.batches_per_epoch)
-        perm = self._permutation(epoch)
-        start = b * self.global_batch + self.dp_rank * self.micro_batch
+        idx = self._rows_of(self.position, whole=False)
         self.position += 1
-        idx = perm[start : start + self.micro_batch]
         return {name: t[idx] for name, t in self.rows.items()}
+
+    def loss_tokens(self, batches: int = 1) -> int:
+        """The tokens the loss is taken on in the next ``batches`` global batches, every dp
+        rank's (labels other than -100 after HF's shift: the first column never counts), read
+        from the rows every rank holds, without moving on."""
+        labels = self.rows["labels"]
+        return sum(
+            int((labels[self._rows_of(self.position + i, whole=True), 1:] != -100).sum())
+            for i in range(batches)
+        )
 
     def state_dict(self) -> dict:
         return {

@@ -253,9 +253,14 @@ def train_step(run: Run, log_this_step: bool, on_log: Callable | None) -> None:
     run.optimizer.zero_grad(set_to_none=True)
     lr = run.schedule.apply()
     loss_sum = None
+    # The loss is the mean over every loss token of the step (all micro-batches, all dp
+    # ranks), as one unsharded model would take it: each micro-batch's sum / (tokens / dp),
+    # since the dp gradient reduction averages. A device tensor: the graph stays the same.
+    tokens = max(1, run.data.loss_tokens(config.grad_accum))
+    per_rank = torch.tensor(tokens / mesh.dp_size, dtype=torch.float32).to(dev)
     for _ in range(config.grad_accum):
         batch = {k: t.to(dev) for k, t in run.data.next_batch().items()}
-        loss = model(**model_inputs(batch)).loss / config.grad_accum
+        loss = model(**model_inputs(batch), num_items_in_batch=per_rank).loss
         loss.backward()
         loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
     norm = reduce_gradients(model, run.optimizer, mesh, config.max_grad_norm, config.uses_zero1)

@@ -57,10 +57,12 @@ def reference_run(
     losses, norms = [], []
     for _ in range(args.steps):
         total = 0.0
-        for _ in range(args.grad_accum):
-            batch = data.next_batch()
-            loss = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
-            loss = loss / args.grad_accum
+        batches = [data.next_batch() for _ in range(args.grad_accum)]
+        # the step's loss: the mean over every token it takes the loss on (HF's shift)
+        n = sum((b["labels"][:, 1:] != -100).sum() for b in batches)
+        for batch in batches:
+            ids, labels = batch["input_ids"], batch["labels"]
+            loss = model(input_ids=ids, labels=labels, num_items_in_batch=n).loss
             loss.backward()
             total += loss.item()
         norms.append(float(torch.nn.utils.clip_grad_norm_(trained, args.max_grad_norm)))
