@@ -1,6 +1,6 @@
 """Tokenization + packing throughput of instruction data (neuron_tp.job.sft_data.load_data) on
 a generated set of conversations: samples/s, host memory (peak RSS growth), rows and padding
-with and without packing. Not a test.
+with and without packing, and the time a --data-cache entry takes to read. Not a test.
 
     python benchmarks/sft_data.py [--n 100000] [--seq-len 512]
 """
@@ -53,6 +53,11 @@ def main() -> None:
                 f"{args.n / dt:,.0f} samples/s; peak RSS +{_rss_mb() - before:.0f} MiB "
                 f"(total {_rss_mb():.0f} MiB); {'; '.join(data.notes)}"
             )
+        cache = os.path.join(tmp, "cache")
+        load_data(path, tok, args.seq_len, 1, cache=cache)  # written
+        t0 = time.perf_counter()
+        data = load_data(path, tok, args.seq_len, 1, cache=cache)
+        print(f"--data-cache read (mapped): {time.perf_counter() - t0:.2f} s; {data.notes[-1]}")
 
 
 if __name__ == "__main__":
