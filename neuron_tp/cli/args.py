@@ -94,8 +94,41 @@ def train_parser() -> argparse.ArgumentParser:
         "micro-batch over the grid (--micro-batch divisible by q / q*q)",
     )
     p.add_argument("--sequence-parallel", action="store_true", help="1d only")
-    p.add_argument("--data", default=REPO_DATA, help="a .txt/.jsonl file or a directory of them")
+    p.add_argument(
+        "--data",
+        default=REPO_DATA,
+        help="a .txt/.jsonl file or a directory of them; jsonl lines: {'text'}, {'messages'} "
+        "or {'prompt', 'completion'} (one format per file)",
+    )
     p.add_argument("--seq-len", type=positive(int), default=128)
+    p.add_argument(
+        "--loss-on",
+        choices=("answers", "all"),
+        default="answers",
+        help="instruction data: the loss on the assistant turns / completions only (answers) "
+        "or on every token (all); raw text always trains on every token",
+    )
+    p.add_argument(
+        "--no-packing",
+        dest="packing",
+        action="store_false",
+        help="instruction data: one sample per row, padded (default: several samples per "
+        "row, positions restarting and no attention across them)",
+    )
+    p.add_argument(
+        "--overlong",
+        choices=("truncate", "drop"),
+        default="truncate",
+        help="instruction data: a sample longer than --seq-len is cut to its first --seq-len "
+        "tokens (truncate) or left out (drop); counted in the log",
+    )
+    p.add_argument(
+        "--data-cache",
+        default=None,
+        metavar="DIR",
+        help="tokenize --data once into DIR (memory-mapped rows keyed by the files, tokenizer "
+        "and options; one writer per node, the other ranks read it); default: no cache",
+    )
     p.add_argument("--micro-batch", type=positive(int), default=4, help="sequences per rank")
     p.add_argument("--grad-accum", type=positive(int), default=1)
     p.add_argument("--steps", type=positive(int), default=100, help="optimizer steps")

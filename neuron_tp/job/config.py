@@ -55,6 +55,10 @@ class TrainConfig(_CommonConfig):
     sequence_parallel: bool
     data: str  # a .txt/.jsonl file or a directory of them
     seq_len: int
+    loss_on: str  # "answers" (assistant turns / completions) or "all" (instruction data)
+    packing: bool  # instruction data: several samples per row (False: padded rows)
+    overlong: str  # "truncate" or "drop" a sample longer than seq_len
+    data_cache: str | None  # a directory of tokenized rows (neuron_tp.job.data_cache); None: off
     micro_batch: int  # sequences per rank
     grad_accum: int
     steps: int  # optimizer steps (global, counting resumed ones)

@@ -1,7 +1,7 @@
 """Training data with static shapes: local .txt / .jsonl files, tokenized (a HF tokenizer
 directory or a byte-level fallback), packed into fixed-length sequences, shuffled per epoch by
 the seed, split over data-parallel ranks, incomplete batches dropped. The position in the
-stream is one integer (:meth:`PackedData.state_dict`), so a resumed run sees the same batches."""
+stream is one integer (:meth:`RowData.state_dict`), so a resumed run sees the same batches."""
 
 from __future__ import annotations
 
@@ -96,47 +96,48 @@ def read_documents(path: str) -> list[str]:
     return docs
 
 
-class PackedData:
-    """Fixed ``[micro_batch, seq_len]`` batches of token ids for one dp rank.
+class RowData:
+    """Fixed ``[micro_batch, seq_len]`` batches of one dp rank, drawn from equal-shape
+    ``[n, seq_len]`` int64 row tensors (``rows``; ``input_ids`` and ``labels`` always, see
+    :mod:`neuron_tp.job.rows` for the packed ones).
 
-    Global batch ``b`` is the chunks ``perm[b*G : (b+1)*G]`` of the epoch's permutation
+    Global batch ``b`` is the rows ``perm[b*G : (b+1)*G]`` of the epoch's permutation
     (``G = micro_batch * dp``); dp rank ``r`` takes its ``r``-th slice of ``micro_batch``
-    chunks. So dp=2 x micro_batch=m sees the same sequences as dp=1 x micro_batch=2m.
-    ``shuffle=False``: the file order every epoch (evaluation data).
+    rows. So dp=2 x micro_batch=m sees the same rows as dp=1 x micro_batch=2m.
+    ``notes``: lines for the startup log (what was dropped or truncated).
+    ``shuffle=False``: the row order every epoch (evaluation data).
     """
 
     def __init__(
         self,
-        path: str,
-        tokenizer,
+        rows: dict[str, torch.Tensor],
         seq_len: int,
         micro_batch: int,
         dp_size: int = 1,
         dp_rank: int = 0,
         seed: int = 0,
+        what: str = "",
         shuffle: bool = True,
     ):
-        ids: list[int] = []
-        eos = getattr(tokenizer, "eos_token_id", None)
-        for doc in read_documents(path):
-            ids.extend(tokenizer.encode(doc))
-            if eos is not None:
-                ids.append(eos)
+        self.rows, self.notes, self.shuffle = rows, [], shuffle
         self.seq_len, self.micro_batch, self.seed = seq_len, micro_batch, seed
-        self.shuffle = shuffle
         self.dp_size, self.dp_rank = dp_size, dp_rank
-        n = len(ids) // seq_len
+        n = len(rows["input_ids"])
         self.global_batch = micro_batch * dp_size
         self.batches_per_epoch = n // self.global_batch
         if self.batches_per_epoch == 0:
             raise UserError(
-                f"{path}: {len(ids)} tokens make {n} sequences of {seq_len}, fewer "
-                f"than one global batch ({self.global_batch} = micro_batch x dp); "
-                "use more data or a smaller --seq-len / --micro-batch"
+                f"{what}{n} sequences of {seq_len}, fewer than one global batch "
+                f"({self.global_batch} = micro_batch x dp); use more data or a smaller "
+                "--seq-len / --micro-batch"
             )
-        self.chunks = torch.tensor(ids[: n * seq_len], dtype=torch.long).view(n, seq_len)
         self.position = 0  # global batches consumed so far
         self._perm_epoch, self._perm = -1, None
+
+    @property
+    def chunks(self) -> torch.Tensor:
+        """The ``[n, seq_len]`` token ids of every row (what the ranks agree on)."""
+        return self.rows["input_ids"]
 
     def _permutation(self, epoch: int) -> torch.Tensor:
         if epoch != self._perm_epoch:
@@ -146,13 +147,30 @@ class PackedData:
             self._perm, self._perm_epoch = perm, epoch
         return self._perm
 
-    def next_batch(self) -> torch.Tensor:
-        """This rank's next ``[micro_batch, seq_len]`` batch (CPU int64)."""
-        epoch, b = divmod(self.position, self.batches_per_epoch)
-        perm = self._permutation(epoch)
-        start = b * self.global_batch + self.dp_rank * self.micro_batch
+    def _rows_of(self, position: int, whole: bool) -> torch.Tensor:
+        """The row indices of global batch ``position``: all of them (``whole``) or this dp
+        rank's."""
+        epoch, b = divmod(position, self.batches_per_epoch)
+        start = b * self.global_batch + (0 if whole else self.dp_rank * self.micro_batch)
+        return self._permutation(epoch)[
+            start : start + (self.global_batch if whole else self.micro_batch)
+        ]
+
+    def next_batch(self) -> dict[str, torch.Tensor]:
+        """This rank's next batch: ``[micro_batch, seq_len]`` CPU int64 tensors by name."""
+        idx = self._rows_of(self.position, whole=False)
         self.position += 1
-        return self.chunks[perm[start : start + self.micro_batch]]
+        return {name: t[idx] for name, t in self.rows.items()}
+
+    def loss_tokens(self, batches: int = 1) -> int:
+        """The tokens the loss is taken on in the next ``batches`` global batches, every dp
+        rank's (labels other than -100 after HF's shift: the first column never counts), read
+        from the rows every rank holds, without moving on."""
+        labels = self.rows["labels"]
+        return sum(
+            int((labels[self._rows_of(self.position + i, whole=True), 1:] != -100).sum())
+            for i in range(batches)
+        )
 
     def state_dict(self) -> dict:
         return {
@@ -171,3 +189,41 @@ class PackedData:
                     "resume with the same --seed/--seq-len/--micro-batch x dp"
                 )
         self.position = int(state["position"])
+
+
+class PackedData(RowData):
+    """Language modelling on raw text: every document's tokens (and EOS) in one stream cut
+    into ``seq_len`` rows, the loss on every token (``labels`` is ``input_ids``)."""
+
+    def __init__(
+        self,
+        path: str,
+        tokenizer,
+        seq_len: int,
+        micro_batch: int,
+        dp_size: int = 1,
+        dp_rank: int = 0,
+        seed: int = 0,
+        documents: list[str] | None = None,
+    ):
+        """``documents``: the texts already read from ``path`` (None: read them)."""
+        docs = read_documents(path) if documents is None else documents
+        rows, total = stream_rows(docs, tokenizer, seq_len)
+        what = f"{path}: {total} tokens make "
+        super().__init__(rows, seq_len, micro_batch, dp_size, dp_rank, seed, what)
+
+
+def stream_rows(
+    documents: list[str], tokenizer, seq_len: int
+) -> tuple[dict[str, torch.Tensor], int]:
+    """Every document's ids (and EOS) in one stream cut into ``[n, seq_len]`` rows, the labels
+    the ids themselves; with the stream's length (the tail shorter than a row is left out)."""
+    ids: list[int] = []
+    eos = getattr(tokenizer, "eos_token_id", None)
+    for doc in documents:
+        ids.extend(tokenizer.encode(doc))
+        if eos is not None:
+            ids.append(eos)
+    n = len(ids) // seq_len
+    chunks = torch.tensor(ids[: n * seq_len], dtype=torch.long).view(n, seq_len)
+    return {"input_ids": chunks, "labels": chunks}, len(ids)

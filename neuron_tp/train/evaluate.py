@@ -17,13 +17,15 @@ import torch
 
 from ..backend.graphs import step_boundary
 from ..errors import UserError
+from ..hf.packing import model_inputs
 from ..job.config import TrainConfig
-from ..job.data import PackedData
+from ..job.data import RowData
+from ..job.sft_data import load_data
 from ..parallel import comm
 from ..parallel.mesh import Mesh
 
 
-def eval_data(config: TrainConfig, tokenizer, mesh: Mesh) -> PackedData | None:
+def eval_data(config: TrainConfig, tokenizer, mesh: Mesh) -> RowData | None:
     """This dp rank's eval data (file order, no shuffle), None without ``--eval-data``;
     UserError for inconsistent options or missing, empty or too small eval data."""
     if config.eval_data is None:
@@ -40,7 +42,7 @@ def eval_data(config: TrainConfig, tokenizer, mesh: Mesh) -> PackedData | None:
             "directory of them"
         )
     try:
-        data = PackedData(
+        data = load_data(
             config.eval_data,
             tokenizer,
             config.seq_len,
@@ -48,6 +50,9 @@ def eval_data(config: TrainConfig, tokenizer, mesh: Mesh) -> PackedData | None:
             mesh.dp_size,
             mesh.dp_rank,
             config.seed,
+            loss_on=config.loss_on,
+            packing=config.packing,
+            overlong=config.overlong,
             shuffle=False,
         )
     except UserError as e:
@@ -59,20 +64,6 @@ def eval_data(config: TrainConfig, tokenizer, mesh: Mesh) -> PackedData | None:
             f"sequences of {config.seq_len}; pass at most {data.batches_per_epoch} (or 0: all)"
         )
     return data
-
-
-def as_batch(batch) -> dict[str, torch.Tensor]:
-    """A batch of the batch interface (a dict with ``input_ids`` and ``labels``); a plain
-    ``[micro_batch, seq_len]`` id tensor is language modelling on every token."""
-    if isinstance(batch, torch.Tensor):
-        return {"input_ids": batch, "labels": batch}
-    return batch
-
-
-def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The model's keyword arguments for ``batch`` (stand-in for the packing-aware
-    ``neuron_tp.hf.packing.model_inputs`` of the training step)."""
-    return {"input_ids": batch["input_ids"], "labels": batch["labels"]}
 
 
 def label_count(labels: torch.Tensor) -> torch.Tensor:
@@ -91,9 +82,9 @@ def evaluation_totals(
     try:
         with torch.no_grad():
             for _ in range(batches):
-                batch = as_batch(data.next_batch())
-                inputs = {k: v.to(device) for k, v in model_inputs(batch).items()}
-                n = label_count(batch["labels"]).float().to(device)
+                batch = {k: v.to(device) for k, v in data.next_batch().items()}
+                inputs = model_inputs(batch)  # the training step's masking and packing
+                n = label_count(inputs["labels"]).float()
                 loss = model(**inputs).loss.float()
                 # a batch without label tokens has a NaN mean: it adds nothing
                 part = torch.stack([torch.where(n > 0, loss, torch.zeros_like(loss)) * n, n])
@@ -110,7 +101,7 @@ class Evaluator:
     ``neuron_parallel_compile`` (``extract``) one batch is traced after the first step, so the
     eval graph is compiled ahead of training, and nothing is read."""
 
-    def __init__(self, config: TrainConfig, data: PackedData, first_step: int, extract: bool):
+    def __init__(self, config: TrainConfig, data: RowData, first_step: int, extract: bool):
         self.every, self.data, self.extract = config.eval_every, data, extract
         self.batches = config.eval_batches or data.batches_per_epoch
         self.first_step = first_step

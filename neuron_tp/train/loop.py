@@ -25,11 +25,13 @@ from ..backend.graphs import (
     step_boundary,
 )
 from ..errors import UserError
+from ..hf.packing import check_packable, model_inputs
 from ..hf.recompute import apply_activation_checkpointing
 from ..job.config import TrainConfig
-from ..job.data import PackedData, vocab_size
+from ..job.data import RowData, vocab_size
 from ..job.presets import build_model, is_preset, model_config, preload
 from ..job.runtime import BUILD_LOCK, rank_device, refuse_xla_ranks_off_neuron
+from ..job.sft_data import load_data
 from ..job.tokenizer import check_vocab, checkpoint_assets, config_vocab, resolve_tokenizer
 from ..optim.adamw import WarmupCosine, make_optimizer
 from ..optim.grads import reduce_gradients
@@ -108,9 +110,10 @@ def setup(args: TrainConfig | argparse.Namespace, mesh: Mesh | None = None) -> R
                 )
         resolved = resolve_tokenizer(config.tokenizer, config.model)
         tokenizer = resolved.tokenizer
-        check_vocab(resolved, config_vocab(model_config(config.model, resolved.size)), config.model)
+        hf_config = model_config(config.model, resolved.size)
+        check_vocab(resolved, config_vocab(hf_config), config.model)
         check_tp_mode(config, vocab_size(tokenizer))
-        data = PackedData(
+        data = load_data(
             config.data,
             tokenizer,
             config.seq_len,
@@ -118,8 +121,14 @@ def setup(args: TrainConfig | argparse.Namespace, mesh: Mesh | None = None) -> R
             layout.dp_size,
             layout.dp_rank,
             config.seed,
+            loss_on=config.loss_on,
+            packing=config.packing,
+            overlong=config.overlong,
+            cache=config.data_cache,
         )
         evaluation = eval_data(config, tokenizer, layout)
+        if any("segment_ids" in d.rows for d in (data, evaluation) if d is not None):
+            check_packable(hf_config, config.seq_len)  # packed rows: a given 4D mask
         values, details = startup_values(config, tokenizer, data)
         record, files = checkpoint_assets(resolved, config.model)
         extra = {"tokenizer": record}
@@ -206,7 +215,7 @@ def _seeded_lora_wrap(config: TrainConfig):
 
 
 def startup_values(
-    config: TrainConfig, tokenizer, data: PackedData | None = None
+    config: TrainConfig, tokenizer, data: RowData | None = None
 ) -> tuple[dict, dict[str, dict]]:
     """What every rank must agree on before anything else (``values``, ``details``, see
     :func:`neuron_tp.parallel.agreement.check_agreement`): every option, library versions, the model
@@ -251,9 +260,14 @@ def train_step(run: Run, log_this_step: bool, on_log: Callable | None) -> None:
     run.optimizer.zero_grad(set_to_none=True)
     lr = run.schedule.apply()
     loss_sum = None
+    # The loss is the mean over every loss token of the step (all micro-batches, all dp
+    # ranks), as one unsharded model would take it: each micro-batch's sum / (tokens / dp),
+    # since the dp gradient reduction averages. A device tensor: the graph stays the same.
+    tokens = max(1, run.data.loss_tokens(config.grad_accum))
+    per_rank = torch.tensor(tokens / mesh.dp_size, dtype=torch.float32).to(dev)
     for _ in range(config.grad_accum):
-        ids = run.data.next_batch().to(dev)
-        loss = model(input_ids=ids, labels=ids).loss / config.grad_accum
+        batch = {k: t.to(dev) for k, t in run.data.next_batch().items()}
+        loss = model(**model_inputs(batch), num_items_in_batch=per_rank).loss
         loss.backward()
         loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
     norm = reduce_gradients(model, run.optimizer, mesh, config.max_grad_norm, config.uses_zero1)
@@ -314,6 +328,8 @@ def train(
     run = setup(args, mesh)
     say = printer if run.mesh.rank == 0 else _silent
     say(run.tokenizer_source)
+    for note in run.data.notes:
+        say(note)
     lock = claim_output(run, say)
     try:
         return _train(run, stop_at, say, on_step, stop)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..job.config import TrainConfig
-from ..job.data import PackedData
+from ..job.data import RowData
 from ..optim.adamw import WarmupCosine
 from ..parallel.mesh import Mesh
 from .nonfinite import NonFiniteGuard
@@ -27,7 +27,7 @@ class Run:
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer  # or a neuron_tp.optim.zero1.Zero1 (--zero1, --bf16)
     schedule: WarmupCosine
-    data: PackedData
+    data: RowData
     tokenizer: object
     step: int = 0
     log: list = field(default_factory=list)  # dicts of logged steps (rank 0 and others)
@@ -39,4 +39,4 @@ class Run:
     # written with every checkpoint: meta extra (the tokenizer record), files (its files)
     checkpoint_extra: dict = field(default_factory=dict)
     checkpoint_files: dict = field(default_factory=dict)
-    eval_data: PackedData | None = None  # --eval-data of this dp rank (train.evaluate)
+    eval_data: RowData | None = None  # --eval-data of this dp rank (train.evaluate)

@@ -21,8 +21,9 @@ def reference_run(
 ) -> tuple[list[float], list[float]]:
     """``global_micro_batch`` = micro_batch x dp of the run being checked; ``dtype`` of the
     parameters (bf16: pure bf16 AdamW, no master weights)."""
-    from neuron_tp.job.data import ByteTokenizer, PackedData
+    from neuron_tp.job.data import ByteTokenizer
     from neuron_tp.job.presets import build_model
+    from neuron_tp.job.sft_data import load_data
 
     model = build_model(args.model, ByteTokenizer.vocab_size, args.seed, dtype)
     if getattr(args, "lora_r", 0):  # the unsharded peft model, adapters from the same RNG
@@ -30,7 +31,16 @@ def reference_run(
 
         model = wrap(model, args)
     model.train()
-    data = PackedData(args.data, ByteTokenizer(), args.seq_len, global_micro_batch, 1, 0, args.seed)
+    data = load_data(
+        args.data,
+        ByteTokenizer(),
+        args.seq_len,
+        global_micro_batch,
+        seed=args.seed,
+        loss_on=args.loss_on,
+        packing=args.packing,
+        overlong=args.overlong,
+    )
     trained = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in trained if p.dim() >= 2]
     rest = [p for p in trained if p.dim() < 2]
@@ -47,9 +57,12 @@ def reference_run(
     losses, norms = [], []
     for _ in range(args.steps):
         total = 0.0
-        for _ in range(args.grad_accum):
-            ids = data.next_batch()
-            loss = model(input_ids=ids, labels=ids).loss / args.grad_accum
+        batches = [data.next_batch() for _ in range(args.grad_accum)]
+        # the step's loss: the mean over every token it takes the loss on (HF's shift)
+        n = sum((b["labels"][:, 1:] != -100).sum() for b in batches)
+        for batch in batches:
+            ids, labels = batch["input_ids"], batch["labels"]
+            loss = model(input_ids=ids, labels=labels, num_items_in_batch=n).loss
             loss.backward()
             total += loss.item()
         norms.append(float(torch.nn.utils.clip_grad_norm_(trained, args.max_grad_norm)))

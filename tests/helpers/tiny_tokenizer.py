@@ -8,10 +8,23 @@ import os
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CORPUS = os.path.join(REPO, "data", "corpus.txt")
+# A chat template whose assistant turns are marked ({% generation %}: transformers returns
+# their mask); PLAIN_CHAT_TEMPLATE is the same text without the marks (the loss tokens are
+# then found by rendering prefix by prefix). An answer's loss tokens: its content and EOS.
+CHAT_TEMPLATE = (
+    r"{% for m in messages %}{% if m['role'] == 'assistant' %}{{ '<|assistant|>\n' }}"
+    r"{% generation %}{{ m['content'] + eos_token }}{% endgeneration %}"
+    r"{% else %}{{ '<|' + m['role'] + '|>\n' + m['content'] + '\n' }}{% endif %}"
+    r"{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+)
+PLAIN_CHAT_TEMPLATE = CHAT_TEMPLATE.replace("{% generation %}", "").replace(
+    "{% endgeneration %}", ""
+)
 
 
-def bpe_tokenizer_dir(out: str, vocab: int = 300, chat_template: bool = False) -> str:
-    """Write a BPE tokenizer of ``vocab`` tokens (``<unk>`` 0, ``</s>`` 1 = EOS) to ``out``."""
+def bpe_tokenizer_dir(out: str, vocab: int = 300, chat_template: bool | str = False) -> str:
+    """Write a BPE tokenizer of ``vocab`` tokens (``<unk>`` 0, ``</s>`` 1 = EOS) to ``out``;
+    ``chat_template``: True for a one-line-per-message template, or the template itself."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -25,7 +38,9 @@ def bpe_tokenizer_dir(out: str, vocab: int = 300, chat_template: bool = False) -
     )
     bpe.train([CORPUS], trainer)
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="</s>", unk_token="<unk>")
-    if chat_template:
+    if isinstance(chat_template, str):
+        tok.chat_template = chat_template
+    elif chat_template:
         tok.chat_template = (
             "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
         )

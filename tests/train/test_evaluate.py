@@ -27,9 +27,11 @@ import xla_dist  # noqa: E402
 from neuron_tp.cli.args import train_parser  # noqa: E402
 from neuron_tp.errors import UserError  # noqa: E402
 from neuron_tp.job.config import TrainConfig  # noqa: E402
-from neuron_tp.job.data import ByteTokenizer, PackedData  # noqa: E402
+from neuron_tp.job.data import ByteTokenizer  # noqa: E402
+from neuron_tp.job.sft_data import load_data  # noqa: E402
 from neuron_tp.parallel.mesh import Mesh  # noqa: E402
 from neuron_tp.train.evaluate import eval_data, evaluation_totals  # noqa: E402
+from packing_ref import LAYOUTS, packed_batch, samples  # noqa: E402
 from reference_train import reference_run  # noqa: E402
 from tiny_configs import nd_config  # noqa: E402
 
@@ -181,18 +183,52 @@ def reference_eval(args, eval_file: str, batches: int = 2) -> float:
     """The eval loss of the reference model trained ``--steps`` steps on the same data (global
     micro-batch 2), on the first ``batches`` batches of ``eval_file`` in file order."""
     reference_run(args, global_micro_batch=2)
-    data = PackedData(eval_file, ByteTokenizer(), args.seq_len, 2, shuffle=False)
-    ids = [data.next_batch() for _ in range(batches)]
-    return reference_loss(reference_run.model, [{"input_ids": b, "labels": b} for b in ids])
+    data = load_data(eval_file, ByteTokenizer(), args.seq_len, 2, shuffle=False)
+    return reference_loss(reference_run.model, [data.next_batch() for _ in range(batches)])
+
+
+class PackedBatches:
+    """Packed dict batches (position_ids + segment_ids), a different packing each batch."""
+
+    def __init__(self):
+        self.position = 0
+
+    def next_batch(self) -> dict[str, torch.Tensor]:
+        layout = LAYOUTS["abc"[self.position % 3]]
+        self.position += 1
+        return packed_batch(layout, VOCAB, seed=self.position)
+
+
+def _tp2_packed(tmp: str) -> None:
+    """Packed eval batches: every sample scored as if alone (plain transformers, one sample at
+    a time), the token-weighted mean over all of them."""
+    ref, model, mesh = _models(dropout=0.5)
+    got = _eval_loss(model, PackedBatches(), 3, mesh)
+    same, total, count = PackedBatches(), 0.0, 0
+    ref.eval()
+    with torch.no_grad():
+        for _ in range(3):
+            for ids, labels in samples(same.next_batch()):
+                logits, target = ref(input_ids=ids[None]).logits[0].float(), labels[1:]
+                total += float(
+                    torch.nn.functional.cross_entropy(
+                        logits[:-1], target, ignore_index=-100, reduction="sum"
+                    )
+                )
+                count += int((target != -100).sum())
+    torch.testing.assert_close(got, total / count, rtol=1e-5, atol=1e-5)
 
 
 def _check(case: str, tmp: str) -> None:
-    {"tp2_dropout": _tp2_dropout, "dp2": _dp2_token_mean, "train_resume": _train_resume}[case](
-        os.path.join(tmp, case)
-    )
+    {
+        "tp2_dropout": _tp2_dropout,
+        "tp2_packed": _tp2_packed,
+        "dp2": _dp2_token_mean,
+        "train_resume": _train_resume,
+    }[case](os.path.join(tmp, case))
 
 
-CASES = ("tp2_dropout", "dp2", "train_resume")
+CASES = ("tp2_dropout", "tp2_packed", "dp2", "train_resume")
 
 
 @pytest.fixture(scope="module")
@@ -227,9 +263,9 @@ def test_bad_eval_options(tmp_path):
         with pytest.raises(UserError, match=message):
             eval_data(_config(tmp_path, *extra), tok, mesh)
     data = eval_data(_config(tmp_path, "--eval-data", str(ok), "--eval-every", "2"), tok, mesh)
-    first = data.next_batch()
+    first = data.next_batch()["input_ids"]
     data.position = 0
-    assert torch.equal(data.next_batch(), first)
+    assert torch.equal(data.next_batch()["input_ids"], first)
     assert torch.equal(first[0], data.chunks[0])  # file order, not shuffled
 
 

@@ -213,7 +213,7 @@ def _reference(args, skip_step: int | None) -> list[float]:
     )
     losses = []
     for step in range(1, args.steps + 1):
-        ids = data.next_batch()
+        ids = data.next_batch()["input_ids"]
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)

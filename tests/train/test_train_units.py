@@ -40,8 +40,8 @@ def test_packing_dp_split_and_resume_position(tmp_path):
     ranks = [PackedData(path, tok, 13, 2, 2, r, seed=3) for r in range(2)]
     assert whole.batches_per_epoch == len(whole.chunks) // 4  # incomplete batch dropped
     for _ in range(2 * whole.batches_per_epoch + 1):  # across two epoch boundaries
-        b = whole.next_batch()
-        parts = [r.next_batch() for r in ranks]
+        b = whole.next_batch()["input_ids"]
+        parts = [r.next_batch()["input_ids"] for r in ranks]
         assert b.shape == (4, 13) and all(p.shape == (2, 13) for p in parts)
         assert torch.equal(b, torch.cat(parts))
     # the packed stream is the documents' bytes joined by end-of-text tokens
@@ -51,7 +51,7 @@ def test_packing_dp_split_and_resume_position(tmp_path):
     state = whole.state_dict()
     again = PackedData(path, tok, 13, 4, 1, 0, seed=3)
     again.load_state_dict(state)
-    assert torch.equal(again.next_batch(), whole.next_batch())
+    assert torch.equal(again.next_batch()["input_ids"], whole.next_batch()["input_ids"])
     with pytest.raises(ValueError, match="seq_len"):
         PackedData(path, tok, 14, 4, 1, 0, seed=3).load_state_dict(state)
 

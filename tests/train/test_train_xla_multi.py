@@ -128,7 +128,7 @@ def test_tp2_qwen3_on_two_xla_devices_resume_and_reshard(tmp_path):
 
     data = PackedData(args.data, ByteTokenizer(), args.seq_len, 2, 1, 0, args.seed)
     for _ in range(5):
-        ids = data.next_batch()
+        ids = data.next_batch()["input_ids"]
     with torch.no_grad():
         loss5 = plain(input_ids=ids, labels=ids).loss.item()
     assert abs(loss5 - losses[4]) < 2e-4, (loss5, losses[4])
