@@ -18,32 +18,12 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 import gloo_dist  # noqa: E402
 import neuron_tp as ntp  # noqa: E402
+from hf_sampling import hf_sample  # noqa: E402
 
 HERE = os.path.dirname(__file__)
 REPO = os.path.dirname(os.path.dirname(HERE))
 PROMPTS = [[72, 101, 108], [84, 104, 101, 32, 111, 108, 100], list(range(97, 108))]
 EOS = [131, 215]  # seed-4 tiny Llama: ends row 0 after 3 tokens, row 1 after 6, not row 2
-
-
-def hf_sample(full, prompts, new: int, temperature: float, top_k: int, seed: int):
-    """transformers' own sampling on the unsharded model: the batch left-padded, same seed."""
-    width = max(map(len, prompts))
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p) :], mask[i, width - len(p) :] = torch.tensor(p), 1
-    torch.manual_seed(seed)
-    out = full.generate(
-        ids,
-        attention_mask=mask,
-        max_new_tokens=new,
-        do_sample=True,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=1.0,
-        pad_token_id=0,
-    )
-    return out[:, width:].tolist()
 
 
 def _sharded(tmp: str) -> None:

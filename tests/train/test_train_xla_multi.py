@@ -173,8 +173,7 @@ def test_tp2_generation_on_two_xla_devices_equals_transformers():
     tokens of transformers' own ``generate`` on the unsharded model (same seed for sampling),
     the same on both ranks, per-sequence EOS and batch buckets, and no new trace or graph for
     more tokens."""
-    from test_generate import hf_sample
-
+    from hf_sampling import hf_sample
     from neuron_tp.job.presets import build_model
 
     res = xla_dist.run(cases.run_generate, 2, devices=2, timeout=300)
