@@ -162,8 +162,10 @@ def trace_step(config, spec: Spec, rank: int = 0) -> Trace:
         return t
 
     ids = torch.zeros(spec.micro_batch, spec.seq_len, dtype=torch.long, device=device)
+    # as the training step calls it: the step's loss-token count given (no count reduction)
+    items = torch.tensor(float(spec.micro_batch * (spec.seq_len - 1))).to(device)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = model(input_ids=ids, labels=ids).loss
+        loss = model(input_ids=ids, labels=ids, num_items_in_batch=items).loss
     loss.backward()
     trained = [p for p in model.parameters() if p.requires_grad]
     micro_hlo = trace_hlo([loss] + [p.grad for p in trained])
