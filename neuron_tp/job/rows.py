@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-IGNORE = -100  # the label of a token the loss skips (transformers' ignore_index)
+from ..hf.packing import IGNORE_INDEX  # the label of a token the loss skips
+
 TRUNCATE, DROP = "truncate", "drop"
 
 
@@ -65,8 +66,10 @@ def fit(
 
 def _labels(ids: list[int], mask: list[bool]) -> torch.Tensor:
     labels = torch.tensor(ids, dtype=torch.long)
-    labels[~torch.tensor(mask, dtype=torch.bool)] = IGNORE
-    labels[0] = IGNORE  # never a target (HF shifts); in a packed row: not the previous' target
+    labels[~torch.tensor(mask, dtype=torch.bool)] = IGNORE_INDEX
+    labels[0] = (
+        IGNORE_INDEX  # never a target (HF shifts); in a packed row: not the previous' target
+    )
     return labels
 
 
@@ -99,7 +102,7 @@ def pack(
     n = len(rows)
     out = {
         "input_ids": torch.full((n, seq_len), pad_id, dtype=torch.long),
-        "labels": torch.full((n, seq_len), IGNORE, dtype=torch.long),
+        "labels": torch.full((n, seq_len), IGNORE_INDEX, dtype=torch.long),
         "position_ids": torch.zeros((n, seq_len), dtype=torch.long),
         "segment_ids": torch.zeros((n, seq_len), dtype=torch.long),
     }
@@ -123,7 +126,7 @@ def pad(
     n = len(samples)
     out = {
         "input_ids": torch.full((n, seq_len), pad_id, dtype=torch.long),
-        "labels": torch.full((n, seq_len), IGNORE, dtype=torch.long),
+        "labels": torch.full((n, seq_len), IGNORE_INDEX, dtype=torch.long),
     }
     for r, (ids, mask) in enumerate(samples):
         out["input_ids"][r, : len(ids)] = torch.tensor(ids, dtype=torch.long)

@@ -11,7 +11,7 @@ import torch
 from ..errors import UserError
 from .chat import encode_record
 from .data import RowData, stream_rows
-from .rows import IGNORE, fit, pack, pad
+from .rows import IGNORE_INDEX, fit, pack, pad
 from .samples import TEXT, read_records
 
 
@@ -47,7 +47,7 @@ def build_rows(
     samples = [encode_record(r, tokenizer, loss_on) for r in records]
     kept, counts = fit(samples, seq_len, overlong)
     rows = (pack if packing else pad)(kept, seq_len, pad_id(tokenizer))
-    loss_tokens = int((rows["labels"] != IGNORE).sum())
+    loss_tokens = int((rows["labels"] != IGNORE_INDEX).sum())
     real = sum(len(ids) for ids, _ in kept)
     how = "packed" if packing else "padded"
     notes = [

@@ -17,7 +17,7 @@ import torch
 
 from ..backend.graphs import step_boundary
 from ..errors import UserError
-from ..hf.packing import model_inputs
+from ..hf.packing import IGNORE_INDEX, model_inputs
 from ..job.config import TrainConfig
 from ..job.data import RowData
 from ..job.sft_data import load_data
@@ -68,7 +68,7 @@ def eval_data(config: TrainConfig, tokenizer, mesh: Mesh) -> RowData | None:
 
 def label_count(labels: torch.Tensor) -> torch.Tensor:
     """How many tokens a causal LM's loss averages over: labels after the shift != -100."""
-    return (labels[..., 1:] != -100).sum()
+    return (labels[..., 1:] != IGNORE_INDEX).sum()
 
 
 def evaluation_totals(

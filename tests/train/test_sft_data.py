@@ -13,7 +13,8 @@ import torch
 
 from neuron_tp.job.chat import encode_record
 from neuron_tp.job.data import ByteTokenizer
-from neuron_tp.job.rows import IGNORE, assign_rows, fit, pack, pad
+from neuron_tp.job.rows import IGNORE_INDEX as IGNORE
+from neuron_tp.job.rows import assign_rows, fit, pack, pad
 from neuron_tp.job.samples import read_records
 from neuron_tp.job.sft_data import load_data
 from tiny_tokenizer import CHAT_TEMPLATE, PLAIN_CHAT_TEMPLATE, bpe_tokenizer_dir
