@@ -168,8 +168,9 @@ def train_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--eval-data",
         default=None,
-        help="a .txt/.jsonl file or directory evaluated every --eval-every steps (eval loss "
-        "and perplexity over the label tokens, fixed order, split over the dp ranks)",
+        help="a .txt/.jsonl file or directory evaluated every --eval-every steps and at the "
+        "last step (eval loss and perplexity over the label tokens, fixed order, split over "
+        "the dp ranks)",
     )
     p.add_argument(
         "--eval-every", type=_non_negative(int), default=0, help="steps between evaluations"

@@ -96,6 +96,14 @@ class TrainConfig(_CommonConfig):
         return self.zero1 or self.bf16
 
     @property
+    def model_dtype(self):
+        """The model's parameter and compute dtype (bf16 with ``--bf16``, else fp32); the
+        packed rows' attention mask is built in it too."""
+        import torch
+
+        return torch.bfloat16 if self.bf16 else torch.float32
+
+    @property
     def mesh_reduce_dtype(self):
         """The mesh's ``reduce_dtype`` (a torch dtype or None) for ``--reduce-dtype``."""
         import torch
