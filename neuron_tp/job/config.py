@@ -53,7 +53,7 @@ class TrainConfig(_CommonConfig):
 
     tp_mode: str  # "1d", "2d" (tp = q*q) or "3d" (tp = q^3)
     sequence_parallel: bool
-    data: str  # a .txt/.jsonl file or a directory of them
+    data: str  # a .txt/.jsonl/.parquet/.arrow file or a directory of them
     seq_len: int
     loss_on: str  # "answers" (assistant turns / completions) or "all" (instruction data)
     packing: bool  # instruction data: several samples per row (False: padded rows)

@@ -38,8 +38,8 @@ def eval_data(config: TrainConfig, tokenizer, mesh: Mesh) -> RowData | None:
         )
     if not os.path.exists(config.eval_data):
         raise UserError(
-            f"--eval-data {config.eval_data!r} does not exist; pass a .txt/.jsonl file or a "
-            "directory of them"
+            f"--eval-data {config.eval_data!r} does not exist; pass a .txt/.jsonl/.parquet/"
+            ".arrow file or a directory of them"
         )
     try:
         data = load_data(
