@@ -108,19 +108,11 @@ class Evaluator:
     time). Under ``neuron_parallel_compile`` (``extract``) one batch is traced after the first
     step, so the eval graph is compiled ahead of training, and nothing is read."""
 
-    def __init__(
-        self,
-        config: TrainConfig,
-        data: RowData,
-        first_step: int,
-        extract: bool,
-        mask_dtype: torch.dtype = torch.float32,
-    ):
-        """``mask_dtype``: the dtype of packed batches' attention mask (the model's)."""
+    def __init__(self, config: TrainConfig, data: RowData, first_step: int, extract: bool):
         self.every, self.data, self.extract = config.eval_every, data, extract
         self.batches = config.eval_batches or data.batches_per_epoch
         self.first_step, self.last_step = first_step, config.steps
-        self.mask_dtype = mask_dtype
+        self.mask_dtype = config.model_dtype  # packed batches' mask: as in training
 
     def due(self, step: int) -> bool:
         """Whether global step ``step`` ends with an evaluation."""

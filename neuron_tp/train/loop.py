@@ -362,9 +362,7 @@ def _train(
     logger = StepLogger(run, steps, say, extract)
     logger.begin()
     evaluator = (
-        None
-        if run.eval_data is None
-        else Evaluator(config, run.eval_data, start_step, extract, config.model_dtype)
+        None if run.eval_data is None else Evaluator(config, run.eval_data, start_step, extract)
     )
     saved: list[str] = []
     stopped = False
