@@ -97,8 +97,9 @@ def train_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--data",
         default=REPO_DATA,
-        help="a .txt/.jsonl file or a directory of them; jsonl lines: {'text'}, {'messages'} "
-        "or {'prompt', 'completion'} (one format per file)",
+        help="a .txt/.jsonl/.parquet/.arrow file or a directory of them; jsonl lines (table "
+        "rows): {'text'}, {'messages'} or {'prompt', 'completion'} (one format per file; "
+        "tables need pip install neuron_tp[data])",
     )
     p.add_argument("--seq-len", type=positive(int), default=128)
     p.add_argument(
@@ -168,8 +169,9 @@ def train_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--eval-data",
         default=None,
-        help="a .txt/.jsonl file or directory evaluated every --eval-every steps (eval loss "
-        "and perplexity over the label tokens, fixed order, split over the dp ranks)",
+        help="a data file or directory (as --data) evaluated every --eval-every steps and at the "
+        "last step (eval loss and perplexity over the label tokens, fixed order, split over "
+        "the dp ranks)",
     )
     p.add_argument(
         "--eval-every", type=_non_negative(int), default=0, help="steps between evaluations"

@@ -53,7 +53,7 @@ class TrainConfig(_CommonConfig):
 
     tp_mode: str  # "1d", "2d" (tp = q*q) or "3d" (tp = q^3)
     sequence_parallel: bool
-    data: str  # a .txt/.jsonl file or a directory of them
+    data: str  # a .txt/.jsonl/.parquet/.arrow file or a directory of them
     seq_len: int
     loss_on: str  # "answers" (assistant turns / completions) or "all" (instruction data)
     packing: bool  # instruction data: several samples per row (False: padded rows)
@@ -94,6 +94,14 @@ class TrainConfig(_CommonConfig):
         """The optimizer is a :class:`neuron_tp.optim.zero1.Zero1`: asked for, or the keeper of the
         fp32 master weights of a bf16 model."""
         return self.zero1 or self.bf16
+
+    @property
+    def model_dtype(self):
+        """The model's parameter and compute dtype (bf16 with ``--bf16``, else fp32); the
+        packed rows' attention mask is built in it too."""
+        import torch
+
+        return torch.bfloat16 if self.bf16 else torch.float32
 
     @property
     def mesh_reduce_dtype(self):

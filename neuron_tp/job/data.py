@@ -1,6 +1,7 @@
-"""Training data with static shapes: local .txt / .jsonl files, tokenized (a HF tokenizer
-directory or a byte-level fallback), packed into fixed-length sequences, shuffled per epoch by
-the seed, split over data-parallel ranks, incomplete batches dropped. The position in the
+"""Training data with static shapes: local .txt / .jsonl files (and .parquet / .arrow tables,
+:mod:`.tables`), tokenized (a HF tokenizer directory or a byte-level fallback), packed into
+fixed-length sequences, shuffled per epoch by the seed, split over data-parallel ranks,
+incomplete batches dropped. The position in the
 stream is one integer (:meth:`RowData.state_dict`), so a resumed run sees the same batches."""
 
 from __future__ import annotations
@@ -47,17 +48,23 @@ def vocab_size(tokenizer) -> int:
     return len(tokenizer) if hasattr(tokenizer, "__len__") else tokenizer.vocab_size
 
 
-def data_files(path: str) -> list[str]:
-    """The .txt / .jsonl files at ``path`` (a file, or a directory searched recursively)."""
+TEXT_SUFFIXES = (".txt", ".jsonl")
+DATA_SUFFIXES = (*TEXT_SUFFIXES, ".parquet", ".arrow")  # tables: through `datasets`
+
+
+def data_files(path: str, suffixes: tuple[str, ...] = DATA_SUFFIXES) -> list[str]:
+    """The data files (``suffixes``) at ``path`` (a file, or a directory searched
+    recursively)."""
     if os.path.isfile(path):
         files = [path]
     elif os.path.isdir(path):
         files = sorted(os.path.join(d, f) for d, _, names in os.walk(path) for f in names)
     else:
         raise UserError(f"--data {path!r} does not exist")
-    files = [f for f in files if f.endswith((".txt", ".jsonl"))]
+    files = [f for f in files if f.endswith(suffixes)]
     if not files:
-        raise UserError(f"--data {path!r}: no .txt or .jsonl files")
+        kinds = ", ".join(suffixes[:-1]) + f" or {suffixes[-1]}"
+        raise UserError(f"--data {path!r}: no {kinds} files")
     return files
 
 
@@ -81,7 +88,7 @@ def read_text(f: str) -> str:
 def read_documents(path: str) -> list[str]:
     """Documents: a .txt file is one document, each .jsonl line's ``text`` field is one."""
     docs = []
-    for f in data_files(path):
+    for f in data_files(path, TEXT_SUFFIXES):
         text = read_text(f)
         if f.endswith(".txt"):
             docs.append(text)

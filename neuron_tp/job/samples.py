@@ -2,16 +2,19 @@
 file, or jsonl ``{"text": ...}``: language modelling), ``messages`` (jsonl ``{"messages":
 [{"role", "content"}, ...]}``: a chat rendered with the tokenizer's chat template) and
 ``prompt-completion`` (jsonl ``{"prompt", "completion"}``, both strings or both lists of
-messages, the conversational form). One file holds one format; every mistake is a
-:class:`~neuron_tp.errors.UserError` naming ``file:line``."""
+messages, the conversational form). ``.parquet`` / ``.arrow`` tables hold the same records, a
+row each (:mod:`.tables`). One file holds one format; every mistake is a
+:class:`~neuron_tp.errors.UserError` naming ``file:line`` (a table: ``file:row i``)."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from ..errors import UserError
 from .data import data_files, read_text
+from .tables import is_table, table_rows
 
 TEXT, MESSAGES, PROMPT_COMPLETION = "text", "messages", "prompt-completion"
 ROLES = ("system", "user", "assistant", "tool")
@@ -74,31 +77,37 @@ def line_format(obj: object, where: str) -> str:
     raise UserError(f"{where}: expected a JSON object {SHAPES}; got {keys}")
 
 
-def file_records(f: str) -> tuple[str, list[Record]]:
-    """The format of file ``f`` and its records (a ``.txt`` file: one text record)."""
-    text = read_text(f)
-    if f.endswith(".txt"):
-        return TEXT, [Record(TEXT, text, f"{f}:1")]
-    fmt, first, records = None, 0, []
-    for n, line in enumerate(text.split("\n"), 1):
+def jsonl_rows(f: str) -> Iterator[tuple[str, object]]:
+    """``(where, value)`` of every non-empty line of jsonl file ``f`` (``where`` =
+    ``f:line``); UserError for a line that is not JSON."""
+    for n, line in enumerate(read_text(f).split("\n"), 1):
         if not line.strip():
             continue
-        where = f"{f}:{n}"
         try:
-            obj = json.loads(line)
+            yield f"{f}:{n}", json.loads(line)
         except json.JSONDecodeError as e:
-            raise UserError(f"{where}: not valid JSON ({e.msg}); expected {SHAPES}") from None
+            raise UserError(f"{f}:{n}: not valid JSON ({e.msg}); expected {SHAPES}") from None
+
+
+def file_records(f: str) -> tuple[str, list[Record]]:
+    """The format of file ``f`` and its records (a ``.txt`` file: one text record; a
+    ``.parquet`` / ``.arrow`` table: a record per row, :mod:`.tables`)."""
+    if f.endswith(".txt"):
+        return TEXT, [Record(TEXT, read_text(f), f"{f}:1")]
+    fmt, first, records = None, "", []
+    unit = "row" if is_table(f) else "line"
+    for where, obj in table_rows(f) if is_table(f) else jsonl_rows(f):
         this = line_format(obj, where)
         if fmt is None:
-            fmt, first = this, n
+            fmt, first = this, where
         elif this != fmt:
             raise UserError(
-                f"{where}: a {this!r} line in a file of {fmt!r} lines (line {first} is "
+                f"{where}: a {this!r} {unit} in a file of {fmt!r} {unit}s ({first} is "
                 f"{fmt!r}); one file holds one format: split it into one file per format"
             )
         records.append(Record(this, obj["text"] if this == TEXT else obj, where))
     if fmt is None:
-        raise UserError(f"{f}: no records (an empty .jsonl file); remove it or fill it")
+        raise UserError(f"{f}: no records (an empty file); remove it or fill it")
     return fmt, records
 
 

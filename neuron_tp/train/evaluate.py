@@ -38,8 +38,8 @@ def eval_data(config: TrainConfig, tokenizer, mesh: Mesh) -> RowData | None:
         )
     if not os.path.exists(config.eval_data):
         raise UserError(
-            f"--eval-data {config.eval_data!r} does not exist; pass a .txt/.jsonl file or a "
-            "directory of them"
+            f"--eval-data {config.eval_data!r} does not exist; pass a .txt/.jsonl/.parquet/"
+            ".arrow file or a directory of them"
         )
     try:
         data = load_data(
@@ -72,10 +72,16 @@ def label_count(labels: torch.Tensor) -> torch.Tensor:
 
 
 def evaluation_totals(
-    model: torch.nn.Module, data, batches: int, mesh: Mesh, device: torch.device
+    model: torch.nn.Module,
+    data,
+    batches: int,
+    mesh: Mesh,
+    device: torch.device,
+    mask_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """``[loss sum, label tokens]`` (fp32, on ``device``) of the next ``batches`` batches of
-    ``data`` on every dp rank, summed over the dp ranks; one graph cut per batch."""
+    ``data`` on every dp rank, summed over the dp ranks; one graph cut per batch. A packed
+    batch's attention mask is built in ``mask_dtype`` (the model's dtype, as in training)."""
     training = model.training
     model.eval()
     totals = torch.zeros(2).to(device)  # device data: every batch traces the same graph
@@ -83,7 +89,8 @@ def evaluation_totals(
         with torch.no_grad():
             for _ in range(batches):
                 batch = {k: v.to(device) for k, v in data.next_batch().items()}
-                inputs = model_inputs(batch)  # the training step's masking and packing
+                # the training step's masking and packing
+                inputs = model_inputs(batch, dtype=mask_dtype)
                 n = label_count(inputs["labels"]).float()
                 loss = model(**inputs).loss.float()
                 # a batch without label tokens has a NaN mean: it adds nothing
@@ -96,28 +103,28 @@ def evaluation_totals(
 
 
 class Evaluator:
-    """When to evaluate a run and how: every ``--eval-every`` steps the first
-    ``--eval-batches`` batches of the eval data (the same ones each time). Under
-    ``neuron_parallel_compile`` (``extract``) one batch is traced after the first step, so the
-    eval graph is compiled ahead of training, and nothing is read."""
+    """When to evaluate a run and how: every ``--eval-every`` steps and at the last step
+    (``--steps``), the first ``--eval-batches`` batches of the eval data (the same ones each
+    time). Under ``neuron_parallel_compile`` (``extract``) one batch is traced after the first
+    step, so the eval graph is compiled ahead of training, and nothing is read."""
 
     def __init__(self, config: TrainConfig, data: RowData, first_step: int, extract: bool):
         self.every, self.data, self.extract = config.eval_every, data, extract
         self.batches = config.eval_batches or data.batches_per_epoch
-        self.first_step = first_step
+        self.first_step, self.last_step = first_step, config.steps
+        self.mask_dtype = config.model_dtype  # packed batches' mask: as in training
 
     def due(self, step: int) -> bool:
         """Whether global step ``step`` ends with an evaluation."""
         if self.extract:
             return step == self.first_step + 1
-        return step % self.every == 0
+        return step % self.every == 0 or step == self.last_step
 
     def evaluate(self, model: torch.nn.Module, mesh: Mesh, device: torch.device) -> dict | None:
         """``{"eval_loss", "eval_perplexity", "eval_tokens"}`` (None when only tracing)."""
         self.data.position = 0
-        totals = evaluation_totals(
-            model, self.data, 1 if self.extract else self.batches, mesh, device
-        )
+        batches = 1 if self.extract else self.batches
+        totals = evaluation_totals(model, self.data, batches, mesh, device, self.mask_dtype)
         if self.extract:
             return None
         loss_sum, count = (float(v) for v in totals.cpu())  # the one host read

@@ -267,7 +267,9 @@ def train_step(run: Run, log_this_step: bool, on_log: Callable | None) -> None:
     per_rank = torch.tensor(tokens / mesh.dp_size, dtype=torch.float32).to(dev)
     for _ in range(config.grad_accum):
         batch = {k: t.to(dev) for k, t in run.data.next_batch().items()}
-        loss = model(**model_inputs(batch), num_items_in_batch=per_rank).loss
+        # a packed batch's 4D mask in the model's dtype (half the bytes of fp32 under --bf16)
+        inputs = model_inputs(batch, dtype=config.model_dtype)
+        loss = model(**inputs, num_items_in_batch=per_rank).loss
         loss.backward()
         loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
     norm = reduce_gradients(model, run.optimizer, mesh, config.max_grad_norm, config.uses_zero1)

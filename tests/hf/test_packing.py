@@ -139,6 +139,32 @@ def test_padding_rows_stay_finite(impl):
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
 
 
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_bf16_mask_equals_fp32_mask(impl):
+    """A bf16 model (``--bf16``) with the mask in bf16 (half the bytes): the loss and every
+    gradient equal those with the fp32 mask within bf16 tolerance, and the per-sample
+    reference (the bf16 model running each sample alone) too."""
+    model = tiny_model("llama", impl, torch.bfloat16)
+    bf16 = dict(atol=2e-2, rtol=2e-2)
+    for name, layout in LAYOUTS.items():
+        batch = packed_batch(layout, V, seed=11 + len(name))
+        runs = {}
+        for dtype in (torch.float32, torch.bfloat16):
+            inputs = model_inputs(batch, dtype=dtype)
+            assert inputs["attention_mask"].dtype == dtype
+            model.zero_grad()
+            loss = model(**inputs).loss
+            loss.backward()
+            runs[dtype] = (loss.float(), {n: p.grad.float() for n, p in model.named_parameters()})
+        (loss32, grads32), (loss16, grads16) = runs[torch.float32], runs[torch.bfloat16]
+        with torch.no_grad():
+            want = reference_loss(model, batch)
+        torch.testing.assert_close(loss16, loss32, **bf16, msg=f"{impl}/{name}: bf16 vs fp32")
+        torch.testing.assert_close(loss16, want.float(), **bf16, msg=f"{impl}/{name}: vs ref")
+        for n, g in grads16.items():
+            torch.testing.assert_close(g, grads32[n], **bf16, msg=f"{impl}/{name}: grad {n}")
+
+
 def test_mask_and_unpacked_batches():
     seg = torch.tensor([[1, 1, 2, 2, 2, 0]])
     allowed = block_causal_mask(seg)[0, 0] == 0
