@@ -310,12 +310,24 @@ def serve_parser() -> argparse.ArgumentParser:
         default=256,
         help="the largest max_tokens a request may ask for (sets the KV cache length)",
     )
-    _shapes(p, "concurrent requests share a batch; longer prompts are refused")
+    _shapes(
+        p,
+        "the largest is the number of decode slots (requests generating at once); decode "
+        "graphs exist for each",
+    )
+    p.add_argument(
+        "--prefill-chunk",
+        type=positive(int),
+        default=256,
+        help="prompt tokens prefilled per step (capped to the largest --buckets): a longer "
+        "prompt is prefilled over several steps, between the running requests' tokens",
+    )
     p.add_argument(
         "--batch-wait-ms",
         type=_non_negative(float),
         default=5.0,
-        help="how long a new batch waits for concurrent requests to join it",
+        help="ignored: a request joins the running batch at the next step (kept so existing "
+        "commands run)",
     )
     p.add_argument(
         "--served-model-name", default=None, help="the model id clients use (default: --model)"

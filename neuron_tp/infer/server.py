@@ -200,7 +200,7 @@ def create_app(engine: Engine, model_name: str):
             refuse_logprobs(body)
             prompts = _prompts(engine, body, chat)
             for p in prompts:
-                engine.check(p, params["max_tokens"], params["stop"])
+                engine.check(p, params["max_tokens"], params["stop"], params["sampling"])
         except BadRequest as e:
             return _error(400, str(e), param=e.param)
         except ValueError as e:
@@ -361,7 +361,7 @@ def serve(config, stop: threading.Event | None = None) -> None:
         error = e
     agreement.check_agreement(values, world, error=error, what="neuron-tp serve")
     mesh = init_mesh(tp=config.tp)
-    engine = Engine(mesh.group("world"), wait_s=config.batch_wait_ms / 1000)
+    engine = Engine(mesh.group("world"))
     stop = stop or stop_on_signals()
     if mesh.rank != 0:
         _load(engine, config, mesh)
@@ -414,12 +414,21 @@ def _load(engine: Engine, config, mesh) -> None:
     from ..job.runtime import rank_device
     from ..parallel.sharding import move_to
     from .batch import eos_ids
-    from .generate import Generator
     from .load import load_for_generation
+    from .slots import SlotGenerator
 
     model, tok = load_for_generation(config.generate_config(), mesh)
     move_to(model, rank_device(config.device))
     pad = getattr(tok, "pad_token_id", None) or 0
-    gen = Generator(model, config.buckets, config.max_new_tokens, config.batch_buckets, pad)
-    engine.attach(gen, tok, eos_ids(model, tok))
+    chunk = min(config.prefill_chunk, max(config.buckets))
+    gen = SlotGenerator(
+        model,
+        slots=max(config.batch_buckets),
+        max_len=max(config.buckets) + config.max_new_tokens,
+        chunk=chunk,
+        prefill_buckets=sorted({b for b in config.buckets if b < chunk} | {chunk}),
+        decode_buckets=config.batch_buckets,
+        pad_id=pad,
+    )
+    engine.attach(gen, tok, eos_ids(model, tok), config.max_new_tokens)
     engine.warmup(every_shape=config.warmup == "all")

@@ -130,11 +130,12 @@ class ServeConfig(_CommonConfig):
     max_new_tokens: int  # the most a request may ask for (sets the cache length)
     buckets: list[int]  # prompt length buckets, sorted
     batch_buckets: list[int]  # batch sizes, sorted: concurrent requests share a batch
-    batch_wait_ms: float  # how long the batcher waits for concurrent requests
+    batch_wait_ms: float  # ignored (continuous batching); kept so existing commands run
     dtype: str  # "float32" or "bfloat16"
     served_model_name: str | None  # None: --model
     warmup: str  # graphs captured before ready: "smallest" shapes or "all" buckets
     adapter: str | None = None  # a PEFT (LoRA) adapter dir merged into --model on load
+    prefill_chunk: int = 256  # prompt tokens prefilled per step (longer prompts: several)
 
     @property
     def model_name(self) -> str:
