@@ -9,8 +9,8 @@ import threading
 import time
 
 import torch
-from hf_sampling import hf_sample
 
+from hf_sampling import hf_sample
 from neuron_tp.infer.generate import Sampling
 
 VOCAB, SEED = 257, 4

@@ -17,6 +17,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 import engine_cases as ec  # noqa: E402
+
 import gloo_dist  # noqa: E402
 
 
@@ -114,9 +115,7 @@ def test_a_failed_step_fails_its_requests_and_serving_goes_on(full):
     engine = _engine(model)
     engine.gen = _FailingDecode(engine.gen)
     engine.start()
-    items = [
-        {"gap": 0.0, "prompt": [5, 6, 7], "max_tokens": 6, "sampling": None, "cancel": False}
-    ]
+    items = [{"gap": 0.0, "prompt": [5, 6, 7], "max_tokens": 6, "sampling": None, "cancel": False}]
     try:
         first = ec.drive(engine, items)
         assert first[0]["events"][-1]["type"] == "error", first
@@ -161,6 +160,7 @@ def test_random_trace_on_two_xla_devices_compiles_nothing_after_warmup():
     """tp=2 on two XLA CPU devices: 200 requests, each equal to transformers alone; every
     graph captured by warm-up, none traced or compiled while serving."""
     import engine_xla_cases
+
     import xla_dist
 
     r0, r1 = xla_dist.run(engine_xla_cases.job, devices=2)
