@@ -69,7 +69,7 @@ def reference(full, item: dict) -> list[int]:
         )[0, len(p) :].tolist()
     else:
         temperature, top_k, seed = item["sampling"]
-        out = hf_sample(full, [p], n, temperature, top_k, seed)[0]
+        out = hf_sample(full, [p], n, temperature, top_k, seed, eos_token_id=EOS)[0]
     ends = [i for i, t in enumerate(out) if t in EOS]
     return out[: ends[0] + 1] if ends else out
 
