@@ -1,6 +1,6 @@
 """Run on 2 XLA CPU devices by tests/infer/test_engine.py (one thread per device, see
 tests/helpers/xla_dist.py): the continuous-batching engine at tp=2 over a random trace of 200
-requests vs transformers per request, with every graph captured at warm-up and none after."""
+requests vs transformers per request, with every graph compiled at warm-up and none after."""
 
 from __future__ import annotations
 
@@ -21,25 +21,32 @@ from neuron_tp.job.presets import build_model
 from neuron_tp.parallel.sharding import move_to
 from xla_dist import serial
 
-BARRIER = threading.Barrier(2)  # both device threads: compile counts are per process
+BARRIERS = {n: threading.Barrier(n) for n in (1, 2)}  # the device threads of one run
 
 
-def job(requests: int = 200) -> dict:
+def job(tp: int, requests: int, replay: bool) -> dict:
+    """The engine at ``tp`` on ``tp`` devices over a trace of ``requests``: checked against
+    transformers on rank 0; returns the graph counts after warm-up and at the end."""
+    barrier = BARRIERS[tp]  # compile counts are per process: read them in step
     dev = torch_xla.device()
-    mesh = ntp.init_mesh(tp=2)
+    mesh = ntp.init_mesh(tp=tp)
     with serial():
         full = build_model("tiny-llama", ec.VOCAB, ec.SEED).eval()
     model = hf.parallelize(copy.deepcopy(full), mesh).eval()  # collective: not under serial()
     move_to(model, dev)
-    engine = Engine(mesh.group("world"), lease_steps=3)
-    engine.attach(SlotGenerator(model, **ec.SHAPES), ByteTokenizer(), ec.EOS, ec.MAX_NEW)
+    engine = Engine(mesh.group("world") if tp > 1 else None, lease_steps=3)
+    # tp > 1 here runs lazy mode, not replay: a replayed graph runs synchronously on its
+    # thread, so two device THREADS of one process cannot meet in its collectives (XLA's
+    # rendezvous aborts after 10 s). On Neuron every rank is its own process.
+    gen = SlotGenerator(model, **ec.SHAPES, replay=replay)
+    engine.attach(gen, ByteTokenizer(), ec.EOS, ec.MAX_NEW)
     engine.warmup(every_shape=True)
     traces = engine.gen.traces
-    BARRIER.wait()
+    barrier.wait()
     compiles = graph_counters()["compiles"]
     if mesh.rank != 0:
         engine.follow()
-        BARRIER.wait()
+        barrier.wait()
         return {"traces": [traces, engine.gen.traces], "compiles": compiles}
     items, out = ec.make_trace(5, requests), {}
 
@@ -53,7 +60,7 @@ def job(requests: int = 200) -> dict:
     thread.start()
     engine.start(thread=False)  # the device work on this rank's own thread
     thread.join()
-    BARRIER.wait()
+    barrier.wait()
     after = graph_counters()["compiles"]
     with serial():
         refs = [ec.reference(full, it) for it in items]
