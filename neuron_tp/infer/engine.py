@@ -121,9 +121,12 @@ class Engine:
         self._closed = False
         self._lock = threading.Lock()  # submitting vs. shutting down: no request left behind
         self.error: str | None = None  # set only when the engine itself cannot go on
-        # rank 0: iterations run, most requests running at once, events dropped for clients
-        # that went away, requests failed by a generation error, leases sent
-        self.stats = {"steps": 0, "max_batch": 0, "dropped": 0, "failed": 0, "leases": 0}
+        # iterations run, most requests running at once, slots freed for clients that went
+        # away, events dropped for them (rank 0), requests failed by a generation error,
+        # leases sent (rank 0)
+        self.stats = dict.fromkeys(
+            ("steps", "max_batch", "cancelled", "dropped", "failed", "leases"), 0
+        )
 
     # -- setup ---------------------------------------------------------------------------
     def attach(
@@ -196,7 +199,11 @@ class Engine:
             raise ValueError(
                 f"max_tokens must be in 1..{self.max_new_tokens} (server limit), got {max_tokens}"
             )
-        gen.check(len(prompt), max_tokens, sampling or Sampling())
+        try:
+            gen.check(len(prompt), max_tokens, sampling or Sampling())
+        except ValueError as e:  # in the request's terms
+            message = str(e).replace("max_new_tokens", "max_tokens")
+            raise ValueError(message.replace("(max_len)", "(server limit)")) from None
         Detokenizer(self.tokenizer, stop)  # validates the stop strings
 
     def submit(
@@ -325,6 +332,7 @@ class Engine:
         gen = self._model()
         for slot in lease["cancel"]:
             self._end(slot)
+            self.stats["cancelled"] += 1
         for i, spec in enumerate(lease["admit"]):
             slot = gen.acquire()
             if slot is None or slot in self._rows:

@@ -21,7 +21,7 @@ SHAPES = dict(
     max_len=MAX_PROMPT + MAX_NEW,
     chunk=CHUNK,
     prefill_buckets=[4, CHUNK],
-    decode_buckets=[1, 2, SLOTS],
+    decode_buckets=[1, SLOTS],
 )
 
 

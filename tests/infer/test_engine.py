@@ -162,6 +162,7 @@ def test_random_trace_on_xla_devices():
     while serving. On two XLA CPU devices (tp=2, lazy mode): a shorter trace, each request
     equal to transformers alone."""
     import engine_xla_cases
+
     import xla_dist
 
     (one,) = xla_dist.run(engine_xla_cases.job, 1, 200, True, devices=1)
