@@ -36,6 +36,10 @@ class NotReady(RuntimeError):
     """The engine has no model yet (loading, warming up) or is shutting down."""
 
 
+class QueueFull(RuntimeError):
+    """``max_queue`` requests already wait: the request is refused (retry later)."""
+
+
 @dataclass
 class Request:
     """One sequence to generate; ``sink`` receives its events (called on the worker thread)."""
@@ -67,8 +71,10 @@ class Engine:
     :meth:`start` s the worker and :meth:`submit` s requests while the other ranks
     :meth:`follow`; rank 0's :meth:`shutdown` ends every rank's loop."""
 
-    def __init__(self, group=None, wait_s: float = 0.005):
+    def __init__(self, group=None, wait_s: float = 0.005, max_queue: int | None = None):
         self.group, self.wait_s = group, wait_s
+        self.max_queue = max_queue  # the most requests that may wait (None: no bound)
+        self._running = 0  # requests of the batch that runs
         self.rank = group.rank if group is not None else 0
         self.gen: Generator | None = None
         self.tokenizer = None
@@ -143,14 +149,25 @@ class Engine:
         seeded: bool = False,
     ) -> Request:
         """Queue one request (ValueError when invalid, :class:`NotReady` before
-        :meth:`start` or after :meth:`shutdown`); its events go to ``sink``."""
+        :meth:`start` or after :meth:`shutdown`, :class:`QueueFull` when ``max_queue``
+        requests already wait); its events go to ``sink``."""
         self.check(prompt, max_tokens, stop)
         req = Request(list(prompt), max_tokens, sampling, list(stop), seeded, sink)
         with self._lock:
             if not self.ready:
                 raise NotReady(self.error or ("shutting down" if self._closed else "loading"))
+            if self.max_queue is not None and self.queue_depth() >= self.max_queue:
+                raise QueueFull(f"{self.max_queue} requests are already waiting")
             self._queue.put(req)
         return req
+
+    def queue_depth(self) -> int:
+        """Requests submitted and not yet running (rank 0)."""
+        return self._queue.qsize() + len(self._pending)
+
+    def slots_in_use(self) -> int:
+        """Requests of the batch that runs (rank 0)."""
+        return self._running
 
     def shutdown(self, timeout: float | None = None) -> None:
         """Rank 0: finish the queued requests, then end every rank's loop."""
@@ -170,7 +187,9 @@ class Engine:
                 self.stats["batches"] += 1
                 self.stats["max_batch"] = max(self.stats["max_batch"], len(batch))
                 self._broadcast(spec)
+                self._running = len(batch)
                 self._run(spec, batch)
+                self._running = 0
             self._broadcast({"op": "shutdown"})
         except Exception as e:  # noqa: BLE001 - the ranks may be out of step: stop serving
             with self._lock:

@@ -19,16 +19,26 @@ a 400 naming them); a tokenizer without a template (e.g. the byte-level fallback
 
 import asyncio
 import json
+import logging
+import math
+import os
 import threading
 import time
 import uuid
 from typing import Any
 
 from ..errors import UserError
-from .engine import Engine, NotReady
+from .engine import Engine, NotReady, QueueFull
 from .generate import Sampling
+from .limits import API_KEY_ENV, Guard, RequestError, ServeLimits, parse_json, read_body
+from .metrics import LOG, RequestTrace, ServerMetrics
 
 MAX_STOP = 4  # stop strings per request, as OpenAI allows
+MAX_SEED = 2**63 - 1  # seeds are int64 (torch.Generator.manual_seed)
+MAX_TEMPERATURE = 2.0  # OpenAI's range: 0..2
+MAX_INT = 2**63 - 1  # no count in a request needs more
+PARSE_INLINE = 64 * 1024  # bytes: larger bodies are parsed on a worker thread
+RETRY_AFTER_S = 1  # the Retry-After of a 429 (queue full)
 
 
 class BadRequest(ValueError):
@@ -54,35 +64,50 @@ def _encode(tokenizer, text: str, chat: bool) -> list[int]:
     return list(tokenizer.encode(text))
 
 
-def _number(body: dict, name: str, kind: type, default: Any, low: float | None = None):
+def _number(
+    body: dict, name: str, kind: type, default: Any, low: float, high: float, why: str = ""
+):
+    """``body[name]`` (``default`` when absent or null) as ``kind``: BadRequest naming it
+    unless it is a finite number (an integer for ``int``) in ``low..high``."""
     value = body.get(name, default)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise BadRequest(f"{name} must be a number, got {value!r}", name)
     if kind is int and value != int(value):
         raise BadRequest(f"{name} must be an integer, got {value!r}", name)
-    if low is not None and value < low:
-        raise BadRequest(f"{name} must be >= {low:g}, got {value!r}", name)
+    if not low <= value <= high:  # before converting: a huge int is no float
+        a_kind = "an integer" if kind is int else "a number"
+        span = f"{low:g}..{high:g}" if kind is float else f"{low}..{high}"
+        raise BadRequest(f"{name} must be {a_kind} in {span}{why}, got {value!r}", name)
     return kind(value)
 
 
-def parse_params(body: dict, limit: int, default_max: int = 16) -> dict:
+def parse_params(body: dict, limit: int, default_max: int = 16, vocab: int | None = None) -> dict:
     """Generation parameters of a request body (BadRequest naming the wrong one);
-    ``max_tokens`` defaults to ``default_max`` (at most the server's ``limit``)."""
-    n = _number(body, "n", int, 1)
-    if n != 1:
-        raise BadRequest(f"n must be 1 (one choice per prompt), got {n}", "n")
-    max_tokens = _number(body, "max_tokens", int, None)
-    if max_tokens is None:
-        max_tokens = _number(body, "max_completion_tokens", int, min(default_max, limit))
-    if not 1 <= max_tokens <= limit:
-        raise BadRequest(f"max_tokens must be in 1..{limit} (server limit), got {max_tokens}")
-    temperature = _number(body, "temperature", float, 1.0, low=0)
-    top_k = _number(body, "top_k", int, 0, low=0)
-    seed = _number(body, "seed", int, None)
-    if body.get("top_p") not in (None, 1, 1.0):
-        raise BadRequest("top_p is not supported (use top_k)", "top_p")
+    ``max_tokens`` defaults to ``default_max`` (at most the server's ``limit``); ``top_k`` is
+    at most ``vocab`` (the model's vocabulary size, when known)."""
+    if _number(body, "n", int, 1, 1, MAX_INT, " (one choice per prompt)") != 1:
+        raise BadRequest(f"n must be 1 (one choice per prompt), got {body['n']}", "n")
+    if _number(body, "best_of", int, 1, 1, MAX_INT, " (one choice per prompt)") != 1:
+        got = body["best_of"]
+        raise BadRequest(f"best_of must be 1 (one choice per prompt), got {got}", "best_of")
+    server = " (server limit: neuron-tp serve --max-new-tokens)"
+    name = "max_tokens" if body.get("max_tokens") is not None else "max_completion_tokens"
+    max_tokens = _number(body, name, int, min(default_max, limit), 1, limit, server)
+    temperature = _number(body, "temperature", float, 1.0, 0.0, MAX_TEMPERATURE)
+    top_k = _number(body, "top_k", int, 0, 0, vocab or MAX_INT, " (0: off; at most the vocab)")
+    seed = _number(body, "seed", int, None, 0, MAX_SEED)
+    if _number(body, "top_p", float, 1.0, 0.0, 1.0) != 1:
+        raise BadRequest("top_p is not supported (use top_k); leave it unset or 1", "top_p")
+    for penalty in ("presence_penalty", "frequency_penalty"):
+        if _number(body, penalty, float, 0.0, -2.0, 2.0) != 0:
+            raise BadRequest(f"{penalty} is not supported; leave it unset or 0", penalty)
+    for flag in ("stream", "echo"):
+        if body.get(flag) not in (None, False, True):
+            raise BadRequest(f"{flag} must be a boolean, got {body[flag]!r}", flag)
+    if body.get("echo"):
+        raise BadRequest("echo is not supported; leave it unset or false", "echo")
     stop = body.get("stop") or []
     stop = [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
@@ -146,19 +171,45 @@ def message_text(index: int, message: Any) -> dict:
     return {**message, "content": content}
 
 
-def _error(status: int, message: str, kind: str = "invalid_request_error", param=None, code=None):
+def _error(
+    status: int,
+    message: str,
+    kind: str = "invalid_request_error",
+    param=None,
+    code=None,
+    headers: dict | None = None,
+):
     from fastapi.responses import JSONResponse
 
     body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status)
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
-def create_app(engine: Engine, model_name: str):
-    """The FastAPI application serving ``engine`` as model ``model_name``."""
+def create_app(engine: Engine, model_name: str, limits: ServeLimits | None = None):
+    """The FastAPI application serving ``engine`` as model ``model_name`` within ``limits``
+    (API key, body size, JSON depth, request timeout; default: :class:`ServeLimits`), with
+    its own Prometheus registry (``GET /metrics``)."""
     from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, StreamingResponse
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+    limits = limits or ServeLimits()
+    metrics = ServerMetrics(engine.queue_depth, engine.slots_in_use)
     app = FastAPI(title="neuron-tp serve")
+    paths: set[str] = set()
+
+    def routes() -> set[str]:
+        if not paths:
+            paths.update(getattr(r, "path", "") for r in app.routes)
+        return paths
+
+    def count(endpoint: str, status: int) -> None:
+        metrics.requests.labels(endpoint, str(status)).inc()
+
+    app.add_middleware(Guard, api_key=limits.api_key, routes=routes, on_response=count)
+
+    @app.exception_handler(Exception)
+    async def crashed(request: Request, exc: Exception):  # a bug outside the handlers
+        return _error(500, f"internal server error ({type(exc).__name__})", "server_error")
 
     @app.get("/health")
     async def health():
@@ -173,16 +224,38 @@ def create_app(engine: Engine, model_name: str):
         status = "failed" if engine.error else "loading"
         return JSONResponse({"status": status}, status_code=503)
 
+    @app.get("/metrics")
+    async def scrape(request: Request):
+        body, content_type = metrics.render(request.headers.get("accept"))
+        return Response(body, headers={"Content-Type": content_type})
+
     @app.get("/v1/models")
     async def models():
         card = {"id": model_name, "object": "model", "created": 0, "owned_by": "neuron-tp"}
         return {"object": "list", "data": [card]}
 
     async def handle(request: Request, chat: bool):
+        trace = RequestTrace(metrics, ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex)
         try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return _error(400, "the request body is not valid JSON")
+            response = await answer(request, chat, trace)
+        except Exception as e:  # noqa: BLE001 - a bug: this request fails, the server goes on
+            LOG.exception("request %s failed", trace.id)
+            message = f"internal server error ({type(e).__name__}: {str(e)[:200]})"
+            response = _error(500, message, "server_error")
+        if not isinstance(response, StreamingResponse):  # a stream finishes its trace itself
+            status = response.status_code
+            trace.finish(status, "timeout" if status == 504 else "error" if status >= 500 else None)
+        return response
+
+    async def answer(request: Request, chat: bool, trace: RequestTrace):
+        try:
+            raw = await read_body(request, limits.max_body_bytes)
+            if len(raw) > PARSE_INLINE:  # off the event loop: other requests go on
+                body = await asyncio.to_thread(parse_json, raw, limits.max_json_depth)
+            else:
+                body = parse_json(raw, limits.max_json_depth)
+        except RequestError as e:
+            return _error(e.status, str(e), param=e.param, code=e.code)
         if not isinstance(body, dict):
             return _error(400, "the request body must be a JSON object")
         if body.get("model") not in (None, model_name):
@@ -195,40 +268,50 @@ def create_app(engine: Engine, model_name: str):
             why = engine.error or "the model is not ready yet"
             return _error(503, why, "service_unavailable")
         try:
-            limit = engine.max_tokens_limit  # chat: as long as the server allows
-            params = parse_params(body, limit, limit if chat else 16)
+            limit, vocab = engine.max_tokens_limit, vocab_size(engine)
+            params = parse_params(body, limit, limit if chat else 16, vocab)  # chat: the limit
             refuse_logprobs(body)
-            prompts = _prompts(engine, body, chat)
+            usage = stream_usage(body)
+            prompts = _prompts(engine, body, chat, vocab)
+            most = getattr(engine, "max_queue", None)
+            if most is not None and len(prompts) > most:
+                raise BadRequest(
+                    f"at most {most} prompts per request (neuron-tp serve --max-queue), got "
+                    f"{len(prompts)}",
+                    "prompt",
+                )
             for p in prompts:
                 engine.check(p, params["max_tokens"], params["stop"])
         except BadRequest as e:
             return _error(400, str(e), param=e.param)
         except ValueError as e:
             return _error(400, str(e))
+        trace.choices = len(prompts)
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
 
         def sink(index: int):
             return lambda ev: loop.call_soon_threadsafe(events.put_nowait, (index, ev))
 
+        args = (params["max_tokens"], params["sampling"], params["stop"])
+        reqs = []
         try:
-            args = (params["max_tokens"], params["sampling"], params["stop"])
-            reqs = [
-                engine.submit(p, *args, sink(i), params["seeded"]) for i, p in enumerate(prompts)
-            ]
-        except NotReady as e:
-            return _error(503, str(e), "service_unavailable")
-        meta = {
-            "id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
-            "created": int(time.time()),
-            "model": model_name,
-        }
+            for i, p in enumerate(prompts):
+                reqs.append(engine.submit(p, *args, sink(i), params["seeded"]))
+        except (NotReady, QueueFull) as e:
+            for r in reqs:
+                r.cancel()
+            if isinstance(e, NotReady):
+                return _error(503, str(e), "service_unavailable")
+            message = f"the server is busy: {e} (neuron-tp serve --max-queue); retry later"
+            headers = {"Retry-After": str(RETRY_AFTER_S)}
+            return _error(429, message, "rate_limit_error", code="queue_full", headers=headers)
+        meta = {"id": trace.id, "created": int(time.time()), "model": model_name}
+        wait = Deadline(trace.start + limits.request_timeout_s, limits.request_timeout_s)
         if body.get("stream"):
-            options = body.get("stream_options") or {}
-            usage = isinstance(options, dict) and bool(options.get("include_usage"))
-            chunks = _stream(events, reqs, meta, chat, usage)
+            chunks = _stream(events, reqs, meta, chat, usage, trace, wait)
             return StreamingResponse(chunks, media_type="text/event-stream")
         try:
-            return await _collect(events, reqs, meta, chat)
+            return await _collect(events, reqs, meta, chat, trace, wait)
         finally:
             for r in reqs:
                 r.cancel()
@@ -244,7 +327,41 @@ def create_app(engine: Engine, model_name: str):
     return app
 
 
-def _prompts(engine: Engine, body: dict, chat: bool) -> list[list[int]]:
+def stream_usage(body: dict) -> bool:
+    """Whether a streamed request asks for a last chunk with the usage
+    (``stream_options.include_usage``); BadRequest when ``stream_options`` is malformed."""
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not isinstance(options, dict) or options.get("include_usage") not in (None, False, True):
+        raise BadRequest(
+            'stream_options must be an object like {"include_usage": true}', "stream_options"
+        )
+    return bool(options.get("include_usage"))
+
+
+class Deadline:
+    """When a request must have finished (``time.monotonic()``), and its timeout."""
+
+    def __init__(self, at: float, timeout_s: float):
+        self.at, self.timeout_s = at, timeout_s
+
+    async def next(self, events: asyncio.Queue):
+        """The next event; asyncio.TimeoutError once the deadline has passed."""
+        left = self.at - time.monotonic()
+        if left <= 0:
+            raise asyncio.TimeoutError
+        return await asyncio.wait_for(events.get(), left)
+
+    @property
+    def message(self) -> str:
+        return (
+            f"the request did not finish within {self.timeout_s:g} s "
+            "(neuron-tp serve --request-timeout-s); it was cancelled"
+        )
+
+
+def _prompts(engine: Engine, body: dict, chat: bool, vocab: int | None) -> list[list[int]]:
     tok = engine.tokenizer
     if chat:
         messages = body.get("messages")
@@ -253,10 +370,44 @@ def _prompts(engine: Engine, body: dict, chat: bool) -> list[list[int]]:
         messages = [message_text(i, m) for i, m in enumerate(messages)]
         return [_encode(tok, chat_prompt(tok, messages), chat=True)]
     prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and all(_is_id(t) for t in prompt):
+        return [token_ids(prompt, vocab, "prompt")]  # one prompt of token ids
     prompts = [prompt] if isinstance(prompt, str) else prompt
+    if isinstance(prompts, list) and prompts and all(isinstance(p, list) for p in prompts):
+        return [token_ids(p, vocab, f"prompt[{i}]") for i, p in enumerate(prompts)]
     if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
-        raise BadRequest("prompt must be a string or a non-empty list of strings", "prompt")
+        raise BadRequest(
+            "prompt must be a string, a non-empty list of strings, a list of token ids "
+            "or a list of lists of token ids",
+            "prompt",
+        )
     return [_encode(tok, p, chat=False) for p in prompts]
+
+
+def _is_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def token_ids(ids: list, vocab: int | None, where: str) -> list[int]:
+    """A prompt given as token ids: BadRequest naming the first that is not an id of the
+    model's vocabulary (``0..vocab-1``; any int >= 0 when ``vocab`` is None)."""
+    if not ids:
+        raise BadRequest(f"{where} has no token ids: a prompt needs at least one", "prompt")
+    for j, t in enumerate(ids):
+        if not _is_id(t) or t < 0 or (vocab is not None and t >= vocab):
+            valid = f"0..{vocab - 1}" if vocab is not None else "integers >= 0"
+            raise BadRequest(
+                f"{where}[{j}]: {t!r} is not a token id of this model (valid: {valid})", "prompt"
+            )
+    return list(ids)
+
+
+def vocab_size(engine: Engine) -> int | None:
+    """The size of the served model's vocabulary (token ids are ``0..size-1``); None when the
+    engine's generator has no model config (tests)."""
+    config = getattr(getattr(engine.gen, "model", None), "config", None)
+    size = getattr(config, "vocab_size", None)
+    return size if isinstance(size, int) else None
 
 
 def _choice(chat: bool, index: int, text: str | None, reason: str | None, stream: bool) -> dict:
@@ -269,12 +420,16 @@ def _choice(chat: bool, index: int, text: str | None, reason: str | None, stream
     return {"index": index, "message": message, "logprobs": None, "finish_reason": reason}
 
 
-async def _collect(events: asyncio.Queue, reqs, meta: dict, chat: bool):
+async def _collect(events: asyncio.Queue, reqs, meta: dict, chat: bool, trace, wait: Deadline):
     from fastapi.responses import JSONResponse
 
     texts, done = [""] * len(reqs), [None] * len(reqs)
     while any(d is None for d in done):
-        i, ev = await events.get()
+        try:
+            i, ev = await wait.next(events)
+        except asyncio.TimeoutError:
+            return _error(504, wait.message, "timeout_error", code="request_timeout")
+        trace.event(i, ev)
         if ev["type"] == "delta":
             texts[i] += ev["text"]
         elif ev["type"] == "error":
@@ -298,14 +453,22 @@ def _usage(done: list[dict]) -> dict:
     }
 
 
-async def _stream(events: asyncio.Queue, reqs, meta: dict, chat: bool, usage: bool):
+async def _stream(
+    events: asyncio.Queue, reqs, meta: dict, chat: bool, usage: bool, trace, wait: Deadline
+):
     """SSE chunks until every choice is done (then one with the usage and no choices when
-    ``stream_options.include_usage``); a client that leaves cancels its requests."""
+    ``stream_options.include_usage``); a client that leaves cancels its requests; past the
+    deadline, or on a failure, an error event ends the stream."""
     kind = "chat.completion.chunk" if chat else "text_completion"
+    note = "disconnected"  # why the stream ended before its choices did
 
     def chunk(*choices: dict, **extra) -> str:
         body = {**meta, "object": kind, "choices": list(choices), **extra}
         return f"data: {json.dumps(body)}\n\n"
+
+    def failure(message: str, kind: str, code: str | None = None) -> str:
+        err = {"message": message, "type": kind, "param": None, "code": code}
+        return f"data: {json.dumps({'error': err})}\n\n"
 
     try:
         if chat:
@@ -314,12 +477,18 @@ async def _stream(events: asyncio.Queue, reqs, meta: dict, chat: bool, usage: bo
                 yield chunk({**first, "logprobs": None, "finish_reason": None})
         left, done = len(reqs), []
         while left:
-            i, ev = await events.get()
+            try:
+                i, ev = await wait.next(events)
+            except asyncio.TimeoutError:
+                note = "timeout"
+                yield failure(wait.message, "timeout_error", "request_timeout")
+                break
+            trace.event(i, ev)
             if ev["type"] == "delta":
                 yield chunk(_choice(chat, i, ev["text"], None, True))
             elif ev["type"] == "error":
-                err = {"message": ev["message"], "type": "server_error"}
-                yield f"data: {json.dumps({'error': err})}\n\n"
+                note = "error"
+                yield failure(ev["message"], "server_error")
                 break
             else:
                 left -= 1
@@ -328,9 +497,14 @@ async def _stream(events: asyncio.Queue, reqs, meta: dict, chat: bool, usage: bo
         if usage and not left:
             yield chunk(usage=_usage(done))
         yield "data: [DONE]\n\n"
+    except Exception as e:  # noqa: BLE001 - a bug: this stream ends with an error, the server goes on
+        note = "error"
+        LOG.exception("request %s failed", trace.id)
+        yield failure(f"internal server error ({type(e).__name__})", "server_error")
     finally:
         for r in reqs:
             r.cancel()
+        trace.finish(200, note)
 
 
 def serve(config, stop: threading.Event | None = None) -> None:
@@ -357,11 +531,14 @@ def serve(config, stop: threading.Event | None = None) -> None:
             import fastapi  # noqa: F401 - fail before loading a model
             import uvicorn  # noqa: F401
         values = {**config.option_values(), "library versions": agreement.versions()}
+        values.pop("--api-key", None)  # rank 0's alone; never shown in a mismatch report
     except Exception as e:  # noqa: BLE001 - re-raised on this rank by check_agreement
         error = e
     agreement.check_agreement(values, world, error=error, what="neuron-tp serve")
     mesh = init_mesh(tp=config.tp)
-    engine = Engine(mesh.group("world"), wait_s=config.batch_wait_ms / 1000)
+    engine = Engine(
+        mesh.group("world"), wait_s=config.batch_wait_ms / 1000, max_queue=config.max_queue
+    )
     stop = stop or stop_on_signals()
     if mesh.rank != 0:
         _load(engine, config, mesh)
@@ -369,7 +546,13 @@ def serve(config, stop: threading.Event | None = None) -> None:
         return
     import uvicorn
 
-    app = create_app(engine, config.model_name)
+    limits = ServeLimits(
+        api_key=config.api_key or os.environ.get(API_KEY_ENV) or None,
+        max_body_bytes=config.max_body_bytes,
+        request_timeout_s=config.request_timeout_s,
+    )
+    log_requests()
+    app = create_app(engine, config.model_name, limits)
     server = uvicorn.Server(
         uvicorn.Config(
             app, config.host, config.port, log_level="warning", timeout_graceful_shutdown=10
@@ -395,6 +578,16 @@ def serve(config, stop: threading.Event | None = None) -> None:
         engine.shutdown()
     if engine.error is not None:
         raise RuntimeError(f"neuron-tp serve: {engine.error}")
+
+
+def log_requests() -> None:
+    """Print the log line of each finished request (``neuron_tp.serve``) on stderr."""
+    if not LOG.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s neuron-tp serve: %(message)s"))
+        LOG.addHandler(handler)
+        LOG.setLevel(logging.INFO)
+        LOG.propagate = False
 
 
 def stop_on_signals() -> threading.Event:
