@@ -817,9 +817,11 @@ def tp2(tmp_path_factory):
         "--buckets", ",".join(map(str, o["buckets"])),
         "--batch-buckets", ",".join(map(str, o["batch_buckets"])),
         "--max-new-tokens", str(o["max_new_tokens"]),
+        "--max-queue", "64", "--request-timeout-s", "120", "--max-body-bytes", "100000",
     ]  # fmt: skip
     log = tmp_path_factory.mktemp("tp2") / "serve.log"
-    env = {**os.environ, "PJRT_DEVICE": "CPU", "OMP_NUM_THREADS": "1"}
+    # the key from the environment: _client sends "Bearer none"
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "OMP_NUM_THREADS": "1", "NEURON_TP_API_KEY": "none"}
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env)
     url = f"http://127.0.0.1:{port}"
@@ -872,6 +874,17 @@ def test_tp2_answers_like_tp1_and_shuts_down_cleanly(tp1, tp2):
     with pytest.raises(openai.BadRequestError, match="longer than the largest bucket"):
         _complete(client, "y" * 33, 4)
     assert _complete(client, "abc", 6).choices[0].text == ref.text("abc", 6)
+    # refused before rank 0 broadcasts anything: the ranks stay in step
+    with pytest.raises(openai.BadRequestError, match="seed must be an integer in 0.."):
+        _complete(client, "Hello", 4, temperature=0.5, seed=2**80)
+    assert _raw(url, "/v1/completions", b"[" * 100_000, {"Authorization": "Bearer none"})[0] == 400
+    assert _raw(url, "/v1/completions", b" " * 100_001, {"Authorization": "Bearer none"})[0] == 413
+    assert _raw(url, "/v1/models", None, {}, "GET")[0] == 401  # the key from the environment
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
+    assert _complete(client, "abc", 6).choices[0].text == ref.text("abc", 6)
+    _, _, scraped = _raw(url, "/metrics", None, {}, "GET")
+    assert 'neuron_tp_requests_total{endpoint="/v1/completions",status="200"}' in scraped
     # SIGTERM to torchrun: every rank ends, nothing is left behind
     proc, ranks = tp2["proc"], tp2["ranks"]
     proc.send_signal(signal.SIGTERM)
@@ -882,4 +895,5 @@ def test_tp2_answers_like_tp1_and_shuts_down_cleanly(tp1, tp2):
     assert not any(map(_alive, ranks)), "orphaned ranks"
     log = tp2["log"].read_text()
     assert "[rank0]:" not in log and "[rank1]:" not in log, log[-3000:]  # no rank tracebacks
+    assert "neuron-tp serve: request cmpl-" in log and "status=400" in log, log[-3000:]
     assert "forcefully exiting" not in log, log[-3000:]  # ended within torchrun's grace
