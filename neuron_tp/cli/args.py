@@ -349,7 +349,7 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--api-key",
         default=None,
-        help="requests to /v1/* need 'Authorization: Bearer KEY' (401 otherwise; /health, "
-        "/ready and /metrics stay open); default: $NEURON_TP_API_KEY, unset = no key",
+        help="every path but /health, /ready and /metrics needs 'Authorization: Bearer KEY' "
+        "(else 401); default: $NEURON_TP_API_KEY, unset = no key",
     )
     return p

@@ -27,7 +27,7 @@ import pytest
 
 import gloo_dist
 from neuron_tp.infer.generate import GREEDY, Generator, Sampling
-from neuron_tp.infer.server import chat_prompt
+from neuron_tp.infer.request import chat_prompt, encode_prompt
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 OPTIONS = {
@@ -631,7 +631,7 @@ def test_metrics_count_what_was_sent_and_each_request_logs_one_line(tp1, caplog)
     from prometheus_client.parser import text_string_to_metric_families
     from starlette.testclient import TestClient
 
-    from neuron_tp.infer.server import _encode, create_app
+    from neuron_tp.infer.server import create_app
 
     engine, ref, _ = tp1
     caplog.set_level(logging.INFO, logger="neuron_tp.serve")
@@ -688,7 +688,7 @@ def test_metrics_count_what_was_sent_and_each_request_logs_one_line(tp1, caplog)
     tok, chat = engine.tokenizer, chat_prompt(engine.tokenizer, [{"role": "user", "content": "hi"}])
     asked = [("Hello", 5), ("The cat", 3), ("abc", 3), ("Tensor", 1), ("A", 4)]
     lengths = [len(ref.tokens(tok.encode(p), n)) for p, n in asked]
-    lengths.append(len(ref.tokens(_encode(tok, chat, chat=True), 4)))
+    lengths.append(len(ref.tokens(encode_prompt(tok, chat, chat=True), 4)))
     assert value("neuron_tp_generation_tokens_total") == sum(lengths)
     tpot = "neuron_tp_time_per_output_token_seconds_count"
     assert value(tpot) == sum(n > 1 for n in lengths)  # per choice of more than one token
@@ -704,14 +704,14 @@ def test_metrics_count_what_was_sent_and_each_request_logs_one_line(tp1, caplog)
 
 
 def test_an_exception_in_a_handler_fails_only_that_request(tp1, monkeypatch):
-    from neuron_tp.infer import server
+    from neuron_tp.infer import request
 
     _, ref, url = tp1
 
     def broken(*args):
         raise RuntimeError("template exploded")
 
-    monkeypatch.setattr(server, "chat_prompt", broken)
+    monkeypatch.setattr(request, "chat_prompt", broken)
     client = _client(url)
     with pytest.raises(openai.InternalServerError) as err:
         _chat(client, "hi", 4)
