@@ -472,6 +472,8 @@ def test_bad_requests_from_the_issue_each_followed_by_a_good_one(tp1, guarded):
         ({**hi, "prompt": ["a"] * 257}, 400, "at most 256 prompts per request", "prompt"),
         (too_big, 413, f"limit of {BODY_LIMIT} bytes", None),
         (b"[1, 2]", 400, "must be a JSON object", None),
+        (b'{"prompt": "\xff\xfe"}', 400, "not valid JSON (UTF-8)", None),
+        (b'{"prompt": "Hello",', 400, "not valid JSON", None),
     ]
     client = _keyed(url)
     for body, status, words, param in cases:
