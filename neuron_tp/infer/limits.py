@@ -2,7 +2,8 @@
 API key (an ASGI middleware: ``Authorization: Bearer KEY`` on every path but ``/health``,
 ``/ready`` and ``/metrics``, compared in constant time), its body size (413 past
 ``max_body_bytes``, from ``Content-Length`` before reading, else counted while reading) and
-its JSON nesting (400 past ``max_json_depth``, measured before the parser recurses)."""
+its JSON shape (400 past ``max_json_depth`` nesting or ``MAX_JSON_CONTAINERS`` arrays and
+objects, measured before the parser runs)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import numpy as np
 
 DEFAULT_MAX_BODY = 4 * 1024 * 1024  # bytes: far above any prompt a bucket holds
 MAX_JSON_DEPTH = 64  # arrays/objects inside each other; an OpenAI request needs < 10
+MAX_JSON_CONTAINERS = 65536  # arrays/objects in a request (a prompt of token ids is one)
 OPEN_PATHS = ("/health", "/ready", "/metrics")  # probes and scrapes need no key (as vLLM)
 API_KEY_ENV = "NEURON_TP_API_KEY"
 _NOT_BRACKET = bytes(sorted(set(range(256)) - set(b"[]{}")))
@@ -65,36 +67,46 @@ async def read_body(request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def json_depth(text: str) -> int:
-    """How deeply arrays and objects nest in the valid JSON ``text`` (the brackets inside
-    string literals do not count). Linear in the length of valid JSON, no recursion."""
+def json_shape(text: str) -> tuple[int, int]:
+    """(how deeply arrays and objects nest, how many there are) in the JSON ``text``; the
+    brackets inside string literals do not count. Exact for valid JSON (for invalid JSON,
+    which the parser refuses anyway, only an estimate); linear, in C, no recursion."""
     unescaped = text.replace("\\\\", "").replace('\\"', "")  # no quote left inside a string
     outside = "".join(unescaped.split('"')[0::2])  # what lies between the string literals
     brackets = outside.encode().translate(None, _NOT_BRACKET)
     if not brackets:
-        return 0
+        return 0, 0
     steps = np.frombuffer(brackets, dtype=np.uint8)
     opens = (steps == ord("[")) | (steps == ord("{"))
-    return int(np.cumsum(np.where(opens, 1, -1), dtype=np.int64).max())
+    depth = int(np.cumsum(np.where(opens, 1, -1), dtype=np.int64).max())
+    return depth, int(opens.sum())
 
 
-def parse_json(body: bytes, max_depth: int) -> Any:
+def parse_json(body: bytes, max_depth: int, max_containers: int = MAX_JSON_CONTAINERS) -> Any:
     """The JSON value of a request body (UTF-8); :class:`RequestError` 400 when it is not
-    valid JSON or nests deeper than ``max_depth``. (The parser first: it refuses invalid
-    JSON in linear time and a very deep one with a RecursionError, not a crash.)"""
-    nested = f"JSON arrays/objects may nest at most {max_depth} deep in a request"
+    valid JSON, nests deeper than ``max_depth`` or holds more than ``max_containers`` arrays
+    and objects (measured before parsing: the parser would recurse, and allocating a million
+    containers holds the interpreter for seconds)."""
     try:
-        value = json.loads(body.decode("utf-8"))
+        text = body.decode("utf-8")
     except UnicodeDecodeError:
         raise RequestError(400, "the request body is not valid JSON (UTF-8)") from None
-    except RecursionError:
+    nested = f"JSON arrays/objects may nest at most {max_depth} deep in a request"
+    depth, containers = json_shape(text)
+    if depth > max_depth:
+        raise RequestError(400, f"the request body nests {depth} deep: {nested}")
+    if containers > max_containers:
+        raise RequestError(
+            400,
+            f"the request body has {containers} JSON arrays/objects; at most {max_containers} "
+            "are allowed in a request",
+        )
+    try:
+        return json.loads(text)
+    except RecursionError:  # not reached when the shape is right; never a crash
         raise RequestError(400, f"the request body nests too deep: {nested}") from None
     except ValueError as e:  # JSONDecodeError, or an integer of more than 4300 digits
         raise RequestError(400, f"the request body is not valid JSON: {e}") from None
-    depth = json_depth(body.decode("utf-8")) if isinstance(value, (dict, list)) else 0
-    if depth > max_depth:
-        raise RequestError(400, f"the request body nests {depth} deep: {nested}")
-    return value
 
 
 def key_matches(authorization: bytes | None, key: str) -> bool:

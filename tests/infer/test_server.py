@@ -452,6 +452,7 @@ def test_bad_requests_from_the_issue_each_followed_by_a_good_one(tp1, guarded):
         ({**hi, "seed": 2**63}, 400, "seed must be an integer in 0..", "seed"),
         (_nested(100_000), 400, "nest", None),
         (_nested(64), 400, "nests 65 deep", None),  # the object is one level
+        (b'{"prompt": "Hello", "x": [' + b"[]," * 65534 + b"[]]}", 400, "has 65537 JSON", None),
         (b'{"prompt": "Hello", "max_tokens": ' + b"9" * 5000 + b"}", 400, "not valid JSON", None),
         (b'{"prompt": "Hello", "temperature": NaN}', 400, "temperature must be a number", None),
         (b'{"prompt": "Hello", "temperature": 1e999}', 400, "temperature must be a number", None),
