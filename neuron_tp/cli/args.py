@@ -339,4 +339,29 @@ def serve_parser() -> argparse.ArgumentParser:
         help="graphs captured (compiled) before /ready: the smallest batch and prompt shape, "
         "or every batch x prompt bucket (no compile while serving, except for new top_k)",
     )
+    p.add_argument(
+        "--max-queue",
+        type=positive(int),
+        default=256,
+        help="requests that may wait to run; more get 429 with Retry-After",
+    )
+    p.add_argument(
+        "--request-timeout-s",
+        type=positive(float),
+        default=600.0,
+        help="a request not finished this long after it arrived is cancelled (504, or an "
+        "error event ending its stream)",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=positive(int),
+        default=4 * 1024 * 1024,
+        help="larger request bodies get 413 (default 4 MiB)",
+    )
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="every path but /health, /ready and /metrics needs 'Authorization: Bearer KEY' "
+        "(else 401); default: $NEURON_TP_API_KEY, unset = no key",
+    )
     return p

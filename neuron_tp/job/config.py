@@ -136,6 +136,10 @@ class ServeConfig(_CommonConfig):
     warmup: str  # graphs captured before ready: "smallest" shapes or "all" buckets
     adapter: str | None = None  # a PEFT (LoRA) adapter dir merged into --model on load
     prefill_chunk: int = 256  # prompt tokens prefilled per step (longer prompts: several)
+    max_queue: int = 256  # requests that may wait; more get 429
+    request_timeout_s: float = 600.0  # admission to the last token; then 504 / a stream error
+    max_body_bytes: int = 4 * 1024 * 1024  # larger request bodies get 413
+    api_key: str | None = None  # None: $NEURON_TP_API_KEY, else no key asked
 
     @property
     def model_name(self) -> str:
