@@ -469,7 +469,7 @@ def test_bad_requests_from_the_issue_each_followed_by_a_good_one(tp1, guarded):
         ({**hi, "prompt": [[1, 2], [3, -1]]}, 400, "prompt[1][1]: -1 is not a token id", None),
         ({**hi, "prompt": [[1], []]}, 400, "prompt[1] has no token ids", "prompt"),
         ({**hi, "prompt": [[1], ["a"]]}, 400, "prompt[1][0]: 'a' is not a token id", None),
-        ({**hi, "prompt": [1] * 33}, 400, "longer than the largest bucket 32", None),
+        ({**hi, "prompt": [1] * 53}, 400, "exceeds the 56 positions of a slot", None),
         ({**hi, "prompt": ["a"] * 257}, 400, "at most 256 prompts per request", "prompt"),
         (too_big, 413, f"limit of {BODY_LIMIT} bytes", None),
         (b"[1, 2]", 400, "must be a JSON object", None),
