@@ -39,11 +39,12 @@ def kv_shapes(model) -> list[tuple[int, int, torch.dtype]]:
 
 
 def allocate(model, slots: int, max_len: int, device) -> list[torch.Tensor]:
-    """Zeroed keys and values of every layer: ``[k0, v0, k1, v1, ...]``."""
+    """Zeroed keys and values of every layer: ``[k0, v0, k1, v1, ...]``, each made on the host
+    and transferred (device data, not a graph to compile)."""
     out = []
     for heads, dim, dtype in kv_shapes(model):
         shape = (slots, heads, max_len + 1, dim)
-        out += [torch.zeros(shape, dtype=dtype, device=device) for _ in range(2)]
+        out += [torch.zeros(shape, dtype=dtype).to(device) for _ in range(2)]
     return out
 
 

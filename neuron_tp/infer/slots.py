@@ -246,6 +246,10 @@ class SlotGenerator:
         make = self._prefill_fn if kind == "prefill" else self._decode_fn
         if self.replay:
             if key not in self._steps:
+                # This device's earlier steps finish first: a capture waits for every device
+                # (xm.wait_device_ops), which deadlocks on XLA CPU devices sharing a process
+                # when another device's step waits in a collective for one of ours.
+                self._tokens.cpu()
                 self._steps[key] = ReplayedStep(make(bucket, sampled))
             outputs, _ = self._steps[key](*args)
             return outputs

@@ -12,7 +12,7 @@ import pytest
 import gloo_dist
 from neuron_tp.infer.generate import MAX_TOP_K, Sampling
 from neuron_tp.infer.slots import SlotGenerator
-from slot_trace import Req, make_requests, reference, run_schedule
+from slot_trace import Req, eos_ids, make_requests, reference, run_schedule
 
 
 def _model():
@@ -31,7 +31,7 @@ def _reuse_requests() -> list:
 
 def _check_trace(model, full, slots: int, decode_buckets, reqs, seed: int) -> None:
     gen = SlotGenerator(model, slots, max_len=64, chunk=8, decode_buckets=decode_buckets)
-    got = run_schedule(gen, reqs, seed)
+    got = run_schedule(gen, reqs, seed, eos_ids(full))
     want = [reference(full, r) for r in reqs]
     bad = [(i, g, w) for i, (g, w) in enumerate(zip(got, want)) if g != w]
     assert not bad, f"{len(bad)} of {len(reqs)} requests differ (index, got, want): {bad[:3]}"
@@ -79,3 +79,22 @@ def _tp2_case(case: str) -> None:
 @pytest.mark.parametrize("case", CASES)
 def test_tp2_gloo(case):
     gloo_dist.run_case(_tp2_case, case, cases=CASES, world_size=2)
+
+
+def test_xla_two_devices_tp2_fixed_graphs():
+    """tp=2 on 2 XLA CPU devices, replayed graphs: ~50 requests under a random schedule equal
+    transformers per request; warm-up traced every graph (6: prefill bucket 8 and decode
+    buckets 2, 4, greedy and sampled) and the trace compiles nothing more."""
+    import xla_slots_cases
+
+    import xla_dist
+
+    res = xla_dist.run(xla_slots_cases.serve_trace, 2, 48, 5, devices=2)
+    assert res[0]["tokens"] == res[1]["tokens"]
+    (traces, compiles), after = res[0]["counts"]
+    assert traces == 6 and after == (traces, compiles)
+    full = _model()
+    reqs = make_requests(5, 48, 20, 8)
+    want = [reference(full, r) for r in reqs]
+    bad = [(i, g, w, reqs[i]) for i, (g, w) in enumerate(zip(res[0]["tokens"], want)) if g != w]
+    assert not bad, f"requests differ from transformers (index, got, want, request): {bad}"
