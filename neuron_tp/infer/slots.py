@@ -280,12 +280,13 @@ class SlotGenerator:
             tokens, pos, temperature, top_k, sample, *kv = rest
             slot, start, n, final = meta[0:1], meta[1], meta[2], meta[3:4].bool()
             idx = torch.arange(bucket, device=ids.device)
-            qpos = torch.where(idx < n, start + idx, torch.full_like(idx, scratch))[None]
+            valid = idx < n
+            qpos = torch.where(valid, start + idx, torch.full_like(idx, scratch))[None]
             cache = SlotCache(kv, slot, qpos, slot)
             out = model(
                 input_ids=ids,
                 attention_mask=visible(qpos, scratch + 1),
-                position_ids=qpos,
+                position_ids=torch.where(valid, start + idx, torch.zeros_like(idx))[None],
                 past_key_values=cache,
                 use_cache=True,
                 logits_to_keep=(meta[2:3] - 1).clamp(min=0),
@@ -322,7 +323,7 @@ class SlotGenerator:
             out = model(
                 input_ids=last[:, None],
                 attention_mask=visible(qpos, scratch + 1),
-                position_ids=qpos,
+                position_ids=torch.where(a, pos[:bucket], torch.zeros_like(pos[:bucket]))[:, None],
                 past_key_values=cache,
                 use_cache=True,
                 logits_to_keep=1,

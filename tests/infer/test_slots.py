@@ -14,10 +14,10 @@ from neuron_tp.infer.slots import SlotGenerator
 from slot_trace import Req, eos_ids, make_requests, reference, run_schedule
 
 
-def _model():
+def _model(name: str = "tiny-llama"):
     from neuron_tp.job.presets import build_model
 
-    return build_model("tiny-llama", 257, 4).eval()
+    return build_model(name, 257, 4).eval()
 
 
 def _reuse_requests() -> list:
@@ -35,35 +35,42 @@ def _check_trace(model, slots: int, decode_buckets, reqs, seed: int, want, eos) 
     assert not bad, f"{len(bad)} of {len(reqs)} requests differ (index, got, want): {bad[:3]}"
 
 
-# (tp, slots, decode buckets, requests, schedule seed) of each case
+# (tp, slots, decode buckets, requests, schedule seed, model) of each case
 CASES = {
-    "trace": (1, 4, [2, 4], lambda: make_requests(1, 14, 20, 8), 1),
-    "reuse": (1, 1, None, _reuse_requests, 0),
-    "trace_tp2": (2, 3, [1, 3], lambda: make_requests(2, 10, 20, 6), 2),
-    "reuse_tp2": (2, 1, None, _reuse_requests, 0),
-    "trace_tp4": (4, 4, [4], lambda: make_requests(3, 8, 20, 6), 3),  # kv heads replicated
+    "trace": (1, 4, [2, 4], lambda: make_requests(1, 14, 20, 8), 1, "tiny-llama"),
+    "reuse": (1, 1, None, _reuse_requests, 0, "tiny-llama"),
+    "qwen3": (1, 3, None, lambda: make_requests(7, 6, 20, 5), 7, "tiny-qwen3"),
+    "gpt2": (1, 3, None, lambda: make_requests(7, 6, 20, 5), 7, "tiny-gpt2"),  # fused c_attn
+    "trace_tp2": (2, 3, [1, 3], lambda: make_requests(2, 10, 20, 6), 2, "tiny-llama"),
+    "reuse_tp2": (2, 1, None, _reuse_requests, 0, "tiny-llama"),
+    "gpt2_tp2": (2, 2, None, lambda: make_requests(8, 5, 20, 5), 8, "tiny-gpt2"),
+    "trace_tp4": (4, 4, [4], lambda: make_requests(3, 8, 20, 6), 3, "tiny-llama"),  # kv replicated
 }
 GLOO = [c for c in CASES if CASES[c][0] > 1]
 
 
-def _expected(case: str) -> list:
-    full = _model()
-    return [reference(full, r) for r in CASES[case][3]()]
+def _expected(case: str) -> tuple[list, list]:
+    """transformers' tokens for each request of ``case`` alone, and the EOS ids it stops at."""
+    full = _model(CASES[case][5])
+    return [reference(full, r) for r in CASES[case][3]()], eos_ids(full)
 
 
 def _run(case: str, model, want, eos) -> None:
-    _, slots, buckets, reqs, seed = CASES[case]
+    _, slots, buckets, reqs, seed, _ = CASES[case]
     _check_trace(model, slots, buckets, reqs(), seed, want, eos)
 
 
 def test_random_schedule_tp1():
-    full = _model()
-    _run("trace", full, _expected("trace"), eos_ids(full))
+    _run("trace", _model(), *_expected("trace"))
 
 
 def test_freed_slot_reused_by_shorter_request():
-    full = _model()
-    _run("reuse", full, _expected("reuse"), eos_ids(full))
+    _run("reuse", _model(), *_expected("reuse"))
+
+
+@pytest.mark.parametrize("case", ["qwen3", "gpt2"])
+def test_other_architectures(case):
+    _run(case, _model(CASES[case][5]), *_expected(case))
 
 
 def test_check_names_the_limit():
@@ -104,11 +111,11 @@ def test_sliding_window_shorter_than_the_cache_is_refused():
     SlotGenerator(model, 2, max_len=39)  # the window holds every position: accepted
 
 
-def _gloo_case(case: str, wants: dict, eos: list) -> None:
+def _gloo_case(case: str, wants: dict) -> None:
     from neuron_tp import hf
 
-    model = hf.parallelize(_model(), gloo_dist.shared_mesh(CASES[case][0])).eval()
-    _run(case, model, wants[case], eos)
+    model = hf.parallelize(_model(CASES[case][5]), gloo_dist.shared_mesh(CASES[case][0]))
+    _run(case, model.eval(), *wants[case])
 
 
 @pytest.fixture(scope="module")
@@ -119,8 +126,7 @@ def gloo_wants() -> dict:
 @pytest.mark.parametrize("case", GLOO)
 def test_tp2_tp4_gloo(case, gloo_wants):
     """4 gloo ranks: tp=2 (x dp 2) and tp=4 (fewer kv heads than ranks: replicated)."""
-    eos = eos_ids(_model())
-    gloo_dist.run_case(_gloo_case, case, gloo_wants, eos, cases=GLOO, world_size=4)
+    gloo_dist.run_case(_gloo_case, case, gloo_wants, cases=GLOO, world_size=4)
 
 
 def test_xla_two_devices_tp2_fixed_graphs():
