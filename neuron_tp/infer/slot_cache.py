@@ -17,33 +17,44 @@ from ..errors import UserError
 
 def kv_shapes(model) -> list[tuple[int, int, torch.dtype]]:
     """``(local kv heads, head dim, dtype)`` of every attention layer, in ``layer_idx`` order,
-    read from the (possibly tp-sharded) model: the local ``k_proj`` rows / head dim."""
+    read from the (possibly tp-sharded) model: the local ``k_proj`` rows / head dim, or (fused
+    projections, e.g. GPT-2) the module's own per-rank head count."""
     found: dict[int, tuple[int, int, torch.dtype]] = {}
     for module in model.modules():
-        idx, k_proj = getattr(module, "layer_idx", None), getattr(module, "k_proj", None)
-        if not isinstance(idx, int) or not isinstance(
-            getattr(k_proj, "weight", None), torch.Tensor
-        ):
-            continue
-        heads_q = getattr(module.config, "num_attention_heads", None)
-        dim = getattr(module, "head_dim", None) or module.config.hidden_size // heads_q
-        found[idx] = (k_proj.weight.shape[0] // dim, dim, k_proj.weight.dtype)
+        idx = getattr(module, "layer_idx", None)
+        if isinstance(idx, int) and (shape := _local_kv(module)) is not None:
+            found[idx] = shape
     n = model.config.get_text_config(decoder=True).num_hidden_layers
     if sorted(found) != list(range(n)):
         raise UserError(
             f"{type(model).__name__}: slot generation needs attention modules with a k_proj "
-            f"projection and a layer_idx on each of the {n} layers (Llama-style models); "
-            f"found them on layers {sorted(found)}"
+            f"projection (or num_heads and head_dim) and a layer_idx on each of the {n} "
+            f"layers; found them on layers {sorted(found)}"
         )
     return [found[i] for i in range(n)]
 
 
+def _local_kv(module) -> tuple[int, int, torch.dtype] | None:
+    weight = next((p for p in module.parameters(recurse=True)), None)
+    dim = getattr(module, "head_dim", None)
+    k_proj = getattr(getattr(module, "k_proj", None), "weight", None)
+    if isinstance(k_proj, torch.Tensor):
+        if not isinstance(dim, int):
+            dim = module.config.hidden_size // module.config.num_attention_heads
+        return k_proj.shape[0] // dim, dim, k_proj.dtype
+    heads = getattr(module, "num_key_value_heads", None) or getattr(module, "num_heads", None)
+    if isinstance(heads, int) and isinstance(dim, int) and weight is not None:
+        return heads, dim, weight.dtype
+    return None
+
+
 def allocate(model, slots: int, max_len: int, device) -> list[torch.Tensor]:
-    """Zeroed keys and values of every layer: ``[k0, v0, k1, v1, ...]``."""
+    """Zeroed keys and values of every layer: ``[k0, v0, k1, v1, ...]``, each made on the host
+    and transferred (device data, not a graph to compile)."""
     out = []
     for heads, dim, dtype in kv_shapes(model):
         shape = (slots, heads, max_len + 1, dim)
-        out += [torch.zeros(shape, dtype=dtype, device=device) for _ in range(2)]
+        out += [torch.zeros(shape, dtype=dtype).to(device) for _ in range(2)]
     return out
 
 

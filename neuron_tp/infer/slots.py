@@ -34,6 +34,13 @@ from .replay import ReplayedStep
 SEED_LIMIT = 2**64  # torch.Generator.manual_seed takes seeds below this
 
 
+def _check_sampling(sampling: Sampling) -> None:
+    if sampling.do_sample and sampling.top_k > MAX_TOP_K:
+        raise ValueError(f"top_k must be in 0..{MAX_TOP_K} (0 = no filter), got {sampling.top_k}")
+    if not 0 <= sampling.seed < SEED_LIMIT:
+        raise ValueError(f"seed must be in 0..2**64-1, got {sampling.seed}")
+
+
 def default_prefill_buckets(chunk: int) -> list[int]:
     """Powers of 2 from 16 up to ``chunk`` (and ``chunk`` itself)."""
     out, b = [], 16
@@ -102,6 +109,7 @@ class SlotGenerator:
         self._active_dirty = False
         self.in_use: set[int] = set()  # acquired slots (prefilling or decoding)
         self.active: set[int] = set()  # slots that decode
+        self._filled: dict[int, int] = {}  # prompt positions written so far, per acquired slot
         self._host_pos: dict[int, int] = {}  # next cache index of each active slot
         self._gens: dict[int, torch.Generator] = {}  # sampled active slots
         self._steps: dict[tuple, ReplayedStep] = {}
@@ -123,18 +131,14 @@ class SlotGenerator:
                 f"prompt of {prompt_len} tokens + max_new_tokens {max_new_tokens} exceeds "
                 f"the {self.max_len} positions of a slot (max_len)"
             )
-        if sampling.do_sample and sampling.top_k > MAX_TOP_K:
-            raise ValueError(
-                f"top_k must be in 0..{MAX_TOP_K} (0 = no filter), got {sampling.top_k}"
-            )
-        if not 0 <= sampling.seed < SEED_LIMIT:
-            raise ValueError(f"seed must be in 0..2**64-1, got {sampling.seed}")
+        _check_sampling(sampling)
 
     def acquire(self) -> int | None:
         """The lowest free slot, now in use (None: every slot is in use)."""
         for s in range(self.slots):
             if s not in self.in_use:
                 self.in_use.add(s)
+                self._filled[s] = 0
                 return s
         return None
 
@@ -145,6 +149,7 @@ class SlotGenerator:
             self.active.discard(slot)
             self._active_dirty = True
         self._host_pos.pop(slot, None)
+        self._filled.pop(slot, None)
         self._gens.pop(slot, None)
 
     def prefill(
@@ -156,11 +161,15 @@ class SlotGenerator:
         n = len(tokens)
         if slot not in self.in_use or slot in self.active:
             raise ValueError(f"slot {slot} must be acquired and not decoding to be prefilled")
-        if not 1 <= n <= self.chunk or start < 0 or start + n > self.max_len:
+        if not 1 <= n <= self.chunk or not 0 <= start <= self._filled[slot]:
             raise ValueError(
-                f"a chunk of 1..{self.chunk} tokens within {self.max_len} positions, got "
-                f"{n} tokens at {start}"
+                f"a chunk of 1..{self.chunk} tokens starting at most at {self._filled[slot]} "
+                f"(the positions slot {slot} holds: no gap), got {n} tokens at {start}"
             )
+        if start + n > self.max_len:
+            raise ValueError(f"{n} tokens at {start} exceed the {self.max_len} positions")
+        if sampling is not None:
+            _check_sampling(sampling)
         bucket = pick_bucket(n, self.prefill_buckets)
         final = sampling is not None
         sampled = final and sampling.do_sample
@@ -177,6 +186,7 @@ class SlotGenerator:
         out = self._run(("prefill", bucket, sampled), [*args, *self._state(), *self._kv])
         tok, self._tokens, self._pos, self._temperature, self._top_k, self._sample = out[:6]
         self._kv = out[6:]
+        self._filled[slot] = start + n
         if not final:
             return None
         self.active.add(slot)
@@ -246,6 +256,10 @@ class SlotGenerator:
         make = self._prefill_fn if kind == "prefill" else self._decode_fn
         if self.replay:
             if key not in self._steps:
+                # This device's earlier steps finish first: a capture waits for every device
+                # (xm.wait_device_ops), which deadlocks on XLA CPU devices sharing a process
+                # when another device's step waits in a collective for one of ours.
+                self._tokens.cpu()
                 self._steps[key] = ReplayedStep(make(bucket, sampled))
             outputs, _ = self._steps[key](*args)
             return outputs
@@ -266,12 +280,13 @@ class SlotGenerator:
             tokens, pos, temperature, top_k, sample, *kv = rest
             slot, start, n, final = meta[0:1], meta[1], meta[2], meta[3:4].bool()
             idx = torch.arange(bucket, device=ids.device)
-            qpos = torch.where(idx < n, start + idx, torch.full_like(idx, scratch))[None]
+            valid = idx < n
+            qpos = torch.where(valid, start + idx, torch.full_like(idx, scratch))[None]
             cache = SlotCache(kv, slot, qpos, slot)
             out = model(
                 input_ids=ids,
                 attention_mask=visible(qpos, scratch + 1),
-                position_ids=qpos,
+                position_ids=torch.where(valid, start + idx, torch.zeros_like(idx))[None],
                 past_key_values=cache,
                 use_cache=True,
                 logits_to_keep=(meta[2:3] - 1).clamp(min=0),
@@ -308,7 +323,7 @@ class SlotGenerator:
             out = model(
                 input_ids=last[:, None],
                 attention_mask=visible(qpos, scratch + 1),
-                position_ids=qpos,
+                position_ids=torch.where(a, pos[:bucket], torch.zeros_like(pos[:bucket]))[:, None],
                 past_key_values=cache,
                 use_cache=True,
                 logits_to_keep=1,

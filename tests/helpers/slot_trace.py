@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -48,11 +49,19 @@ def reference(full, req: Req) -> list[int]:
         return out[0, len(req.prompt) :].tolist()
 
 
-def run_schedule(gen, reqs: list, seed: int, join: float = 0.6) -> list[list[int]]:
+def eos_ids(full) -> list[int]:
+    """The EOS ids transformers' ``generate`` stops at for ``full`` (its generation config)."""
+    eos = full.generation_config.eos_token_id
+    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+
+
+def run_schedule(
+    gen, reqs: list, seed: int, eos: Sequence[int] = (), join: float = 0.6
+) -> list[list[int]]:
     """Serve ``reqs`` on ``gen`` with a random schedule: each iteration maybe admits the next
     request into a free slot, prefills ONE chunk (random length <= gen.chunk) of a random
     prefilling slot, then decodes every active slot; a request is released as soon as it has
-    its tokens. Checks that decode reports exactly the decoding slots."""
+    its tokens or an ``eos`` id. Checks that decode reports exactly the decoding slots."""
     rng = random.Random(seed)
     waiting = deque(range(len(reqs)))
     prefilling: dict[int, tuple[int, int]] = {}  # slot -> (request, next prompt offset)
@@ -61,7 +70,7 @@ def run_schedule(gen, reqs: list, seed: int, join: float = 0.6) -> list[list[int
 
     def take(slot: int, i: int, token: int) -> None:
         out[i].append(token)
-        if len(out[i]) == reqs[i].new:
+        if len(out[i]) == reqs[i].new or token in eos:
             gen.release(slot)
             decoding.pop(slot, None)
         else:
