@@ -36,13 +36,10 @@ def job(tp: int, requests: int, replay: bool) -> dict:
     model = hf.parallelize(copy.deepcopy(full), mesh).eval()  # collective: not under serial()
     move_to(model, dev)
     engine = Engine(mesh.group("world") if tp > 1 else None, lease_steps=3)
-    # tp > 1 here runs lazy mode, not replay: a replayed graph runs synchronously on its
-    # thread, so two device THREADS of one process cannot meet in its collectives (XLA's
-    # rendezvous aborts after 10 s). On Neuron every rank is its own process.
     gen = SlotGenerator(model, **ec.SHAPES, replay=replay)
     engine.attach(gen, ByteTokenizer(), ec.EOS, ec.MAX_NEW)
     t0 = time.time()
-    engine.warmup(every_shape=replay)  # lazy mode: compile counts are not checked
+    engine.warmup(every_shape=True)
     t1 = time.time()
     traces = engine.gen.traces
     barrier.wait()
