@@ -21,7 +21,8 @@ WORKDIR /opt/neuron_tp
 # if the image's own transformers were older than our range the build stops here, by design.
 RUN python3 -m pip list --format=freeze > /opt/neuron_tp/image-constraints.txt \
  && python3 -m pip install -c /opt/neuron_tp/image-constraints.txt \
-        "safetensors>=0.4,<1" "transformers>=4.51,<6" "fastapi>=0.110,<1" "uvicorn>=0.29,<1"
+        "safetensors>=0.4,<1" "transformers>=4.51,<6" "fastapi>=0.110,<1" "uvicorn>=0.29,<1" \
+        "prometheus_client>=0.26,<1"
 
 # The package itself, without dependency resolution (torch & co. come from the image).
 # Installed in place (-e) so that paths relative to the checkout, such as the default

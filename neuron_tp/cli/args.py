@@ -312,12 +312,24 @@ def serve_parser() -> argparse.ArgumentParser:
         default=256,
         help="the largest max_tokens a request may ask for (sets the KV cache length)",
     )
-    _shapes(p, "concurrent requests share a batch; longer prompts are refused")
+    _shapes(
+        p,
+        "the largest is the number of decode slots (requests generating at once); decode "
+        "graphs exist for each",
+    )
+    p.add_argument(
+        "--prefill-chunk",
+        type=positive(int),
+        default=256,
+        help="prompt tokens prefilled per step (capped to the largest --buckets): a longer "
+        "prompt is prefilled over several steps, between the running requests' tokens",
+    )
     p.add_argument(
         "--batch-wait-ms",
         type=_non_negative(float),
         default=5.0,
-        help="how long a new batch waits for concurrent requests to join it",
+        help="ignored: a request joins the running batch at the next step (kept so existing "
+        "commands run)",
     )
     p.add_argument(
         "--served-model-name", default=None, help="the model id clients use (default: --model)"
@@ -328,5 +340,30 @@ def serve_parser() -> argparse.ArgumentParser:
         default="smallest",
         help="graphs captured (compiled) before /ready: the smallest batch and prompt shape, "
         "or every batch x prompt bucket (no compile while serving, except for new top_k)",
+    )
+    p.add_argument(
+        "--max-queue",
+        type=positive(int),
+        default=256,
+        help="requests that may wait to run; more get 429 with Retry-After",
+    )
+    p.add_argument(
+        "--request-timeout-s",
+        type=positive(float),
+        default=600.0,
+        help="a request not finished this long after it arrived is cancelled (504, or an "
+        "error event ending its stream)",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=positive(int),
+        default=4 * 1024 * 1024,
+        help="larger request bodies get 413 (default 4 MiB)",
+    )
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="every path but /health, /ready and /metrics needs 'Authorization: Bearer KEY' "
+        "(else 401); default: $NEURON_TP_API_KEY, unset = no key",
     )
     return p

@@ -1,15 +1,20 @@
-"""The serving engine: requests batched into a :class:`~.generate.Generator`, on every tp rank.
+"""The serving engine: continuous (iteration-level) batching over the slots of a
+:class:`~.slots.SlotGenerator`, on every tp rank.
 
-Rank 0 owns the request queue. Its worker thread takes the oldest request, waits a few
-milliseconds for concurrent ones with the same sampling parameters (up to the largest batch
-bucket), broadcasts the batch to the other tp ranks (:func:`neuron_tp.parallel.comm.host_broadcast`)
-and runs it; the other ranks run the same batch in :meth:`Engine.follow`. Everything that
-ends a sequence early (EOS, a stop string, the request's own ``max_tokens`` below the batch's)
-is decided from the batch and the generated tokens alone, which every rank has: all ranks run
-the same detokenizers and set the same ``stopped`` flags, with nothing exchanged per token.
+Every iteration the engine prefills prompt chunks of newly admitted requests (at most
+``prefill_budget`` tokens: a long prompt is spread over several iterations, so it never stalls
+the running requests for more than one budget) and then decodes one token for every running
+request. A request takes a free slot as soon as there is one and leaves it the moment it ends
+(EOS, a stop string, its ``max_tokens``, its client gone): nobody waits for a batch to finish.
 
-Requests with an explicit sampling seed run alone, so a seed reproduces a completion
-whatever else the server is doing (a batch draws its noise per row).
+Rank 0 owns the request queue and decides the schedule; at tp > 1 it sends the other ranks a
+*lease* (:func:`neuron_tp.parallel.comm.host_broadcast`): the requests admitted and cancelled
+now, and how many iterations to run before the next message. Everything else (which chunk to
+prefill, when a request ends) follows from the lease and the generated tokens, which every rank
+has: the ranks run the same schedule with one host message per ``lease_steps`` iterations.
+
+A failure while generating fails the requests of that step (their clients get an error),
+never the engine: the slots are freed and serving goes on.
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 from ..parallel import comm
-from .generate import Generator, Sampling
+from .generate import Sampling
+from .slots import SlotGenerator
 from .text import Detokenizer
 
 Event = dict  # {"type": "delta", "text"} | {"type": "done", "finish_reason", usage} | "error"
@@ -34,6 +40,10 @@ _KEY = "serve"
 
 class NotReady(RuntimeError):
     """The engine has no model yet (loading, warming up) or is shutting down."""
+
+
+class QueueFull(RuntimeError):
+    """More requests wait than the engine's ``max_queue``: try again later (HTTP 429)."""
 
 
 @dataclass
@@ -46,75 +56,116 @@ class Request:
     stop: list[str]
     seeded: bool
     sink: Callable[[Event], None]
-    cancelled: bool = False  # the client went away: its row runs on, its output is dropped
+    cancelled: bool = False  # the client went away (or timed out): its slot is freed
     created: float = field(default_factory=time.monotonic)
+    tokens: list[int] = field(default_factory=list)  # generated so far (EOS included)
 
     def cancel(self) -> None:
         self.cancelled = True
 
-    def batch_key(self) -> tuple:
-        """Requests with equal keys may share a batch (seeded ones never do)."""
-        s = self.sampling
-        if self.seeded:
-            return ("seeded", id(self))
-        return (s.do_sample, s.temperature, s.top_k) if s.do_sample else (False,)
+
+@dataclass
+class _Row:
+    """A request in a slot, as every rank knows it."""
+
+    slot: int
+    prompt: list[int]
+    max_tokens: int
+    sampling: Sampling
+    detok: Detokenizer
+    request: Request | None  # rank 0 only
+    order: int = 0  # admission order (prefill goes oldest first)
+    filled: int = 0  # prompt tokens prefilled so far
+    count: int = 0  # tokens generated
+
+    @property
+    def prefilling(self) -> bool:
+        return self.filled < len(self.prompt)
 
 
 class Engine:
-    """Batched generation for a server, on every tp rank of ``group`` (None: one rank).
+    """Continuous batching for a server, on every tp rank of ``group`` (None: one rank).
 
     Lifecycle: :meth:`attach` the generator, :meth:`warmup` (all ranks), then rank 0
     :meth:`start` s the worker and :meth:`submit` s requests while the other ranks
-    :meth:`follow`; rank 0's :meth:`shutdown` ends every rank's loop."""
+    :meth:`follow`; rank 0's :meth:`shutdown` ends every rank's loop.
 
-    def __init__(self, group=None, wait_s: float = 0.005):
-        self.group, self.wait_s = group, wait_s
+    ``max_queue``: requests waiting for a slot beyond which :meth:`submit` raises
+    :class:`QueueFull`; ``lease_steps``: iterations per schedule message at tp > 1 (a new
+    request waits at most that many steps for its slot); ``prefill_budget``: prompt tokens
+    prefilled per iteration (None: the generator's chunk)."""
+
+    def __init__(
+        self,
+        group=None,
+        max_queue: int = 256,
+        lease_steps: int = 4,
+        prefill_budget: int | None = None,
+    ):
+        self.group, self.max_queue = group, max_queue
         self.rank = group.rank if group is not None else 0
-        self.gen: Generator | None = None
+        multi = group is not None and group.size > 1
+        self.lease_steps = lease_steps if multi else 1
+        self.prefill_budget = prefill_budget
+        self.gen: SlotGenerator | None = None
         self.tokenizer = None
         self.eos_ids: list[int] = []
+        self.max_new_tokens = 0
         self._queue: queue.Queue = queue.Queue()
-        self._pending: deque[Request] = deque()
+        self._waiting: deque[Request] = deque()  # rank 0: taken off the queue, no slot yet
+        self._rows: dict[int, _Row] = {}  # slot -> the request in it (every rank)
+        self._admitted = 0  # requests admitted so far (every rank)
+        self._admitting: list[Request] = []  # rank 0: admitted by the lease being placed
         self._worker: threading.Thread | None = None
         self._ready = threading.Event()
         self._closed = False
-        self.error: str | None = None  # set when generation failed: the engine stopped
-        self._lock = threading.Lock()  # submitting vs. failing: no request is left behind
-        # rank 0: batches run, largest batch, events dropped for clients that went away
-        self.stats = {"batches": 0, "max_batch": 0, "dropped": 0}
+        self._lock = threading.Lock()  # submitting vs. shutting down: no request left behind
+        self.error: str | None = None  # set only when the engine itself cannot go on
+        # iterations run, most requests running at once, slots freed for clients that went
+        # away, events dropped for them (rank 0), requests failed by a generation error,
+        # leases sent (rank 0)
+        self.stats = dict.fromkeys(
+            ("steps", "max_batch", "cancelled", "dropped", "failed", "leases"), 0
+        )
 
     # -- setup ---------------------------------------------------------------------------
-    def attach(self, gen: Generator, tokenizer, eos_ids: Sequence[int]) -> None:
-        """Give the engine its model (a generator on this rank's device)."""
+    def attach(
+        self, gen: SlotGenerator, tokenizer, eos_ids: Sequence[int], max_new_tokens: int
+    ) -> None:
+        """Give the engine its model (a slot generator on this rank's device) and the most
+        tokens a request may ask for."""
         self.gen, self.tokenizer, self.eos_ids = gen, tokenizer, list(eos_ids)
+        self.max_new_tokens = max_new_tokens
 
     def warmup(self, every_shape: bool = False) -> None:
-        """Capture the prefill and decode graphs of the smallest shapes (``every_shape``: of
-        every batch and length bucket), greedy and sampled without top-k; every rank, in the
-        same order. Shapes not captured here are captured by the first request needing them."""
+        """Capture the graphs before serving (every rank, in the same order): all of them
+        (``every_shape``), else the smallest prefill and decode, greedy; the others are
+        captured by the first request that needs them."""
         gen = self._model()
-        batches = gen.batch_buckets or [1]
-        shapes = (
-            [(b, n) for b in batches for n in gen.buckets] if every_shape else [(batches[0], 1)]
-        )
-        for batch, length in shapes:
-            prompts = [[gen.pad_id] * length] * batch
-            for sampling in (Sampling(), Sampling(do_sample=True)):
-                for _ in gen.stream(prompts, min(2, gen.max_new_tokens), sampling, ()):
-                    pass
+        if every_shape:
+            gen.warmup()
+            return
+        slot = gen.acquire()
+        gen.prefill(slot, [gen.pad_id], 0, Sampling())
+        gen.decode()
+        gen.release(slot)
 
-    def start(self) -> None:
-        """Rank 0: start the worker; the engine is ready."""
+    def start(self, thread: bool = True) -> None:
+        """Rank 0: the engine is ready; its loop runs on a worker thread (``thread=False``:
+        on the calling thread, until :meth:`shutdown` from another one)."""
         self._model()
+        self._ready.set()
+        if not thread:
+            self._work()
+            return
         self._worker = threading.Thread(target=self._work, name="engine", daemon=True)
         self._worker.start()
-        self._ready.set()
 
     @property
     def ready(self) -> bool:
         return self._ready.is_set() and not self._closed
 
-    def _model(self) -> Generator:
+    def _model(self) -> SlotGenerator:
         if self.gen is None:
             raise NotReady("the model is not loaded yet")
         return self.gen
@@ -122,15 +173,37 @@ class Engine:
     # -- requests (rank 0) ---------------------------------------------------------------
     @property
     def max_tokens_limit(self) -> int:
-        return self._model().max_new_tokens
+        self._model()
+        return self.max_new_tokens
 
-    def check(self, prompt: list[int], max_tokens: int, stop: Sequence[str]) -> None:
+    def queue_depth(self) -> int:
+        """Requests waiting for a slot."""
+        return self._queue.qsize() + len(self._waiting)
+
+    def slots_in_use(self) -> int:
+        """Requests holding a slot (prefilling or decoding)."""
+        return len(self._rows)
+
+    def check(
+        self,
+        prompt: list[int],
+        max_tokens: int,
+        stop: Sequence[str],
+        sampling: Sampling | None = None,
+    ) -> None:
         """ValueError naming what is wrong with a request (nothing runs)."""
         gen = self._model()
+        if not prompt:
+            raise ValueError("the prompt needs at least one token")
+        if not 1 <= max_tokens <= self.max_new_tokens:
+            raise ValueError(
+                f"max_tokens must be in 1..{self.max_new_tokens} (server limit), got {max_tokens}"
+            )
         try:
-            gen.check([prompt], max_tokens)
-        except ValueError as e:
-            raise ValueError(str(e).replace("max_new_tokens", "max_tokens")) from None
+            gen.check(len(prompt), max_tokens, sampling or Sampling())
+        except ValueError as e:  # in the request's terms
+            message = str(e).replace("max_new_tokens", "max_tokens")
+            raise ValueError(message.replace("(max_len)", "(server limit)")) from None
         Detokenizer(self.tokenizer, stop)  # validates the stop strings
 
     def submit(
@@ -142,97 +215,227 @@ class Engine:
         sink: Callable[[Event], None],
         seeded: bool = False,
     ) -> Request:
-        """Queue one request (ValueError when invalid, :class:`NotReady` before
-        :meth:`start` or after :meth:`shutdown`); its events go to ``sink``."""
-        self.check(prompt, max_tokens, stop)
+        """Queue one request (ValueError when invalid, :class:`QueueFull` when ``max_queue``
+        requests wait already, :class:`NotReady` before :meth:`start` or after
+        :meth:`shutdown`); its events go to ``sink``."""
+        self.check(prompt, max_tokens, stop, sampling)
         req = Request(list(prompt), max_tokens, sampling, list(stop), seeded, sink)
         with self._lock:
             if not self.ready:
                 raise NotReady(self.error or ("shutting down" if self._closed else "loading"))
+            if self.queue_depth() >= self.max_queue:
+                raise QueueFull(
+                    f"{self.queue_depth()} requests are waiting (--max-queue {self.max_queue})"
+                )
             self._queue.put(req)
         return req
 
     def shutdown(self, timeout: float | None = None) -> None:
-        """Rank 0: finish the queued requests, then end every rank's loop."""
-        self._closed = True
+        """Rank 0: finish the queued and running requests, then end every rank's loop."""
+        with self._lock:
+            self._closed = True
         if self._worker is not None:
             self._queue.put(_SHUTDOWN)
             self._worker.join(timeout)
+        elif self._ready.is_set():  # the loop runs on the thread that called start()
+            self._queue.put(_SHUTDOWN)
         elif self.group is not None and self.group.size > 1:
             self._broadcast({"op": "shutdown"})
 
     # -- the loops -------------------------------------------------------------------------
     def _work(self) -> None:
-        batch: list[Request] = []
+        """Rank 0: plan a lease, send it, run it; until shutdown and nothing is left."""
+        closing = False
         try:
-            while (batch := self._next_batch()) is not None:
-                spec = _spec(batch, self.eos_ids)
-                self.stats["batches"] += 1
-                self.stats["max_batch"] = max(self.stats["max_batch"], len(batch))
-                self._broadcast(spec)
-                self._run(spec, batch)
+            while True:
+                closing = self._take_new(block=not self._rows and not self._waiting) or closing
+                if closing and not self._rows and not self._waiting:
+                    break
+                lease, admitted = self._lease()
+                if lease is None:
+                    continue
+                self._broadcast(lease)
+                self.stats["leases"] += 1
+                self._run(lease, admitted)
             self._broadcast({"op": "shutdown"})
-        except Exception as e:  # noqa: BLE001 - the ranks may be out of step: stop serving
+        except Exception as e:  # noqa: BLE001 - a bug in the engine itself: stop serving
             with self._lock:
-                self.error = f"generation failed: {type(e).__name__}: {e}"
+                self.error = f"the serving engine failed: {type(e).__name__}: {e}"
                 self._closed = True
-            self._pending.extend(batch or ())
-            while not self._queue.empty():
-                item = self._queue.get()
-                if item is not _SHUTDOWN:
-                    self._pending.append(item)
-            for r in self._pending:
-                self._emit(r, {"type": "error", "message": self.error})
+            self._fail_all(self.error)
+
+    def _take_new(self, block: bool) -> bool:
+        """Move submitted requests to the waiting list (blocking while idle); True once
+        shutdown was asked."""
+        closing = False
+        while True:
+            try:
+                item = self._queue.get(timeout=0.05) if block else self._queue.get_nowait()
+            except queue.Empty:
+                if block and not closing:
+                    continue
+                return closing
+            block = False
+            if item is _SHUTDOWN:
+                closing = True
+            else:
+                self._waiting.append(item)
+
+    def _lease(self) -> tuple[dict | None, list[Request]]:
+        """The next lease (cancelled slots, admitted requests, iterations to run; None when
+        there is nothing to do) and the admitted requests."""
+        gen = self._model()
+        cancel = [s for s, r in self._rows.items() if r.request is not None and r.request.cancelled]
+        free = gen.slots - len(self._rows) + len(cancel)
+        admit = []
+        while self._waiting and len(admit) < free:
+            req = self._waiting.popleft()
+            if req.cancelled:
+                self.stats["dropped"] += 1
+                continue
+            admit.append(req)
+        if not (cancel or admit or self._rows):
+            return None, []
+        self._admitting = admit  # known to _fail_all until the lease has placed them
+        lease = {
+            "op": "lease",
+            "cancel": cancel,
+            "admit": [_spec(r) for r in admit],
+            "steps": self.lease_steps,
+        }
+        return lease, admit
 
     def follow(self, should_stop: Callable[[], bool] = lambda: False) -> None:
-        """Ranks > 0: run rank 0's batches until its shutdown message (or, once
+        """Ranks > 0: run rank 0's leases until its shutdown message (or, once
         ``should_stop()`` is true, until rank 0 has been silent for 30 s)."""
         silent = 0.0
         while True:
             try:
-                spec = json.loads(comm.host_broadcast(_KEY, None, self.group, timeout_s=1.0))
+                lease = json.loads(comm.host_broadcast(_KEY, None, self.group, timeout_s=1.0))
             except TimeoutError:
                 silent = silent + 1.0 if should_stop() else 0.0
                 if silent >= 30:
                     return
                 continue
             silent = 0.0
-            if spec["op"] == "shutdown":
+            if lease["op"] == "shutdown":
                 return
-            self._run(spec, None)
+            self._run(lease)
 
     def _broadcast(self, message: dict) -> None:
         if self.group is not None and self.group.size > 1:
             comm.host_broadcast(_KEY, json.dumps(message).encode(), self.group)
 
-    def _next_batch(self) -> list[Request] | None:
-        """The oldest request and queued ones batchable with it; None on shutdown."""
-        if not self._pending:
-            item = self._queue.get()
-            if item is _SHUTDOWN:
-                return None
-            self._pending.append(item)
-        limit = self.gen.batch_buckets[-1] if self.gen.batch_buckets else 1
-        deadline = time.monotonic() + self.wait_s
-        key = self._pending[0].batch_key()
-        stop_seen = False
-        while not stop_seen and sum(r.batch_key() == key for r in self._pending) < limit:
-            try:
-                item = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                break
-            if item is _SHUTDOWN:
-                stop_seen = True
-            else:
-                self._pending.append(item)
-        if stop_seen:
-            self._queue.put(_SHUTDOWN)  # after what is pending
-        batch = [r for r in self._pending if r.batch_key() == key][:limit]
-        self._pending = deque(r for r in self._pending if not any(r is b for b in batch))
-        return batch
+    # -- one lease, the same on every rank -----------------------------------------------------
+    def _run(self, lease: dict, requests: list[Request] | None = None) -> None:
+        """Run ``lease``; ``requests`` (rank 0) are its admitted requests, in order."""
+        gen = self._model()
+        for slot in lease["cancel"]:
+            self._end(slot)
+            self.stats["cancelled"] += 1
+        for i, spec in enumerate(lease["admit"]):
+            slot = gen.acquire()
+            if slot is None or slot in self._rows:
+                raise RuntimeError(f"no free slot for an admitted request (slot {slot})")
+            self._rows[slot] = _Row(
+                slot,
+                spec["prompt"],
+                spec["max_tokens"],
+                Sampling(**spec["sampling"]),
+                Detokenizer(self.tokenizer, spec["stop"]),
+                requests[i] if requests is not None else None,
+                order=self._admitted,
+            )
+            self._admitted += 1
+        self._admitting = []
+        for _ in range(lease["steps"]):
+            if not self._rows:
+                return
+            self._step()
 
-    def _emit(self, req: Request, event: Event) -> None:
-        """Give ``event`` to its client, unless it went away (then the event is dropped)."""
+    def _step(self) -> None:
+        """One iteration: prompt chunks within the budget, then one token per running row."""
+        gen = self._model()
+        self.stats["steps"] += 1
+        self.stats["max_batch"] = max(self.stats["max_batch"], len(self._rows))
+        budget, spent = self.prefill_budget or gen.chunk, 0
+        for row in sorted(self._rows.values(), key=lambda r: r.order):  # oldest first
+            if not row.prefilling:
+                continue
+            size = min(len(row.prompt) - row.filled, gen.chunk)
+            if spent and spent + size > budget:
+                break  # the next iteration takes it: a decode step comes first
+            spent += size
+            self._prefill(row)
+        running = [r for r in self._rows.values() if not r.prefilling]
+        if not running:
+            return
+        try:
+            tokens = gen.decode()
+        except Exception as e:  # noqa: BLE001 - fails this step's rows, not the engine
+            for r in running:
+                self._fail(r, e)
+            return
+        for slot, t in tokens.items():
+            if slot in self._rows and not self._rows[slot].prefilling:
+                self._token(self._rows[slot], t)
+
+    def _prefill(self, row: _Row) -> None:
+        """Prefill the row's next chunk (its first new token comes with the last chunk)."""
+        gen = self._model()
+        chunk = row.prompt[row.filled : row.filled + gen.chunk]
+        last = row.filled + len(chunk) == len(row.prompt)
+        try:
+            token = gen.prefill(row.slot, chunk, row.filled, row.sampling if last else None)
+        except Exception as e:  # noqa: BLE001 - fails this request only
+            self._fail(row, e)
+            return
+        row.filled += len(chunk)
+        if last:
+            self._token(row, token)
+
+    def _token(self, row: _Row, t: int) -> None:
+        """A new token of ``row``: stream its text, end the row when it is done."""
+        row.count += 1
+        if row.request is not None:
+            row.request.tokens.append(t)
+        eos = t in self.eos_ids
+        try:
+            text = "" if eos else row.detok.add(t)
+        except Exception as e:  # noqa: BLE001 - e.g. a tokenizer that cannot decode the id
+            self._fail(row, e)
+            return
+        if text:
+            self._emit(row, {"type": "delta", "text": text})
+        if eos or row.detok.stopped:
+            self._finish(row, "stop")
+        elif row.count >= row.max_tokens:
+            self._finish(row, "length")
+
+    def _finish(self, row: _Row, reason: str) -> None:
+        rest = row.detok.finish()
+        if rest:
+            self._emit(row, {"type": "delta", "text": rest})
+        usage = {"prompt_tokens": len(row.prompt), "completion_tokens": row.count}
+        self._emit(row, {"type": "done", "finish_reason": reason, **usage})
+        self._end(row.slot)
+
+    def _fail(self, row: _Row, error: Exception) -> None:
+        message = f"generation failed: {type(error).__name__}: {error}"
+        if row.request is not None:
+            self.stats["failed"] += 1
+        self._emit(row, {"type": "error", "message": message})
+        self._end(row.slot)
+
+    def _end(self, slot: int) -> None:
+        if self._rows.pop(slot, None) is not None:
+            self._model().release(slot)
+
+    def _emit(self, row: _Row, event: Event) -> None:
+        """Give ``event`` to the row's client (rank 0), unless it went away (dropped)."""
+        req = row.request
+        if req is None:
+            return
         if not req.cancelled:
             try:
                 req.sink(event)
@@ -241,53 +444,32 @@ class Engine:
                 req.cancel()
         self.stats["dropped"] += 1
 
-    def _run(self, spec: dict, requests: list[Request] | None) -> None:
-        """Generate one batch; ``requests`` (rank 0) receive the events."""
-        gen, n = self._model(), len(spec["prompts"])
-        detok = [Detokenizer(self.tokenizer, s) for s in spec["stop"]]
-        stopped, counts = [False] * n, [0] * n
-        eos = set(spec["eos"])
-
-        def finish(i: int, reason: str) -> None:
-            stopped[i] = True
-            if requests is not None:
-                rest = detok[i].finish()
-                if rest:
-                    self._emit(requests[i], {"type": "delta", "text": rest})
-                usage = {"prompt_tokens": len(spec["prompts"][i]), "completion_tokens": counts[i]}
-                self._emit(requests[i], {"type": "done", "finish_reason": reason, **usage})
-
-        sampling = Sampling(**spec["sampling"])
-        for column in gen.stream(
-            spec["prompts"], spec["max_new_tokens"], sampling, spec["eos"], stopped
-        ):
-            for i, t in enumerate(column):
-                if t is None or stopped[i]:
-                    continue
-                counts[i] += 1
-                text = "" if t in eos else detok[i].add(t)
-                if text and requests is not None:
-                    self._emit(requests[i], {"type": "delta", "text": text})
-                if t in eos or detok[i].stopped:
-                    finish(i, "stop")
-                elif counts[i] >= spec["max_tokens"][i]:
-                    finish(i, "length")
-        for i in range(n):
-            if not stopped[i]:
-                finish(i, "length")
+    def _fail_all(self, message: str) -> None:
+        """Rank 0, the engine stopping: every request still known gets ``message``."""
+        pending = [r.request for r in self._rows.values() if r.request is not None]
+        placed = {id(r.request) for r in self._rows.values()}
+        pending += list(self._waiting) + [r for r in self._admitting if id(r) not in placed]
+        while not self._queue.empty():
+            item = self._queue.get()
+            if item is not _SHUTDOWN:
+                pending.append(item)
+        for req in pending:
+            if not req.cancelled:
+                try:
+                    req.sink({"type": "error", "message": message})
+                except Exception:  # noqa: BLE001
+                    pass
 
 
-def _spec(batch: list[Request], eos_ids: list[int]) -> dict:
-    """What every rank needs to run ``batch`` (JSON: sent to the other tp ranks)."""
-    sampling = batch[0].sampling
-    if sampling.do_sample and not batch[0].seeded:
-        sampling = Sampling(True, sampling.temperature, sampling.top_k, random.getrandbits(31))
+def _spec(req: Request) -> dict:
+    """What every rank needs to run ``req`` (JSON: sent to the other tp ranks). A sampled
+    request without a seed gets a random one here, the same on every rank."""
+    sampling = req.sampling
+    if sampling.do_sample and not req.seeded:
+        sampling = Sampling(True, sampling.temperature, sampling.top_k, random.getrandbits(63))
     return {
-        "op": "batch",
-        "prompts": [r.prompt for r in batch],
-        "max_tokens": [r.max_tokens for r in batch],
-        "max_new_tokens": max(r.max_tokens for r in batch),
+        "prompt": req.prompt,
+        "max_tokens": req.max_tokens,
         "sampling": asdict(sampling),
-        "eos": eos_ids,
-        "stop": [r.stop for r in batch],
+        "stop": req.stop,
     }

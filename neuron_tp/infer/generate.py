@@ -108,6 +108,25 @@ def choose(logits: torch.Tensor, top_k: int, temperature, noise) -> torch.Tensor
     return (logits.softmax(-1) / noise).argmax(-1)
 
 
+MAX_TOP_K = 128  # the largest per-row top_k of choose_rows (a fixed-size topk in the graph)
+
+
+def choose_rows(logits, temperature, top_k, sample, noise) -> torch.Tensor:
+    """:func:`choose` with per-row parameters as data: ``temperature`` [B], ``top_k`` [B]
+    (0: no filter, at most :data:`MAX_TOP_K`), ``sample`` [B] (False: greedy row); ``noise``
+    None: every row greedy."""
+    greedy = logits.argmax(-1)
+    if noise is None:
+        return greedy
+    logits = logits.float() / temperature[:, None]
+    k = min(MAX_TOP_K, logits.shape[-1])
+    top = logits.topk(k, -1).values
+    kth = top.gather(-1, (top_k.clamp(1, k) - 1)[:, None])
+    kth = torch.where(top_k[:, None] > 0, kth, torch.full_like(kth, float("-inf")))
+    logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.where(sample, (logits.softmax(-1) / noise).argmax(-1), greedy)
+
+
 class Generator:
     """Generation with one model on its device. Graphs are captured once per shape and
     reused by later calls: the model's weights must not change while the Generator is used.
@@ -138,7 +157,7 @@ class Generator:
         if limit is not None and self.total > limit:
             raise UserError(cache_too_long(self.buckets, max_new_tokens, limit))
         self.device = next(model.parameters()).device
-        _check_cache(model.config, self.total)
+        check_cache(model.config, self.total)
         self.replay = replay and self.device.type == "xla"
         self._steps: dict[tuple, ReplayedStep] = {}
         self._caches: dict[int, _CacheSlots] = {}  # batch -> the cache object the traces use
@@ -294,7 +313,7 @@ class _CacheSlots:
         return self.cache
 
 
-def _check_cache(config, total: int) -> None:
+def check_cache(config, total: int, what: str = "") -> None:
     """ValueError unless every layer of the model's static cache holds the whole sequence:
     full-attention layers, or sliding windows at least as long as the cache. A shorter
     window rolls (its keys no longer line up with the in-graph attention mask) and counts
@@ -309,8 +328,12 @@ def _check_cache(config, total: int) -> None:
     if short:
         raise ValueError(
             f"the model's sliding window ({min(short)} positions) is shorter than the "
-            f"{total}-position cache (largest bucket + max new tokens rounded up to "
-            f"{CACHE_ROUND}); use smaller --buckets / --max-new-tokens"
+            f"{total}-position cache "
+            + (
+                what
+                or f"(largest bucket + max new tokens rounded up to {CACHE_ROUND}); use "
+                "smaller --buckets / --max-new-tokens"
+            )
         )
 
 

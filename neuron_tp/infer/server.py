@@ -2,163 +2,75 @@
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``stream``:
 server-sent events in OpenAI's chunk format, then ``data: [DONE]``), ``GET /v1/models``,
-``GET /health`` (the process is up) and ``GET /ready`` (200 once the model is loaded and its
-warm-up graphs are captured, else 503).
+``GET /health`` (the process is up), ``GET /ready`` (200 once the model is loaded and its
+warm-up graphs are captured, else 503) and ``GET /metrics`` (Prometheus, :mod:`.metrics`).
 
-Parameters: ``max_tokens``, ``temperature`` (0: greedy), ``top_k`` (an extension; 0: off),
-``seed`` (a seeded request reproduces its text), ``stop`` (a string or a list), ``n`` (1
-only), ``stream_options.include_usage`` (a last chunk with the usage). ``model``: the served
-name (what ``/v1/models`` lists; absent: that one), any other gets 404 ``model_not_found``.
-``logprobs`` / ``top_logprobs`` are refused (400): see :func:`refuse_logprobs`. Chat messages
-go through the tokenizer's chat template; a message's ``content`` is a string or a list of
-text parts (``[{"type": "text", "text": ...}]``, joined with newlines; other part types get
-a 400 naming them); a tokenizer without a template (e.g. the byte-level fallback) uses
-``"{role}: {content}\\n"`` per message then ``"assistant: "``. Invalid requests get 400 with
-``{"error": {"message", "type": "invalid_request_error", ...}}``.
+What a request may ask for and how it is checked is :mod:`.request` (parameters, prompts as
+text, token ids or chat messages); the API key, body size and JSON depth are :mod:`.limits`.
+``model``: the served name (what ``/v1/models`` lists; absent: that one), any other gets 404
+``model_not_found``. Invalid requests get 400 with ``{"error": {"message", "type":
+"invalid_request_error", "param", ...}}``; a full queue 429 with ``Retry-After``; a request
+past its timeout 504 (a stream: an error event); an exception of the server's own a JSON 500
+for that request only.
 """
 
 import asyncio
 import json
+import logging
+import os
 import threading
 import time
 import uuid
-from typing import Any
 
 from ..errors import UserError
-from .engine import Engine, NotReady
-from .generate import Sampling
+from .engine import Engine, NotReady, QueueFull
+from .limits import API_KEY_ENV, Guard, RequestError, ServeLimits, parse_json, read_body
+from .metrics import LOG, RequestTrace, ServerMetrics
+from .request import BadRequest, prepare
 
-MAX_STOP = 4  # stop strings per request, as OpenAI allows
-
-
-class BadRequest(ValueError):
-    """A request the server refuses (HTTP 400), with the offending parameter."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
+PARSE_INLINE = 64 * 1024  # bytes: larger bodies are parsed on a worker thread
+RETRY_AFTER_S = 1  # the Retry-After of a 429 (queue full)
 
 
-def chat_prompt(tokenizer, messages: list[dict]) -> str:
-    """The prompt text of a chat: the tokenizer's chat template, else ``role: content`` lines
-    and ``assistant: ``."""
-    if getattr(tokenizer, "chat_template", None) and hasattr(tokenizer, "apply_chat_template"):
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    lines = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
-    return lines + "assistant: "
-
-
-def _encode(tokenizer, text: str, chat: bool) -> list[int]:
-    if chat and hasattr(tokenizer, "apply_chat_template"):  # the template has the specials
-        return list(tokenizer.encode(text, add_special_tokens=False))
-    return list(tokenizer.encode(text))
-
-
-def _number(body: dict, name: str, kind: type, default: Any, low: float | None = None):
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise BadRequest(f"{name} must be a number, got {value!r}", name)
-    if kind is int and value != int(value):
-        raise BadRequest(f"{name} must be an integer, got {value!r}", name)
-    if low is not None and value < low:
-        raise BadRequest(f"{name} must be >= {low:g}, got {value!r}", name)
-    return kind(value)
-
-
-def parse_params(body: dict, limit: int, default_max: int = 16) -> dict:
-    """Generation parameters of a request body (BadRequest naming the wrong one);
-    ``max_tokens`` defaults to ``default_max`` (at most the server's ``limit``)."""
-    n = _number(body, "n", int, 1)
-    if n != 1:
-        raise BadRequest(f"n must be 1 (one choice per prompt), got {n}", "n")
-    max_tokens = _number(body, "max_tokens", int, None)
-    if max_tokens is None:
-        max_tokens = _number(body, "max_completion_tokens", int, min(default_max, limit))
-    if not 1 <= max_tokens <= limit:
-        raise BadRequest(f"max_tokens must be in 1..{limit} (server limit), got {max_tokens}")
-    temperature = _number(body, "temperature", float, 1.0, low=0)
-    top_k = _number(body, "top_k", int, 0, low=0)
-    seed = _number(body, "seed", int, None)
-    if body.get("top_p") not in (None, 1, 1.0):
-        raise BadRequest("top_p is not supported (use top_k)", "top_p")
-    stop = body.get("stop") or []
-    stop = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-        raise BadRequest("stop must be a non-empty string or a list of them", "stop")
-    if len(stop) > MAX_STOP:
-        raise BadRequest(f"at most {MAX_STOP} stop strings, got {len(stop)}", "stop")
-    if temperature == 0:
-        sampling = Sampling()
-    else:
-        sampling = Sampling(True, temperature, top_k, seed if seed is not None else 0)
-    return {
-        "max_tokens": max_tokens,
-        "sampling": sampling,
-        "stop": stop,
-        "seeded": seed is not None,
-    }
-
-
-def refuse_logprobs(body: dict) -> None:
-    """BadRequest when a request asks for log-probabilities (``logprobs``, ``top_logprobs``).
-
-    Not supported: the replayed step graphs return only each row's chosen token (one small
-    transfer per token); log-probabilities would be more graph outputs, and with them a
-    second set of prefill/decode graphs per bucket to compile (or top-k work in every
-    request's graphs). Refused rather than answered with ``null``."""
-    for name in ("logprobs", "top_logprobs"):
-        value = body.get(name)
-        if value is not None and value is not False:  # 0 asks for the chosen token's
-            raise BadRequest(
-                f"{name} is not supported by this server (token log-probabilities are not "
-                f"computed); leave {name} unset",
-                name,
-            )
-
-
-def message_text(index: int, message: Any) -> dict:
-    """A chat message with its ``content`` as a string: a string, or a list of text parts
-    (``{"type": "text", "text": ...}``) joined with newlines; BadRequest otherwise."""
-    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-        raise BadRequest(f"messages[{index}] must be an object with a string role", "messages")
-    content = message.get("content")
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind != "text" or not isinstance(part.get("text"), str):
-                what = f"of type {kind!r}" if isinstance(kind, str) else repr(part)
-                raise BadRequest(
-                    f"messages[{index}].content: a part {what} is not supported; this server "
-                    'takes text only: a string or [{"type": "text", "text": "..."}]',
-                    "messages",
-                )
-            texts.append(part["text"])
-        content = "\n".join(texts)
-    if not isinstance(content, str):
-        raise BadRequest(
-            f"messages[{index}].content must be a string or a list of text parts, got "
-            f"{type(content).__name__}",
-            "messages",
-        )
-    return {**message, "content": content}
-
-
-def _error(status: int, message: str, kind: str = "invalid_request_error", param=None, code=None):
+def _error(
+    status: int,
+    message: str,
+    kind: str = "invalid_request_error",
+    param=None,
+    code=None,
+    headers: dict | None = None,
+):
     from fastapi.responses import JSONResponse
 
     body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status)
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
-def create_app(engine: Engine, model_name: str):
-    """The FastAPI application serving ``engine`` as model ``model_name``."""
+def create_app(engine: Engine, model_name: str, limits: ServeLimits | None = None):
+    """The FastAPI application serving ``engine`` as model ``model_name`` within ``limits``
+    (API key, body size, JSON depth, request timeout; default: :class:`ServeLimits`), with
+    its own Prometheus registry (``GET /metrics``)."""
     from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, StreamingResponse
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+    limits = limits or ServeLimits()
+    metrics = ServerMetrics(engine.queue_depth, engine.slots_in_use)
     app = FastAPI(title="neuron-tp serve")
+    paths: set[str] = set()
+
+    def routes() -> set[str]:
+        if not paths:
+            paths.update(getattr(r, "path", "") for r in app.routes)
+        return paths
+
+    def count(endpoint: str, status: int) -> None:
+        metrics.requests.labels(endpoint, str(status)).inc()
+
+    app.add_middleware(Guard, api_key=limits.api_key, routes=routes, on_response=count)
+
+    @app.exception_handler(Exception)
+    async def crashed(request: Request, exc: Exception):  # a bug outside the handlers
+        return _error(500, f"internal server error ({type(exc).__name__})", "server_error")
 
     @app.get("/health")
     async def health():
@@ -173,16 +85,38 @@ def create_app(engine: Engine, model_name: str):
         status = "failed" if engine.error else "loading"
         return JSONResponse({"status": status}, status_code=503)
 
+    @app.get("/metrics")
+    async def scrape(request: Request):
+        body, content_type = metrics.render(request.headers.get("accept"))
+        return Response(body, headers={"Content-Type": content_type})
+
     @app.get("/v1/models")
     async def models():
         card = {"id": model_name, "object": "model", "created": 0, "owned_by": "neuron-tp"}
         return {"object": "list", "data": [card]}
 
     async def handle(request: Request, chat: bool):
+        trace = RequestTrace(metrics, ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex)
         try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return _error(400, "the request body is not valid JSON")
+            response = await answer(request, chat, trace)
+        except Exception as e:  # noqa: BLE001 - a bug: this request fails, the server goes on
+            LOG.exception("request %s failed", trace.id)
+            message = f"internal server error ({type(e).__name__}: {str(e)[:200]})"
+            response = _error(500, message, "server_error")
+        if not isinstance(response, StreamingResponse):  # a stream finishes its trace itself
+            status = response.status_code
+            trace.finish(status, "timeout" if status == 504 else "error" if status >= 500 else None)
+        return response
+
+    async def answer(request: Request, chat: bool, trace: RequestTrace):
+        try:
+            raw = await read_body(request, limits.max_body_bytes)
+            if len(raw) > PARSE_INLINE:  # off the event loop: other requests go on
+                body = await asyncio.to_thread(parse_json, raw, limits.max_json_depth)
+            else:
+                body = parse_json(raw, limits.max_json_depth)
+        except RequestError as e:
+            return _error(e.status, str(e), param=e.param, code=e.code)
         if not isinstance(body, dict):
             return _error(400, "the request body must be a JSON object")
         if body.get("model") not in (None, model_name):
@@ -195,40 +129,40 @@ def create_app(engine: Engine, model_name: str):
             why = engine.error or "the model is not ready yet"
             return _error(503, why, "service_unavailable")
         try:
-            limit = engine.max_tokens_limit  # chat: as long as the server allows
-            params = parse_params(body, limit, limit if chat else 16)
-            refuse_logprobs(body)
-            prompts = _prompts(engine, body, chat)
-            for p in prompts:
-                engine.check(p, params["max_tokens"], params["stop"])
+            if len(raw) > PARSE_INLINE:  # a long prompt is tokenized off the event loop
+                params, usage, prompts = await asyncio.to_thread(prepare, engine, body, chat)
+            else:
+                params, usage, prompts = prepare(engine, body, chat)
         except BadRequest as e:
             return _error(400, str(e), param=e.param)
         except ValueError as e:
             return _error(400, str(e))
+        trace.choices = len(prompts)
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
 
         def sink(index: int):
             return lambda ev: loop.call_soon_threadsafe(events.put_nowait, (index, ev))
 
+        args = (params["max_tokens"], params["sampling"], params["stop"])
+        reqs = []
         try:
-            args = (params["max_tokens"], params["sampling"], params["stop"])
-            reqs = [
-                engine.submit(p, *args, sink(i), params["seeded"]) for i, p in enumerate(prompts)
-            ]
-        except NotReady as e:
-            return _error(503, str(e), "service_unavailable")
-        meta = {
-            "id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
-            "created": int(time.time()),
-            "model": model_name,
-        }
+            for i, p in enumerate(prompts):
+                reqs.append(engine.submit(p, *args, sink(i), params["seeded"]))
+        except (NotReady, QueueFull) as e:
+            for r in reqs:
+                r.cancel()
+            if isinstance(e, NotReady):
+                return _error(503, str(e), "service_unavailable")
+            message = f"the server is busy: {e} (neuron-tp serve --max-queue); retry later"
+            headers = {"Retry-After": str(RETRY_AFTER_S)}
+            return _error(429, message, "rate_limit_error", code="queue_full", headers=headers)
+        meta = {"id": trace.id, "created": int(time.time()), "model": model_name}
+        wait = Deadline(trace.start + limits.request_timeout_s, limits.request_timeout_s)
         if body.get("stream"):
-            options = body.get("stream_options") or {}
-            usage = isinstance(options, dict) and bool(options.get("include_usage"))
-            chunks = _stream(events, reqs, meta, chat, usage)
+            chunks = _stream(events, reqs, meta, chat, usage, trace, wait)
             return StreamingResponse(chunks, media_type="text/event-stream")
         try:
-            return await _collect(events, reqs, meta, chat)
+            return await _collect(events, reqs, meta, chat, trace, wait)
         finally:
             for r in reqs:
                 r.cancel()
@@ -244,19 +178,25 @@ def create_app(engine: Engine, model_name: str):
     return app
 
 
-def _prompts(engine: Engine, body: dict, chat: bool) -> list[list[int]]:
-    tok = engine.tokenizer
-    if chat:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise BadRequest("messages must be a non-empty list of {role, content}", "messages")
-        messages = [message_text(i, m) for i, m in enumerate(messages)]
-        return [_encode(tok, chat_prompt(tok, messages), chat=True)]
-    prompt = body.get("prompt")
-    prompts = [prompt] if isinstance(prompt, str) else prompt
-    if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
-        raise BadRequest("prompt must be a string or a non-empty list of strings", "prompt")
-    return [_encode(tok, p, chat=False) for p in prompts]
+class Deadline:
+    """When a request must have finished (``time.monotonic()``), and its timeout."""
+
+    def __init__(self, at: float, timeout_s: float):
+        self.at, self.timeout_s = at, timeout_s
+
+    async def next(self, events: asyncio.Queue):
+        """The next event; asyncio.TimeoutError once the deadline has passed."""
+        left = self.at - time.monotonic()
+        if left <= 0:
+            raise asyncio.TimeoutError
+        return await asyncio.wait_for(events.get(), left)
+
+    @property
+    def message(self) -> str:
+        return (
+            f"the request did not finish within {self.timeout_s:g} s "
+            "(neuron-tp serve --request-timeout-s); it was cancelled"
+        )
 
 
 def _choice(chat: bool, index: int, text: str | None, reason: str | None, stream: bool) -> dict:
@@ -269,12 +209,16 @@ def _choice(chat: bool, index: int, text: str | None, reason: str | None, stream
     return {"index": index, "message": message, "logprobs": None, "finish_reason": reason}
 
 
-async def _collect(events: asyncio.Queue, reqs, meta: dict, chat: bool):
+async def _collect(events: asyncio.Queue, reqs, meta: dict, chat: bool, trace, wait: Deadline):
     from fastapi.responses import JSONResponse
 
     texts, done = [""] * len(reqs), [None] * len(reqs)
     while any(d is None for d in done):
-        i, ev = await events.get()
+        try:
+            i, ev = await wait.next(events)
+        except asyncio.TimeoutError:
+            return _error(504, wait.message, "timeout_error", code="request_timeout")
+        trace.event(i, ev)
         if ev["type"] == "delta":
             texts[i] += ev["text"]
         elif ev["type"] == "error":
@@ -298,14 +242,22 @@ def _usage(done: list[dict]) -> dict:
     }
 
 
-async def _stream(events: asyncio.Queue, reqs, meta: dict, chat: bool, usage: bool):
+async def _stream(
+    events: asyncio.Queue, reqs, meta: dict, chat: bool, usage: bool, trace, wait: Deadline
+):
     """SSE chunks until every choice is done (then one with the usage and no choices when
-    ``stream_options.include_usage``); a client that leaves cancels its requests."""
+    ``stream_options.include_usage``); a client that leaves cancels its requests; past the
+    deadline, or on a failure, an error event ends the stream."""
     kind = "chat.completion.chunk" if chat else "text_completion"
+    note = "disconnected"  # why the stream ended before its choices did
 
     def chunk(*choices: dict, **extra) -> str:
         body = {**meta, "object": kind, "choices": list(choices), **extra}
         return f"data: {json.dumps(body)}\n\n"
+
+    def failure(message: str, kind: str, code: str | None = None) -> str:
+        err = {"message": message, "type": kind, "param": None, "code": code}
+        return f"data: {json.dumps({'error': err})}\n\n"
 
     try:
         if chat:
@@ -314,12 +266,18 @@ async def _stream(events: asyncio.Queue, reqs, meta: dict, chat: bool, usage: bo
                 yield chunk({**first, "logprobs": None, "finish_reason": None})
         left, done = len(reqs), []
         while left:
-            i, ev = await events.get()
+            try:
+                i, ev = await wait.next(events)
+            except asyncio.TimeoutError:
+                note = "timeout"
+                yield failure(wait.message, "timeout_error", "request_timeout")
+                break
+            trace.event(i, ev)
             if ev["type"] == "delta":
                 yield chunk(_choice(chat, i, ev["text"], None, True))
             elif ev["type"] == "error":
-                err = {"message": ev["message"], "type": "server_error"}
-                yield f"data: {json.dumps({'error': err})}\n\n"
+                note = "error"
+                yield failure(ev["message"], "server_error")
                 break
             else:
                 left -= 1
@@ -328,9 +286,14 @@ async def _stream(events: asyncio.Queue, reqs, meta: dict, chat: bool, usage: bo
         if usage and not left:
             yield chunk(usage=_usage(done))
         yield "data: [DONE]\n\n"
+    except Exception as e:  # noqa: BLE001 - a bug: this stream ends in an error, others go on
+        note = "error"
+        LOG.exception("request %s failed", trace.id)
+        yield failure(f"internal server error ({type(e).__name__})", "server_error")
     finally:
         for r in reqs:
             r.cancel()
+        trace.finish(200, note)
 
 
 def serve(config, stop: threading.Event | None = None) -> None:
@@ -357,11 +320,12 @@ def serve(config, stop: threading.Event | None = None) -> None:
             import fastapi  # noqa: F401 - fail before loading a model
             import uvicorn  # noqa: F401
         values = {**config.option_values(), "library versions": agreement.versions()}
+        values.pop("--api-key", None)  # rank 0's alone; never shown in a mismatch report
     except Exception as e:  # noqa: BLE001 - re-raised on this rank by check_agreement
         error = e
     agreement.check_agreement(values, world, error=error, what="neuron-tp serve")
     mesh = init_mesh(tp=config.tp)
-    engine = Engine(mesh.group("world"), wait_s=config.batch_wait_ms / 1000)
+    engine = Engine(mesh.group("world"), max_queue=config.max_queue)
     stop = stop or stop_on_signals()
     if mesh.rank != 0:
         _load(engine, config, mesh)
@@ -369,7 +333,13 @@ def serve(config, stop: threading.Event | None = None) -> None:
         return
     import uvicorn
 
-    app = create_app(engine, config.model_name)
+    limits = ServeLimits(
+        api_key=config.api_key or os.environ.get(API_KEY_ENV) or None,
+        max_body_bytes=config.max_body_bytes,
+        request_timeout_s=config.request_timeout_s,
+    )
+    log_requests()
+    app = create_app(engine, config.model_name, limits)
     server = uvicorn.Server(
         uvicorn.Config(
             app, config.host, config.port, log_level="warning", timeout_graceful_shutdown=10
@@ -397,6 +367,16 @@ def serve(config, stop: threading.Event | None = None) -> None:
         raise RuntimeError(f"neuron-tp serve: {engine.error}")
 
 
+def log_requests() -> None:
+    """Print the log line of each finished request (``neuron_tp.serve``) on stderr."""
+    if not LOG.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s neuron-tp serve: %(message)s"))
+        LOG.addHandler(handler)
+        LOG.setLevel(logging.INFO)
+        LOG.propagate = False
+
+
 def stop_on_signals() -> threading.Event:
     """An event set by SIGTERM or SIGINT (handlers installed when called on the main
     thread)."""
@@ -414,12 +394,21 @@ def _load(engine: Engine, config, mesh) -> None:
     from ..job.runtime import rank_device
     from ..parallel.sharding import move_to
     from .batch import eos_ids
-    from .generate import Generator
     from .load import load_for_generation
+    from .slots import SlotGenerator
 
     model, tok = load_for_generation(config.generate_config(), mesh)
     move_to(model, rank_device(config.device))
     pad = getattr(tok, "pad_token_id", None) or 0
-    gen = Generator(model, config.buckets, config.max_new_tokens, config.batch_buckets, pad)
-    engine.attach(gen, tok, eos_ids(model, tok))
+    chunk = min(config.prefill_chunk, max(config.buckets))
+    gen = SlotGenerator(
+        model,
+        slots=max(config.batch_buckets),
+        max_len=max(config.buckets) + config.max_new_tokens,
+        chunk=chunk,
+        prefill_buckets=sorted({b for b in config.buckets if b < chunk} | {chunk}),
+        decode_buckets=config.batch_buckets,
+        pad_id=pad,
+    )
+    engine.attach(gen, tok, eos_ids(model, tok), config.max_new_tokens)
     engine.warmup(every_shape=config.warmup == "all")

@@ -138,11 +138,16 @@ class ServeConfig(_CommonConfig):
     max_new_tokens: int  # the most a request may ask for (sets the cache length)
     buckets: list[int]  # prompt length buckets, sorted
     batch_buckets: list[int]  # batch sizes, sorted: concurrent requests share a batch
-    batch_wait_ms: float  # how long the batcher waits for concurrent requests
+    batch_wait_ms: float  # ignored (continuous batching); kept so existing commands run
     dtype: str  # "float32" or "bfloat16"
     served_model_name: str | None  # None: --model
     warmup: str  # graphs captured before ready: "smallest" shapes or "all" buckets
     adapter: str | None = None  # a PEFT (LoRA) adapter dir merged into --model on load
+    prefill_chunk: int = 256  # prompt tokens prefilled per step (longer prompts: several)
+    max_queue: int = 256  # requests that may wait; more get 429
+    request_timeout_s: float = 600.0  # admission to the last token; then 504 / a stream error
+    max_body_bytes: int = 4 * 1024 * 1024  # larger request bodies get 413
+    api_key: str | None = None  # None: $NEURON_TP_API_KEY, else no key asked
 
     @property
     def model_name(self) -> str:

@@ -361,6 +361,26 @@ def test_inference_probes_hit_paths_the_server_serves(variant):
         assert probe["port"] in ("http", c["ports"][0]["containerPort"]), kind
 
 
+def test_inference_is_scraped_and_takes_its_api_key_from_a_secret(variant):
+    from neuron_tp.infer.engine import Engine
+    from neuron_tp.infer.limits import API_KEY_ENV, OPEN_PATHS
+    from neuron_tp.infer.server import create_app
+
+    _, _, docs = variant
+    template = one(docs["inference"], "Deployment")["spec"]["template"]
+    (c,) = template["spec"]["containers"]
+    notes = template["metadata"]["annotations"]
+    assert notes["prometheus.io/scrape"] == "true"
+    assert int(notes["prometheus.io/port"]) == c["ports"][0]["containerPort"]
+    app = create_app(Engine(), "scrape-check")
+    served = {r.path for r in app.routes if "GET" in getattr(r, "methods", ())}
+    path = notes["prometheus.io/path"]
+    assert path in served and path in OPEN_PATHS, "the scrape path is served without a key"
+    (key,) = [e for e in c["env"] if e["name"] == API_KEY_ENV]
+    ref = key["valueFrom"]["secretKeyRef"]
+    assert ref["optional"] is True, "no Secret: the server runs without a key"
+
+
 def test_consolidate_job_feeds_the_inference_model(variant):
     _, params, docs = variant
     (c,) = one(docs["consolidate"], "Job")["spec"]["template"]["spec"]["containers"]

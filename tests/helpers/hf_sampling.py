@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 
-def hf_sample(full, prompts, new: int, temperature: float, top_k: int, seed: int):
-    """transformers' own sampling on the unsharded model: the batch left-padded, same seed."""
+def hf_sample(full, prompts, new: int, temperature: float, top_k: int, seed: int, **generate):
+    """transformers' own sampling on the unsharded model: the batch left-padded, same seed
+    (``generate``: more arguments of ``full.generate``, e.g. ``eos_token_id``)."""
     width = max(map(len, prompts))
     ids = torch.zeros(len(prompts), width, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -22,5 +23,6 @@ def hf_sample(full, prompts, new: int, temperature: float, top_k: int, seed: int
         top_k=top_k,
         top_p=1.0,
         pad_token_id=0,
+        **generate,
     )
     return out[:, width:].tolist()

@@ -8,7 +8,9 @@ equal tp=1's (same preset and seed: the same full model, sharded). Also
 from __future__ import annotations
 
 import copy
+import http.client
 import json
+import logging
 import os
 import signal
 import socket
@@ -25,7 +27,7 @@ import pytest
 
 import gloo_dist
 from neuron_tp.infer.generate import GREEDY, Generator, Sampling
-from neuron_tp.infer.server import chat_prompt
+from neuron_tp.infer.request import chat_prompt, encode_prompt
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 OPTIONS = {
@@ -91,29 +93,37 @@ class Reference:
 @pytest.fixture(scope="module")
 def tp1():
     """(engine, reference, base url) of an in-process tp=1 server on a free port."""
-    import uvicorn
-
     from neuron_tp import init_mesh
     from neuron_tp.infer.engine import Engine
     from neuron_tp.infer.server import _load, create_app
 
     config = _config(_free_port())
     mesh = init_mesh(tp=1)
-    engine = Engine(wait_s=0.05)  # a wide window: concurrent test clients share batches
+    engine = Engine(max_queue=256)  # serve's default queue bound
     _load(engine, config, mesh)
     engine.start()
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(engine, "tiny"), "127.0.0.1", config.port, log_level="error")
-    )
-    http = threading.Thread(target=server.run, daemon=True)
-    http.start()
-    while not server.started:
-        time.sleep(0.02)
+    stop = _listen(create_app(engine, "tiny"), config.port)
     ref = Reference(engine.gen.model, engine.tokenizer, engine.eos_ids)
     yield engine, ref, f"http://127.0.0.1:{config.port}"
-    server.should_exit = True
-    http.join(10)
+    stop()
     engine.shutdown(10)
+
+
+def _listen(app, port: int):
+    """Serve ``app`` with uvicorn on a thread; returns the function that stops it."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, "127.0.0.1", port, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.02)
+
+    def stop():
+        server.should_exit = True
+        thread.join(10)
+
+    return stop
 
 
 def _client(url: str) -> openai.OpenAI:
@@ -241,7 +251,7 @@ def test_concurrent_clients_get_their_own_answers(tp1):
 
 def test_client_disconnect_mid_stream(tp1):
     engine, ref, url = tp1
-    dropped = engine.stats["dropped"]
+    cancelled = engine.stats["cancelled"]
     client = _client(url)
     long = _complete(client, "Hello", OPTIONS["max_new_tokens"], stream=True)
     other = ThreadPoolExecutor(1).submit(lambda: _complete(_client(url), "abc", 8).choices[0].text)
@@ -252,16 +262,17 @@ def test_client_disconnect_mid_stream(tp1):
     assert _get(url + "/health")[0] == 200
     assert _complete(client, "The cat", 6).choices[0].text == ref.text("The cat", 6)
     deadline = time.monotonic() + 10
-    while engine.stats["dropped"] == dropped and time.monotonic() < deadline:
+    while engine.stats["cancelled"] == cancelled and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert engine.stats["dropped"] > dropped, "the disconnected stream's output was not dropped"
+    assert engine.stats["cancelled"] > cancelled, "the disconnected stream kept its slot"
+    assert engine.slots_in_use() == 0
 
 
 BAD = [
-    ({"prompt": "x" * 40}, "prompt of 40 tokens is longer than the largest bucket 32"),
-    ({"prompt": "hi", "temperature": -0.5}, "temperature must be >= 0"),
+    ({"prompt": "x" * 60}, "prompt of 60 tokens + max_tokens 4 exceeds the 56 positions"),
+    ({"prompt": "hi", "temperature": -0.5}, "temperature must be a number in 0..2, got -0.5"),
     ({"prompt": "hi", "n": 2}, "n must be 1"),
-    ({"prompt": "hi", "max_tokens": 1000}, "max_tokens must be in 1..24"),
+    ({"prompt": "hi", "max_tokens": 1000}, "max_tokens must be an integer in 1..24 (server limit"),
     ({"prompt": "hi", "stop": [""]}, "stop"),
     ({"prompt": 5}, "prompt must be a string"),
     ({"messages": []}, "messages must be"),
@@ -343,35 +354,409 @@ def test_chat_content_as_text_parts(tp1):
         assert named in err.value.body["message"], err.value.body
 
 
-class _FailingGenerator:
-    """Accepts every request, then fails on the device."""
+# -- limits, API key, backpressure, timeout, metrics ---------------------------------------
 
-    batch_buckets, max_new_tokens, pad_id = [1, 2], 8, 0
-
-    def check(self, prompts, max_new_tokens):
-        pass
-
-    def stream(self, *args, **kwargs):
-        raise RuntimeError("device lost")
-        yield
+KEY = "sekrit-key-28"
+TIMEOUT_S = 2.0  # the guarded app's --request-timeout-s
+BODY_LIMIT = 256 * 1024  # the guarded app's --max-body-bytes
 
 
-def test_a_failed_generation_is_reported_and_ends_serving():
+@pytest.fixture(scope="module")
+def guarded(tp1):
+    """(app, base url) of a second app on tp1's engine with an API key, a small body limit
+    and a short request timeout."""
+    from neuron_tp.infer.limits import ServeLimits
+    from neuron_tp.infer.server import create_app
+
+    engine, _, _ = tp1
+    limits = ServeLimits(api_key=KEY, max_body_bytes=BODY_LIMIT, request_timeout_s=TIMEOUT_S)
+    app = create_app(engine, "tiny", limits)
+    port = _free_port()
+    stop = _listen(app, port)
+    yield app, f"http://127.0.0.1:{port}"
+    stop()
+
+
+def _raw(url: str, path: str, body=None, headers=None, method="POST", timeout=20):
+    """(status, headers, parsed JSON or text) of one request; ``body``: bytes or a JSON value."""
+    host, port = url.removeprefix("http://").split(":")
+    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+    conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
+    try:
+        conn.request(method, path, data, {"Content-Type": "application/json", **(headers or {})})
+        r = conn.getresponse()
+        text = r.read().decode()
+        try:
+            return r.status, dict(r.getheaders()), json.loads(text)
+        except json.JSONDecodeError:
+            return r.status, dict(r.getheaders()), text
+    finally:
+        conn.close()
+
+
+def _keyed(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def _declared_only(url: str, size: int) -> tuple[int, dict]:
+    """Headers declaring a ``size``-byte body, then (before sending any of it) the answer."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=20) as s:
+        head = (
+            f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {size}\r\n\r\n"
+        )
+        s.sendall(head.encode())
+        reply = b""
+        while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
+            got = s.recv(65536)
+            if not got:
+                break
+            reply += got
+    status = int(reply.split(b" ", 2)[1])
+    return status, json.loads(reply.split(b"\r\n\r\n", 1)[1])
+
+
+def _chunked(url: str, chunks) -> tuple[int, dict]:
+    """A body sent with Transfer-Encoding: chunked (no Content-Length), then the answer."""
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=20)
+    try:
+        headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+        conn.request("POST", "/v1/completions", iter(chunks), headers, encode_chunked=True)
+        r = conn.getresponse()
+        return r.status, json.loads(r.read())
+    finally:
+        conn.close()
+
+
+def _nested(depth: int) -> bytes:
+    """A completion request (max_tokens 4) with a field nesting arrays ``depth`` deep."""
+    return b'{"prompt": "Hello", "max_tokens": 4, "temperature": 0, "x": ' + (
+        b"[" * depth + b"]" * depth + b"}"
+    )
+
+
+def test_bad_requests_from_the_issue_each_followed_by_a_good_one(tp1, guarded):
+    engine, ref, _ = tp1
+    _, url = guarded
+    vocab = engine.gen.model.config.vocab_size
+    auth = {"Authorization": f"Bearer {KEY}"}
+    good = ref.text("Hello", 4)
+    hi = {"prompt": "Hello", "max_tokens": 4}
+    too_big = b'{"prompt": "' + b"x" * (20 * 1024 * 1024) + b'"}'
+    # (body, status, words of the message, param)
+    cases = [
+        ({**hi, "seed": 2**80}, 400, "seed must be an integer in 0..9223372036854775807", "seed"),
+        ({**hi, "seed": -1}, 400, "seed must be an integer in 0..", "seed"),
+        ({**hi, "seed": 2**63}, 400, "seed must be an integer in 0..", "seed"),
+        (_nested(100_000), 400, "nest", None),
+        (_nested(64), 400, "nests 65 deep", None),  # the object is one level
+        (b'{"prompt": "Hello", "x": [' + b"[]," * 65534 + b"[]]}", 400, "has 65537 JSON", None),
+        (b'{"prompt": "Hello", "max_tokens": ' + b"9" * 5000 + b"}", 400, "not valid JSON", None),
+        (b'{"prompt": "Hello", "temperature": NaN}', 400, "temperature must be a number", None),
+        (b'{"prompt": "Hello", "temperature": 1e999}', 400, "temperature must be a number", None),
+        ({**hi, "temperature": 2.5}, 400, "temperature must be a number in 0..2", "temperature"),
+        ({**hi, "top_k": vocab + 1}, 400, f"top_k must be an integer in 0..{vocab}", "top_k"),
+        ({**hi, "max_tokens": 25}, 400, "1..24 (server limit: neuron-tp serve --max-new-", None),
+        ({**hi, "max_tokens": 2**70}, 400, "max_tokens must be an integer in 1..24", None),
+        ({**hi, "n": 2**70}, 400, "n must be an integer in 1..", "n"),
+        ({**hi, "top_p": 0.5}, 400, "top_p is not supported", "top_p"),
+        ({**hi, "presence_penalty": 0.5}, 400, "presence_penalty is not supported", None),
+        ({**hi, "stream": "yes"}, 400, "stream must be a boolean", "stream"),
+        ({**hi, "stream_options": 3}, 400, "stream_options must be an object", None),
+        ({**hi, "prompt": [1, 2, vocab]}, 400, f"prompt[2]: {vocab} is not a token id", None),
+        ({**hi, "prompt": [[1, 2], [3, -1]]}, 400, "prompt[1][1]: -1 is not a token id", None),
+        ({**hi, "prompt": [[1], []]}, 400, "prompt[1] has no token ids", "prompt"),
+        ({**hi, "prompt": [[1], ["a"]]}, 400, "prompt[1][0]: 'a' is not a token id", None),
+        ({**hi, "prompt": [1] * 53}, 400, "exceeds the 56 positions of a slot", None),
+        ({**hi, "prompt": ["a"] * 257}, 400, "at most 256 prompts per request", "prompt"),
+        (too_big, 413, f"limit of {BODY_LIMIT} bytes", None),
+        (b"[1, 2]", 400, "must be a JSON object", None),
+        (b'{"prompt": "\xff\xfe"}', 400, "not valid JSON (UTF-8)", None),
+        (b'{"prompt": "Hello",', 400, "not valid JSON", None),
+    ]
+    client = _keyed(url)
+    for body, status, words, param in cases:
+        code, _, answer = _raw(url, "/v1/completions", body, auth)
+        what = body[:80] if isinstance(body, bytes) else body
+        assert code == status, (what, answer)
+        assert words in answer["error"]["message"], (what, answer)
+        assert param is None or answer["error"]["param"] == param, (what, answer)
+        if f"{vocab}" in words and "token id" in words:  # names the valid range too
+            assert f"valid: 0..{vocab - 1}" in answer["error"]["message"]
+        assert _complete(client, "Hello", 4).choices[0].text == good, what
+    # a body at the limits is served: 64 deep (63 in "x"), a seed of 2**63 - 1
+    code, _, answer = _raw(url, "/v1/completions", _nested(63), auth)
+    assert code == 200 and answer["choices"][0]["text"] == good, answer
+    r = _complete(client, "Hello", 4, temperature=0.7, seed=2**63 - 1)
+    assert r.choices[0].text == ref.text("Hello", 4, Sampling(True, 0.7, 0, 2**63 - 1))
+    # too large, refused from the Content-Length before any of the body is read; or read
+    # only up to the limit when chunked; each followed by a good request
+    assert _declared_only(url, 20 * 1024 * 1024)[0] == 413
+    assert _complete(client, "Hello", 4).choices[0].text == good
+    over = [b'{"prompt": "', b"y" * BODY_LIMIT, b'"}']
+    status, answer = _chunked(url, over)
+    assert status == 413 and "--max-body-bytes" in answer["error"]["message"]
+    assert _complete(client, "Hello", 4).choices[0].text == good
+    status, answer = _chunked(url, [b'{"prompt": "Hel', b'lo", "max_tokens": 4, "temperature": 0}'])
+    assert status == 200 and answer["choices"][0]["text"] == good
+
+
+def test_token_id_prompts_equal_the_text_prompts(tp1):
+    engine, ref, url = tp1
+    client = _client(url)
+    ids = [engine.tokenizer.encode(p) for p in ("Hello", "The cat")]
+    by_text = _complete(client, ["Hello", "The cat"], 6)
+    one = _complete(client, ids[0], 6)
+    assert one.choices[0].text == ref.text("Hello", 6) == by_text.choices[0].text
+    assert (
+        one.usage.prompt_tokens == len(ids[0]) == _complete(client, "Hello", 6).usage.prompt_tokens
+    )
+    both = _complete(client, ids, 6)
+    assert [c.text for c in both.choices] == [c.text for c in by_text.choices]
+    assert both.usage == by_text.usage
+
+
+def test_api_key_is_asked_on_every_path_but_the_probes(guarded):
+    from neuron_tp.infer.limits import OPEN_PATHS
+
+    app, url = guarded
+    paths = {(r.path, m) for r in app.routes for m in getattr(r, "methods", ()) if m != "HEAD"}
+    assert ("/v1/models", "GET") in paths and ("/v1/chat/completions", "POST") in paths
+    body = {"prompt": "Hello", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]}
+    for path, method in sorted(paths):
+        data = body if method == "POST" else None
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+            status, got, answer = _raw(url, path, data, headers, method)
+            if path in OPEN_PATHS:
+                assert status == 200, (path, headers, answer)
+                continue
+            assert status == 401, (path, headers, answer)
+            assert answer["error"]["code"] == "invalid_api_key" and got["www-authenticate"]
+        status, _, answer = _raw(url, path, data, {"Authorization": f"bearer {KEY}"}, method)
+        assert status == 200, (path, answer)
+    assert _raw(url, "/nowhere", None, {}, "GET")[0] == 401  # not even a 404 without the key
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
+    assert [m.id for m in _keyed(url).models.list()] == ["tiny"]
+
+
+class _Gate:
+    """Holds the engine's worker: a request whose consumer waits (on the worker thread) until
+    :meth:`open`, so later requests wait in the queue."""
+
+    def __init__(self, engine):
+        self.engine, self.started, self.gate = engine, threading.Event(), threading.Event()
+
+    def __enter__(self):
+        ids = self.engine.tokenizer.encode("Hello")
+        self.engine.submit(ids, 8, GREEDY, [], self._sink)
+        assert self.started.wait(30), "the engine did not run the gate request"
+        return self
+
+    def _sink(self, event):
+        self.started.set()
+        self.gate.wait(60)
+
+    def open(self):
+        self.gate.set()
+
+    def __exit__(self, *exc):
+        self.gate.set()
+
+
+def _until(condition, what: str, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def test_full_queue_gets_429_with_retry_after(tp1):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    engine, ref, url = tp1
+    bound, engine.max_queue = engine.max_queue, 2
+    pool = ThreadPoolExecutor(2)
+    try:
+        with _Gate(engine) as gate:
+            assert engine.slots_in_use() == 1 and engine.queue_depth() == 0
+            waiting = [
+                pool.submit(lambda p=p: _complete(_client(url), p, 5).choices[0].text)
+                for p in ("The cat", "abc")
+            ]
+            _until(lambda: engine.queue_depth() == 2, "the two requests did not queue")
+            status, headers, answer = _raw(url, "/v1/completions", {"prompt": "x", "max_tokens": 2})
+            assert status == 429 and headers["retry-after"] == "1", answer
+            assert answer["error"]["code"] == "queue_full" and "--max-queue" in str(answer)
+            with pytest.raises(openai.RateLimitError):
+                _complete(_client(url), ["x", "y"], 2)  # nothing of it is queued either
+            assert engine.queue_depth() == 2
+            _, _, text = _raw(url, "/metrics", method="GET")
+            gauges = {
+                f.name: f.samples[0].value
+                for f in text_string_to_metric_families(text)
+                if f.name in ("neuron_tp_queue_depth", "neuron_tp_slots_in_use")
+            }
+            assert gauges == {"neuron_tp_queue_depth": 2, "neuron_tp_slots_in_use": 1}
+            gate.open()
+            assert [w.result(60) for w in waiting] == [ref.text("The cat", 5), ref.text("abc", 5)]
+    finally:
+        engine.max_queue = bound
+        pool.shutdown()
+    assert _complete(_client(url), "Hello", 4).choices[0].text == ref.text("Hello", 4)
+
+
+def test_timed_out_request_is_cancelled_and_the_next_is_served(tp1, guarded, caplog):
+    engine, ref, _ = tp1
+    _, url = guarded
+    caplog.set_level(logging.INFO, logger="neuron_tp.serve")
+    client = _keyed(url)
+    with _Gate(engine), ThreadPoolExecutor(1) as pool:
+        start = time.monotonic()
+        streamed = pool.submit(lambda: _streamed(_complete(client, "abc", 6, stream=True), False))
+        with pytest.raises(openai.APIStatusError) as err:
+            _complete(client, "The cat", 6)
+        assert err.value.status_code == 504, err.value.body
+        assert err.value.body["code"] == "request_timeout"
+        assert TIMEOUT_S <= time.monotonic() - start < TIMEOUT_S + 5
+        with pytest.raises(openai.APIError, match="--request-timeout-s"):
+            streamed.result(30)  # the stream ends with an error event
+    assert _complete(client, "Hello", 6).choices[0].text == ref.text("Hello", 6)
+    timed_out = [
+        r.getMessage() for r in caplog.records if "finish_reason=timeout" in r.getMessage()
+    ]
+    assert len(timed_out) == 2 and all("status=" in m for m in timed_out), timed_out
+
+
+def test_metrics_count_what_was_sent_and_each_request_logs_one_line(tp1, caplog):
+    from prometheus_client.parser import text_string_to_metric_families
     from starlette.testclient import TestClient
 
-    from neuron_tp.infer.engine import Engine
     from neuron_tp.infer.server import create_app
-    from neuron_tp.job.data import ByteTokenizer
+
+    engine, ref, _ = tp1
+    caplog.set_level(logging.INFO, logger="neuron_tp.serve")
+    with TestClient(create_app(engine, "tiny")) as c:  # an app of its own: counts from 0
+        answers = []
+        for prompt, n in (("Hello", 5), (["The cat", "abc"], 3), ("Tensor", 1)):
+            r = c.post(
+                "/v1/completions", json={"prompt": prompt, "max_tokens": n, "temperature": 0}
+            )
+            assert r.status_code == 200
+            answers.append(r.json())
+        r = c.post(
+            "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+        )
+        answers.append(r.json())
+        lines = c.post(
+            "/v1/completions",
+            json={
+                "prompt": "A",
+                "max_tokens": 4,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            },
+        ).text.splitlines()
+        answers.append(json.loads([x for x in lines if '"usage"' in x][-1].removeprefix("data: ")))
+        assert c.post("/v1/completions", json={"prompt": "x", "seed": 2**80}).status_code == 400
+        assert c.post("/v1/completions", content=b"{").status_code == 400
+        assert c.post("/v1/completions", json={"prompt": "x", "model": "gpt"}).status_code == 404
+        assert c.get("/v1/models").status_code == 200
+        assert c.get("/nowhere").status_code == 404
+        scraped = c.get("/metrics")
+    assert scraped.headers["content-type"].startswith("text/plain")
+    samples = {}
+    for family in text_string_to_metric_families(scraped.text):
+        for s in family.samples:
+            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+
+    def value(name, **labels):
+        return samples.get((name, tuple(sorted(labels.items()))), 0)
+
+    requests = "neuron_tp_requests_total"
+    assert value(requests, endpoint="/v1/completions", status="200") == 4
+    assert value(requests, endpoint="/v1/completions", status="400") == 2
+    assert value(requests, endpoint="/v1/completions", status="404") == 1
+    assert value(requests, endpoint="/v1/chat/completions", status="200") == 1
+    assert value(requests, endpoint="/v1/models", status="200") == 1
+    assert value(requests, endpoint="other", status="404") == 1
+    usage = [a["usage"] for a in answers]
+    assert value("neuron_tp_prompt_tokens_total") == sum(u["prompt_tokens"] for u in usage)
+    assert value("neuron_tp_generation_tokens_total") == sum(u["completion_tokens"] for u in usage)
+    assert value("neuron_tp_time_to_first_token_seconds_count") == 5  # generation requests
+    assert value("neuron_tp_request_duration_seconds_count") == 5
+    tok, chat = engine.tokenizer, chat_prompt(engine.tokenizer, [{"role": "user", "content": "hi"}])
+    asked = [("Hello", 5), ("The cat", 3), ("abc", 3), ("Tensor", 1), ("A", 4)]
+    lengths = [len(ref.tokens(tok.encode(p), n)) for p, n in asked]
+    lengths.append(len(ref.tokens(encode_prompt(tok, chat, chat=True), 4)))
+    assert value("neuron_tp_generation_tokens_total") == sum(lengths)
+    tpot = "neuron_tp_time_per_output_token_seconds_count"
+    assert value(tpot) == sum(n > 1 for n in lengths)  # per choice of more than one token
+    assert value("neuron_tp_queue_depth") == 0 and value("neuron_tp_slots_in_use") == 0
+    logged = [r.getMessage() for r in caplog.records if r.name == "neuron_tp.serve"]
+    assert len(logged) == 5 + 3, logged  # a line per generation request, refused ones too
+    for a in answers:
+        (line,) = [m for m in logged if a["id"] in m]
+        u = a["usage"]
+        assert f"status=200 prompt_tokens={u['prompt_tokens']} " in line, line
+        assert f"completion_tokens={u['completion_tokens']} ttft_ms=" in line, line
+        assert "duration_ms=" in line and "finish_reason=" in line, line
+
+
+def test_an_exception_in_a_handler_fails_only_that_request(tp1, monkeypatch):
+    from neuron_tp.infer import request
+
+    _, ref, url = tp1
+
+    def broken(*args):
+        raise RuntimeError("template exploded")
+
+    monkeypatch.setattr(request, "chat_prompt", broken)
+    client = _client(url)
+    with pytest.raises(openai.InternalServerError) as err:
+        _chat(client, "hi", 4)
+    assert err.value.status_code == 500 and "RuntimeError" in err.value.body["message"]
+    assert err.value.body["type"] == "server_error"
+    assert _complete(client, "Hello", 4).choices[0].text == ref.text("Hello", 4)
+    assert _get(url + "/health")[0] == 200
+
+
+class _FailOnce:
+    """A slot generator whose next decode fails (a device error), then works again."""
+
+    def __init__(self, gen):
+        self.gen, self.failed = gen, False
+
+    def __getattr__(self, name):
+        return getattr(self.gen, name)
+
+    def decode(self):
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("device lost")
+        return self.gen.decode()
+
+
+def test_a_failed_generation_fails_that_request_and_serving_goes_on():
+    from starlette.testclient import TestClient
+
+    from neuron_tp import init_mesh
+    from neuron_tp.infer.engine import Engine
+    from neuron_tp.infer.server import _load, create_app
 
     engine = Engine()
-    engine.attach(_FailingGenerator(), ByteTokenizer(), [256])
+    _load(engine, _config(0), init_mesh(tp=1))
+    engine.gen = _FailOnce(engine.gen)
     engine.start()
     with TestClient(create_app(engine, "x")) as c:
         r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4})
         assert r.status_code == 500 and "device lost" in r.json()["error"]["message"]
-        assert c.get("/health").status_code == 503 and c.get("/ready").status_code == 503
-        r = c.post("/v1/chat/completions", json={"messages": [{"role": "u", "content": "x"}]})
-        assert r.status_code == 503 and "device lost" in r.json()["error"]["message"]
+        assert c.get("/health").status_code == 200 and c.get("/ready").status_code == 200
+        r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1, r.json()
     engine.shutdown(5)
 
 
@@ -439,9 +824,11 @@ def tp2(tmp_path_factory):
         "--buckets", ",".join(map(str, o["buckets"])),
         "--batch-buckets", ",".join(map(str, o["batch_buckets"])),
         "--max-new-tokens", str(o["max_new_tokens"]),
+        "--max-queue", "64", "--request-timeout-s", "120", "--max-body-bytes", "100000",
     ]  # fmt: skip
     log = tmp_path_factory.mktemp("tp2") / "serve.log"
-    env = {**os.environ, "PJRT_DEVICE": "CPU", "OMP_NUM_THREADS": "1"}
+    # the key from the environment: _client sends "Bearer none"
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "OMP_NUM_THREADS": "1", "NEURON_TP_API_KEY": "none"}
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env)
     url = f"http://127.0.0.1:{port}"
@@ -491,9 +878,20 @@ def test_tp2_answers_like_tp1_and_shuts_down_cleanly(tp1, tp2):
         got = list(pool.map(ask, asks))
     assert got[:-1] == [ref.text(p, n) for p, n, _ in asks[:-1]]
     assert got[-1] == full[: full.index(stop)]
-    with pytest.raises(openai.BadRequestError, match="longer than the largest bucket"):
-        _complete(client, "y" * 33, 4)
+    with pytest.raises(openai.BadRequestError, match="exceeds the 56 positions of a slot"):
+        _complete(client, "y" * 53, 4)
     assert _complete(client, "abc", 6).choices[0].text == ref.text("abc", 6)
+    # refused before rank 0 broadcasts anything: the ranks stay in step
+    with pytest.raises(openai.BadRequestError, match="seed must be an integer in 0.."):
+        _complete(client, "Hello", 4, temperature=0.5, seed=2**80)
+    assert _raw(url, "/v1/completions", b"[" * 100_000, {"Authorization": "Bearer none"})[0] == 400
+    assert _raw(url, "/v1/completions", b" " * 100_001, {"Authorization": "Bearer none"})[0] == 413
+    assert _raw(url, "/v1/models", None, {}, "GET")[0] == 401  # the key from the environment
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
+    assert _complete(client, "abc", 6).choices[0].text == ref.text("abc", 6)
+    _, _, scraped = _raw(url, "/metrics", None, {}, "GET")
+    assert 'neuron_tp_requests_total{endpoint="/v1/completions",status="200"}' in scraped
     # SIGTERM to torchrun: every rank ends, nothing is left behind
     proc, ranks = tp2["proc"], tp2["ranks"]
     proc.send_signal(signal.SIGTERM)
@@ -504,4 +902,5 @@ def test_tp2_answers_like_tp1_and_shuts_down_cleanly(tp1, tp2):
     assert not any(map(_alive, ranks)), "orphaned ranks"
     log = tp2["log"].read_text()
     assert "[rank0]:" not in log and "[rank1]:" not in log, log[-3000:]  # no rank tracebacks
+    assert "neuron-tp serve: request cmpl-" in log and "status=400" in log, log[-3000:]
     assert "forcefully exiting" not in log, log[-3000:]  # ended within torchrun's grace

@@ -1,0 +1,110 @@
+"""The KV cache of :class:`~neuron_tp.infer.slots.SlotGenerator`: one static tensor pair per
+layer, ``[slots, local kv heads, max_len + 1, head dim]``, where every row (slot) writes at its
+OWN positions (a scatter whose indices are device data), as a transformers ``Cache``.
+
+Index ``max_len`` is scratch: padding of a prefill chunk and the rows of inactive slots write
+there, and no attention mask of a live query ever admits it (a query at position ``p`` sees
+``kv <= p < max_len``). Imports transformers: import this module lazily.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from ..errors import UserError
+
+
+def kv_shapes(model) -> list[tuple[int, int, torch.dtype]]:
+    """``(local kv heads, head dim, dtype)`` of every attention layer, in ``layer_idx`` order,
+    read from the (possibly tp-sharded) model: the local ``k_proj`` rows / head dim, or (fused
+    projections, e.g. GPT-2) the module's own per-rank head count."""
+    found: dict[int, tuple[int, int, torch.dtype]] = {}
+    for module in model.modules():
+        idx = getattr(module, "layer_idx", None)
+        if isinstance(idx, int) and (shape := _local_kv(module)) is not None:
+            found[idx] = shape
+    n = model.config.get_text_config(decoder=True).num_hidden_layers
+    if sorted(found) != list(range(n)):
+        raise UserError(
+            f"{type(model).__name__}: slot generation needs attention modules with a k_proj "
+            f"projection (or num_heads and head_dim) and a layer_idx on each of the {n} "
+            f"layers; found them on layers {sorted(found)}"
+        )
+    return [found[i] for i in range(n)]
+
+
+def _local_kv(module) -> tuple[int, int, torch.dtype] | None:
+    weight = next((p for p in module.parameters(recurse=True)), None)
+    dim = getattr(module, "head_dim", None)
+    k_proj = getattr(getattr(module, "k_proj", None), "weight", None)
+    if isinstance(k_proj, torch.Tensor):
+        if not isinstance(dim, int):
+            dim = module.config.hidden_size // module.config.num_attention_heads
+        return k_proj.shape[0] // dim, dim, k_proj.dtype
+    heads = getattr(module, "num_key_value_heads", None) or getattr(module, "num_heads", None)
+    if isinstance(heads, int) and isinstance(dim, int) and weight is not None:
+        return heads, dim, weight.dtype
+    return None
+
+
+def allocate(model, slots: int, max_len: int, device) -> list[torch.Tensor]:
+    """Zeroed keys and values of every layer: ``[k0, v0, k1, v1, ...]``, each made on the host
+    and transferred (device data, not a graph to compile)."""
+    out = []
+    for heads, dim, dtype in kv_shapes(model):
+        shape = (slots, heads, max_len + 1, dim)
+        out += [torch.zeros(shape, dtype=dtype).to(device) for _ in range(2)]
+    return out
+
+
+class SlotLayer(CacheLayerMixin):
+    """One layer: writes ``key_states`` [B, H, Q, D] at ``(rows[b], positions[b, q])`` and
+    returns the rows ``read`` (a tensor of slot indices or a slice) of the whole cache."""
+
+    is_compileable = False
+    is_sliding = False
+
+    def __init__(self, keys, values, rows, positions, read):
+        super().__init__()
+        self.keys, self.values, self.is_initialized = keys, values, True
+        self.rows, self.positions, self.read = rows, positions, read
+
+    def lazy_initialization(self, key_states, value_states) -> None:  # allocated up front
+        pass
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        r, p = self.rows[:, None], self.positions  # [B, 1], [B, Q]
+        self.keys[r, :, p] = key_states.transpose(1, 2).to(self.keys.dtype)
+        self.values[r, :, p] = value_states.transpose(1, 2).to(self.values.dtype)
+        if isinstance(self.read, slice):
+            return self.keys[self.read], self.values[self.read]
+        return self.keys.index_select(0, self.read), self.values.index_select(0, self.read)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.keys.shape[2], 0
+
+    def get_seq_length(self) -> int:
+        return 0  # positions are per row; the model gets explicit position_ids
+
+    def get_max_length(self) -> int:
+        return self.keys.shape[2]
+
+
+class SlotCache(Cache):
+    """The cache of one step: the tensors of ``kv`` (``[k0, v0, ...]``, updated in place),
+    written at ``positions`` [B, Q] of slots ``rows`` [B], read as rows ``read``."""
+
+    def __init__(self, kv: list[torch.Tensor], rows, positions, read):
+        layers = [SlotLayer(kv[i], kv[i + 1], rows, positions, read) for i in range(0, len(kv), 2)]
+        super().__init__(layers=layers)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for layer in self.layers for t in (layer.keys, layer.values)]
+
+
+def visible(positions: torch.Tensor, length: int) -> torch.Tensor:
+    """``[B, 1, Q, length]`` boolean mask: a query at cache index ``p`` sees ``kv <= p``
+    (its own sequence's past, itself included; never the scratch index of a live query)."""
+    kv = torch.arange(length, device=positions.device)
+    return (kv[None, None, :] <= positions[:, :, None])[:, None]
