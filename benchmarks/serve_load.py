@@ -58,7 +58,8 @@ def start(tree: str, model: str, args, log_dir: str) -> tuple[subprocess.Popen, 
     port = _free_port()
     cmd = [
         sys.executable, "-m", "neuron_tp.cli", "serve", "--model", model, "--tokenizer", "bytes",
-        "--port", str(port), "--buckets", "16,64", "--batch-buckets", args.batch_buckets,
+        "--port", str(port), "--served-model-name", "m", "--buckets", "16,64",
+        "--batch-buckets", args.batch_buckets,
         "--max-new-tokens", str(args.long), "--warmup", "all",
     ]  # fmt: skip
     log = open(os.path.join(log_dir, f"serve-{os.path.basename(tree)}.log"), "w")
