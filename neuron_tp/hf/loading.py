@@ -28,7 +28,9 @@ from .slice_map import WHOLE, get_slice_map, read_local, to_hf
 def gather_hf_state_dict(
     model: nn.Module, mesh: Mesh | None = None, grads: bool = False
 ) -> dict[str, torch.Tensor]:
-    """Full (unsharded) parameters, or their gradients, under their HF names, on every rank.
+    """Full (unsharded) parameters, or their gradients, under their HF names, on every rank;
+    without ``grads`` also the persistent buffers (replicated, e.g. an MoE router's
+    ``e_score_correction_bias``), as transformers saves them.
 
     Collective over tp: every rank must call it. Gradients should be synced first
     (:func:`neuron_tp.sync_sequence_parallel_grads`)."""
@@ -40,6 +42,18 @@ def gather_hf_state_dict(
             continue
         full = gather_full(t, meta.sharding, mesh)
         out[name] = to_hf(full, meta.hf_layout or WHOLE) if meta.sharding else full.clone()
+    if not grads:
+        out.update((n, b.detach().clone()) for n, b in persistent_buffers(model))
+    return out
+
+
+def persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``(name, buffer)`` for every buffer of ``model`` that belongs in its state dict."""
+    out = []
+    for mname, mod in model.named_modules():
+        for bname, b in mod.named_buffers(recurse=False):
+            if b is not None and bname not in mod._non_persistent_buffers_set:
+                out.append((f"{mname}.{bname}" if mname else bname, b))
     return out
 
 
@@ -330,7 +344,25 @@ def from_pretrained(
                     for n2, p2 in list(m2._parameters.items()):
                         if p2 is p:
                             m2._parameters[n2] = new
+        _load_buffers(model, files, handles)
     finally:
         handles.clear()
     model.eval()
     return model
+
+
+def _load_buffers(model: nn.Module, files: dict[str, str], handles: dict) -> None:
+    """Persistent buffers stored in the checkpoint (whole; replicated), in place; the others
+    keep their initial values (as transformers does with a missing buffer)."""
+    for name, b in persistent_buffers(model):
+        name = plain_name(name)
+        if name in files:
+            if files[name] not in handles:
+                handles[files[name]] = _open_safetensors(files[name])
+            stored = handles[files[name]].get_tensor(name)
+            if tuple(stored.shape) != tuple(b.shape):
+                raise UserError(
+                    f"{name}: checkpoint buffer {tuple(stored.shape)} != model's {tuple(b.shape)}"
+                )
+            with torch.no_grad():
+                b.copy_(stored.to(b.dtype))

@@ -1,0 +1,83 @@
+"""Tiny random configs of the MoE families (no downloads): hidden 32, 6-8 experts, top-2,
+expert intermediate 24 (tp 2 and 4 divide it), vocab 51 (padded at tp 2 and 4), 2 layers.
+Qwen2-MoE has a dense layer (``mlp_only_layers``), GLM-4-MoE a dense first layer, group-limited
+routing and a non-zero correction bias."""
+
+from __future__ import annotations
+
+import torch
+import transformers as tf
+
+V = 51
+_C0 = dict(
+    vocab_size=V,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
+
+
+def _c(kw: dict) -> dict:
+    """The common sizes, overridden by (and removed from) ``kw``."""
+    return {**_C0, **{k: kw.pop(k) for k in list(kw) if k in _C0}}
+
+
+MOE_ARCHS = {
+    "mixtral": lambda **kw: tf.MixtralConfig(
+        **_c(kw), intermediate_size=24, num_local_experts=6, num_experts_per_tok=2, **kw
+    ),
+    "qwen2_moe": lambda **kw: tf.Qwen2MoeConfig(
+        **_c(kw),
+        intermediate_size=40,
+        moe_intermediate_size=24,
+        shared_expert_intermediate_size=16,
+        num_experts=6,
+        num_experts_per_tok=2,
+        mlp_only_layers=[1],
+        **kw,
+    ),
+    "qwen3_moe": lambda **kw: tf.Qwen3MoeConfig(
+        **_c(kw),
+        head_dim=8,
+        intermediate_size=40,
+        moe_intermediate_size=24,
+        num_experts=6,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        **kw,
+    ),
+    "olmoe": lambda **kw: tf.OlmoeConfig(
+        **_c(kw), intermediate_size=24, num_experts=6, num_experts_per_tok=2, pad_token_id=0, **kw
+    ),
+    "glm4_moe": lambda **kw: tf.Glm4MoeConfig(
+        **_c(kw),
+        head_dim=8,
+        intermediate_size=40,
+        moe_intermediate_size=24,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        routed_scaling_factor=1.5,
+        use_qk_norm=True,
+        **kw,
+    ),
+}
+
+
+def build_moe(name: str, seed: int = 0, **config_kwargs):
+    """The tiny ``name`` model (eval mode), random weights from ``seed``; GLM-4-MoE's
+    correction biases are random too (they change which experts are chosen)."""
+    cfg = MOE_ARCHS[name](**config_kwargs)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    model = tf.AutoModelForCausalLM.from_config(cfg).eval()
+    for mod in model.modules():
+        bias = getattr(mod, "e_score_correction_bias", None)
+        if isinstance(bias, torch.Tensor):
+            bias.copy_(torch.rand(bias.shape) * 0.2)
+    return model
