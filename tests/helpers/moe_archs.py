@@ -19,40 +19,44 @@ _C0 = dict(
 )
 
 
-def _c(kw: dict) -> dict:
-    """The common sizes, overridden by (and removed from) ``kw``."""
-    return {**_C0, **{k: kw.pop(k) for k in list(kw) if k in _C0}}
+def _make(cls, **defaults):
+    """A config factory: the common sizes, then ``defaults``, then the caller's overrides."""
+    return lambda **kw: cls(**{**_C0, **defaults, **kw})
 
 
 MOE_ARCHS = {
-    "mixtral": lambda **kw: tf.MixtralConfig(
-        **_c(kw), intermediate_size=24, num_local_experts=6, num_experts_per_tok=2, **kw
+    "mixtral": _make(
+        tf.MixtralConfig, intermediate_size=24, num_local_experts=6, num_experts_per_tok=2
     ),
-    "qwen2_moe": lambda **kw: tf.Qwen2MoeConfig(
-        **_c(kw),
+    "qwen2_moe": _make(
+        tf.Qwen2MoeConfig,
         intermediate_size=40,
         moe_intermediate_size=24,
         shared_expert_intermediate_size=16,
         num_experts=6,
         num_experts_per_tok=2,
         mlp_only_layers=[1],
-        **kw,
     ),
-    "qwen3_moe": lambda **kw: tf.Qwen3MoeConfig(
-        **_c(kw),
+    "qwen3_moe": _make(
+        tf.Qwen3MoeConfig,
         head_dim=8,
         intermediate_size=40,
         moe_intermediate_size=24,
         num_experts=6,
         num_experts_per_tok=2,
         norm_topk_prob=True,
-        **kw,
     ),
-    "olmoe": lambda **kw: tf.OlmoeConfig(
-        **_c(kw), intermediate_size=24, num_experts=6, num_experts_per_tok=2, pad_token_id=0, **kw
+    # OLMoE's k_norm spans all kv heads: 4 of them, so tp 4 can shard it.
+    "olmoe": _make(
+        tf.OlmoeConfig,
+        num_key_value_heads=4,
+        intermediate_size=24,
+        num_experts=6,
+        num_experts_per_tok=2,
+        pad_token_id=0,
     ),
-    "glm4_moe": lambda **kw: tf.Glm4MoeConfig(
-        **_c(kw),
+    "glm4_moe": _make(
+        tf.Glm4MoeConfig,
         head_dim=8,
         intermediate_size=40,
         moe_intermediate_size=24,
@@ -64,7 +68,6 @@ MOE_ARCHS = {
         first_k_dense_replace=1,
         routed_scaling_factor=1.5,
         use_qk_norm=True,
-        **kw,
     ),
 }
 
