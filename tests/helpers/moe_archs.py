@@ -1,7 +1,7 @@
 """Tiny random configs of the MoE families (no downloads): hidden 32, 6-8 experts, top-2,
 expert intermediate 24 (tp 2 and 4 divide it), vocab 51 (padded at tp 2 and 4), 2 layers.
-Qwen2-MoE has a dense layer (``mlp_only_layers``), GLM-4-MoE a dense first layer, group-limited
-routing and a non-zero correction bias."""
+Qwen2-MoE has a dense layer (``mlp_only_layers``), GLM-4-MoE (and dots1, which has no explicit
+plan: the fallback) a dense first layer, group-limited routing and a non-zero correction bias."""
 
 from __future__ import annotations
 
@@ -68,6 +68,19 @@ MOE_ARCHS = {
         first_k_dense_replace=1,
         routed_scaling_factor=1.5,
         use_qk_norm=True,
+    ),
+    # No explicit plan: the plan transformers ships (``moe_tp_experts``) and guessed structure.
+    "dots1": _make(
+        tf.Dots1Config,
+        head_dim=8,
+        intermediate_size=40,
+        moe_intermediate_size=24,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
     ),
 }
 

@@ -81,6 +81,31 @@ def _aux(tp: int) -> None:
             _check(ref, f"{name} aux tp={tp} sp={sp}", sp)
 
 
+def _jitter(tp: int) -> None:
+    """Mixtral's training input jitter: every tp rank uses tp rank 0's draw (ranks seeded
+    differently here), so the sharded model equals transformers run with rank 0's seed (loss
+    and gradients); in eval there is none."""
+    rank = torch.distributed.get_rank()
+    ref = build_moe("mixtral", router_jitter_noise=0.3).train()
+    m = parallelize(copy.deepcopy(ref), parallel_loss=True)
+    ids = _ids()
+    torch.manual_seed(1000)
+    want = ref(ids, labels=ids).loss
+    torch.manual_seed(1000 + rank)
+    got = m(ids, labels=ids).loss
+    _close(got, want, f"jitter tp={tp} loss")
+    want.backward()
+    got.backward()
+    grads = gather_hf_state_dict(m, grads=True)
+    for n, p in ref.named_parameters():
+        _close(grads[n], p.grad, f"jitter tp={tp} grad {n}")
+    m.eval(), ref.eval()
+    plain = ref(ids, labels=ids).loss  # eval: no jitter
+    assert (plain - want).abs() > 1e-4, "the jitter changes nothing: the test proves nothing"
+    with full_logits(m):
+        _close(m(ids).logits, ref(ids).logits, f"jitter tp={tp} eval logits")
+
+
 def _gather_mode(tp: int) -> None:
     """Every token through the gather path (decode's), then greedy generation in auto mode
     (the prompt is dense, every decode step T*k < E: gather)."""
@@ -152,6 +177,7 @@ def _checkpoints(tmp: str, tp: int) -> None:
 
 CASES = [n + sp for n in MOE_ARCHS for sp in ("", "-sp")] + [
     "aux",
+    "jitter",
     "gather",
     "collectives",
     "checkpoints",
@@ -162,6 +188,8 @@ def _case(case: str, tp: int, tmp: str) -> None:
     gloo_dist.shared_mesh(tp)
     if case == "aux":
         _aux(tp)
+    elif case == "jitter":
+        _jitter(tp)
     elif case == "gather":
         _gather_mode(tp)
     elif case == "collectives":

@@ -38,15 +38,19 @@ def _maxdiff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.detach().cpu().float() - b.detach().float()).abs().max())
 
 
-def run_trains(tp: int, cases: list[tuple[str, bool]], steps: int) -> dict:
-    """:func:`run_train` for each ``(family, sequence_parallel)`` in one launch."""
-    return {f"{name} sp={sp}": run_train(tp, name, sp, steps) for name, sp in cases}
+def run_all(tp: int, cases: list[tuple[str, bool]], steps: int) -> dict:
+    """:func:`run_train` for each ``(family, sequence_parallel)``, then :func:`run_generate`,
+    in one launch."""
+    out = {f"{name} sp={sp}": run_train(tp, name, sp, steps) for name, sp in cases}
+    out["generate"] = run_generate(tp)
+    return out
 
 
 def run_train(tp: int, name: str, sp: bool, steps: int) -> dict:
-    """``steps`` SGD steps (tokens differ every step) on the device vs on the CPU: loss per
-    step, every gathered gradient of the first step, eval logits after the last step, and
-    compiles after each step."""
+    """``steps`` SGD steps (tokens differ every step) on the device vs on the CPU: the loss
+    and every gathered gradient of each step, eval logits after the last step, and the
+    compile count after each step. Every step runs the same two graphs (forward, backward and
+    the gradient gathers; the optimizer update)."""
     import torch_xla
 
     mesh = ntp.init_mesh(tp=tp)
@@ -56,24 +60,23 @@ def run_train(tp: int, name: str, sp: bool, steps: int) -> dict:
     m = hf.parallelize(copy.deepcopy(ref), mesh, sequence_parallel=sp, parallel_loss=True)
     m = ntp.move_to(m, dev)
     opts = [torch.optim.SGD(x.parameters(), lr=0.2) for x in (m, ref)]
-    out = {"loss": [], "compiles": [], "grad": 0.0}
+    out = {"loss": [], "grad": [], "compiles": []}
     for step in range(steps):
         ids = torch.randint(1, V, (2, 8), generator=torch.Generator().manual_seed(100 + step))
         loss = m(ids.to(dev), labels=ids.to(dev)).loss
         loss.backward()
         ntp.sync_sequence_parallel_grads(m)
+        grads = hf.gather_hf_state_dict(m, grads=True)
+        torch_xla.sync()  # one graph: forward, backward, gathers
         with serial():
             ref_loss = ref(ids, labels=ids).loss
             ref_loss.backward()
-        if step == 0:
-            grads = hf.gather_hf_state_dict(m, grads=True)
-            diffs = [_maxdiff(grads[n], p.grad) for n, p in ref.named_parameters()]
-            out["grad"] = max(diffs)
+        out["loss"].append(_maxdiff(loss, ref_loss))
+        out["grad"].append(max(_maxdiff(grads[n], p.grad) for n, p in ref.named_parameters()))
         for opt in opts:
             opt.step()
             opt.zero_grad(set_to_none=True)
         torch_xla.sync()
-        out["loss"].append(_maxdiff(loss, ref_loss))
         out["compiles"].append(_counted(mesh))
     m.eval(), ref.eval()
     ids = torch.randint(1, V, (2, 8), generator=torch.Generator().manual_seed(7))
