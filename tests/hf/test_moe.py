@@ -163,7 +163,8 @@ def _collectives(tp: int) -> None:
 
 def _checkpoints(tmp: str, tp: int) -> None:
     """save_pretrained -> plain transformers loads it equal; from_pretrained (each rank reads
-    its slices of the 3-D expert tensors) equals parallelize of the full model."""
+    its slices of the 3-D expert tensors, or of each expert's tensors as transformers saves
+    them) equals parallelize of the full model."""
     import transformers as tf
 
     rank = torch.distributed.get_rank()
@@ -180,6 +181,23 @@ def _checkpoints(tmp: str, tp: int) -> None:
             assert n == n2 and torch.equal(p, q), f"{name} from_pretrained: {n} (rank {rank})"
         ids = _ids(5)
         _close(loaded(ids).logits, ref(ids).logits, f"{name} from_pretrained logits")
+    # What transformers itself writes (and the Hub holds): one tensor per expert, Mixtral's
+    # under block_sparse_moe.experts.{e}.w1/w2/w3; each rank reads its slices of each.
+    from neuron_tp.hf.loading import checkpoint_files
+
+    for name, key in (
+        ("mixtral", "model.layers.0.block_sparse_moe.experts.5.w3.weight"),
+        ("qwen2_moe", "model.layers.0.mlp.experts.5.up_proj.weight"),
+    ):
+        ref = build_moe(name)
+        out = os.path.join(tmp, f"{name}-hf-tp{tp}")
+        if rank == 0:
+            copy.deepcopy(ref).save_pretrained(out)  # saving sets config fields on rank 0 only
+        torch.distributed.barrier()
+        assert key in checkpoint_files(out), sorted(checkpoint_files(out))[:8]
+        loaded, expected = from_pretrained(out), parallelize(copy.deepcopy(ref))
+        for (n, p), (n2, q) in zip(loaded.state_dict().items(), expected.state_dict().items()):
+            assert n == n2 and torch.equal(p, q), f"{name} per-expert files: {n} (rank {rank})"
 
 
 CASES = [n + sp for n in MOE_ARCHS for sp in ("", "-sp")] + [
