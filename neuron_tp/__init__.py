@@ -13,7 +13,7 @@ Public API::
     ntp.plan.make_plan(hf_config, job).recommended   # will it fit, which layout is fastest
 """
 
-from . import blocks, checkpoint, layers, plan
+from . import blocks, checkpoint, layers, moe, plan
 from .backend.xla import cpu_devices_env as xla_cpu_devices_env
 from .backend.xla import device as xla_device
 from .blocks import block_nd as blocks_nd
@@ -25,6 +25,7 @@ from .layers import (
     VocabParallelEmbedding,
     parallel_cross_entropy,
 )
+from .moe import set_moe_mode
 from .optim.grads import (
     allreduce_data_parallel_grads,
     clip_grad_norm_,
@@ -51,6 +52,7 @@ __all__ = [
     "init_mesh",
     "get_mesh",
     "set_default_mesh",
+    "set_moe_mode",
     "xla_device",
     "xla_cpu_devices_env",
     "ColumnParallelLinear",
@@ -79,6 +81,7 @@ __all__ = [
     "checkpoint",
     "comm",
     "layers",
+    "moe",
     "plan",
     "regions",
 ]

@@ -21,6 +21,7 @@ from ..parallel.sharding import (
     shard_of,
 )
 from .lora_files import plain_name
+from .moe_files import read_per_expert, stored_name
 from .parallelize import parallelize
 from .slice_map import WHOLE, get_slice_map, read_local, to_hf
 
@@ -28,7 +29,9 @@ from .slice_map import WHOLE, get_slice_map, read_local, to_hf
 def gather_hf_state_dict(
     model: nn.Module, mesh: Mesh | None = None, grads: bool = False
 ) -> dict[str, torch.Tensor]:
-    """Full (unsharded) parameters, or their gradients, under their HF names, on every rank.
+    """Full (unsharded) parameters, or their gradients, under their HF names, on every rank;
+    without ``grads`` also the persistent buffers (replicated, e.g. an MoE router's
+    ``e_score_correction_bias``), as transformers saves them.
 
     Collective over tp: every rank must call it. Gradients should be synced first
     (:func:`neuron_tp.sync_sequence_parallel_grads`)."""
@@ -40,6 +43,18 @@ def gather_hf_state_dict(
             continue
         full = gather_full(t, meta.sharding, mesh)
         out[name] = to_hf(full, meta.hf_layout or WHOLE) if meta.sharding else full.clone()
+    if not grads:
+        out.update((n, b.detach().clone()) for n, b in persistent_buffers(model))
+    return out
+
+
+def persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``(name, buffer)`` for every buffer of ``model`` that belongs in its state dict."""
+    out = []
+    for mname, mod in model.named_modules():
+        for bname, b in mod.named_buffers(recurse=False):
+            if b is not None and bname not in mod._non_persistent_buffers_set:
+                out.append((f"{mname}.{bname}" if mname else bname, b))
     return out
 
 
@@ -293,44 +308,90 @@ def from_pretrained(
         model, mesh, sequence_parallel=sequence_parallel, parallel_loss=parallel_loss, plan=plan
     )
     handles: dict[str, object] = {}
+    opened = _Opened(files, handles)
     try:
         for mname, mod in model.named_modules():
             for pname, p in list(mod.named_parameters(recurse=False)):
                 name = plain_name(f"{mname}.{pname}" if mname else pname)
                 if p.device.type != "meta":
                     continue
+                name = stored_name(name, files)
+                if name not in files and mesh.tp_mode == "1d":
+                    local = read_per_expert(
+                        name, files, opened.read, opened.shape, get_slice_map(mod, pname)
+                    )
+                    if local is not None:
+                        _install(model, p, local)
+                        continue
                 if name not in files:
                     raise UserError(f"{path}: checkpoint has no tensor {name!r}")
-                if files[name] not in handles:
-                    handles[files[name]] = _open_safetensors(files[name])
-                sl = handles[files[name]].get_slice(name)
-                shape = tuple(sl.get_shape())
+                sl, shape = opened.handle(name), opened.shape(name)
 
-                def read(dim, start, stop, sl=sl, shape=shape):
-                    if dim is None:
-                        return sl[:]
-                    idx = tuple(
-                        slice(start, stop) if d == dim else slice(None) for d in range(len(shape))
-                    )
-                    return sl[idx]
+                def read(dim, start, stop, name=name):
+                    return opened.read(name, dim, start, stop)
 
                 if mesh.tp_mode == "1d":
                     local = read_local(read, shape, get_slice_map(mod, pname))
                 else:
                     local = read_block(sl, shape, get_param_meta(mod, pname).sharding, mesh, name)
-                local = local.to(p.dtype)
-                if local.shape != p.shape:
-                    raise ValueError(
-                        f"{name}: checkpoint slice {tuple(local.shape)} does not "
-                        f"match this rank's parameter {tuple(p.shape)}"
-                    )
-                new = nn.Parameter(local.contiguous(), requires_grad=p.requires_grad)
-                # Every module holding this (possibly tied) parameter gets the loaded one.
-                for m2 in model.modules():
-                    for n2, p2 in list(m2._parameters.items()):
-                        if p2 is p:
-                            m2._parameters[n2] = new
+                _install(model, p, local, name)
+        _load_buffers(model, files, opened)
     finally:
         handles.clear()
     model.eval()
     return model
+
+
+class _Opened:
+    """The checkpoint's tensors by name, each file opened once (``handles``: file -> handle)."""
+
+    def __init__(self, files: dict[str, str], handles: dict):
+        self.files, self.handles = files, handles
+
+    def handle(self, name: str):
+        """The safetensors slice handle of tensor ``name``."""
+        file = self.files[name]
+        if file not in self.handles:
+            self.handles[file] = _open_safetensors(file)
+        return self.handles[file].get_slice(name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.handle(name).get_shape())
+
+    def read(self, name: str, dim: int | None, start: int, stop: int) -> torch.Tensor:
+        """Tensor ``name`` (``dim`` None) or its ``[start, stop)`` range along ``dim``."""
+        sl = self.handle(name)
+        if dim is None:
+            return sl[:]
+        n = len(sl.get_shape())
+        return sl[tuple(slice(start, stop) if d == dim else slice(None) for d in range(n))]
+
+
+def _install(model: nn.Module, p: nn.Parameter, local: torch.Tensor, name: str = "") -> None:
+    """Replace meta parameter ``p`` (in every module holding it: tied ones) by ``local``."""
+    local = local.to(p.dtype)
+    if local.shape != p.shape:
+        raise ValueError(
+            f"{name}: checkpoint slice {tuple(local.shape)} does not "
+            f"match this rank's parameter {tuple(p.shape)}"
+        )
+    new = nn.Parameter(local.contiguous(), requires_grad=p.requires_grad)
+    for m2 in model.modules():
+        for n2, p2 in list(m2._parameters.items()):
+            if p2 is p:
+                m2._parameters[n2] = new
+
+
+def _load_buffers(model: nn.Module, files: dict[str, str], opened: _Opened) -> None:
+    """Persistent buffers stored in the checkpoint (whole; replicated), in place; the others
+    keep their initial values (as transformers does with a missing buffer)."""
+    for name, b in persistent_buffers(model):
+        name = stored_name(plain_name(name), files)
+        if name in files:
+            stored = opened.read(name, None, 0, 0)
+            if tuple(stored.shape) != tuple(b.shape):
+                raise UserError(
+                    f"{name}: checkpoint buffer {tuple(stored.shape)} != model's {tuple(b.shape)}"
+                )
+            with torch.no_grad():
+                b.copy_(stored.to(b.dtype))

@@ -33,7 +33,8 @@ def is_causal(model: nn.Module) -> bool:
 
 
 def wrap_loss(model: nn.Module, mesh: Mesh) -> None:
-    """With ``labels``: loss from the vocab-sharded logits (HF's shift for causal LMs)."""
+    """With ``labels``: loss from the vocab-sharded logits (HF's shift for causal LMs), plus
+    an MoE model's router auxiliary loss times ``router_aux_loss_coef`` when it returns one."""
     forward = model.forward
     vocab = model.config.vocab_size
     causal = is_causal(model)
@@ -56,6 +57,10 @@ def wrap_loss(model: nn.Module, mesh: Mesh) -> None:
             )
             if n_items is not None:
                 out.loss = out.loss / n_items
+            aux = getattr(out, "aux_loss", None)
+            if aux is not None:  # MoE load balancing: transformers adds it to the loss
+                coef = getattr(model, "router_aux_loss_coef", model.config.router_aux_loss_coef)
+                out.loss = out.loss + coef * aux.to(out.loss.device)
         return out
 
     model.forward = wrapped

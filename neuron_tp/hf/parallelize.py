@@ -34,6 +34,7 @@ from .modules import (
     check_vocab_embedding,
     linear_view,
 )
+from .moe import build_moe, check_moe, keep_complete_grads
 from .norms import build_sharded_norm, check_sharded_norm
 from .parallel_loss import wrap_loss
 from .plans import Style
@@ -188,6 +189,8 @@ def _check_target(
         check_vocab_embedding(mod, name)
     elif style is Style.SHARDED_NORM:
         check_sharded_norm(mod, name, mesh, heads)
+    elif style is Style.MOE_EXPERTS:
+        check_moe(model, name, mesh)
 
 
 def _kv_rows(heads: Heads, tp: int, offset: int) -> list[list[int]]:
@@ -293,6 +296,10 @@ def _build(
         elif style is Style.REPLICATED_GRAD_ALLREDUCE:
             built.grad_allreduce.append(mod)
             continue
+        elif style is Style.MOE_EXPERTS:  # the whole block is replaced
+            block, new = build_moe(model, name, mesh, sequence_parallel and s.in_layers(name))
+            built.replacements[block] = new
+            continue
         else:
             new = build_sharded_norm(mod, mesh)
         built.replacements[name] = new
@@ -334,6 +341,7 @@ def _install(
     _retie(model, ties)
     if sequence_parallel:
         apply_sequence_parallel(model, mesh, s.layers, s.final_norm)
+        keep_complete_grads(model)
     model._ntp_parallel, model._ntp_mesh = True, mesh
     guard_meta(model)
     model._ntp_parallel_loss, model._ntp_sequence_parallel = parallel_loss, sequence_parallel

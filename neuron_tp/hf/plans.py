@@ -42,6 +42,10 @@ class Style(str, Enum):
     REPLICATED_GRAD_ALLREDUCE = "replicated_with_grad_allreduce"
     # An RMSNorm over features sharded like the preceding projection (OLMo-2's q/k norms).
     SHARDED_NORM = "sharded_norm"
+    # The fused experts of an MoE block (planned on ``<block>.experts``): the whole block is
+    # replaced by neuron_tp.moe.ParallelMoEBlock (router replicated, experts and shared
+    # experts split by their intermediate dimension, one reduction per layer).
+    MOE_EXPERTS = "moe_tp_experts"
 
     @property
     def is_column(self) -> bool:
@@ -79,6 +83,8 @@ class ArchPlan:
     layer_styles: dict[str, Style]  # projection (or norm) -> style
     lm_head: str = "lm_head"  # sharded as Style.COLUMN_GATHER_OUTPUT when the model has it
     unsupported: str | None = None  # why this configuration is refused unless plan= is given
+    # Keys of ``layer_styles`` some layers lack (MoE models mixing dense-MLP and MoE layers).
+    optional: tuple[str, ...] = ()
 
     def with_styles(self, layer_styles: dict[str, Style]) -> ArchPlan:
         """This plan with more (or other) per-layer styles."""
@@ -181,6 +187,28 @@ def _falcon(config: Any) -> ArchPlan:
     )
 
 
+_LLAMA_ATTENTION = {k: v for k, v in _LLAMA.layer_styles.items() if k.startswith("self_attn.")}
+_DENSE_MLP = {k: v for k, v in _LLAMA.layer_styles.items() if k.startswith("mlp.")}
+# An MoE decoder: Llama attention, ``mlp`` an MoE block in every layer (or, with ``dense``, a
+# gated MLP in some layers: Qwen2/3-MoE ``mlp_only_layers`` / ``decoder_sparse_step``, GLM-4-MoE
+# ``first_k_dense_replace``). Shared experts and gates are found inside the block
+# (neuron_tp.hf.moe).
+_MOE = replace(_LLAMA, layer_styles={**_LLAMA_ATTENTION, "mlp.experts": Style.MOE_EXPERTS})
+_MOE_DENSE = replace(_MOE.with_styles(_DENSE_MLP), optional=("mlp.experts", *_DENSE_MLP))
+
+
+def _glm4_moe(config: Any) -> ArchPlan:
+    """GLM-4-MoE: the first ``first_k_dense_replace`` layers dense; optional per-head q/k norms."""
+    if not getattr(config, "use_qk_norm", False):
+        return _MOE_DENSE
+    return _MOE_DENSE.with_styles(
+        {
+            "self_attn.q_norm": Style.REPLICATED_GRAD_ALLREDUCE,
+            "self_attn.k_norm": Style.REPLICATED_GRAD_ALLREDUCE,
+        }
+    )
+
+
 # model_type -> its plan, or a function of the config returning it. Architectures not listed
 # use the plan transformers ships (neuron_tp.hf.fallback).
 ARCH_PLANS: dict[str, ArchPlan | Callable[[Any], ArchPlan]] = {
@@ -265,6 +293,19 @@ ARCH_PLANS: dict[str, ArchPlan | Callable[[Any], ArchPlan]] = {
     "bert": _BERT,
     "roberta": replace(_BERT, lm_head="lm_head.decoder"),
     "falcon": _falcon,
+    # Mixture of experts (neuron_tp.hf.moe).
+    "mixtral": _MOE,
+    "qwen2_moe": _MOE_DENSE,
+    "qwen3_moe": _MOE_DENSE.with_styles(
+        {
+            "self_attn.q_norm": Style.REPLICATED_GRAD_ALLREDUCE,
+            "self_attn.k_norm": Style.REPLICATED_GRAD_ALLREDUCE,
+        }
+    ),
+    "olmoe": _MOE.with_styles(
+        {"self_attn.q_norm": Style.SHARDED_NORM, "self_attn.k_norm": Style.SHARDED_NORM}
+    ),
+    "glm4_moe": _glm4_moe,
 }
 
 

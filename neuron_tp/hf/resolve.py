@@ -84,7 +84,7 @@ def plan_model(model: nn.Module, plan: dict[str, str] | None = None) -> ModelPla
     """The modules to shard and the structure of ``model``. ``plan`` replaces the styles; the
     structure comes from the architecture's explicit plan, else it is guessed."""
     styles = resolve_plan(model, plan)
-    targets = match_modules(model, styles)
+    targets = _absorb_moe(match_modules(model, styles))
     if plan is not None:
         unmatched = [k for k in styles if not match_modules(model, {k: styles[k]})]
         if unmatched:
@@ -96,6 +96,17 @@ def plan_model(model: nn.Module, plan: dict[str, str] | None = None) -> ModelPla
     arch = arch_plan(model.config)
     structure = guess_structure(model) if arch is None else _explicit_structure(model, arch)
     return ModelPlan(targets, structure)
+
+
+def _absorb_moe(targets: dict[str, Style]) -> dict[str, Style]:
+    """``targets`` without the modules inside an MoE block (a shipped plan's shared-expert
+    projections): the block (parent of a ``moe_tp_experts`` module) shards them itself."""
+    blocks = [n.rpartition(".")[0] + "." for n, s in targets.items() if s is Style.MOE_EXPERTS]
+    return {
+        n: s
+        for n, s in targets.items()
+        if s is Style.MOE_EXPERTS or not any(n.startswith(b) for b in blocks)
+    }
 
 
 _MISSING = object()
@@ -153,7 +164,7 @@ def _explicit_structure(model: nn.Module, arch: ArchPlan) -> ModelStructure:
         layer = f"{layers}.{i}"
         paths = [("attention", arch.attention), ("mlp", arch.mlp)]
         paths += [("prepares_input", p) for p in arch.prepares_input]
-        paths += [("layer_styles", p) for p in arch.layer_styles]
+        paths += [("layer_styles", p) for p in arch.layer_styles if p not in arch.optional]
         for field, rel in paths:
             if rel is not None:
                 _module(model, _join(layer, rel), field, source)

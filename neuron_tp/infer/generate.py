@@ -61,6 +61,13 @@ def pick_bucket(length: int, buckets: Sequence[int], what: str = "prompt") -> in
     )
 
 
+def no_aux_outputs(config) -> dict:
+    """Model kwargs that turn off outputs generation never uses: an MoE model whose config asks
+    for router logits (its training auxiliary loss) would compute that loss from the 4D
+    attention mask, which transformers' load-balancing loss cannot read."""
+    return {"output_router_logits": False} if hasattr(config, "output_router_logits") else {}
+
+
 def cache_length(buckets: Sequence[int], max_new_tokens: int) -> int:
     return max(buckets) + -(-max_new_tokens // CACHE_ROUND) * CACHE_ROUND
 
@@ -271,6 +278,7 @@ class Generator:
                 past_key_values=cache,
                 use_cache=True,
                 logits_to_keep=1,
+                **no_aux_outputs(model.config),
             )
             tok = choose(out.logits[:, -1], top_k, temperature, noise)
             tok = torch.where(done, torch.full_like(tok, pad), tok)

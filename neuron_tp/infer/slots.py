@@ -28,7 +28,14 @@ from collections.abc import Sequence
 import torch
 
 from ..errors import UserError
-from .generate import MAX_TOP_K, Sampling, check_cache, choose_rows, pick_bucket
+from .generate import (
+    MAX_TOP_K,
+    Sampling,
+    check_cache,
+    choose_rows,
+    no_aux_outputs,
+    pick_bucket,
+)
 from .replay import ReplayedStep
 
 SEED_LIMIT = 2**64  # torch.Generator.manual_seed takes seeds below this
@@ -290,6 +297,7 @@ class SlotGenerator:
                 past_key_values=cache,
                 use_cache=True,
                 logits_to_keep=(meta[2:3] - 1).clamp(min=0),
+                **no_aux_outputs(model.config),
             )
             tok = choose_rows(out.logits[:, -1], temp, meta[4:5], meta[5:6].bool(), noise)
 
@@ -327,6 +335,7 @@ class SlotGenerator:
                 past_key_values=cache,
                 use_cache=True,
                 logits_to_keep=1,
+                **no_aux_outputs(model.config),
             )
             b = slice(0, bucket)
             tok = choose_rows(out.logits[:, -1], temperature[b], top_k[b], sample[b], noise)

@@ -26,6 +26,7 @@ __all__ = [
     "all_gather_fwd_split_bwd",
     "all_gather_fwd_reduce_scatter_bwd",
     "reduce_scatter_fwd_all_gather_bwd",
+    "all_gather_fwd_sharded_and_replicated_bwd",
     # sequence-parallel linears that save only the sequence shard
     "gathered_linear",
     "gather_for_shared_linears",
@@ -106,6 +107,21 @@ class _ReduceScatter(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         return comm.all_gather(g.contiguous(), ctx.group, ctx.dim), None, None
+
+
+class _GatherTwoConsumers(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        full = comm.all_gather(x.contiguous(), group, dim)
+        return full, full.detach()
+
+    @staticmethod
+    def backward(ctx, g_sharded, g_replicated):
+        g = comm.reduce_scatter(g_sharded.contiguous(), ctx.group, ctx.dim)
+        if g_replicated is not None:
+            g = g + comm.local_chunk(g_replicated, ctx.group, ctx.dim)
+        return g, None, None
 
 
 class _AllReduceBoth(torch.autograd.Function):
@@ -343,6 +359,19 @@ def all_gather_fwd_reduce_scatter_bwd(x: torch.Tensor, group: Group, dim: int) -
 def reduce_scatter_fwd_all_gather_bwd(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
     """forward: reduce-scatter along ``dim``, backward: all-gather."""
     return x if group.size == 1 else _ReduceScatter.apply(x, group, dim)
+
+
+def all_gather_fwd_sharded_and_replicated_bwd(
+    x: torch.Tensor, group: Group, dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One all-gather along ``dim`` read by two kinds of consumer: the first output feeds
+    compute sharded over ``group`` (each rank's gradient is partial: reduce-scattered), the
+    second compute replicated over ``group`` (each rank's gradient is complete: its chunk is
+    kept). Backward: ``reduce_scatter(g_sharded) + chunk(g_replicated)``, one reduce-scatter
+    (an MoE layer under sequence parallelism: experts sharded, router replicated)."""
+    if group.size == 1:
+        return x, x
+    return _GatherTwoConsumers.apply(x, group, dim)
 
 
 # Megatron role names (1D tensor / sequence parallelism). Tensor-parallel regions act on the

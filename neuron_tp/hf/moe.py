@@ -1,0 +1,175 @@
+"""transformers' MoE blocks to :class:`neuron_tp.moe.ParallelMoEBlock` (style
+``moe_tp_experts``, planned on the block's ``experts`` module).
+
+Which transformers block and router classes are known, and where their router, shared
+expert(s) and shared-expert gate sit, is written here once (:data:`BLOCKS`, :data:`ROUTERS`);
+anything else is refused by name. The block keeps transformers' own router module (replicated,
+so its routing is exactly transformers' and its logits are recorded for the auxiliary loss)
+and its shared-expert gate; the fused experts and the shared expert MLP are sharded by their
+intermediate dimension, each parameter with its :class:`~neuron_tp.parallel.sharding.Sharding`
+and its :class:`~neuron_tp.hf.slice_map.HFSliceMap` (checkpoint slices to load, and how to
+save the gathered tensor back)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from ..moe import ParallelMoEBlock, TPExperts, TPSharedMLP
+from ..parallel.mesh import Mesh, valid_tp_degrees
+from ..parallel.sharding import get_sharding, set_param_meta
+from .slice_map import HFSliceMap, even_pieces, set_slice_map
+
+
+@dataclass(frozen=True)
+class BlockSpec:
+    """Where a transformers MoE block keeps its parts (attribute names; None = absent)."""
+
+    router: str = "gate"
+    shared: str | None = None  # a gated MLP (gate_proj, up_proj, down_proj, act_fn)
+    shared_gate: str | None = None  # Linear(H, 1); its sigmoid scales the shared expert
+    jitter: str | None = None  # the block's attribute holding the training input jitter
+
+
+_ROUTED = BlockSpec()
+_SHARED = BlockSpec(shared="shared_experts")
+# Block class -> its layout. Each one's forward is: optional training jitter of the input,
+# router, routed experts, plus the (gated) shared expert.
+BLOCKS: dict[str, BlockSpec] = {
+    "MixtralSparseMoeBlock": BlockSpec(jitter="jitter_noise"),
+    "MiniMaxSparseMoeBlock": BlockSpec(jitter="jitter_noise"),
+    "Qwen3MoeSparseMoeBlock": _ROUTED,
+    "OlmoeSparseMoeBlock": _ROUTED,
+    "Qwen2MoeSparseMoeBlock": BlockSpec(shared="shared_expert", shared_gate="shared_expert_gate"),
+    "Glm4MoeMoE": _SHARED,
+    "DeepseekV3MoE": _SHARED,
+    "Dots1MoE": _SHARED,
+}
+# Router class -> its kind (neuron_tp.moe.routing.ROUTER_KINDS).
+ROUTERS: dict[str, str] = {
+    "MixtralTopKRouter": "softmax_topk",
+    "MiniMaxTopKRouter": "softmax_topk",
+    "Qwen2MoeTopKRouter": "softmax_topk",
+    "Qwen3MoeTopKRouter": "softmax_topk",
+    "OlmoeTopKRouter": "softmax_topk",
+    "Glm4MoeTopkRouter": "sigmoid_group_topk",
+    "DeepseekV3TopkRouter": "sigmoid_group_topk",
+    "Dots1TopkRouter": "sigmoid_group_topk",
+}
+
+
+def _parts(model: nn.Module, name: str) -> tuple[str, nn.Module, BlockSpec, nn.Module]:
+    """The block's name, the block, its spec and its experts module; ValueError for an unknown
+    block or router class."""
+    block_name = name.rpartition(".")[0]
+    block = model.get_submodule(block_name)
+    cls = type(block).__name__
+    spec = BLOCKS.get(cls)
+    if spec is None or name.rpartition(".")[2] != "experts":
+        raise ValueError(
+            f"{name}: 'moe_tp_experts' planned in a {cls}, which is not a known MoE block; "
+            f"known blocks (with an 'experts' child): {sorted(BLOCKS)}"
+        )
+    router = getattr(block, spec.router, None)
+    rcls = type(router).__name__
+    if rcls not in ROUTERS:
+        raise ValueError(
+            f"{block_name}.{spec.router}: unknown router type {rcls}; the routers neuron_tp "
+            f"shards exactly: {sorted(ROUTERS)}"
+        )
+    return block_name, block, spec, model.get_submodule(name)
+
+
+def _require(size: int, mesh: Mesh, name: str, what: str) -> None:
+    if size % mesh.tp_size:
+        raise ValueError(
+            f"{name}: {what} {size} cannot be split over tp={mesh.tp_size}; tp degrees that "
+            f"work with world size {mesh.world_size}: {valid_tp_degrees(mesh.world_size, size)}"
+        )
+
+
+def check_moe(model: nn.Module, name: str, mesh: Mesh) -> None:
+    """The refusals for sharding the MoE block whose experts module is ``name``."""
+    block_name, block, spec, experts = _parts(model, name)
+    gu, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
+    if getattr(gu, "dim", lambda: 0)() != 3 or getattr(down, "dim", lambda: 0)() != 3:
+        raise ValueError(
+            f"{name}: {type(experts).__name__} has no fused 3-D gate_up_proj [E, 2I, H] and "
+            "down_proj [E, H, I] (transformers >= 5 layout)"
+        )
+    _require(down.shape[2], mesh, name, "expert intermediate size")
+    if spec.shared is not None:
+        shared = getattr(block, spec.shared)
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            lin = getattr(shared, proj, None)
+            if not isinstance(lin, nn.Linear) or lin.bias is not None:
+                raise ValueError(
+                    f"{block_name}.{spec.shared}.{proj}: expected an nn.Linear without bias"
+                )
+        _require(
+            shared.gate_proj.out_features,
+            mesh,
+            f"{block_name}.{spec.shared}",
+            "shared expert intermediate size",
+        )
+
+
+def build_moe(
+    model: nn.Module, name: str, mesh: Mesh, sequence_parallel: bool
+) -> tuple[str, ParallelMoEBlock]:
+    """``(block name, its sharded replacement)`` for the experts module ``name`` (checked by
+    :func:`check_moe`); the model is not changed."""
+    check_moe(model, name, mesh)
+    block_name, block, spec, experts = _parts(model, name)
+    tp, r = mesh.tp_size, mesh.tp_rank
+    new_experts = TPExperts(experts.gate_up_proj, experts.down_proj, experts.act_fn, mesh)
+    inter = experts.down_proj.shape[2]
+    chunk = inter // tp
+    set_slice_map(
+        new_experts,
+        "gate_up_proj",
+        HFSliceMap(1, ((r * chunk, (r + 1) * chunk), (inter + r * chunk, inter + (r + 1) * chunk))),
+    )
+    set_slice_map(new_experts, "down_proj", HFSliceMap(2, tuple(even_pieces(inter, r, tp))))
+    shared = None
+    names = {"router": spec.router}
+    if spec.shared is not None:
+        old = getattr(block, spec.shared)
+        shared = TPSharedMLP(
+            old.gate_proj.weight, old.up_proj.weight, old.down_proj.weight, old.act_fn, mesh
+        )
+        s_inter = old.gate_proj.out_features
+        for proj in ("gate_proj", "up_proj"):
+            set_slice_map(
+                getattr(shared, proj), "weight", HFSliceMap(0, tuple(even_pieces(s_inter, r, tp)))
+            )
+        set_slice_map(shared.down_proj, "weight", HFSliceMap(1, tuple(even_pieces(s_inter, r, tp))))
+        names["shared"] = spec.shared
+    gate = getattr(block, spec.shared_gate) if spec.shared_gate else None
+    if gate is not None:
+        names["shared_gate"] = spec.shared_gate
+    new = ParallelMoEBlock(
+        getattr(block, spec.router),
+        new_experts,
+        mesh,
+        shared=shared,
+        shared_gate=gate,
+        names=names,
+        jitter=float(getattr(block, spec.jitter, 0.0) or 0.0) if spec.jitter else 0.0,
+        sequence_parallel=sequence_parallel,
+    )
+    new.train(block.training)
+    return block_name, new
+
+
+def keep_complete_grads(model: nn.Module) -> None:
+    """Under sequence parallelism every replicated parameter of a decoder layer is marked to
+    have its gradient summed over tp; an MoE block's router and shared-expert gate see the
+    whole (gathered) sequence and get complete gradients (:mod:`neuron_tp.moe.block`): unmark
+    them."""
+    for block in model.modules():
+        if isinstance(block, ParallelMoEBlock):
+            for pname, _ in block.named_parameters():
+                if get_sharding(block, pname) is None:
+                    set_param_meta(block, pname, sum_grad_over_tp=False)

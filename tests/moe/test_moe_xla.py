@@ -1,0 +1,30 @@
+"""MoE on 2 XLA CPU devices (one process, one launch per test): equal to transformers on the
+CPU (loss every step, every gradient, logits after training) for Qwen2-MoE (shared expert and
+its gate, a dense layer) with sequence parallelism and GLM-4-MoE (group-limited sigmoid routing,
+shared experts); training with different tokens every step compiles no graph after the first
+step; generation keeps its graph count."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "helpers"))
+from moe_xla_cases import run_all  # noqa: E402
+
+import xla_dist  # noqa: E402
+
+TOL = 5e-5
+
+
+def test_moe_on_two_xla_devices():
+    cases = [("qwen2_moe", True), ("glm4_moe", False)]
+    for ranks in xla_dist.run(run_all, 2, cases, 3, devices=2):
+        gen = ranks.pop("generate")
+        for name, r in ranks.items():
+            assert max(r["loss"] + r["grad"]) < TOL and r["logits"] < TOL, (name, r)
+            compiles = r["compiles"]  # after each step: none after the first
+            assert compiles == [compiles[0]] * len(compiles), (name, compiles)
+        assert all(gen["same"]), gen
+        counts = gen["counts"]  # (model traces, compiles) after each generate call
+        assert counts[1:] == [counts[0]] * 2, counts
