@@ -13,7 +13,7 @@ Public API::
     ntp.plan.make_plan(hf_config, job).recommended   # will it fit, which layout is fastest
 """
 
-from . import blocks, checkpoint, layers, plan
+from . import blocks, checkpoint, layers, moe, plan
 from .backend.xla import cpu_devices_env as xla_cpu_devices_env
 from .backend.xla import device as xla_device
 from .blocks import block_nd as blocks_nd
@@ -79,6 +79,7 @@ __all__ = [
     "checkpoint",
     "comm",
     "layers",
+    "moe",
     "plan",
     "regions",
 ]
