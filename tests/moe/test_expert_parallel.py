@@ -1,13 +1,14 @@
-"""Expert parallelism on gloo ranks, ONE 4-rank launch: ep 2 (two groups) and ep 4, ep 2 x tp 2
-(experts over the dp pairs, each a tp slice of its intermediate dim), 1 expert per rank with
-k=3, dropless by default and with capacity factors (large: exact; small: the documented drops,
-counted), against the loop over experts on the unsharded weights (ep_cases.py): outputs and
-gradients of x, the routing weights and the local experts. Bad shapes are refused before any
-collective."""
+"""Expert parallelism on gloo ranks, ONE 4-rank launch: ep 2 (two groups), ep 3 and ep 4,
+ep 2 x tp 2 (experts over the dp pairs, each a tp slice of its intermediate dim), 1 expert per
+rank with k=3, dropless by default and with capacity factors (large: exact; small: the
+documented drops, counted), against the loop over experts on the unsharded weights
+(ep_cases.py): outputs and gradients of x, the routing weights and the local experts. Bad
+shapes are refused before any collective."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import ep_cases
 import pytest
@@ -15,11 +16,13 @@ import torch
 
 import gloo_dist
 from neuron_tp.moe.expert_parallel import expert_capacity, expert_parallel_mlp
+from neuron_tp.parallel.mesh import Group
 
 Case = ep_cases.Case
 CASES = {
     "ep2": ("tp", Case()),
     "ep4": ("world", Case()),
+    "ep3_of_4_ranks": ("triple", Case(experts=6, seed=5)),
     "ep4_one_expert_per_rank_k3": ("world", Case(experts=4, k=3, tokens=5, seed=1)),
     "ep2_x_tp2": ("dp", Case(seed=2)),
     "ep4_capacity_large_exact": ("world", Case(capacity_factor=4.0, skew=2.0, seed=3)),
@@ -59,12 +62,25 @@ def _bad_input(mesh) -> None:
     assert expert_capacity(256, 2, 8, 1.25) == 80 and expert_capacity(7, 2, 8, 100.0) == 7
 
 
+@functools.cache
+def _triple() -> Group | None:
+    """Ranks 0, 1, 2 of 4 (every rank takes part in creating it); None on rank 3."""
+    import torch.distributed as dist
+
+    pg = dist.new_group([0, 1, 2])
+    if dist.get_rank() == 3:
+        return None
+    return Group("triple", (0, 1, 2), ((0, 1, 2),), dist.get_rank(), process_group=pg)
+
+
 def _check(name: str) -> None:
     mesh = gloo_dist.shared_mesh(2)
     axis, case = CASES[name]
     if axis is None:
         return _bad_input(mesh)
-    ep = mesh.group(axis)
+    ep = _triple() if axis == "triple" else mesh.group(axis)
+    if ep is None:
+        return None
     case = dataclasses.replace(case, seed=case.seed + 10 * ep.ranks[0])  # differs per ep group
     tp_rank, tp = (mesh.tp_rank, 2) if axis == "dp" else (0, 1)
     pending = ep_cases.checks(case, ep, tp_rank, tp)
