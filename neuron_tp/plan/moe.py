@@ -128,7 +128,9 @@ def param_counts(config) -> ParamCounts:
     norms = (2 * layers + 1) * h
     shape = moe_shape(config)
     if shape is None:
-        mlp = 3 * h * config.intermediate_size * layers
+        inter = config.intermediate_size
+        bias = 2 * inter + h if getattr(config, "mlp_bias", False) else 0
+        mlp = (3 * h * inter + bias) * layers
         return ParamCounts(embedding, attn * layers, norms, 0, 0, 0, mlp, 1, 1)
     n = shape.moe_layers
     return ParamCounts(

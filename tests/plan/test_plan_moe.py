@@ -90,6 +90,23 @@ def test_counts_equal_the_transformers_model(family):
     assert counts.active == total - routed + routed * k // e  # k of the E experts per token
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_dense_counts_equal_the_transformers_model(bias):
+    config = tf.LlamaConfig(
+        hidden_size=32,
+        intermediate_size=40,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=97,
+        attention_bias=bias,
+        mlp_bias=bias,
+    )
+    total = sum(p.numel() for p in tf.AutoModelForCausalLM.from_config(config).parameters())
+    counts = param_counts(config)
+    assert counts.total == counts.active == total
+
+
 @pytest.mark.parametrize(
     "name, total, active, tol",
     [
