@@ -147,3 +147,16 @@ def test_plan_of_a_local_moe_config_json(tmp_path):
     assert refusal in table and as_json["traces"] == 0 and as_json["recommended"] is None
     standin = state_bytes(dense_standin(loaded), tp=1, bf16=True)
     assert standin.params == 2 * (counts.total - counts.routers)
+
+
+def test_experts_sharded_over_tp_in_the_memory_per_rank():
+    """At tp=2 the stand-in (what the plan traces) holds half of every expert's intermediate
+    dim, of attention and of the vocabulary per rank; only the norms are whole (and the
+    routers, which the stand-in leaves out, would be)."""
+    config = TINY["mixtral"]()
+    config.vocab_size = 96
+    counts = param_counts(config)
+    h, layers = config.hidden_size, config.num_hidden_layers
+    norms = (2 * layers + 1) * h
+    per_rank = state_bytes(dense_standin(config), tp=2, bf16=True).params // 2
+    assert per_rank == norms + (counts.total - counts.routers - norms) // 2
