@@ -19,7 +19,8 @@ def plan_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--model",
         required=True,
-        help="llama-2-7b, llama-2-13b, llama-2-70b, llama-3-8b, llama-3.1-8b, llama-3.1-70b, a "
+        help="llama-2-7b, llama-2-13b, llama-2-70b, llama-3-8b, llama-3.1-8b, llama-3.1-70b, "
+        "mixtral-8x7b, qwen3-30b-a3b (mixtures of experts), a "
         "preset, a model directory or a config.json",
     )
     p.add_argument("--instance", default="trn1.32xlarge", choices=sorted(INSTANCES))

@@ -1,20 +1,25 @@
 """Mixture-of-experts layers under tensor parallelism, with static shapes: routers
-(:mod:`.routing`), tp-sharded fused experts (:mod:`.experts`), shared experts (:mod:`.shared`)
-and the MoE block with one reduction per layer (:mod:`.block`). Pure torch; the transformers
-glue is :mod:`neuron_tp.hf.moe`."""
+(:mod:`.routing`), tp-sharded fused experts (:mod:`.experts`), shared experts (:mod:`.shared`),
+the MoE block with one reduction per layer (:mod:`.block`) and experts distributed over an ep
+group with tokens exchanged by all-to-all (:mod:`.expert_parallel`). Pure torch; the
+transformers glue is :mod:`neuron_tp.hf.moe`."""
 
 from .block import ParallelMoEBlock, set_moe_mode
+from .expert_parallel import ExpertParallelOutput, expert_capacity, expert_parallel_mlp
 from .experts import MODES, TPExperts, pick_mode
 from .routing import ROUTER_KINDS, Router, sigmoid_group_topk, softmax_topk
 from .shared import TPSharedMLP
 
 __all__ = [
+    "ExpertParallelOutput",
     "MODES",
     "ROUTER_KINDS",
     "ParallelMoEBlock",
     "Router",
     "TPExperts",
     "TPSharedMLP",
+    "expert_capacity",
+    "expert_parallel_mlp",
     "pick_mode",
     "set_moe_mode",
     "sigmoid_group_topk",

@@ -8,7 +8,9 @@ differentiable versions live in :mod:`neuron_tp.parallel.regions`.
 XLA collectives come in two forms, chosen in one place (:func:`_channel_form`): on Neuron, and
 for virtual (trace-only) meshes, exactly what neuronx-distributed emits (no channel ids); on a
 multi-device CPU runtime (``xmp.spawn`` with ``CPU_NUM_DEVICES=N``) the channel-id form with
-global device ids, the only one XLA:CPU can execute across its device threads.
+global device ids, the only one XLA:CPU can execute across its device threads. torch-xla 2.9
+has no channel-id all-to-all, so on that runtime :func:`all_to_all` is carried by a channel-id
+all-gather (same values, ``group.size`` times the bytes; Neuron gets the real all-to-all).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ __all__ = [
     "all_reduce",
     "all_gather",
     "reduce_scatter",
+    "all_to_all",
     "local_chunk",
     "all_reduce_coalesced",
     "host_all_gather",
@@ -176,6 +179,73 @@ def _reduce_scatter(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
     # A fresh tensor, not a movedim view: callers may modify it in place (Falcon's
     # ``mlp_output += attention_output``), which autograd forbids on a view made in a Function.
     return out.movedim(0, dim).clone(memory_format=torch.contiguous_format)
+
+
+def all_to_all(x: torch.Tensor, group: Group, split_dim: int, concat_dim: int) -> torch.Tensor:
+    """Split ``x`` into ``group.size`` chunks along ``split_dim``, send chunk ``j`` to group rank
+    ``j``, and concatenate the chunks received (in group order) along ``concat_dim``: the
+    result has ``1/size`` of ``split_dim`` and ``size`` times ``concat_dim`` (the same shape
+    when the two dims are one). Its inverse is ``all_to_all(y, group, concat_dim, split_dim)``.
+    """
+    if x.dim() == 0:
+        raise ValueError("all_to_all: needs a tensor with at least one dim, got a scalar")
+    for name, d in (("split_dim", split_dim), ("concat_dim", concat_dim)):
+        if not -x.dim() <= d < x.dim():
+            raise ValueError(
+                f"all_to_all: {name}={d} is out of range for shape {tuple(x.shape)} "
+                f"(valid: {-x.dim()} .. {x.dim() - 1})"
+            )
+    split_dim, concat_dim = split_dim % x.dim(), concat_dim % x.dim()
+    n = group.size
+    if x.shape[split_dim] % n:
+        valid = [d for d in range(1, x.shape[split_dim] + 1) if x.shape[split_dim] % d == 0]
+        raise ValueError(
+            f"all_to_all: split dim {split_dim} of shape {tuple(x.shape)} is not divisible by "
+            f"the group size {n} (group {group.name!r}); that dim must be a multiple of {n}, "
+            f"or the group one of the sizes {valid}"
+        )
+    if n == 1:
+        return x
+    if _check(x, group):
+        if _channel_form(group):
+            return _all_to_all_by_gather(x, group, split_dim, concat_dim)
+        return _xla.xm().all_to_all(
+            x.contiguous(),
+            split_dim,
+            concat_dim,
+            n,
+            groups=_replica_groups(group),
+            pin_layout=False,
+        )
+    import torch.distributed as dist
+
+    src = x.movedim(split_dim, 0).contiguous()  # chunk j (rows j*c .. (j+1)*c) goes to rank j
+    out = torch.empty_like(src)
+    dist.all_to_all_single(out, src, group=group.process_group)
+    return _concat_received(out, n, split_dim, concat_dim)
+
+
+def _concat_received(out: torch.Tensor, n: int, split_dim: int, concat_dim: int) -> torch.Tensor:
+    """``out`` holds the chunk from source ``s`` at rows ``s*c .. (s+1)*c`` of its dim 0 (the
+    split dim moved first): the chunks put back in place and concatenated along
+    ``concat_dim``, as one contiguous tensor."""
+    chunks = out.unflatten(0, (n, out.shape[0] // n)).movedim(1, split_dim + 1)
+    # chunks: [n, *chunk_shape]; fold the source dim into concat_dim (source-major).
+    return chunks.movedim(0, concat_dim).flatten(concat_dim, concat_dim + 1).contiguous()
+
+
+def _all_to_all_by_gather(
+    x: torch.Tensor, group: Group, split_dim: int, concat_dim: int
+) -> torch.Tensor:
+    """The all-to-all on XLA:CPU devices: every rank's ``x`` all-gathered (channel-id form),
+    then this rank's chunk of each kept, chosen with a device-side rank tensor (one graph for
+    every rank)."""
+    n = group.size
+    full = all_gather(x.unsqueeze(0), group, 0)  # [n sources, *x.shape]
+    c = x.shape[split_dim] // n
+    parts = full.unflatten(split_dim + 1, (n, c))  # [n src, ..., n dest, c, ...]
+    mine = parts.index_select(split_dim + 1, group.rank_tensor(x.device)).squeeze(split_dim + 1)
+    return mine.movedim(0, concat_dim).flatten(concat_dim, concat_dim + 1).contiguous()
 
 
 def local_chunk(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:

@@ -22,6 +22,7 @@ __all__ = [
     "identity_fwd_all_reduce_bwd",
     "all_reduce_fwd_identity_bwd",
     "all_reduce_fwd_all_reduce_bwd",
+    "all_to_all_fwd_all_to_all_bwd",
     "split_fwd_all_gather_bwd",
     "all_gather_fwd_split_bwd",
     "all_gather_fwd_reduce_scatter_bwd",
@@ -133,6 +134,18 @@ class _AllReduceBoth(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         return comm.all_reduce(g, ctx.group), None
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, split_dim, concat_dim):
+        ctx.group, ctx.dims = group, (split_dim, concat_dim)
+        return comm.all_to_all(x, group, split_dim, concat_dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        split_dim, concat_dim = ctx.dims
+        return comm.all_to_all(g.contiguous(), ctx.group, concat_dim, split_dim), None, None, None
 
 
 # -- Sequence-parallel linears that save only the sequence shard (Korthikanti et al.) --------
@@ -337,6 +350,16 @@ def all_reduce_fwd_all_reduce_bwd(x: torch.Tensor, group: Group) -> torch.Tensor
     """forward: all-reduce, backward: all-reduce (every rank uses the sum on its own local
     data, e.g. the statistics of a norm over sharded features)."""
     return x if group.size == 1 else _AllReduceBoth.apply(x, group)
+
+
+def all_to_all_fwd_all_to_all_bwd(
+    x: torch.Tensor, group: Group, split_dim: int, concat_dim: int
+) -> torch.Tensor:
+    """forward: all-to-all (``split_dim`` scattered, ``concat_dim`` gathered), backward: the
+    inverse all-to-all (e.g. tokens sent to the ranks holding their experts, and back)."""
+    if group.size == 1:
+        return comm.all_to_all(x, group, split_dim, concat_dim)  # checks the dims, no copy
+    return _AllToAll.apply(x, group, split_dim, concat_dim)
 
 
 def split_fwd_all_gather_bwd(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:

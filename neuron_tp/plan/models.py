@@ -1,6 +1,8 @@
 """The models ``neuron-tp plan --model`` accepts: a well-known architecture by name (sizes from
-each model's published ``config.json`` on the Hugging Face Hub), a neuron_tp preset, a local
-model directory or a ``config.json`` file. Planning reads only the config."""
+each model's published ``config.json`` on the Hugging Face Hub: Llama, and the mixtures of
+experts Mixtral-8x7B and Qwen3-30B-A3B), a neuron_tp preset, a local model directory or a
+``config.json`` file (an MoE one too: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE fields). Planning
+reads only the config."""
 
 from __future__ import annotations
 
@@ -22,7 +24,50 @@ _LLAMA = {
     "llama-3.1-70b": (8192, 28672, 80, 64, 8, 128256, 500000.0),
 }
 
-KNOWN = tuple(_LLAMA)
+# Mixture-of-experts models: their Hub config.json values (transformers' config fields)
+_MOE = {
+    # https://huggingface.co/mistralai/Mixtral-8x7B-v0.1/blob/main/config.json
+    "mixtral-8x7b": (
+        "mixtral",
+        dict(
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            vocab_size=32000,
+            rope_theta=1e6,
+            max_position_embeddings=32768,
+            tie_word_embeddings=False,
+        ),
+    ),
+    # https://huggingface.co/Qwen/Qwen3-30B-A3B/blob/main/config.json
+    "qwen3-30b-a3b": (
+        "qwen3_moe",
+        dict(
+            hidden_size=2048,
+            intermediate_size=6144,
+            moe_intermediate_size=768,
+            num_hidden_layers=48,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            head_dim=128,
+            num_experts=128,
+            num_experts_per_tok=8,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            norm_topk_prob=True,
+            vocab_size=151936,
+            rope_theta=1e6,
+            max_position_embeddings=40960,
+            tie_word_embeddings=False,
+        ),
+    ),
+}
+
+KNOWN = tuple(_LLAMA) + tuple(_MOE)
 
 
 def plan_config(model: str, seq_len: int):
@@ -46,6 +91,9 @@ def plan_config(model: str, seq_len: int):
             max_position_embeddings=max(seq_len, 4096),
             tie_word_embeddings=False,
         )
+    if key in _MOE:
+        kind, fields = _MOE[key]
+        return AutoConfig.for_model(kind, **fields)
     if model in PRESETS:
         return model_config(model, 257)  # the byte-level tokenizer's vocabulary
     if os.path.isfile(model) or os.path.isfile(os.path.join(model, "config.json")):

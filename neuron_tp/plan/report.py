@@ -74,6 +74,8 @@ def plan_dict(plan: Plan, limit: int = 0) -> dict:
             "collective_latency_s": job.instance.collective_latency,
             "sources": list(job.instance.sources),
         },
+        "parameters": {"total": plan.params[0], "active_per_token": plan.params[1]},
+        "model_summary": plan.summary,
         "verdict": plan.verdict,
         "recommended": candidate_dict(plan, rec) if rec else None,
         "candidates": [candidate_dict(plan, c) for c in cands],
@@ -97,6 +99,7 @@ def plan_table(plan: Plan, limit: int = 20) -> str:
         f"global batch {job.global_batch}, {'bf16' if job.bf16 else 'fp32'}; per NeuronCore: "
         f"{job.usable_bytes / GIB:.1f} GiB usable ({job.memory_fraction:.0%} of "
         f"{job.instance.hbm_per_core / GIB:.0f}); compute at {job.efficiency:.0%} of peak",
+        *plan.summary,
         head,
         "-" * len(head),
     ]

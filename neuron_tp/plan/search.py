@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 
 from ..parallel.mesh import divisors, grid_side
 from .hardware import Instance
+from .moe import dense_standin, flops_per_token, moe_shape, param_counts, summary, tp_refusal
 from .predict import Memory, Timing, memory, timing
 from .state import StateBytes, state_bytes
 from .trace import Spec, Trace, trace_in_subprocess
@@ -107,6 +108,8 @@ class Plan:
     traces: int
     notes: list[str] = field(default_factory=list)
     model: str = ""  # the --model the job trains (the command lines carry it)
+    summary: list[str] = field(default_factory=list)  # parameter counts; MoE: routing cost
+    params: tuple[int, int] = (0, 0)  # total, active per token
 
     @property
     def recommended(self) -> Candidate | None:
@@ -259,18 +262,32 @@ def _verdict(config, job: Job, candidates: list[Candidate], states) -> str:
 
 def make_plan(config, job: Job, **pins) -> Plan:
     """Rank every layout of ``config`` (a transformers config) for ``job``. ``pins`` fix
-    options: tp, tp_mode, sequence_parallel, recompute, micro_batch, zero1."""
+    options: tp, tp_mode, sequence_parallel, recompute, micro_batch, zero1. A mixture of
+    experts is traced as its dense stand-in (:mod:`.moe`: the static dense routing's
+    parameters, FLOPs and collectives); its MFU counts the active parameters' FLOPs."""
     start = time.perf_counter()
     layouts, notes = _layouts(job, {k: v for k, v in pins.items() if v is not None})
     if not layouts:
         raise ValueError("no layout matches: " + ("; ".join(notes) or f"pins {pins}"))
-    traced = _trace_all(config, job, layouts)
+    counts, lines = param_counts(config), summary(config, job.seq_len)
+    moe = moe_shape(config) is not None
+    useful = 1.0  # model FLOPs counted in the MFU over those traced
+    if moe:
+        useful = flops_per_token(config, job.seq_len) / flops_per_token(
+            config, job.seq_len, dense=True
+        )
+        refused = {lay.tp: tp_refusal(config, lay.tp) for lay in layouts}
+        config = dense_standin(config)
+    else:
+        refused = {}
+    runnable = [lay for lay in layouts if not refused.get(lay.tp)]
+    traced = _trace_all(config, job, runnable) if runnable else {}
     states: dict[tuple, StateBytes] = {}
     candidates = []
     for lay in layouts:
         cand = Candidate(lay)
         candidates.append(cand)
-        traces = traced[_spec_key(lay)]
+        traces = refused.get(lay.tp) or traced[_spec_key(lay)]
         if isinstance(traces, str):
             cand.why = traces
             continue
@@ -301,7 +318,7 @@ def make_plan(config, job: Job, **pins) -> Plan:
             job.instance.peak_flops_per_core if job.bf16 else job.instance.peak_fp32_flops_per_core
         )
         cand.seq_per_s = job.global_batch / cand.timing.step
-        cand.mfu = model_flops / (peak * cand.timing.step)
+        cand.mfu = useful * model_flops / (peak * cand.timing.step)
         cand.fits = cand.memory.total <= job.usable_bytes
         cand.headroom = 1 - cand.memory.total / job.usable_bytes
         if not cand.fits:
@@ -316,5 +333,7 @@ def make_plan(config, job: Job, **pins) -> Plan:
         )
     )
     verdict = _verdict(config, job, candidates, states)
-    n_traces = 4 * len({_spec_key(c.layout) for c in candidates})
-    return Plan(job, candidates, verdict, time.perf_counter() - start, n_traces, notes)
+    n_traces = 4 * len({_spec_key(c.layout) for c in candidates if not refused.get(c.layout.tp)})
+    plan = Plan(job, candidates, verdict, time.perf_counter() - start, n_traces, notes)
+    plan.summary, plan.params = lines, (counts.total, counts.active)
+    return plan

@@ -55,14 +55,15 @@ mesh = ntp.Mesh.virtual(world_size=8, rank=5, tp=4)
 dev = ntp.xla_device()
 x = torch.ones(3, 8, device=dev)
 print(trace_hlo([comm.all_reduce(x, mesh.tp), comm.all_gather(x, mesh.tp, 1),
-                 comm.reduce_scatter(x, mesh.tp, 1)]))
+                 comm.reduce_scatter(x, mesh.tp, 1), comm.all_to_all(x, mesh.tp, 1, 0)]))
 print("=====")
 torch_xla._XLAC._set_all_reduce_token(str(dev), None)  # a fresh ordering token
 G = [[0, 1, 2, 3], [4, 5, 6, 7]]
 print(trace_hlo([torch_xla._XLAC._xla_all_reduce(xm.REDUCE_SUM, x, 1.0, G, False),
                  xm.all_gather(x, dim=1, groups=G, pin_layout=False),
                  xm.reduce_scatter(xm.REDUCE_SUM, x, scale=1.0, scatter_dim=1, shard_count=4,
-                                   groups=G, pin_layout=False)]))
+                                   groups=G, pin_layout=False),
+                 xm.all_to_all(x, 1, 0, 4, groups=G, pin_layout=False)]))
 """
 
 
@@ -82,6 +83,7 @@ def test_neuron_form_unchanged():
         ("all-reduce", (3, 8)),
         ("all-gather", (3, 32)),
         ("reduce-scatter", (3, 8)),
+        ("all-to-all", (3, 8)),  # a real all-to-all on Neuron (XLA:CPU: see all_to_all_xla)
     ]
     for c in colls:
         assert c.channel_id is None and not c.global_device_ids, c

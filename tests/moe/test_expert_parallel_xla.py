@@ -1,0 +1,16 @@
+"""Expert parallelism EXECUTED on 2 XLA CPU devices (one launch): ep 2, dropless and with a
+capacity that drops, against the loop over experts on unsharded weights (ep_cases.py), outputs
+and gradients; a step with different tokens and routing compiles no new graph."""
+
+from __future__ import annotations
+
+import ep_cases
+
+import xla_dist
+
+
+def test_expert_parallel_xla_devices():
+    results = xla_dist.run(ep_cases.xla_job, devices=2, timeout=600)
+    assert [r["rank"] for r in results] == [0, 1]
+    assert all(r["checks"] == 6 * len(ep_cases.XLA_CASES) for r in results)
+    assert all(r["new_compiles"] == 0 for r in results), results
