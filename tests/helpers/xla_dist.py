@@ -11,6 +11,12 @@ runtime. Threads share the process: build reference modules and draw from the gl
 (the module is imported once, before the threads start). Call ``torch_xla.sync()`` once per
 step. A failure on any rank fails ``run`` with that rank's traceback; a hang fails after
 ``timeout`` seconds.
+
+Each launch costs seconds (a fresh interpreter importing torch-xla, then ``xmp.spawn`` FORKS
+its device process from it instead of importing everything again). A test module with several
+cases at one device count runs them all in one launch with ``run_cases(job, names, *args,
+devices=n)`` and reads each case's per-rank results, or its own failure, with
+``Cases.get(name)``.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from neuron_tp.backend.xla import cpu_devices_env
 
@@ -87,7 +93,8 @@ def _main(job_path: str) -> None:
     fn = importlib.import_module(module)
     for part in qualname.split("."):
         fn = getattr(fn, part)
-    xmp.spawn(_thread_main, args=(fn, args, out_dir))
+    # fork: the device process starts with this one's imports (spawn would import them again)
+    xmp.spawn(_thread_main, args=(fn, args, out_dir), start_method="fork")
 
 
 def run(fn: Callable[..., object], *args: object, devices: int, timeout: float = 600) -> list:
@@ -96,9 +103,14 @@ def run(fn: Callable[..., object], *args: object, devices: int, timeout: float =
 
     ``fn`` must be a module-level function of an importable module (it is pickled by name);
     ``args`` and its return value must be picklable (return CPU values, not XLA tensors).
+    Module-level functions among ``args`` are importable in the child too.
     """
-    module = sys.modules[fn.__module__]
-    paths = [REPO, HERE, os.path.dirname(os.path.abspath(module.__file__))]
+    dirs = [
+        os.path.dirname(os.path.abspath(sys.modules[f.__module__].__file__))
+        for f in (fn, *args)
+        if callable(f) and getattr(f, "__module__", None) in sys.modules
+    ]
+    paths = [REPO, HERE, *dict.fromkeys(dirs)]
     env = {
         k: v
         for k, v in os.environ.items()
@@ -158,6 +170,91 @@ def run(fn: Callable[..., object], *args: object, devices: int, timeout: float =
             f"{status}; ranks that finished: {sorted(results)} of {devices}\n{log[-4000:]}"
         )
     return [results[r] for r in range(devices)]
+
+
+_case_state: dict[str, object] = {}  # in the device process: the barrier, failed cases
+
+
+def _case_barrier(devices: int) -> threading.Barrier:
+    with _serial:
+        return _case_state.setdefault("barrier", threading.Barrier(devices))
+
+
+def _run_cases(job: Callable[..., object], names: tuple, args: tuple, out_dir: str) -> None:
+    """Rank body of :func:`run_cases`: the cases in order; each outcome is written as soon as
+    it is known (a later crash keeps it). After each case the ranks meet; once a case failed
+    on any rank the next ones do not run (its collectives may have left the ranks out of step)."""
+    import torch_xla.runtime as xr
+
+    rank, world = xr.global_ordinal(), xr.world_size()
+    barrier, done = _case_barrier(world), {}
+    for name in names:
+        try:
+            done[name] = ("ok", job(name, *args))
+        except Exception:  # noqa: BLE001 - reported under the case's own test
+            done[name] = ("error", traceback.format_exc())
+            _case_state[name] = rank
+        _write(os.path.join(out_dir, f"cases-{rank}.pkl"), done)
+        barrier.wait(timeout=300)
+        if name in _case_state:
+            return
+
+
+class Cases:
+    """The outcome of one :func:`run_cases` launch, per case."""
+
+    def __init__(self, devices: int, names: Sequence[str], per_rank: dict, status: str):
+        self.devices, self.names, self.per_rank, self.status = devices, names, per_rank, status
+
+    def get(self, name: str) -> list:
+        """The per-rank results (rank order) of case ``name``; AssertionError with its
+        tracebacks if it failed on any rank, or with the launch's fate if it did not finish."""
+        assert name in self.names, f"{name!r} is not one of the cases {list(self.names)}"
+        got = {r: d[name] for r, d in self.per_rank.items() if name in d}
+        errors = {r: v for r, (kind, v) in got.items() if kind == "error"}
+        if errors:
+            raise AssertionError(
+                "\n".join(
+                    f"case {name!r}, rank {r} of {self.devices} XLA devices failed:\n{tb}"
+                    for r, tb in sorted(errors.items())
+                )
+            )
+        if len(got) != self.devices:
+            failed = [
+                n
+                for n in self.names[: self.names.index(name)]
+                if any(d.get(n, ("ok",))[0] == "error" for d in self.per_rank.values())
+            ]
+            why = f"not run: case {failed[0]!r} failed before it" if failed else self.status
+            missing = sorted(set(range(self.devices)) - set(got))
+            raise AssertionError(f"case {name!r} did not finish on ranks {missing}: {why}")
+        return [got[r][1] for r in range(self.devices)]
+
+
+def run_cases(
+    job: Callable[..., object],
+    names: Sequence[str],
+    *args: object,
+    devices: int,
+    timeout: float = 900,
+) -> Cases:
+    """Run ``job(name, *args)`` for every ``name`` in ``names``, in order, in ONE launch on
+    ``devices`` XLA CPU devices; return the outcome of each (see :meth:`Cases.get`). A case
+    failing on any rank stops the later ones (reported as not finished, with the reason).
+    ``job`` must be a module-level function; its results must be picklable."""
+    with tempfile.TemporaryDirectory(prefix="xla_cases-") as out:
+        try:
+            run(_run_cases, job, tuple(names), args, out, devices=devices, timeout=timeout)
+            status = "launch finished"
+        except AssertionError as e:
+            status = f"the launch failed:\n{e}"
+        per_rank = {}
+        for r in range(devices):
+            path = os.path.join(out, f"cases-{r}.pkl")
+            if os.path.exists(path):
+                with open(path, "rb") as f:
+                    per_rank[r] = pickle.load(f)
+    return Cases(devices, tuple(names), per_rank, status)
 
 
 if __name__ == "__main__":
