@@ -1,6 +1,7 @@
 """Run a test body on N XLA CPU devices of one process: the executed XLA multi-rank harness.
 
-``run(fn, *args, devices=n)`` starts ONE fresh Python process with the environment of
+``run(fn, *args, devices=n)`` starts ONE new process (forked from a zygote that has imported
+torch-xla without starting its runtime: tests/helpers/xla_zygote.py) with the environment of
 ``neuron_tp.backend.xla.cpu_devices_env(n)`` (n CPU devices, a thread pool >= n, no buffer donation,
 LLVM -O0 compiles); it calls ``xmp.spawn``, whose child runs ``fn(*args)`` once per device,
 each in its own thread (the "ranks"), with channel-id collectives between them (see
@@ -12,20 +13,18 @@ runtime. Threads share the process: build reference modules and draw from the gl
 step. A failure on any rank fails ``run`` with that rank's traceback; a hang fails after
 ``timeout`` seconds.
 
-Each launch costs seconds (a fresh interpreter importing torch-xla, then ``xmp.spawn`` FORKS
-its device process from it instead of importing everything again). A test module with several
-cases at one device count runs them all in one launch with ``run_cases(job, names, *args,
-devices=n)`` and reads each case's per-rank results, or its own failure, with
-``Cases.get(name)``.
+Each launch still costs seconds (runtime start, the job module's imports, compiles): a test
+module with several cases at one device count runs them all in one launch with
+``run_cases(job, names, *args, devices=n)`` and reads each case's per-rank results, or its own
+failure, with ``Cases.get(name)``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import pickle
-import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -33,6 +32,7 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 
+import xla_zygote
 from neuron_tp.backend.xla import cpu_devices_env
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -81,7 +81,9 @@ def _thread_main(index: int, fn, args: tuple, out_dir: str) -> None:
         neuron_tp.set_default_mesh(None)
 
 
-def _main(job_path: str) -> None:
+def run_job(job_path: str) -> None:
+    """The body of a launch's process (forked by the zygote): ``xmp.spawn`` of the job's
+    function on every device."""
     with open(job_path, "rb") as f:
         module, qualname, args, out_dir = pickle.load(f)
     import importlib
@@ -111,47 +113,19 @@ def run(fn: Callable[..., object], *args: object, devices: int, timeout: float =
         if callable(f) and getattr(f, "__module__", None) in sys.modules
     ]
     paths = [REPO, HERE, *dict.fromkeys(dirs)]
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k
-        not in (
-            "WORLD_SIZE",
-            "RANK",
-            "LOCAL_RANK",
-            "LOCAL_WORLD_SIZE",
-            "MASTER_ADDR",
-            "MASTER_PORT",
-            "TORCHELASTIC_RUN_ID",
-        )
-    }
+    env = {k: v for k, v in os.environ.items() if k not in xla_zygote.DIST_VARS}
     env.update(
         cpu_devices_env(devices, env),
         OMP_NUM_THREADS="1",
         PYTHONPATH=os.pathsep.join(paths + [env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
     )
     with tempfile.TemporaryDirectory(prefix="xla_dist-") as tmp:
-        job = os.path.join(tmp, "job.pkl")
+        job, log = os.path.join(tmp, "job.pkl"), os.path.join(tmp, "log.txt")
         _write(job, (fn.__module__, fn.__qualname__, args, tmp))
-        # A new session: on timeout the whole tree (xmp.spawn's child too) is killed.
-        proc = subprocess.Popen(
-            [sys.executable, __file__, job],
-            env=env,
-            text=True,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        try:
-            log, _ = proc.communicate(timeout=timeout)
-            status = f"exit code {proc.returncode}"
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            log, _ = proc.communicate()
-            status = f"timeout after {timeout:.0f}s (a hang?)"
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)  # leftovers of the tree, if any
+        req = {"job": job, "env": env, "paths": paths, "log": log}
+        status = xla_zygote.session().launch(req, timeout)
+        with open(log, errors="replace") if os.path.exists(log) else io.StringIO() as f:
+            log = f.read()
         errors, results = {}, {}
         for name in sorted(os.listdir(tmp)):
             kind, _, rest = name.partition("-")
@@ -258,4 +232,4 @@ def run_cases(
 
 
 if __name__ == "__main__":
-    _main(sys.argv[1])
+    run_job(sys.argv[1])
