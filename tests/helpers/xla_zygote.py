@@ -8,8 +8,9 @@ runtime starts, after the fork), working directory and ``sys.path``, and runs ei
 tests that trace or compile in a fresh process): what a new interpreter would do, minus the
 imports. (A test about what gets imported needs a real interpreter: ``subprocess``.)
 
-Protocol on the zygote's stdin/stdout, one JSON line each: a request in; ``{"pid"}`` when
-forked, then ``{"exit"}`` (the child's exit code) when it ended.
+Protocol on the zygote's stdin/stdout, one JSON line each: ``{"ready"}`` once imported; then
+per request (with an ``id``) ``{"pid", "id"}`` when forked and ``{"exit", "id"}`` (the child's
+exit code) when it ended.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import traceback
 
 from neuron_tp.backend.xla import cpu_devices_env
@@ -65,31 +67,51 @@ class Zygote:
             text=True,
         )
         self.lines: queue.Queue = queue.Queue()
+        self.ready, self.count = False, 0
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
         for line in self.proc.stdout:
             self.lines.put(json.loads(line))
-        self.lines.put({"exit": "the zygote process ended"})
+        self.lines.put({"dead": "the zygote process ended (its stderr is the test's)"})
 
     def alive(self) -> bool:
         return self.proc.poll() is None
 
+    def _next(self, want: str, rid: int | None, timeout: float) -> dict:
+        """The zygote's next line with key ``want`` (for request ``rid``); lines of earlier,
+        abandoned requests are skipped. Raises queue.Empty after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            if "dead" in line:
+                self.lines.put(line)
+                return line
+            if want in line and line.get("id") == rid:
+                return line
+
     def launch(self, req: dict, timeout: float) -> str:
         """Fork a child for ``req``; wait for it; return ``"exit code N"`` or a timeout
         message (after killing the child's session)."""
-        self.proc.stdin.write(json.dumps(req) + "\n")
+        if not self.ready:  # its imports, once (slow on a loaded machine)
+            ready = self._next("ready", None, 900)
+            if "dead" in ready:
+                return ready["dead"]
+            self.ready = True
+        self.count += 1
+        rid = self.count
+        self.proc.stdin.write(json.dumps({**req, "id": rid}) + "\n")
         self.proc.stdin.flush()
-        first = self.lines.get(timeout=60)
-        if "pid" not in first:
-            return f"the zygote could not fork: {first}"
+        first = self._next("pid", rid, 120)
+        if "dead" in first:
+            return first["dead"]
         pid = first["pid"]
         try:
-            return f"exit code {self.lines.get(timeout=timeout)['exit']}"
+            done = self._next("exit", rid, timeout)
+            return done.get("dead") or f"exit code {done['exit']}"
         except queue.Empty:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pid, signal.SIGKILL)
-            self.lines.get(timeout=60)  # its exit, reported by the zygote
             return f"timeout after {timeout:.0f}s (a hang?)"
         finally:
             with contextlib.suppress(ProcessLookupError):
@@ -198,15 +220,16 @@ def _child(req: dict) -> None:
 def _serve() -> None:
     for name in PRELOAD:
         importlib.import_module(name)
+    print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         req = json.loads(line)
         sys.stdout.flush()
         pid = os.fork()
         if pid == 0:
             _child(req)
-        print(json.dumps({"pid": pid}), flush=True)
+        print(json.dumps({"pid": pid, "id": req["id"]}), flush=True)
         _, status = os.waitpid(pid, 0)
-        print(json.dumps({"exit": os.waitstatus_to_exitcode(status)}), flush=True)
+        print(json.dumps({"exit": os.waitstatus_to_exitcode(status), "id": req["id"]}), flush=True)
 
 
 if __name__ == "__main__":
