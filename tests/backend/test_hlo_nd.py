@@ -125,20 +125,14 @@ def test_3d_model_traces_one_graph_for_all_ranks():
     """Embedding, norms, block, classifier and loss: rank-dependent values are device data, so
     two ranks trace the same HLO (one Neuron compile), and it holds 3D collectives only."""
     import os
-    import subprocess
-    import sys
+
+    import xla_zygote
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONPATH": root}
     texts = []
     for rank in (0, 6):
-        out = subprocess.run(
-            [sys.executable, "-c", MODEL.format(rank=rank)],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        out = xla_zygote.python(["-c", MODEL.format(rank=rank)], env, 300)
         assert out.returncode == 0, out.stderr[-3000:]
         texts.append(out.stdout)
     assert texts[0] == texts[1]

@@ -1,11 +1,9 @@
 """The XLA path: collectives traced for one rank of a 32-rank job on a single CPU device
 (Mesh.virtual), and a tp=1 block executed on the real XLA CPU device."""
 
-import subprocess
-import sys
-
 import pytest
 
+import xla_zygote
 from neuron_tp.backend.hlo import collectives_in_fresh_process
 
 B, S, H, FFN = 2, 16, 64, 256
@@ -73,7 +71,7 @@ for p, g in zip(block.parameters(), ref_grads):
     torch.testing.assert_close(p.grad.cpu(), g, atol=1e-4, rtol=1e-4)
 print("ok", y.device)
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    out = xla_zygote.python(["-c", code], timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "ok xla" in out.stdout
 
@@ -103,12 +101,7 @@ def test_every_rank_traces_the_same_graph():
     so all ranks share one graph: one Neuron compile instead of one per rank."""
     hlo = []
     for rank in (1, 6):
-        out = subprocess.run(
-            [sys.executable, "-c", RANK_GRAPH.format(rank=rank)],
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        out = xla_zygote.python(["-c", RANK_GRAPH.format(rank=rank)], timeout=300)
         assert out.returncode == 0, out.stderr[-3000:]
         hlo.append(out.stdout)
     assert "all-gather" in hlo[0] and "reduce-scatter" in hlo[0]
@@ -132,6 +125,6 @@ x = torch.randn(2, 4)
 torch.testing.assert_close(col(x.to(dev)).cpu(), ref(x), atol=1e-5, rtol=1e-5)
 print("ok", mesh)
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    out = xla_zygote.python(["-c", code], timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "ok Mesh(world=1" in out.stdout

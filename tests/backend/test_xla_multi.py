@@ -7,8 +7,6 @@ channel-id form these devices execute, and the form emitted on Neuron (unchanged
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import threading
 
 import pytest
@@ -16,6 +14,7 @@ import xla_multi_cases
 
 import neuron_tp as ntp
 import xla_dist
+import xla_zygote
 from neuron_tp.backend.hlo import parse_collectives
 
 
@@ -72,9 +71,7 @@ def test_neuron_form_unchanged():
     did, NxD's form: no channel ids, the mesh's replica groups, the token-ordered all-reduce.
     The HLO equals that of the direct torch-xla calls of that form, text for text."""
     env = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONPATH": xla_dist.REPO}
-    proc = subprocess.run(
-        [sys.executable, "-c", NEURON_FORM], env=env, capture_output=True, text=True, timeout=300
-    )
+    proc = xla_zygote.python(["-c", NEURON_FORM], env, 300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ours, direct = proc.stdout.split("=====")
     assert ours.strip() == direct.strip()

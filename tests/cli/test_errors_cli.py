@@ -17,6 +17,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 import gloo_dist  # noqa: E402
 import neuron_tp as ntp  # noqa: E402
+import xla_zygote  # noqa: E402
 from neuron_tp.cli.args import generate_parser, train_parser  # noqa: E402
 from neuron_tp.job.presets import build_model, model_config  # noqa: E402
 
@@ -448,13 +449,8 @@ def test_damaged_shard_on_xla_cpu_devices_names_the_damage(tmp_path):
     (out / "checkpoints" / "step-00000003").mkdir()  # an incomplete newer save
     _damage(str(step / "shard-tp00000.safetensors"), "model/lm_head.weight")
     argv = ["generate", "--device", "xla", "--xla-cpu-devices", "2", "--tp", "2"]
-    proc = subprocess.run(
-        [sys.executable, "-m", "neuron_tp.cli", *argv, "--model", str(out), "--prompt", "Hi"],
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    cli = ["-m", "neuron_tp.cli", *argv, "--model", str(out), "--prompt", "Hi"]
+    proc = xla_zygote.python(cli, _env(), 300)
     assert proc.returncode == 2, proc.stderr[-3000:]
     err = [ln for ln in proc.stderr.splitlines() if "PJRT_DEVICE" not in ln]
     assert len(err) == 1, proc.stderr[-3000:]

@@ -1,6 +1,7 @@
 """Run a test body on N XLA CPU devices of one process: the executed XLA multi-rank harness.
 
-``run(fn, *args, devices=n)`` starts ONE fresh Python process with the environment of
+``run(fn, *args, devices=n)`` starts ONE new process (forked from a zygote that has imported
+torch-xla without starting its runtime: tests/helpers/xla_zygote.py) with the environment of
 ``neuron_tp.backend.xla.cpu_devices_env(n)`` (n CPU devices, a thread pool >= n, no buffer donation,
 LLVM -O0 compiles); it calls ``xmp.spawn``, whose child runs ``fn(*args)`` once per device,
 each in its own thread (the "ranks"), with channel-id collectives between them (see
@@ -11,22 +12,27 @@ runtime. Threads share the process: build reference modules and draw from the gl
 (the module is imported once, before the threads start). Call ``torch_xla.sync()`` once per
 step. A failure on any rank fails ``run`` with that rank's traceback; a hang fails after
 ``timeout`` seconds.
+
+Each launch still costs seconds (runtime start, the job module's imports, compiles): a test
+module with several cases at one device count runs them all in one launch with
+``run_cases(job, names, *args, devices=n)`` and reads each case's per-rank results, or its own
+failure, with ``Cases.get(name)``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import pickle
-import signal
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
+import xla_zygote
 from neuron_tp.backend.xla import cpu_devices_env
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -75,7 +81,9 @@ def _thread_main(index: int, fn, args: tuple, out_dir: str) -> None:
         neuron_tp.set_default_mesh(None)
 
 
-def _main(job_path: str) -> None:
+def run_job(job_path: str) -> None:
+    """The body of a launch's process (forked by the zygote): ``xmp.spawn`` of the job's
+    function on every device."""
     with open(job_path, "rb") as f:
         module, qualname, args, out_dir = pickle.load(f)
     import importlib
@@ -87,7 +95,8 @@ def _main(job_path: str) -> None:
     fn = importlib.import_module(module)
     for part in qualname.split("."):
         fn = getattr(fn, part)
-    xmp.spawn(_thread_main, args=(fn, args, out_dir))
+    # fork: the device process starts with this one's imports (spawn would import them again)
+    xmp.spawn(_thread_main, args=(fn, args, out_dir), start_method="fork")
 
 
 def run(fn: Callable[..., object], *args: object, devices: int, timeout: float = 600) -> list:
@@ -96,50 +105,27 @@ def run(fn: Callable[..., object], *args: object, devices: int, timeout: float =
 
     ``fn`` must be a module-level function of an importable module (it is pickled by name);
     ``args`` and its return value must be picklable (return CPU values, not XLA tensors).
+    Module-level functions among ``args`` are importable in the child too.
     """
-    module = sys.modules[fn.__module__]
-    paths = [REPO, HERE, os.path.dirname(os.path.abspath(module.__file__))]
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k
-        not in (
-            "WORLD_SIZE",
-            "RANK",
-            "LOCAL_RANK",
-            "LOCAL_WORLD_SIZE",
-            "MASTER_ADDR",
-            "MASTER_PORT",
-            "TORCHELASTIC_RUN_ID",
-        )
-    }
+    dirs = [
+        os.path.dirname(os.path.abspath(sys.modules[f.__module__].__file__))
+        for f in (fn, *args)
+        if callable(f) and getattr(f, "__module__", None) in sys.modules
+    ]
+    paths = [REPO, HERE, *dict.fromkeys(dirs)]
+    env = {k: v for k, v in os.environ.items() if k not in xla_zygote.DIST_VARS}
     env.update(
         cpu_devices_env(devices, env),
         OMP_NUM_THREADS="1",
         PYTHONPATH=os.pathsep.join(paths + [env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
     )
     with tempfile.TemporaryDirectory(prefix="xla_dist-") as tmp:
-        job = os.path.join(tmp, "job.pkl")
+        job, log = os.path.join(tmp, "job.pkl"), os.path.join(tmp, "log.txt")
         _write(job, (fn.__module__, fn.__qualname__, args, tmp))
-        # A new session: on timeout the whole tree (xmp.spawn's child too) is killed.
-        proc = subprocess.Popen(
-            [sys.executable, __file__, job],
-            env=env,
-            text=True,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        try:
-            log, _ = proc.communicate(timeout=timeout)
-            status = f"exit code {proc.returncode}"
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            log, _ = proc.communicate()
-            status = f"timeout after {timeout:.0f}s (a hang?)"
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)  # leftovers of the tree, if any
+        req = {"job": job, "env": env, "paths": paths, "log": log}
+        status = xla_zygote.session().launch(req, timeout)
+        with open(log, errors="replace") if os.path.exists(log) else io.StringIO() as f:
+            log = f.read()
         errors, results = {}, {}
         for name in sorted(os.listdir(tmp)):
             kind, _, rest = name.partition("-")
@@ -160,5 +146,90 @@ def run(fn: Callable[..., object], *args: object, devices: int, timeout: float =
     return [results[r] for r in range(devices)]
 
 
+_case_state: dict[str, object] = {}  # in the device process: the barrier, failed cases
+
+
+def _case_barrier(devices: int) -> threading.Barrier:
+    with _serial:
+        return _case_state.setdefault("barrier", threading.Barrier(devices))
+
+
+def _run_cases(job: Callable[..., object], names: tuple, args: tuple, out_dir: str) -> None:
+    """Rank body of :func:`run_cases`: the cases in order; each outcome is written as soon as
+    it is known (a later crash keeps it). After each case the ranks meet; once a case failed
+    on any rank the next ones do not run (its collectives may have left the ranks out of step)."""
+    import torch_xla.runtime as xr
+
+    rank, world = xr.global_ordinal(), xr.world_size()
+    barrier, done = _case_barrier(world), {}
+    for name in names:
+        try:
+            done[name] = ("ok", job(name, *args))
+        except Exception:  # noqa: BLE001 - reported under the case's own test
+            done[name] = ("error", traceback.format_exc())
+            _case_state[name] = rank
+        _write(os.path.join(out_dir, f"cases-{rank}.pkl"), done)
+        barrier.wait(timeout=300)
+        if name in _case_state:
+            return
+
+
+class Cases:
+    """The outcome of one :func:`run_cases` launch, per case."""
+
+    def __init__(self, devices: int, names: Sequence[str], per_rank: dict, status: str):
+        self.devices, self.names, self.per_rank, self.status = devices, names, per_rank, status
+
+    def get(self, name: str) -> list:
+        """The per-rank results (rank order) of case ``name``; AssertionError with its
+        tracebacks if it failed on any rank, or with the launch's fate if it did not finish."""
+        assert name in self.names, f"{name!r} is not one of the cases {list(self.names)}"
+        got = {r: d[name] for r, d in self.per_rank.items() if name in d}
+        errors = {r: v for r, (kind, v) in got.items() if kind == "error"}
+        if errors:
+            raise AssertionError(
+                "\n".join(
+                    f"case {name!r}, rank {r} of {self.devices} XLA devices failed:\n{tb}"
+                    for r, tb in sorted(errors.items())
+                )
+            )
+        if len(got) != self.devices:
+            failed = [
+                n
+                for n in self.names[: self.names.index(name)]
+                if any(d.get(n, ("ok",))[0] == "error" for d in self.per_rank.values())
+            ]
+            why = f"not run: case {failed[0]!r} failed before it" if failed else self.status
+            missing = sorted(set(range(self.devices)) - set(got))
+            raise AssertionError(f"case {name!r} did not finish on ranks {missing}: {why}")
+        return [got[r][1] for r in range(self.devices)]
+
+
+def run_cases(
+    job: Callable[..., object],
+    names: Sequence[str],
+    *args: object,
+    devices: int,
+    timeout: float = 900,
+) -> Cases:
+    """Run ``job(name, *args)`` for every ``name`` in ``names``, in order, in ONE launch on
+    ``devices`` XLA CPU devices; return the outcome of each (see :meth:`Cases.get`). A case
+    failing on any rank stops the later ones (reported as not finished, with the reason).
+    ``job`` must be a module-level function; its results must be picklable."""
+    with tempfile.TemporaryDirectory(prefix="xla_cases-") as out:
+        try:
+            run(_run_cases, job, tuple(names), args, out, devices=devices, timeout=timeout)
+            status = "launch finished"
+        except AssertionError as e:
+            status = f"the launch failed:\n{e}"
+        per_rank = {}
+        for r in range(devices):
+            path = os.path.join(out, f"cases-{r}.pkl")
+            if os.path.exists(path):
+                with open(path, "rb") as f:
+                    per_rank[r] = pickle.load(f)
+    return Cases(devices, tuple(names), per_rank, status)
+
+
 if __name__ == "__main__":
-    _main(sys.argv[1])
+    run_job(sys.argv[1])

@@ -10,9 +10,9 @@ import peft  # noqa: F401  (imported before the device threads start)
 import torch
 import torch_xla
 import transformers  # noqa: F401
-from test_lora import _ids, peft_model
 
 import neuron_tp as ntp
+from lora_models import peft_model, sample_ids
 from neuron_tp.hf import gather_hf_state_dict, parallelize
 from xla_dist import serial
 
@@ -25,7 +25,7 @@ def job() -> dict:
     mesh = ntp.init_mesh(tp=2)
     with serial():  # the global RNG and lazy imports are shared by the threads
         ref = peft_model("tiny-llama")
-        ids = _ids()
+        ids = sample_ids()
         want = ref(ids, labels=ids)
         want.loss.backward()
     expected = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from collections import Counter
 
 import pytest
+
+import xla_zygote
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
@@ -23,20 +23,8 @@ LINEARS, NORMS = 7, 2
 
 def _trace(P: int, mode: str) -> list:
     env = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONPATH": REPO}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            os.path.join(HERE, "xla_trace_nd_layer.py"),
-            "--tp",
-            str(P),
-            "--mode",
-            mode,
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    script = os.path.join(HERE, "xla_trace_nd_layer.py")
+    proc = xla_zygote.python([script, "--tp", str(P), "--mode", mode], env, 240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("JSON"))
     return json.loads(line[4:])["collectives"]

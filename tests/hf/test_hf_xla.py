@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
+
+import xla_zygote
 
 HERE = os.path.dirname(__file__)
 REPO = os.path.dirname(os.path.dirname(HERE))
@@ -21,13 +21,7 @@ GROUPS = [list(range(g * TP, (g + 1) * TP)) for g in range(32 // TP)]
 
 def _trace(*flags: str) -> dict:
     env = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONPATH": REPO}
-    proc = subprocess.run(
-        [sys.executable, os.path.join(HERE, "xla_trace_llama.py"), *flags],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    proc = xla_zygote.python([os.path.join(HERE, "xla_trace_llama.py"), *flags], env, 240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("JSON"))
     return json.loads(line[4:])

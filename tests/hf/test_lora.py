@@ -16,70 +16,16 @@ pytest.importorskip("peft")
 sys.path.insert(0, os.path.dirname(__file__))
 import gloo_dist  # noqa: E402
 import neuron_tp as ntp  # noqa: E402
+from lora_models import base_model, lora_config, peft_model, sample_ids  # noqa: E402
 from neuron_tp.errors import UserError  # noqa: E402
 from neuron_tp.hf import gather_hf_state_dict, parallelize  # noqa: E402
 from neuron_tp.hf.lora import load_adapter, merge_adapters, save_adapter  # noqa: E402
 
-V, ATOL = 51, 2e-5
-LLAMA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-TARGETS = {
-    "tiny-llama": LLAMA_TARGETS,
-    "tiny-qwen3": LLAMA_TARGETS,
-    "tiny-gpt2": ["c_attn", "c_proj", "c_fc"],
-    "odd-llama": LLAMA_TARGETS,
-}
+ATOL = 2e-5
 
 
 def _close(a, b, what):
     torch.testing.assert_close(a, b, atol=ATOL, rtol=1e-5, msg=lambda m: f"{what}: {m}")
-
-
-def base_model(name: str, seed: int = 0):
-    """A tiny random causal LM: a preset, or ``odd-llama`` (tp 3: 6 heads over 3 kv heads)."""
-    if name != "odd-llama":
-        from neuron_tp.job.presets import build_model
-
-        return build_model(name, V, seed)
-    import transformers as tf
-
-    cfg = tf.LlamaConfig(
-        vocab_size=V,
-        hidden_size=36,
-        intermediate_size=42,
-        num_hidden_layers=2,
-        num_attention_heads=6,
-        num_key_value_heads=3,
-        head_dim=6,
-    )
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(seed)
-    return tf.AutoModelForCausalLM.from_config(cfg)
-
-
-def lora_config(name: str, **kw):
-    from peft import LoraConfig
-
-    base = dict(
-        r=4,
-        lora_alpha=12,  # scaling 3
-        target_modules=TARGETS[name],
-        lora_dropout=0.0,
-        init_lora_weights=False,  # random B: the adapter changes the output
-        fan_in_fan_out=name == "tiny-gpt2",
-    )
-    return LoraConfig(**{**base, **kw})
-
-
-def peft_model(name: str, seed: int = 0, **kw):
-    from peft import get_peft_model
-
-    base = base_model(name, seed)
-    torch.manual_seed(seed + 100)
-    return get_peft_model(base, lora_config(name, **kw)).eval()
-
-
-def _ids(seq: int = 12) -> torch.Tensor:
-    return torch.randint(2, V, (2, seq), generator=torch.Generator().manual_seed(123))
 
 
 def _check_training(name: str, sp: bool, parallel_loss: bool) -> None:
@@ -87,7 +33,7 @@ def _check_training(name: str, sp: bool, parallel_loss: bool) -> None:
     tag = f"{name} tp={ntp.get_mesh().tp_size} sp={sp}"
     m = parallelize(copy.deepcopy(ref), sequence_parallel=sp, parallel_loss=parallel_loss)
     assert all(not p.requires_grad for n, p in m.named_parameters() if "lora_" not in n)
-    ids = _ids()
+    ids = sample_ids()
     out, want = m(ids, labels=ids), ref(ids, labels=ids)
     if not parallel_loss:
         _close(out.logits, want.logits, f"{tag} logits")
@@ -109,7 +55,7 @@ def _check_adapter_io(name: str, tmp: str) -> None:
 
     rank, tp = ntp.get_mesh().rank, ntp.get_mesh().tp_size
     tmp = os.path.join(tmp, f"{name}-tp{tp}")
-    ids = _ids()
+    ids = sample_ids()
     ref = peft_model(name)
     m = parallelize(copy.deepcopy(ref))
     # save_adapter -> plain peft loads it on the unsharded base

@@ -8,13 +8,13 @@ import copy
 import glob
 import os
 import re
-import subprocess
 import sys
 import tempfile
 
 import pytest
 import torch
 
+import xla_zygote
 from neuron_tp.hf.recompute import apply_activation_checkpointing
 from neuron_tp.job.presets import build_model
 
@@ -85,13 +85,8 @@ def _optimized_ops(mode: str) -> dict[str, int]:
             "XLA_FLAGS": f"--xla_dump_to={d} --xla_dump_hlo_as_text "
             "--xla_backend_optimization_level=0",
         }
-        subprocess.run(
-            [sys.executable, "-c", _DUMP, mode],
-            env=env,
-            check=True,
-            capture_output=True,
-            timeout=300,
-        )
+        proc = xla_zygote.python(["-c", _DUMP, mode], env, 300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
         step = max(glob.glob(f"{d}/*after_optimizations.txt"), key=os.path.getsize)
         hlo = open(step).read()
     return {op: len(re.findall(rf" {op}\(", hlo)) for op in ("dot", "exponential")}

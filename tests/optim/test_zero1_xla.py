@@ -1,6 +1,7 @@
 """Zero1 executed on 2 XLA CPU devices (dp=2; cases in zero1_xla_cases.py): parameters and
 clipped gradient norms against plain AdamW on the unsharded model, no compile after warm-up
-(one graph per step), each rank holding half of AdamW's moments."""
+(one graph per step), each rank holding half of AdamW's moments. Both dtypes are cases of one
+launch."""
 
 from __future__ import annotations
 
@@ -9,10 +10,17 @@ import zero1_xla_cases
 
 import xla_dist
 
+DTYPES = ("float32", "bfloat16")
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_zero1_xla_dp2(dtype):
-    results = xla_dist.run(zero1_xla_cases.job, dtype, devices=2, timeout=400)
+
+@pytest.fixture(scope="module")
+def launch() -> xla_dist.Cases:
+    return xla_dist.run_cases(zero1_xla_cases.job, DTYPES, devices=2, timeout=600)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_zero1_xla_dp2(launch, dtype):
+    results = launch.get(dtype)
     print(f"\n[zero1 xla dp2 {dtype}] {results}")
     assert [r["rank"] for r in results] == [0, 1]
     numel = 6 * 10 + 10 + 10 * 3 + 3

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
+
+import xla_zygote
 
 HERE = os.path.dirname(__file__)
 REPO = os.path.dirname(os.path.dirname(HERE))
@@ -79,9 +79,7 @@ print("JSON" + json.dumps(out))
 def _run_fresh(code: str) -> dict:
     """Run ``code`` on the XLA CPU device in a fresh process; its ``JSON...`` line, parsed."""
     env = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONPATH": REPO}
-    proc = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
-    )
+    proc = xla_zygote.python(["-c", code], env, 300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("JSON"))[4:])
 

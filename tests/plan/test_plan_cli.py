@@ -9,11 +9,11 @@ import json
 import os
 import re
 import shlex
-import subprocess
 import sys
 
 import pytest
 
+import xla_zygote
 from neuron_tp.cli.args import train_parser
 from neuron_tp.cli.plan import plan_command
 from neuron_tp.job.config import TrainConfig
@@ -165,17 +165,15 @@ def test_plan_cache_computes_once(tmp_path, monkeypatch):
 def test_train_plan_auto_on_xla_cpu_devices(tmp_path):
     env = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONPATH": REPO}
     env["NEURON_TP_CACHE"] = str(tmp_path / "cache")
-    out = subprocess.run(
+    out = xla_zygote.python(
         [
-            *(sys.executable, "-m", "neuron_tp.cli", "train", "--xla-cpu-devices", "2"),
+            *("-m", "neuron_tp.cli", "train", "--xla-cpu-devices", "2"),
             *("--plan", "auto", "--global-batch", "4", "--seq-len", "32", "--steps", "2"),
             *("--plan-instance", "trn1.2xlarge", "--output-dir", str(tmp_path / "run")),
             *("--log-every", "1"),
         ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
+        env,
+        600,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     rec = re.search(r"recommended: torchrun .* -m neuron_tp.cli train .*--tp (\d+)", out.stdout)

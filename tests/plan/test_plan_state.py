@@ -20,9 +20,9 @@ LEVERS = {"adamw": [], "zero1": ["--zero1"], "bf16": ["--bf16"]}
 
 
 def _measure(tmp: str) -> None:
-    from test_train_dist import _args, _quiet
-
     from neuron_tp.train.loop import train
+    from train_cpu import quiet as _quiet
+    from train_cpu import train_args as _args
 
     mesh = ntp.init_mesh(tp=2)
     out = {}

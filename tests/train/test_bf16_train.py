@@ -12,11 +12,13 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_train_dist import _args, _losses, _quiet, gloo_dist  # noqa: E402
-
+import gloo_dist  # noqa: E402
 import neuron_tp as ntp  # noqa: E402
 from neuron_tp.train.loop import train  # noqa: E402
 from reference_train import reference_run  # noqa: E402
+from train_cpu import losses as _losses  # noqa: E402
+from train_cpu import quiet as _quiet  # noqa: E402
+from train_cpu import train_args as _args  # noqa: E402
 
 STEPS = ["--steps", "50", "--lr", "1e-3", "--min-lr", "1e-3", "--micro-batch", "2"]
 

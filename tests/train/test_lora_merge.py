@@ -18,10 +18,10 @@ import torch
 import transformers  # noqa: F401
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_train_dist import _args, _quiet  # noqa: E402
-
 import gloo_dist  # noqa: E402
 import neuron_tp as ntp  # noqa: E402
+from train_cpu import quiet as _quiet  # noqa: E402
+from train_cpu import train_args as _args  # noqa: E402
 
 LORA = [
     "--lora-r",

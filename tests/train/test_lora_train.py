@@ -13,10 +13,11 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_train_dist import _args, _losses, _quiet  # noqa: E402
-
 import gloo_dist  # noqa: E402
 import neuron_tp as ntp  # noqa: E402
+from train_cpu import losses as _losses  # noqa: E402
+from train_cpu import quiet as _quiet  # noqa: E402
+from train_cpu import train_args as _args  # noqa: E402
 
 TARGETS = "q_proj,v_proj,o_proj,down_proj"  # column and row projections
 LORA = ["--lora-r", "4", "--lora-alpha", "12", "--lora-target-modules", TARGETS]

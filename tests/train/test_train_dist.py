@@ -18,38 +18,11 @@ sys.path.insert(0, os.path.dirname(__file__))
 import gloo_dist  # noqa: E402
 import neuron_tp as ntp  # noqa: E402
 from neuron_tp import checkpoint  # noqa: E402
-from neuron_tp.cli.args import train_parser  # noqa: E402
 from neuron_tp.train.loop import train  # noqa: E402
 from reference_train import reference_run  # noqa: E402
-
-COMMON = [
-    "--device",
-    "cpu",
-    "--seq-len",
-    "32",
-    "--log-every",
-    "1",
-    "--warmup-steps",
-    "3",
-    "--lr",
-    "3e-3",
-    "--min-lr",
-    "1e-4",
-    "--max-grad-norm",
-    "1.0",
-]
-
-
-def _args(out, *extra):
-    return train_parser().parse_args([*COMMON, "--output-dir", str(out), *extra])
-
-
-def _quiet(*a, **k):
-    pass
-
-
-def _losses(summary) -> list[float]:
-    return [e["loss"] for e in summary["log"]]
+from train_cpu import losses as _losses  # noqa: E402
+from train_cpu import quiet as _quiet  # noqa: E402
+from train_cpu import train_args as _args  # noqa: E402
 
 
 def _two_ranks(tmp: str) -> None:

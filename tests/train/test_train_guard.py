@@ -20,78 +20,17 @@ import os
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import gloo_dist  # noqa: E402
+import xla_zygote  # noqa: E402
+from guarded_run import guard_args as _args  # noqa: E402
+from guarded_run import run_guarded as _run  # noqa: E402
 from neuron_tp.checkpoint.outdir import LOCK_NAME, OutputLock  # noqa: E402
 from neuron_tp.cli.args import train_parser  # noqa: E402
-
-COMMON = [
-    "--device",
-    "cpu",
-    "--tp",
-    "2",
-    "--seq-len",
-    "32",
-    "--micro-batch",
-    "2",
-    "--log-every",
-    "1",
-    "--warmup-steps",
-    "2",
-    "--lr",
-    "3e-3",
-    "--min-lr",
-    "1e-4",
-    "--max-grad-norm",
-    "1.0",
-]
-POISONED = "model.layers.0.mlp.down_proj.weight"  # NaN gradient on rank 1 at one step
-
-
-def _args(out, *extra):
-    return train_parser().parse_args([*COMMON, "--output-dir", str(out), *extra])
-
-
-def _run(mesh, out, *extra, poison_at=None, printer=None) -> dict:
-    """One train() call; what it returned or raised, the steps it trained."""
-    from neuron_tp.train.loop import train
-
-    steps, hooks = [], []
-
-    def on_step(run):
-        steps.append(run.step)
-        for h in hooks:
-            h.remove()
-        hooks.clear()
-        if poison_at is not None and run.step == poison_at - 1 and mesh.rank == 1:
-            p = run.model.get_parameter(POISONED)
-            hooks.append(p.register_hook(lambda g: g * float("nan")))
-
-    t0 = time.perf_counter()
-    try:
-        s = train(
-            _args(out, *extra), mesh, printer=printer or (lambda *a, **k: None), on_step=on_step
-        )
-        res = {
-            "raised": None,
-            "ckpts": [os.path.basename(c) for c in s["checkpoints"]],
-            "log": s["log"],
-        }
-    except Exception as e:  # noqa: BLE001 - recorded for the parent
-        res = {"raised": type(e).__name__, "msg": str(e)}
-    res.update(
-        steps=steps,
-        seconds=time.perf_counter() - t0,
-        lock_left=os.path.exists(os.path.join(str(out), LOCK_NAME)),
-    )
-    ck = os.path.join(str(out), "checkpoints")
-    res["listing"] = sorted(os.listdir(ck)) if os.path.isdir(ck) else None
-    return res
 
 
 def _job(tmp: str) -> None:
@@ -338,12 +277,8 @@ def test_skip_nonfinite_on_the_xla_device(tmp_path):
     ]
     here = os.path.dirname(__file__)
     env = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONPATH": os.path.dirname(os.path.dirname(here))}
-    proc = subprocess.run(
-        [sys.executable, os.path.join(here, "xla_guard_run.py"), str(tmp_path / "out"), *argv],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    proc = xla_zygote.python(
+        [os.path.join(here, "xla_guard_run.py"), str(tmp_path / "out"), *argv], env, 300
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("JSON"))[4:])

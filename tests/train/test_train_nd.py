@@ -15,14 +15,16 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_train_dist import _args, _losses, _quiet, gloo_dist  # noqa: E402
-
+import gloo_dist  # noqa: E402
 import neuron_tp as ntp  # noqa: E402
 from neuron_tp.cli.args import train_parser  # noqa: E402
 from neuron_tp.job.config import TrainConfig  # noqa: E402
 from neuron_tp.train.loop import train  # noqa: E402
 from neuron_tp.train.tp_mode import check_tp_mode  # noqa: E402
 from reference_train import reference_run  # noqa: E402
+from train_cpu import losses as _losses  # noqa: E402
+from train_cpu import quiet as _quiet  # noqa: E402
+from train_cpu import train_args as _args  # noqa: E402
 
 # Gradient norms are compared tighter than test_train_dist's rel=2e-3 (seen: ~6e-7): counting a
 # 2D norm weight on each of its q holders moves the norm by only ~1e-4 relative.

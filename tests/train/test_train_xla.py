@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
+
+import xla_zygote
 
 HERE = os.path.dirname(__file__)
 REPO = os.path.dirname(os.path.dirname(HERE))
@@ -19,18 +19,8 @@ N_PARAMS = 21  # tiny-llama: embed, 2 x (q, k, v, o, gate, up, down, 2 norms), n
 def _run(tmp, cache, **env_extra):
     env = {k: v for k, v in os.environ.items() if k != "NEURON_EXTRACT_GRAPHS_ONLY"}
     env.update(PJRT_DEVICE="CPU", PYTHONPATH=REPO, **env_extra)
-    proc = subprocess.run(
-        [
-            sys.executable,
-            os.path.join(HERE, "xla_train_run.py"),
-            str(tmp / "out"),
-            str(tmp / cache),
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    script = os.path.join(HERE, "xla_train_run.py")
+    proc = xla_zygote.python([script, str(tmp / "out"), str(tmp / cache)], env, 300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("JSON"))
     return json.loads(line[4:]), proc.stdout
@@ -69,13 +59,7 @@ def test_xla_graphs_transfers_and_extract_mode(tmp_path):
 
 def _trace_step(rank: int) -> dict:
     env = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONPATH": REPO}
-    proc = subprocess.run(
-        [sys.executable, os.path.join(HERE, "xla_trace_step.py"), str(rank)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = xla_zygote.python([os.path.join(HERE, "xla_trace_step.py"), str(rank)], env, 300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("JSON"))[4:])
 

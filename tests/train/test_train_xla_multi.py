@@ -3,13 +3,17 @@ real collectives between ranks): tp=2 and tp2 x dp2 (SP, grad accumulation) agai
 independent single-process reference and the same run on gloo ranks, step by step; graphs
 compiled per rank; host transfers only at log steps and checkpoint saves; replicated
 parameters (Qwen3's q/k norms) identical on every rank; a checkpoint saved on XLA at tp=2
-resumes bit-identically and reshards to tp=1 and tp=4."""
+resumes bit-identically and reshards to tp=1 and tp=4.
+
+The XLA runs are the cases of two launches (2 and 4 devices, xla_multi_train_cases.ON_TWO /
+ON_FOUR), the gloo runs the cases of two more: each test reads its own case's results."""
 
 from __future__ import annotations
 
 import os
 import sys
 
+import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -20,24 +24,49 @@ import xla_dist  # noqa: E402
 from reference_train import reference_run  # noqa: E402
 
 N_PARAMS = {"tiny-llama": 21, "tiny-qwen3": 25}
+GLOO_TWO = {  # the runs of the 2-rank gloo launch
+    "qwen3": cases.QWEN3,
+    "recompute-full": cases.RECOMPUTE_BASE + ["--activation-checkpointing", "full"],
+}
 
 
-def _gloo_rank(tp: int, out: str, extra: list[str], result: str) -> None:
-    import neuron_tp as ntp
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("train_xla_multi"))
+
+
+@pytest.fixture(scope="module")
+def two(base) -> xla_dist.Cases:
+    """The 2-device launch: every case of ``cases.ON_TWO``, in order."""
+    return xla_dist.run_cases(cases.on_two, cases.ON_TWO, base, devices=2)
+
+
+@pytest.fixture(scope="module")
+def four(base, two) -> xla_dist.Cases:
+    """The 4-device launch (after ``two``: ``qwen3-tp4`` resumes its checkpoint)."""
+    return xla_dist.run_cases(cases.on_four, cases.ON_FOUR, base, devices=4)
+
+
+def _gloo_case(case: str, base: str) -> None:
+    """One run of the 2-rank gloo launch (``GLOO_TWO``), or the 4-rank tp2 x dp2 run."""
     from neuron_tp.train.loop import train
 
-    mesh = ntp.init_mesh(tp=tp)
-    args = cases.args_for(out, "--tp", str(tp), *extra)
+    extra = cases.DP2_SP if case == "tp2-dp2-sp" else GLOO_TWO[case]
+    mesh = gloo_dist.shared_mesh(2)
+    args = cases.args_for(f"{base}/gloo-{case}", "--tp", "2", *extra)
     args.device = "cpu"
     s = train(args, mesh, printer=lambda *a, **k: None)
     if mesh.rank == 0:
-        torch.save(s["log"], result)
+        torch.save(s["log"], f"{base}/gloo-{case}.pt")
 
 
-def _gloo_log(tmp, world: int, tp: int, extra: list[str]) -> list[dict]:
-    res = str(tmp / f"gloo-{world}-{tp}.pt")
-    gloo_dist.run(_gloo_rank, tp, str(tmp / f"gloo-{world}-{tp}"), extra, res, world_size=world)
-    return torch.load(res)
+def _gloo_log(base: str, case: str) -> list[dict]:
+    """The log of the gloo run ``case`` (the runs of its launch are made on first use)."""
+    if case == "tp2-dp2-sp":
+        gloo_dist.run_case(_gloo_case, case, base, cases=(case,), world_size=4)
+    else:
+        gloo_dist.run_case(_gloo_case, case, base, cases=tuple(GLOO_TWO), world_size=2)
+    return torch.load(f"{base}/gloo-{case}.pt")
 
 
 def _check_same_replicas(results, tp: int) -> None:
@@ -53,33 +82,30 @@ def _at(values: list[float], steps: list[int]) -> list[float]:
     return [values[s - 1] for s in steps]
 
 
-def test_tp2_qwen3_on_two_xla_devices_resume_and_reshard(tmp_path):
-    extra = [
-        "--model",
-        "tiny-qwen3",
-        "--micro-batch",
-        "2",
-        "--steps",
-        "8",
-        "--log-every",
-        "2",
-        "--save-every",
-        "4",
+def _moved(per: list[dict]) -> list[float]:
+    """Host transfers of steps 2.. per rank (process-wide counters / 2 ranks)."""
+    return [
+        (per[i]["transfers_to_host"] - per[i - 1]["transfers_to_host"]) / 2
+        for i in range(1, len(per))
     ]
-    res = xla_dist.run(cases.run_train, 2, str(tmp_path / "xla"), extra, None, devices=2)
+
+
+def test_tp2_qwen3_on_two_xla_devices_resume_and_reshard(two, four, base):
+    got = two.get("qwen3")
+    res = [r["first"] for r in got]
     log = res[0]["log"]
     steps = [e["step"] for e in log]
     assert steps == [2, 4, 6, 8]
     assert [(e["loss"], e["grad_norm"]) for e in res[1]["log"]] == [
         (e["loss"], e["grad_norm"]) for e in log
     ]  # every rank sees the same values
-    args = cases.args_for(str(tmp_path / "ref"), "--tp", "2", *extra)
+    args = cases.args_for(f"{base}/ref-qwen3", "--tp", "2", *cases.QWEN3)
     losses, norms = reference_run(args, global_micro_batch=2)
     torch.testing.assert_close([e["loss"] for e in log], _at(losses, steps), rtol=2e-4, atol=2e-4)
     torch.testing.assert_close(
         [e["grad_norm"] for e in log], _at(norms, steps), rtol=2e-3, atol=1e-5
     )
-    gloo = _gloo_log(tmp_path, 2, 2, extra)
+    gloo = _gloo_log(base, "qwen3")
     torch.testing.assert_close(
         [e["loss"] for e in log], [e["loss"] for e in gloo], rtol=1e-4, atol=1e-4
     )
@@ -92,40 +118,31 @@ def test_tp2_qwen3_on_two_xla_devices_resume_and_reshard(tmp_path):
     per = res[0]["per_step"]
     compiles = [p["compiles"] // 2 for p in per]
     assert compiles[1:] == [compiles[1]] * 7 and 1 <= compiles[1] <= 8, compiles
-    moved = [
-        (per[i]["transfers_to_host"] - per[i - 1]["transfers_to_host"]) / 2 for i in range(1, 8)
-    ]  # steps 2..8
+    moved = _moved(per)  # steps 2..8
     assert [m for i, m in enumerate(moved, 2) if i != 5] == [2, 0, 2, 2, 0, 2], moved
     assert moved[3] >= 4 * N_PARAMS["tiny-qwen3"], moved  # params + AdamW step/m/v
 
     # resume the step-4 checkpoint written on XLA: steps 6 and 8 bit-identical
-    import shutil
-
-    ckpt4 = next(c for c in res[0]["checkpoints"] if c.endswith("step-00000004"))
-    os.makedirs(tmp_path / "resumed" / "checkpoints")
-    shutil.copytree(ckpt4, tmp_path / "resumed" / "checkpoints" / "step-00000004")
-    again = xla_dist.run(cases.run_train, 2, str(tmp_path / "resumed"), extra, None, devices=2)
-    assert [e["step"] for e in again[0]["log"]] == [6, 8]
-    assert again[0]["log"][0]["loss"] == log[2]["loss"]
-    assert again[0]["log"][1]["loss"] == log[3]["loss"]
-    assert again[0]["log"][1]["grad_norm"] == log[3]["grad_norm"]
+    again = got[0]["again"]
+    assert [e["step"] for e in again["log"]] == [6, 8]
+    assert again["log"][0]["loss"] == log[2]["loss"]
+    assert again["log"][1]["loss"] == log[3]["loss"]
+    assert again["log"][1]["grad_norm"] == log[3]["grad_norm"]
 
     # reshard: tp=4 (kv heads replicated) on 4 devices resumes the same checkpoint
-    os.makedirs(tmp_path / "tp4" / "checkpoints")
-    shutil.copytree(ckpt4, tmp_path / "tp4" / "checkpoints" / "step-00000004")
-    tp4 = xla_dist.run(cases.run_train, 4, str(tmp_path / "tp4"), extra, None, devices=4)
+    tp4 = four.get("qwen3-tp4")
     torch.testing.assert_close(
         [e["loss"] for e in tp4[0]["log"]], [e["loss"] for e in log[2:]], rtol=1e-4, atol=1e-4
     )
     # and tp=1: the unsharded model loaded from the XLA checkpoint gives the loss of step 5
     import neuron_tp as ntp
     from neuron_tp import checkpoint
+    from neuron_tp.job.data import ByteTokenizer, PackedData
     from neuron_tp.job.presets import build_model
 
+    ckpt4 = next(c for c in res[0]["checkpoints"] if c.endswith("step-00000004"))
     plain = build_model("tiny-qwen3", 257, seed=123)
     checkpoint.load(ckpt4, plain, mesh=ntp.Mesh(1, 0), restore_rng=False)
-    from neuron_tp.job.data import ByteTokenizer, PackedData
-
     data = PackedData(args.data, ByteTokenizer(), args.seq_len, 2, 1, 0, args.seed)
     for _ in range(5):
         ids = data.next_batch()["input_ids"]
@@ -134,41 +151,27 @@ def test_tp2_qwen3_on_two_xla_devices_resume_and_reshard(tmp_path):
     assert abs(loss5 - losses[4]) < 2e-4, (loss5, losses[4])
 
 
-def test_tp2_dp2_sp_grad_accum_on_four_xla_devices(tmp_path):
-    extra = [
-        "--micro-batch",
-        "2",
-        "--grad-accum",
-        "2",
-        "--steps",
-        "6",
-        "--sequence-parallel",
-        "--save-every",
-        "0",
-    ]
-    res = xla_dist.run(cases.run_train, 2, str(tmp_path / "xla"), extra, None, devices=4)
+def test_tp2_dp2_sp_grad_accum_on_four_xla_devices(four, base):
+    res = four.get("tp2-dp2-sp")
     log = res[0]["log"]
-    args = cases.args_for(str(tmp_path / "ref"), "--tp", "2", *extra)
+    args = cases.args_for(f"{base}/ref-dp2", "--tp", "2", *cases.DP2_SP)
     losses, norms = reference_run(args, global_micro_batch=4)
     torch.testing.assert_close([e["loss"] for e in log], losses, rtol=2e-4, atol=2e-4)
     torch.testing.assert_close([e["grad_norm"] for e in log], norms, rtol=2e-3, atol=1e-5)
-    gloo = _gloo_log(tmp_path, 4, 2, extra)
+    gloo = _gloo_log(base, "tp2-dp2-sp")
     torch.testing.assert_close(
         [e["grad_norm"] for e in log], [e["grad_norm"] for e in gloo], rtol=1e-3, atol=1e-5
     )
     _check_same_replicas(res, 2)
 
 
-def test_ranks_with_different_step_graphs_fail_instead_of_hanging(tmp_path):
-    errors = xla_dist.run(
-        cases.run_train_rank1_differs, str(tmp_path / "run"), devices=2, timeout=120
-    )
-    for e in errors:  # every rank raises the same clear error
+def test_ranks_with_different_step_graphs_fail_instead_of_hanging(two):
+    for e in two.get("rank1-differs"):  # every rank raises the same clear error
         assert "ranks traced different step graphs" in e, e
         assert "ranks [0] | ranks [1]" in e and "first difference (ranks 0 vs 1) at op" in e, e
 
 
-def test_tp2_generation_on_two_xla_devices_equals_transformers():
+def test_tp2_generation_on_two_xla_devices_equals_transformers(two):
     """Greedy and sampled decoding of a tp=2 tiny Llama, executed on two XLA CPU devices: the
     tokens of transformers' own ``generate`` on the unsharded model (same seed for sampling),
     the same on both ranks, per-sequence EOS and batch buckets, and no new trace or graph for
@@ -176,7 +179,7 @@ def test_tp2_generation_on_two_xla_devices_equals_transformers():
     from hf_sampling import hf_sample
     from neuron_tp.job.presets import build_model
 
-    res = xla_dist.run(cases.run_generate, 2, devices=2, timeout=300)
+    res = two.get("generate")
     assert res[0] == res[1]
     full = build_model("tiny-llama", 257, 4).eval()
 
@@ -204,90 +207,72 @@ def test_tp2_generation_on_two_xla_devices_equals_transformers():
     assert t4 == t3 + 2  # batch bucket 1: its own graphs
 
 
-def test_activation_recompute_trains_like_the_reference_on_xla_and_gloo(tmp_path):
-    """--activation-checkpointing full (with SP) and selective at tp=2 on two XLA CPU devices,
-    and full on gloo ranks: the losses and grad norms of the run without recompute (the
-    independent unsharded reference), step by step; the recompute is really in the graph
-    (tests/hf/test_recompute.py checks the compiled HLO)."""
-    base = ["--micro-batch", "2", "--steps", "4", "--save-every", "0"]
-    args = cases.args_for(str(tmp_path / "ref"), "--tp", "2", *base)
-    losses, norms = reference_run(args, global_micro_batch=2)
-    runs = {
-        "xla-full-sp": ["--activation-checkpointing", "full", "--sequence-parallel"],
-        "xla-selective": ["--activation-checkpointing", "selective"],
-    }
-    for name, extra in runs.items():
-        log = xla_dist.run(cases.run_train, 2, str(tmp_path / name), base + extra, None, devices=2)[
-            0
-        ]["log"]
-        torch.testing.assert_close([e["loss"] for e in log], losses, rtol=2e-4, atol=2e-4)
-        torch.testing.assert_close([e["grad_norm"] for e in log], norms, rtol=2e-3, atol=1e-5)
-    gloo = _gloo_log(tmp_path, 2, 2, base + ["--activation-checkpointing", "full"])
+@pytest.fixture(scope="module")
+def no_recompute_ref(base) -> tuple[list[float], list[float]]:
+    """The reference of the recompute runs: losses and grad norms without recompute."""
+    args = cases.args_for(f"{base}/ref-recompute", "--tp", "2", *cases.RECOMPUTE_BASE)
+    return reference_run(args, global_micro_batch=2)
+
+
+@pytest.mark.parametrize("case", list(cases.RECOMPUTE))
+def test_activation_recompute_trains_like_the_reference_on_xla(two, no_recompute_ref, case):
+    """--activation-checkpointing full (with SP) and selective at tp=2 on two XLA CPU devices:
+    the losses and grad norms of the run without recompute (the independent unsharded
+    reference), step by step; the recompute is really in the graph (tests/hf/test_recompute.py
+    checks the compiled HLO)."""
+    losses, norms = no_recompute_ref
+    log = two.get(case)[0]["log"]
+    torch.testing.assert_close([e["loss"] for e in log], losses, rtol=2e-4, atol=2e-4)
+    torch.testing.assert_close([e["grad_norm"] for e in log], norms, rtol=2e-3, atol=1e-5)
+
+
+def test_activation_recompute_trains_like_the_reference_on_gloo(base, no_recompute_ref):
+    """--activation-checkpointing full at tp=2 on gloo ranks: the reference's losses and grad
+    norms."""
+    losses, norms = no_recompute_ref
+    gloo = _gloo_log(base, "recompute-full")
     torch.testing.assert_close([e["loss"] for e in gloo], losses, rtol=2e-4, atol=2e-4)
     torch.testing.assert_close([e["grad_norm"] for e in gloo], norms, rtol=2e-3, atol=1e-5)
 
 
-def test_zero1_dp2_on_two_xla_devices_vs_reference_and_resume(tmp_path):
+def test_zero1_dp2_on_two_xla_devices_vs_reference_and_resume(two, base):
     """--zero1 at tp=1 x dp=2 on two XLA CPU devices: the reference's losses and grad norms;
     one graph per step (the checkpoint's dp gather compiles once, at the first save); host
     reads only at log steps and saves; the step-4 checkpoint resumes to the same losses."""
-    extra = [
-        "--zero1",
-        "--micro-batch",
-        "1",
-        "--steps",
-        "8",
-        "--log-every",
-        "2",
-        "--save-every",
-        "4",
-    ]
-    res = xla_dist.run(cases.run_train, 1, str(tmp_path / "xla"), extra, None, devices=2)
-    log = res[0]["log"]
+    got = two.get("zero1")
+    log = got[0]["first"]["log"]
     steps = [e["step"] for e in log]
     assert steps == [2, 4, 6, 8]
-    args = cases.args_for(str(tmp_path / "ref"), "--tp", "1", *extra)
+    args = cases.args_for(f"{base}/ref-zero1", "--tp", "1", *cases.ZERO1)
     losses, norms = reference_run(args, global_micro_batch=2)
     torch.testing.assert_close([e["loss"] for e in log], _at(losses, steps), rtol=2e-4, atol=2e-4)
     torch.testing.assert_close(
         [e["grad_norm"] for e in log], _at(norms, steps), rtol=2e-3, atol=1e-5
     )
-    per = res[0]["per_step"]
+    per = got[0]["first"]["per_step"]
     compiles = [p["compiles"] // 2 for p in per]
     assert compiles[1:4] == [compiles[1]] * 3, compiles  # steps 2..4: one step graph
     assert compiles[4:] == [compiles[4]] * 4, compiles  # after the first save: none new
-    moved = [
-        (per[i]["transfers_to_host"] - per[i - 1]["transfers_to_host"]) / 2 for i in range(1, 8)
-    ]  # steps 2..8
+    moved = _moved(per)  # steps 2..8
     assert [m for i, m in enumerate(moved, 2) if i != 5] == [2, 0, 2, 2, 0, 2], moved
-
-    import shutil
-
-    ckpt4 = next(c for c in res[0]["checkpoints"] if c.endswith("step-00000004"))
-    os.makedirs(tmp_path / "resumed" / "checkpoints")
-    shutil.copytree(ckpt4, tmp_path / "resumed" / "checkpoints" / "step-00000004")
-    again = xla_dist.run(cases.run_train, 1, str(tmp_path / "resumed"), extra, None, devices=2)
-    assert [e["step"] for e in again[0]["log"]] == [6, 8]
+    again = got[0]["again"]["log"]
+    assert [e["step"] for e in again] == [6, 8]
     torch.testing.assert_close(
-        [e["loss"] for e in again[0]["log"]], [e["loss"] for e in log[2:]], rtol=1e-5, atol=1e-5
+        [e["loss"] for e in again], [e["loss"] for e in log[2:]], rtol=1e-5, atol=1e-5
     )
 
 
-def test_lora_training_on_two_xla_devices_vs_unsharded_peft(tmp_path):
+def test_lora_training_on_two_xla_devices_vs_unsharded_peft(two, base):
     """``--lora-r`` at tp=2 with SP on two XLA CPU devices: the losses and adapter-gradient
     norms of the unsharded peft model trained the same way, step by step; no new graph after
     the first steps; the adapters saved in PEFT's format at the end."""
-    lora = ["--lora-r", "4", "--lora-alpha", "12"]
-    lora += ["--lora-target-modules", "q_proj,v_proj,o_proj,down_proj"]
-    base = ["--micro-batch", "2", "--steps", "6", "--save-every", "0", "--sequence-parallel"]
-    res = xla_dist.run(cases.run_train, 2, str(tmp_path / "xla"), base + lora, None, devices=2)
+    res = two.get("lora")
     log = res[0]["log"]
-    losses, norms = reference_run(
-        cases.args_for(str(tmp_path / "ref"), "--tp", "2", *base, *lora), global_micro_batch=2
-    )
+    args = cases.args_for(f"{base}/ref-lora", "--tp", "2", *cases.LORA)
+    losses, norms = reference_run(args, global_micro_batch=2)
     torch.testing.assert_close([e["loss"] for e in log], losses, rtol=2e-4, atol=2e-4)
     torch.testing.assert_close([e["grad_norm"] for e in log], norms, rtol=2e-3, atol=1e-5)
     per = res[0]["per_step"]
     assert per[-1]["compiles"] == per[2]["compiles"], per  # steps 4-6 reuse the step graph
-    adapter = tmp_path / "xla" / "adapter"
+    adapter = os.path.join(base, "lora", "xla", "adapter")
     assert {"adapter_model.safetensors", "adapter_config.json"} <= set(os.listdir(adapter))

@@ -4,25 +4,60 @@ checkpoints hold each (tp, dp) rank's own optimizer shard (``optim-tp*-dp*`` fil
 gather at save): they resume bit-identically at the same layout, at another dp degree with
 and without --zero1, at another tp degree (tp2 x dp2 -> tp4), and consolidate to the same full
 optimizer state as the plain run's; a checkpoint written without --zero1 resumes with it; with
---bf16 the fp32 masters survive a dp2 -> dp4 (and tp2 -> tp1) round trip bit-exactly."""
+--bf16 the fp32 masters survive a dp2 -> dp4 (and tp2 -> tp1) round trip bit-exactly.
+
+The runs are the cases of two gloo launches (2 and 4 ranks, ``TWO`` and ``FOUR``); each test
+reads its own case's outputs."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import pathlib
 import sys
 
 import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_train_dist import _args, _losses, _quiet, gloo_dist  # noqa: E402
-
+import gloo_dist  # noqa: E402
 import neuron_tp as ntp  # noqa: E402
 from neuron_tp.train.loop import train  # noqa: E402
 from reference_train import reference_run  # noqa: E402
+from train_cpu import losses as _losses  # noqa: E402
+from train_cpu import quiet as _quiet  # noqa: E402
+from train_cpu import train_args as _args  # noqa: E402
 
 COMMON = ["--grad-accum", "2", "--steps", "12", "--save-every", "6"]
+TWO, FOUR = ("dp2", "skip"), ("tp2_dp2", "dp4", "bf16")
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("zero1_train"))
+
+
+def _case(case: str, base: str) -> None:
+    """Rank body of one case: its runs write under ``base``/``case``."""
+    out = os.path.join(base, case)
+    os.makedirs(out, exist_ok=True)
+    if case == "dp4":  # resumes the dp2 case's step-6 checkpoint
+        with open(os.path.join(base, "dp2", "u.json")) as f:
+            return _dp4(out, json.load(f)["ckpts"][0])
+    {"dp2": _dp2, "skip": _skip, "tp2_dp2": _tp2_dp2, "bf16": _bf16}[case](out)
+
+
+def _outputs(case: str, base: str):
+    """The output directory of ``case``, after its launch (the 2-rank one first: ``dp4``
+    needs its checkpoint)."""
+    with contextlib.suppress(AssertionError):  # its own test reports a failure
+        gloo_dist.run_case(_case, "dp2", base, cases=TWO, world_size=2)
+    if case in FOUR:
+        gloo_dist.run_case(_case, case, base, cases=FOUR, world_size=4)
+    else:
+        gloo_dist.run_case(_case, case, base, cases=TWO, world_size=2)
+    return pathlib.Path(base) / case
 
 
 def _norms(summary) -> list[float]:
@@ -66,8 +101,8 @@ def _tp2_dp2(tmp: str) -> None:
             )
 
 
-def test_zero1_tp2_dp2_equals_plain_and_reference(tmp_path):
-    gloo_dist.run(_tp2_dp2, str(tmp_path), world_size=4)
+def test_zero1_tp2_dp2_equals_plain_and_reference(base):
+    tmp_path = _outputs("tp2_dp2", base)
     res = json.loads((tmp_path / "res.json").read_text())
     assert res["z"] == pytest.approx(res["p"], rel=1e-5, abs=1e-6)
     assert res["z_norm"] == pytest.approx(res["p_norm"], rel=1e-5, abs=1e-6)
@@ -130,23 +165,19 @@ def _dp4(tmp: str, ckpt: str) -> None:
             json.dump(res, fh)
 
 
-def test_zero1_checkpoint_dp2_resumes_same_dp_exactly_and_at_dp4_with_and_without_zero1(
-    tmp_path,
-):
-    gloo_dist.run(_dp2, str(tmp_path), world_size=2)
-    u = json.loads((tmp_path / "u.json").read_text())
+def test_zero1_checkpoint_dp2_resumes_same_dp_exactly_and_at_dp4_with_and_without_zero1(base):
+    u = json.loads((_outputs("dp2", base) / "u.json").read_text())
     assert [os.path.basename(c) for c in u["ckpts"]] == ["step-00000006", "step-00000012"]
     _check_sharded_files(u["ckpts"][0], tp=1, dp=2)
     assert u["r"] == u["u"][6:]  # bit-identical on CPU
-    gloo_dist.run(_dp4, str(tmp_path), u["ckpts"][0], world_size=4)
-    res = json.loads((tmp_path / "dp4.json").read_text())
+    res = json.loads((_outputs("dp4", base) / "dp4.json").read_text())
     for name in ("zero1", "plain"):
         assert res[name + "_steps"] == list(range(7, 13)), name
         assert res[name] == pytest.approx(u["u"][6:], rel=1e-5, abs=1e-6), name
 
 
 def _skip(tmp: str) -> None:
-    from test_train_guard import _run
+    from guarded_run import run_guarded as _run
 
     mesh = ntp.init_mesh(tp=1)  # dp 2; NaN gradients on rank 1 at step 3
     res = {
@@ -168,9 +199,8 @@ def _skip(tmp: str) -> None:
             json.dump(res, fh)
 
 
-def test_zero1_skip_nonfinite_equals_plain(tmp_path):
-    gloo_dist.run(_skip, str(tmp_path), world_size=2)
-    res = json.loads((tmp_path / "skip.json").read_text())
+def test_zero1_skip_nonfinite_equals_plain(base):
+    res = json.loads((_outputs("skip", base) / "skip.json").read_text())
     z, p = res["zero1"], res["plain"]
     assert z["raised"] is None and z["ckpts"] == ["step-00000006"], z
     assert [e["skipped_steps"] for e in z["log"]] == [0, 0, 1, 1, 1, 1]
@@ -230,9 +260,8 @@ def _bf16(tmp: str) -> None:
             )
 
 
-def test_zero1_bf16_masters_survive_dp2_to_dp4_bit_exactly(tmp_path):
-    gloo_dist.run(_bf16, str(tmp_path), world_size=4)
-    res = json.loads((tmp_path / "bf16.json").read_text())
+def test_zero1_bf16_masters_survive_dp2_to_dp4_bit_exactly(base):
+    res = json.loads((_outputs("bf16", base) / "bf16.json").read_text())
     assert res["exact"] and all(res["exact"]), "fp32 masters changed in the round trip"
     assert all(res["cast"]), "bf16 parameters are not their masters cast"
     assert res["same"] == res["a"][2:]  # same layout: bit-identical continuation

@@ -1,10 +1,14 @@
 """Training-entry-point runs executed on N XLA CPU devices (tests/helpers/xla_dist.py), used by
 test_train_xla_multi.py: each rank runs ``neuron_tp.train.loop.train`` exactly as a Neuron job
-would; rank 0 also records the process-wide compile / host-transfer counters after every step
-(all ranks meet at a barrier first, so a step's counts are complete)."""
+would; rank 0 also records the process-wide compile / host-transfer counters after every step,
+counted from the start of the run (all ranks meet at a barrier first, so a step's counts are
+complete). The runs of test_train_xla_multi.py are the cases of two launches (``on_two``,
+``on_four``: ``xla_dist.run_cases``), so they share one process per device count."""
 
 from __future__ import annotations
 
+import os
+import shutil
 import threading
 
 import neuron_tp as ntp
@@ -50,12 +54,16 @@ def run_train(tp: int, out: str, extra: list[str], stop_at: int | None = None) -
     world = xr.world_size()
     mesh = ntp.init_mesh(tp=tp)
     per_step, barrier, holder = [], _barrier(world), {}
+    barrier.wait()
+    start = graph_counters()  # earlier runs of this process are not this run's
+    barrier.wait()
 
     def on_step(run):
         holder["run"] = run
         barrier.wait()
         if mesh.rank == 0:
-            per_step.append({"step": run.step, **graph_counters()})
+            now = graph_counters()
+            per_step.append({"step": run.step, **{k: now[k] - start[k] for k in now}})
         barrier.wait()
 
     s = train(
@@ -143,3 +151,68 @@ def run_generate(tp: int) -> dict:
         _barrier(mesh.world_size).wait()
     res["counts"] = counts
     return res
+
+
+# The runs of test_train_xla_multi.py: the options of each (the test runs the reference with
+# the same ones), and the cases of the 2- and 4-device launches, in order.
+QWEN3 = ["--model", "tiny-qwen3", "--micro-batch", "2", "--steps", "8", "--log-every", "2"]
+QWEN3 += ["--save-every", "4"]
+DP2_SP = ["--micro-batch", "2", "--grad-accum", "2", "--steps", "6", "--sequence-parallel"]
+DP2_SP += ["--save-every", "0"]
+RECOMPUTE_BASE = ["--micro-batch", "2", "--steps", "4", "--save-every", "0"]
+RECOMPUTE = {
+    "recompute-full-sp": ["--activation-checkpointing", "full", "--sequence-parallel"],
+    "recompute-selective": ["--activation-checkpointing", "selective"],
+}
+ZERO1 = ["--zero1", "--micro-batch", "1", "--steps", "8", "--log-every", "2", "--save-every", "4"]
+LORA = ["--micro-batch", "2", "--steps", "6", "--save-every", "0", "--sequence-parallel"]
+LORA += ["--lora-r", "4", "--lora-alpha", "12"]
+LORA += ["--lora-target-modules", "q_proj,v_proj,o_proj,down_proj"]
+ON_TWO = ("qwen3", *RECOMPUTE, "zero1", "lora", "generate", "rank1-differs")
+ON_FOUR = ("tp2-dp2-sp", "qwen3-tp4")
+
+
+def _copy_checkpoint(ckpt: str, out: str) -> None:
+    """Rank 0 copies ``ckpt`` into ``out``/checkpoints; every rank waits for it."""
+    import torch_xla.runtime as xr
+
+    barrier = _barrier(xr.world_size())
+    barrier.wait()
+    if xr.global_ordinal() == 0:
+        os.makedirs(os.path.join(out, "checkpoints"))
+        shutil.copytree(ckpt, os.path.join(out, "checkpoints", os.path.basename(ckpt)))
+    barrier.wait()
+
+
+def on_two(case: str, base: str) -> object:
+    """One case of the 2-device launch; outputs under ``base``/``case``."""
+    out = os.path.join(base, case)
+    if case == "qwen3":  # then resume its step-4 checkpoint in a new run
+        first = run_train(2, f"{out}/xla", QWEN3)
+        _copy_checkpoint(f"{out}/xla/checkpoints/step-00000004", f"{out}/resumed")
+        return {"first": first, "again": run_train(2, f"{out}/resumed", QWEN3)}
+    if case in RECOMPUTE:
+        return run_train(2, f"{out}/xla", RECOMPUTE_BASE + RECOMPUTE[case])
+    if case == "zero1":  # tp=1 x dp=2, then resume its step-4 checkpoint
+        first = run_train(1, f"{out}/xla", ZERO1)
+        _copy_checkpoint(f"{out}/xla/checkpoints/step-00000004", f"{out}/resumed")
+        return {"first": first, "again": run_train(1, f"{out}/resumed", ZERO1)}
+    if case == "lora":
+        return run_train(2, f"{out}/xla", LORA)
+    if case == "generate":
+        return run_generate(2)
+    if case == "rank1-differs":
+        return run_train_rank1_differs(f"{out}/run")
+    raise ValueError(f"unknown case {case!r}; valid: {ON_TWO}")
+
+
+def on_four(case: str, base: str) -> object:
+    """One case of the 4-device launch (``qwen3-tp4`` resumes the 2-device ``qwen3`` run's
+    step-4 checkpoint at tp=4)."""
+    out = os.path.join(base, case)
+    if case == "tp2-dp2-sp":
+        return run_train(2, f"{out}/xla", DP2_SP)
+    if case == "qwen3-tp4":
+        _copy_checkpoint(f"{base}/qwen3/xla/checkpoints/step-00000004", out)
+        return run_train(4, out, QWEN3)
+    raise ValueError(f"unknown case {case!r}; valid: {ON_FOUR}")
