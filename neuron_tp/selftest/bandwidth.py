@@ -94,7 +94,8 @@ def check_bandwidth(ctx: Context, instance: Instance | None) -> Check:
             busbw, lat = [], 0.0
             for s in msgs:
                 with ctx.watchdog.doing(
-                    f"{op} on the {describe_group(group)}, fp32, {_size(s)} (bandwidth)"
+                    f"{op} on the {describe_group(group)}, fp32, {_size(s)} (bandwidth)",
+                    ctx.stage_limit,
                 ):
                     t = time_op(ctx, op, group, s)
                 lat = lat or t

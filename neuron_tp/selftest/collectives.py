@@ -102,7 +102,7 @@ def check_collectives(ctx: Context) -> Check:
                 for salt, (shape, dim) in enumerate(shapes(group.size, ctx.options.quick)):
                     what = label(op, group, dname, shape, dim)
                     x = rank_input(ctx.rank, shape, salt).to(dtype).to(ctx.device)
-                    with ctx.watchdog.doing(what):
+                    with ctx.watchdog.doing(what, ctx.stage_limit):
                         got = run_op(op, x, group, dim)
                         ctx.sync()
                         got = got.cpu().float()
@@ -115,33 +115,36 @@ def check_collectives(ctx: Context) -> Check:
                         c.fail(f"rank {ctx.rank}: {what}: {why}")
                         failed_dtypes.setdefault(f"{op} {group.name}", set()).add(dname)
     c.numbers = {"collectives": done}
-    c.summary = f"{done} collectives exact (all_reduce, all_gather, reduce_scatter; fp32, bf16)"
+    wrong = len(c.failures)
+    c.summary = (
+        f"{wrong} of {done} results wrong on rank {ctx.rank}"
+        if wrong
+        else f"{done} collectives exact (all_reduce, all_gather, reduce_scatter; fp32, bf16)"
+    )
     c.hint = hint(ctx, c, failed_dtypes)
     return c
 
 
 def hint(ctx: Context, c: Check, failed_dtypes: dict[str, set[str]]) -> str:
-    """What a failure means, from where it happened."""
-    if not c.failures:
-        return ""
-    tips = []
-    if failed_dtypes and all(d == {"bf16"} for d in failed_dtypes.values()):
-        tips.append(
-            "only bf16 is wrong: the runtime sums in bf16 (accumulation dtype); run with "
-            "reduce_dtype=torch.float32 (init_mesh) and report the runtime version"
-        )
+    """What the failures mean, per collective and group that failed (one tip per meaning)."""
     spans = {g.name: ctx.nodes(g) > 1 for g in ctx.groups()}
-    names = {k.split()[1] for k in failed_dtypes}
-    if names and all(spans.get(n) for n in names):
-        tips.append(
-            "only groups that span nodes are wrong: check EFA (FI_PROVIDER=efa, "
-            "FI_EFA_USE_DEVICE_RDMA=1, every EFA interface attached, security group open)"
-        )
-    if not tips:
-        tips.append(
-            "the collective itself returns wrong data: report it with --json output and "
-            "the Neuron runtime / torch-xla versions"
-        )
-    return "; ".join(tips)
-
-
+    tips: dict[str, list[str]] = {}
+    for key, dtypes in sorted(failed_dtypes.items()):
+        if dtypes == {"bf16"}:
+            tip = (
+                "only bf16 is wrong: the runtime's bf16 sum is inexact (accumulation dtype); "
+                "sum in fp32 (init_mesh(reduce_dtype=torch.float32), as train --bf16 does) and "
+                "report the runtime version"
+            )
+        elif spans.get(key.split()[1]):
+            tip = (
+                "wrong only on groups that span nodes: check EFA (FI_PROVIDER=efa, "
+                "FI_EFA_USE_DEVICE_RDMA=1, every EFA interface attached, security group open)"
+            )
+        else:
+            tip = (
+                "the collective returns wrong data: report it with the --json output and the "
+                "Neuron runtime / torch-xla versions"
+            )
+        tips.setdefault(tip, []).append(key)
+    return "; ".join(f"{', '.join(keys)}: {tip}" for tip, keys in tips.items())

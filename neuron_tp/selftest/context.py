@@ -55,6 +55,15 @@ class Context:
     def on_neuron(self) -> bool:
         return self.on_xla and not _xla.cpu_runtime()
 
+    @property
+    def stage_limit(self) -> float | None:
+        """A bound for one collective alone: XLA:CPU aborts the whole process when a
+        collective's devices arrive more than 10 s apart, so on XLA CPU devices the watchdog
+        names a stuck collective at 8 s, before that abort (elsewhere: the check's timeout)."""
+        if self.on_xla and not self.on_neuron:
+            return min(8.0, self.options.timeout)
+        return None
+
     def groups(self) -> list[Group]:
         """The groups the collectives are checked on: tp, dp and the whole world."""
         return [self.mesh.group(n) for n in ("tp", "dp", "world")]

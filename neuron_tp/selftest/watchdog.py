@@ -32,6 +32,7 @@ class Watchdog:
         self._lock = threading.Lock()
         self._started: dict[int, tuple[float, int, str]] = {}  # thread -> (start, rank, check)
         self._what: dict[int, str] = {}
+        self._stage: dict[int, tuple[float, float]] = {}  # thread -> (start, limit) of doing()
         self._thread: threading.Thread | None = None
 
     @contextlib.contextmanager
@@ -52,18 +53,29 @@ class Watchdog:
                 self._what.pop(me, None)
 
     @contextlib.contextmanager
-    def doing(self, what: str) -> Iterator[None]:
-        """Say what this rank does now (e.g. ``all_reduce on the tp group [0, 1], bf16``)."""
+    def doing(self, what: str, limit_s: float | None = None) -> Iterator[None]:
+        """Say what this rank does now (e.g. ``all_reduce on the tp group [0, 1], bf16``);
+        ``limit_s``: a shorter bound for this step alone (see ``Context.stage_limit``)."""
         me = threading.get_ident()
         with self._lock:
             before = self._what.get(me)
             self._what[me] = what
+            if limit_s is not None:
+                self._stage[me] = (time.monotonic(), limit_s)
         try:
             yield
         finally:
             with self._lock:
+                self._stage.pop(me, None)
                 if me in self._started:
                     self._what[me] = before or ""
+
+    def _bound(self, thread: int, start: float, now: float) -> float:
+        """The bound (seconds) ``thread`` has exceeded, 0.0 when none."""
+        if now - start > self.timeout_s:
+            return self.timeout_s
+        stage = self._stage.get(thread)
+        return stage[1] if stage and now - stage[0] > stage[1] else 0.0
 
     def _watch(self) -> None:
         while True:
@@ -71,14 +83,14 @@ class Watchdog:
             now = time.monotonic()
             with self._lock:
                 stuck = [
-                    (rank, name, self._what.get(t, ""))
+                    (rank, name, self._what.get(t, ""), self._bound(t, start, now))
                     for t, (start, rank, name) in self._started.items()
-                    if now - start > self.timeout_s
+                    if self._bound(t, start, now)
                 ]
             if stuck:
-                for rank, name, what in sorted(stuck):
+                for rank, name, what, bound in sorted(stuck):
                     print(
-                        f"FAIL {name:<12} TIMEOUT after {self.timeout_s:g} s on rank {rank}: "
+                        f"FAIL {name:<12} TIMEOUT after {bound:g} s on rank {rank}: "
                         f"{what} did not return",
                         file=sys.stderr,
                         flush=True,
