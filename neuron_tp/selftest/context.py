@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -37,7 +38,10 @@ class Context:
     device: torch.device
     watchdog: Watchdog
     ranks_per_node: int
+    lock: threading.Lock = field(default_factory=threading.Lock)  # shared by the ranks of a
+    # process (threads under --xla-cpu-devices): the global RNG, transformers' lazy imports
     facts: dict = field(default_factory=dict)  # this rank's environment (env check)
+    measured: dict = field(default_factory=dict)  # what one check leaves for a later one
 
     @property
     def rank(self) -> int:
@@ -76,6 +80,17 @@ class Context:
             # wait=True waits for this device's graph only (wait_device_ops() would wait for
             # every device of the process: the other ranks' threads under --xla-cpu-devices)
             torch_xla.sync(wait=True)
+
+    @property
+    def local_ranks(self) -> int:
+        """Ranks in this process (they share torch-xla's process-wide metrics)."""
+        return self.world if self.options.xla_cpu_devices else 1
+
+    def barrier(self, key: str) -> None:
+        """Wait for every rank, through the host store (no device graph)."""
+        from ..parallel import comm
+
+        comm.host_all_gather(f"selftest-barrier-{key}", b"", self.mesh.group("world"))
 
     def nodes(self, group: Group) -> int:
         """How many nodes ``group`` spans."""

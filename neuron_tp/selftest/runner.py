@@ -37,6 +37,7 @@ class Shared:
         self.options = options
         self._lock = threading.Lock()
         self._watchdog: Watchdog | None = None
+        self.ranks_lock = threading.Lock()  # for Context.lock
 
     def watchdog(self) -> Watchdog:
         with self._lock:
@@ -88,7 +89,7 @@ def make_context(shared: Shared) -> Context:
     tp = options.tp or default_tp(world, per_node)
     mesh = init_mesh(tp=tp, backend="gloo" if options.device == "cpu" else None)
     device = _xla.device() if options.device == "xla" else torch.device("cpu")
-    return Context(options, mesh, device, shared.watchdog(), per_node)
+    return Context(options, mesh, device, shared.watchdog(), per_node, shared.ranks_lock)
 
 
 def run_one(ctx: Context, name: str, fn: Callable[[Context], Check]) -> Check:
