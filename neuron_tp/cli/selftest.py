@@ -34,8 +34,12 @@ def selftest_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="run N ranks as XLA CPU devices of this one process (no torchrun)",
     )
-    p.add_argument("--tp", type=positive(int), default=None, help="tp degree of the mesh "
-                   "(default: the ranks of a node, or half the world from 4 ranks)")
+    p.add_argument(
+        "--tp",
+        type=positive(int),
+        default=None,
+        help="tp degree of the mesh (default: the ranks of a node, or half the world from 4 ranks)",
+    )
     p.add_argument("--quick", action="store_true", help="a one-minute subset")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument(

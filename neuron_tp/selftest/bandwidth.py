@@ -83,7 +83,7 @@ def check_bandwidth(ctx: Context, instance: Instance | None) -> Check:
     msgs = sizes(top)
     ops = ("all_reduce",) if ctx.options.quick else ("all_reduce", "all_gather", "reduce_scatter")
     head = f"{'op':<15}{'group':<14}{'lat us':>8}" + "".join(f"{_size(s):>8}" for s in msgs)
-    c.table = [f"busbw GB/s by message size (algbw x bus factor, as nccl-tests), fp32", head]
+    c.table = ["busbw GB/s by message size (algbw x bus factor, as nccl-tests), fp32", head]
     if instance is not None:
         c.table[-1] += f"{'theory':>8}"
     rows = []

@@ -8,7 +8,6 @@ in bf16 too: any difference is a fault of the collective, never rounding.
 
 from __future__ import annotations
 
-
 import torch
 
 from ..parallel import comm

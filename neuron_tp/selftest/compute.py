@@ -47,7 +47,9 @@ def check_compute(ctx: Context, instance: Instance | None) -> Check:
     rows = []
     for tokens, hidden in gemm_sizes(ctx):
         with ctx.watchdog.doing(f"bf16 matmul [{tokens}, {hidden}] x [{hidden}, {hidden}]"):
-            rows.append({"tokens": tokens, "hidden": hidden, "flops": achieved(ctx, tokens, hidden)})
+            rows.append(
+                {"tokens": tokens, "hidden": hidden, "flops": achieved(ctx, tokens, hidden)}
+            )
     best = max(r["flops"] for r in rows)
     peak = instance.peak_flops_per_core if instance else None
     c.numbers = {"rows": rows, "best_flops": best, "peak_flops": peak}

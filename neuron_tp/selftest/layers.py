@@ -64,7 +64,9 @@ class Compare:
 
     def grads(self, module: nn.Module, ref: dict[str, torch.Tensor], mesh: Mesh) -> None:
         for name, p in module.named_parameters():
-            got = p.grad if p.grad is None else gather_full(p.grad, get_sharding(module, name), mesh)
+            got = (
+                p.grad if p.grad is None else gather_full(p.grad, get_sharding(module, name), mesh)
+            )
             self.add(f"grad {name}", got, ref[name].grad)
 
     def run(self) -> float:
@@ -226,7 +228,9 @@ def check_layers(ctx: Context) -> Check:
         set_default_mesh(before)
     c.numbers = {"cases": names, "max_relative_error": worst}
     verb = "match" if c.ok else "do NOT all match"
-    c.summary = f"{', '.join(names)}: forward + backward {verb} the host (max rel. error {worst:.1e})"
+    c.summary = (
+        f"{', '.join(names)}: forward + backward {verb} the host (max rel. error {worst:.1e})"
+    )
     if not c.ok:
         c.hint = (
             "a layer disagrees with plain torch while the collectives are exact: a compiler or "

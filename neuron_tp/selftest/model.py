@@ -27,7 +27,8 @@ NEW_TOKENS, PROMPT = 6, 8
 
 
 def tiny_llama(ctx: Context):
-    """A 2-layer Llama (1 with --quick: half the compile time) whose heads, kv heads and MLP tp divides; a vocabulary it does not."""
+    """A 2-layer Llama (1 with --quick: half the compile time) whose heads, kv heads and MLP
+    tp divides; a vocabulary it does not."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tp = ctx.mesh.tp_size
@@ -41,6 +42,9 @@ def tiny_llama(ctx: Context):
         num_key_value_heads=max(2, heads // 2),
         max_position_embeddings=256,
         tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,  # greedy tokens never stop early (neither here nor in transformers)
+        pad_token_id=None,
     )
     config._attn_implementation = "sdpa"
     with ctx.lock:  # the global RNG is shared by the ranks of a process
@@ -51,6 +55,16 @@ def tiny_llama(ctx: Context):
 def host_batch(ctx: Context, vocab: int, step: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(100 + step)
     return torch.randint(0, vocab, (ROWS * ctx.mesh.dp_size, SEQ), generator=g)
+
+
+def run_step(ctx: Context, what: str) -> None:
+    """Run the step's pending graph. On XLA CPU devices the ranks first wait for each other:
+    XLA:CPU aborts a collective whose threads arrive more than 10 s apart, and threads that
+    trace a model under one GIL on a busy machine easily drift that far (the compile that
+    follows still may: under heavy load an 8-device run can abort there)."""
+    if ctx.on_xla and not ctx.on_neuron:
+        ctx.barrier(f"traced {what}")
+    ctx.sync()
 
 
 def train(ctx: Context, base) -> dict:
@@ -75,7 +89,7 @@ def train(ctx: Context, base) -> dict:
             mean = comm.all_reduce(loss.detach().reshape(1), mesh.dp) / mesh.dp_size
             opt.step()
             opt.zero_grad(set_to_none=True)
-            ctx.sync()
+            run_step(ctx, f"train step {step}")
             got.append((float(mean.cpu()[0]), float(norm.cpu())))
         counted = measure(ctx, f"train step {step}", counted)
         ref_loss = ref(input_ids=batch, labels=batch).loss

@@ -95,8 +95,11 @@ class Watchdog:
                         file=sys.stderr,
                         flush=True,
                     )
-                print(f"     what to try: {HINT}; raise --timeout if the check is only slow",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"     what to try: {HINT}; raise --timeout if the check is only slow",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 print("selftest: FAIL (timeout)", file=sys.stderr, flush=True)
                 sys.stdout.flush()
                 os._exit(1)

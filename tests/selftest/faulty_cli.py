@@ -3,8 +3,8 @@ torch.distributed / torch-xla functions that ``neuron_tp.parallel.comm`` calls a
 comm itself. ``SELFTEST_FAULT`` picks the faults (comma-separated):
 
 - ``wrong_chunk``: all-gather returns the first two ranks' chunks swapped;
-- ``lost_rank``: rank 1's contribution to every fp32 all-reduce is lost (zeros);
-- ``inexact_bf16``: bf16 all-reduce sums come back off by a relative 2^-6;
+- ``lost_rank``: rank 1's contribution to every all-reduce is lost (zeros);
+- ``inexact_bf16``: bf16 reduce-scatter sums come back off by a relative 2^-6;
 - ``no_arrive``: rank 1 never arrives in its first bf16 all-reduce.
 
 Installed at import: under ``--xla-cpu-devices`` the ranks' process (multiprocessing spawn)
@@ -35,7 +35,11 @@ def _stall(rank: int, dtype: torch.dtype) -> None:
 def _install_gloo() -> None:
     import torch.distributed as dist
 
-    gather, reduce = dist.all_gather_into_tensor, dist.all_reduce
+    gather, reduce, scatter = (
+        dist.all_gather_into_tensor,
+        dist.all_reduce,
+        dist.reduce_scatter_tensor,
+    )
 
     def all_gather_into_tensor(out, src, group=None, async_op=False):
         work = gather(out, src, group=group, async_op=async_op)
@@ -46,14 +50,18 @@ def _install_gloo() -> None:
     def all_reduce(t, op=dist.ReduceOp.SUM, group=None, async_op=False):
         rank = dist.get_rank()
         _stall(rank, t.dtype)
-        if "lost_rank" in FAULTS and rank == 1 and t.dtype == torch.float32:
+        if "lost_rank" in FAULTS and rank == 1:
             t.zero_()
-        work = reduce(t, op=op, group=group, async_op=async_op)
-        if "inexact_bf16" in FAULTS and t.dtype == torch.bfloat16:
-            t.mul_(1 + 2**-6)
+        return reduce(t, op=op, group=group, async_op=async_op)
+
+    def reduce_scatter_tensor(out, src, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        work = scatter(out, src, op=op, group=group, async_op=async_op)
+        if "inexact_bf16" in FAULTS and out.dtype == torch.bfloat16:
+            out.mul_(1 + 2**-6)
         return work
 
     dist.all_gather_into_tensor, dist.all_reduce = all_gather_into_tensor, all_reduce
+    dist.reduce_scatter_tensor = reduce_scatter_tensor
 
 
 def _install_xla() -> None:
@@ -61,7 +69,7 @@ def _install_xla() -> None:
     import torch_xla.core.xla_model as xm
     import torch_xla.runtime as xr
 
-    gather, reduce = xm.all_gather, torch_xla._XLAC._xla_spmd_all_reduce
+    gather, reduce, scatter = xm.all_gather, torch_xla._XLAC._xla_spmd_all_reduce, xm.reduce_scatter
 
     def all_gather(x, dim=0, groups=None, **kw):
         out = gather(x, dim=dim, groups=groups, **kw)
@@ -71,14 +79,18 @@ def _install_xla() -> None:
 
     def spmd_all_reduce(kind, x, scale, groups):
         _stall(xr.global_ordinal(), x.dtype)
-        if "lost_rank" in FAULTS and xr.global_ordinal() == 1 and x.dtype == torch.float32:
+        if "lost_rank" in FAULTS and xr.global_ordinal() == 1:
             x = x * 0
-        out = reduce(kind, x, scale, groups)
+        return reduce(kind, x, scale, groups)
+
+    def reduce_scatter(kind, x, scale, scatter_dim, shard_count, **kw):
+        out = scatter(kind, x, scale, scatter_dim, shard_count, **kw)
         if "inexact_bf16" in FAULTS and x.dtype == torch.bfloat16:
             out = out * (1 + 2**-6)
         return out
 
     xm.all_gather, torch_xla._XLAC._xla_spmd_all_reduce = all_gather, spmd_all_reduce
+    xm.reduce_scatter = reduce_scatter
 
 
 if FAULTS:
