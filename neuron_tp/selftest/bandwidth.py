@@ -25,12 +25,12 @@ BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (
 BUS_FACTOR["reduce_scatter"] = BUS_FACTOR["all_gather"]
 
 
-def sizes(max_bytes: int) -> list[int]:
-    """Message sizes: 1 KiB, then x4 up to ``max_bytes``."""
+def sizes(max_bytes: int, step: int = 4) -> list[int]:
+    """Message sizes: 1 KiB, then x ``step`` up to ``max_bytes``."""
     out, s = [], KiB
     while s <= max_bytes:
         out.append(s)
-        s *= 4
+        s *= step
     return out
 
 
@@ -80,7 +80,7 @@ def check_bandwidth(ctx: Context, instance: Instance | None) -> Check:
     """busbw per (op, group) and message size; latency at 1 KiB."""
     c = Check("bandwidth")
     top = max_message(ctx)
-    msgs = sizes(top)
+    msgs = sizes(top, 16 if ctx.options.quick else 4)
     ops = ("all_reduce",) if ctx.options.quick else ("all_reduce", "all_gather", "reduce_scatter")
     head = f"{'op':<15}{'group':<14}{'lat us':>8}" + "".join(f"{_size(s):>8}" for s in msgs)
     c.table = ["busbw GB/s by message size (algbw x bus factor, as nccl-tests), fp32", head]

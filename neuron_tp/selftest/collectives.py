@@ -98,13 +98,19 @@ def check_collectives(ctx: Context) -> Check:
             continue
         for dname, dtype in DTYPES.items():
             for op in OPS:
-                for salt, (shape, dim) in enumerate(shapes(group.size, ctx.options.quick)):
+                # every shape of one (collective, group, dtype) in one graph: what a hang
+                # names; fewer graphs to compile
+                cases = list(enumerate(shapes(group.size, ctx.options.quick)))
+                what = f"{op} on the {describe_group(group)}, {dname}"
+                with ctx.watchdog.doing(what, ctx.stage_limit):
+                    outs = []
+                    for salt, (shape, dim) in cases:
+                        x = rank_input(ctx.rank, shape, salt).to(dtype).to(ctx.device)
+                        outs.append(run_op(op, x, group, dim))
+                    ctx.sync()
+                    outs = [o.cpu().float() for o in outs]
+                for (salt, (shape, dim)), got in zip(cases, outs):
                     what = label(op, group, dname, shape, dim)
-                    x = rank_input(ctx.rank, shape, salt).to(dtype).to(ctx.device)
-                    with ctx.watchdog.doing(what, ctx.stage_limit):
-                        got = run_op(op, x, group, dim)
-                        ctx.sync()
-                        got = got.cpu().float()
                     done += 1
                     want = expected(op, group, shape, dim, salt)
                     if got.shape != want.shape:
