@@ -1,10 +1,10 @@
 #!/bin/sh
 # Render one k8s/ template with the values of k8s/params.env and optional override files
 # (later files win). Plain POSIX sh + sed: nothing to install.
-# Usage: k8s/render.sh cluster|train|precompile|consolidate|inference [OVERRIDES.env ...] | kubectl apply -f -
+# Usage: k8s/render.sh cluster|train|precompile|consolidate|inference|selftest [OVERRIDES.env ...] | kubectl apply -f -
 set -eu
 dir=$(cd "$(dirname "$0")" && pwd)
-usage="usage: $0 cluster|train|precompile|consolidate|inference [OVERRIDES.env ...]"
+usage="usage: $0 cluster|train|precompile|consolidate|inference|selftest [OVERRIDES.env ...]"
 [ $# -ge 1 ] || { echo "$usage" >&2; exit 2; }
 tmpl="$dir/$1.yaml"
 shift

@@ -108,6 +108,7 @@ def _check_cli(argv: list[str], world: int, neuron_only: bool, monkeypatch) -> N
     import neuron_tp.checkpoint
     import neuron_tp.cli.launch
     import neuron_tp.cli.plan
+    import neuron_tp.cli.selftest
     from neuron_tp.cli.entry import main
     from neuron_tp.job.config import GenerateConfig, ServeConfig, TrainConfig
     from neuron_tp.job.runtime import refuse_xla_ranks_off_neuron
@@ -129,10 +130,16 @@ def _check_cli(argv: list[str], world: int, neuron_only: bool, monkeypatch) -> N
     def consolidate(checkpoint, out_dir, adapter_only=False):
         raise _Checked
 
+    def selftest(rest):
+        st = neuron_tp.cli.selftest
+        st.options_from_args(st.selftest_parser().parse_args(rest))
+        raise _Checked
+
     monkeypatch.setattr(neuron_tp.cli.launch, "train_command", with_config(TrainConfig))
     monkeypatch.setattr(neuron_tp.cli.launch, "generate_command", with_config(GenerateConfig))
     monkeypatch.setattr(neuron_tp.cli.launch, "serve_command", with_config(ServeConfig))
     monkeypatch.setattr(neuron_tp.cli.plan, "plan_command", plan)
+    monkeypatch.setattr(neuron_tp.cli.selftest, "selftest_command", selftest)
     monkeypatch.setattr(neuron_tp.checkpoint, "consolidate", consolidate)
     try:
         code = main(argv)

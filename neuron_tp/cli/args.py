@@ -244,6 +244,13 @@ def train_parser() -> argparse.ArgumentParser:
         default="trn1.32xlarge",
         help="--plan auto: the instance type whose NeuronCore figures the plan uses",
     )
+    p.add_argument(
+        "--plan-calibration",
+        default="",
+        metavar="PATH",
+        help="--plan auto: measured figures from `neuron-tp selftest --calibrate PATH` instead "
+        "of the instance's datasheet figures",
+    )
     return p
 
 

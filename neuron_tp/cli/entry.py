@@ -1,4 +1,4 @@
-"""``neuron-tp train|generate|serve|consolidate|plan``: the command-line entry point."""
+"""``neuron-tp train|generate|serve|consolidate|plan|selftest``: the command-line entry point."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import time
 
 from ..errors import UserError, reporter
 
-COMMANDS = ("train", "generate", "serve", "consolidate", "plan")
+COMMANDS = ("train", "generate", "serve", "consolidate", "plan", "selftest")
 
 
 def _consolidate(argv: list[str]) -> int:
@@ -91,6 +91,10 @@ def _dispatch(cmd: str, rest: list[str]) -> int:
         from .plan import plan_command
 
         return plan_command(rest)
+    if cmd == "selftest":
+        from .selftest import selftest_command
+
+        return selftest_command(rest)
     if cmd == "train":
         from .args import train_parser
         from .launch import train_command

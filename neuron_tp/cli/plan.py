@@ -39,7 +39,18 @@ def plan_parser() -> argparse.ArgumentParser:
     pins.add_argument("--zero1", action=argparse.BooleanOptionalAction, help="fp32 jobs")
     model = p.add_argument_group("assumptions")
     model.add_argument(
-        "--efficiency", type=float, default=0.5, help="achievable fraction of peak FLOP/s"
+        "--efficiency",
+        type=float,
+        default=None,
+        help="achievable fraction of peak FLOP/s (default 0.5; 1.0 of a --calibration's "
+        "measured matmul rate)",
+    )
+    model.add_argument(
+        "--calibration",
+        default="",
+        metavar="PATH",
+        help="measured figures from `neuron-tp selftest --calibrate PATH` instead of the "
+        "datasheet's (bandwidths, collective latency, achieved TFLOP/s)",
     )
     model.add_argument(
         "--memory-fraction", type=float, default=0.9, help="of a core's HBM the job may use"
@@ -55,12 +66,20 @@ def job_from_args(args: argparse.Namespace, ranks_per_node: int = 0):
     from ..plan.search import Job
 
     instance = get_instance(args.instance)
+    efficiency = 0.5 if args.efficiency is None else args.efficiency
+    if getattr(args, "calibration", ""):
+        from ..plan.calibration import calibrated, load_calibration
+
+        calibration = load_calibration(args.calibration)
+        instance = calibrated(instance, calibration)
+        if args.efficiency is None and calibration.has_compute:
+            efficiency = 1.0
     if args.nodes > 1 and not instance.efa:
         multi = sorted(n for n, i in INSTANCES.items() if i.efa)
         raise ValueError(
             f"{instance.name} has no EFA: multi-node training needs one of {multi} (or --nodes 1)"
         )
-    if not 0 < args.efficiency <= 1 or not 0 < args.memory_fraction <= 1:
+    if not 0 < efficiency <= 1 or not 0 < args.memory_fraction <= 1:
         raise ValueError("--efficiency and --memory-fraction must be in (0, 1]")
     return Job(
         instance,
@@ -68,7 +87,7 @@ def job_from_args(args: argparse.Namespace, ranks_per_node: int = 0):
         args.seq_len,
         args.global_batch,
         bf16=not args.fp32,
-        efficiency=args.efficiency,
+        efficiency=efficiency,
         memory_fraction=args.memory_fraction,
         ranks_per_node=ranks_per_node,
     )
@@ -87,6 +106,7 @@ def pins_from_args(args: argparse.Namespace) -> dict:
 
 def plan_command(argv: list[str]) -> int:
     """Run ``neuron-tp plan``; 0 when a layout fits, 1 when none does, 2 on bad input."""
+    from ..plan.hardware import get_instance
     from ..plan.models import KNOWN, plan_config
     from ..plan.report import plan_dict, plan_table
     from ..plan.search import make_plan
@@ -97,6 +117,11 @@ def plan_command(argv: list[str]) -> int:
         config = plan_config(args.model, args.seq_len)
         plan = make_plan(config, job, **pins_from_args(args))
         plan.model = args.model
+        if args.calibration:
+            from ..plan.calibration import describe, load_calibration
+
+            datasheet = get_instance(args.instance)
+            plan.notes.append(describe(datasheet, load_calibration(args.calibration)))
         if args.model.lower() in KNOWN:
             plan.notes.append(
                 f"--model {args.model} names an architecture: give train the model's "

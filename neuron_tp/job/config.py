@@ -88,6 +88,7 @@ class TrainConfig(_CommonConfig):
     eval_data: str | None = None  # evaluated every eval_every steps (neuron_tp.train.evaluate)
     eval_every: int = 0  # 0: no evaluation
     eval_batches: int = 0  # micro-batches per rank per evaluation; 0: the whole eval set
+    plan_calibration: str = ""  # --plan auto: measured figures (neuron-tp selftest --calibrate)
 
     @property
     def uses_zero1(self) -> bool:

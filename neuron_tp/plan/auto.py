@@ -60,12 +60,21 @@ def apply_plan(config, printer=print):
     world, per_node = job_size(config)
     if world % per_node:
         raise ValueError(f"world size {world} is not a multiple of {per_node} ranks per node")
+    instance, efficiency = get_instance(config.plan_instance), 0.5
+    if config.plan_calibration:
+        from .calibration import calibrated, describe, load_calibration
+
+        calibration = load_calibration(config.plan_calibration)
+        printer(f"--plan auto: {describe(instance, calibration)}")
+        instance = calibrated(instance, calibration)
+        efficiency = 1.0 if calibration.has_compute else efficiency
     job = Job(
-        get_instance(config.plan_instance),
+        instance,
         world // per_node,
         config.seq_len,
         config.global_batch,
         bf16=config.bf16,
+        efficiency=efficiency,
         ranks_per_node=per_node,
     )
     model_config = _model_config(config)

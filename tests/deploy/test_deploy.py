@@ -24,7 +24,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "k8s"
-TEMPLATES = ("cluster", "train", "precompile", "consolidate", "inference")
+TEMPLATES = ("cluster", "train", "precompile", "consolidate", "inference", "selftest")
 VARIANTS = {"trn1": (), "trn1n": ("trn1n.env",)}
 IMAGE_ROOT = "/opt/neuron_tp"  # WORKDIR of the Dockerfile: scripts/ is copied below it
 # AWS instance facts (Neuron devices, NeuronCores, EFA interfaces), not taken from the manifests.
@@ -254,6 +254,37 @@ def test_trainium_pods_request_all_devices_and_efa(variant):
         flags = shlex.split(env["NEURON_CC_FLAGS"]["value"])
         assert all(re.fullmatch(r"--?[A-Za-z][-\w]*(=\S+)?", f) for f in flags), flags
         assert f"--cache_dir={cache}" in flags and "--model-type=transformer" in flags
+
+
+def test_selftest_job_checks_every_core_of_the_training_nodes(variant):
+    """k8s/selftest.yaml runs `neuron-tp selftest` (its own parser accepts the options) on the
+    training job's nodes, devices, EFA, environment and compile cache, with its tp (so dp
+    crosses the nodes), never restarted, writing the calibration to the shared volume."""
+    from neuron_tp.cli.selftest import options_from_args, selftest_parser
+
+    _, params, docs = variant
+    job, train = one(docs["selftest"], "PyTorchJob"), one(docs["train"], "PyTorchJob")
+    name = job["metadata"]["name"]
+    worker = job["spec"]["pytorchReplicaSpecs"]["Worker"]
+    assert worker["replicas"] == int(params["NNODES"]) and worker["restartPolicy"] == "Never"
+    assert job["spec"]["elasticPolicy"]["maxRestarts"] == 0
+    (c,) = worker["template"]["spec"]["containers"]
+    (t,) = worker_template(train)["spec"]["containers"]
+    launch, rest = parse_module_launch(argv(c), "neuron_tp.cli")
+    train_launch, _ = parse_launch(argv(t)[argv(t).index("torchrun") :], "train.py")
+    assert launch.nproc_per_node == train_launch.nproc_per_node and launch.max_restarts == 0
+    assert launch.rdzv_endpoint == f"{name}-worker-0:{job['spec']['elasticPolicy']['rdzvPort']}"
+    assert rest[0] == "selftest"
+    options = options_from_args(selftest_parser().parse_args(rest[1:]))
+    assert options.tp == int(params["TP"]) and options.device == "xla"
+    assert options.instance == params["INSTANCE_TYPE"]
+    assert options.calibrate.startswith("/shared/")  # the shared volume: kept after the pod
+    assert c["resources"] == t["resources"]
+    keep = ("NEURON_CC_FLAGS", "NEURON_COMPILE_CACHE_URL", "NEURON_RT_NUM_CORES", "FI_PROVIDER")
+    for k in keep:
+        assert env_of(c)[k] == env_of(t)[k], k
+    spec, train_spec = worker["template"]["spec"], worker_template(train)["spec"]
+    assert spec["nodeSelector"] == train_spec["nodeSelector"]
 
 
 def test_train_command_parses_with_the_real_train_parser(variant):

@@ -1,0 +1,125 @@
+"""``neuron-tp selftest``: prove the library on this machine's devices, in minutes."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from ..errors import UserError
+from ..plan.hardware import INSTANCES
+from .args import positive
+
+CHECKS = ("environment", "collectives", "bandwidth", "layers", "model", "compile", "compute")
+
+
+def selftest_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="neuron-tp selftest",
+        description="Check collectives (exact results, bus bandwidth), every parallel layer, a "
+        "patched tiny Llama (training and generation), compiles and matmul throughput on this "
+        "job's devices; one line per check, exit 0 only when all pass. On Neuron: "
+        "`torchrun --nproc_per_node=32 -m neuron_tp.cli selftest`.",
+    )
+    p.add_argument(
+        "--device",
+        choices=("xla", "cpu"),
+        default="xla",
+        help="xla: NeuronCores (or XLA CPU devices); cpu: gloo ranks under torchrun",
+    )
+    p.add_argument(
+        "--xla-cpu-devices",
+        type=int,
+        default=0,
+        metavar="N",
+        help="run N ranks as XLA CPU devices of this one process (no torchrun)",
+    )
+    p.add_argument(
+        "--tp",
+        type=positive(int),
+        default=None,
+        help="tp degree of the mesh (default: the ranks of a node, or half the world from 4 ranks)",
+    )
+    p.add_argument("--quick", action="store_true", help="a one-minute subset")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument(
+        "--timeout",
+        type=positive(float),
+        default=300.0,
+        help="seconds per check; a rank stuck longer names its collective and exits 1",
+    )
+    p.add_argument(
+        "--instance",
+        choices=sorted(INSTANCES),
+        default="",
+        help="print the instance's theoretical bandwidth and peak next to the measured ones",
+    )
+    p.add_argument(
+        "--checks",
+        default="",
+        help=f"comma-separated subset of {','.join(CHECKS)} (environment always runs)",
+    )
+    p.add_argument(
+        "--max-bytes",
+        type=positive(int),
+        default=None,
+        help="largest bandwidth message (default 256 MiB on Neuron, 4 MiB --quick; smaller "
+        "off Neuron)",
+    )
+    p.add_argument(
+        "--calibrate",
+        default="",
+        metavar="PATH",
+        help="write the measured bandwidths, latencies and TFLOP/s as JSON for "
+        "`neuron-tp plan --calibration PATH`",
+    )
+    return p
+
+
+def options_from_args(args: argparse.Namespace):
+    """The selftest's :class:`~neuron_tp.selftest.context.Options`; UserError on bad input."""
+    from ..selftest.context import Options
+
+    checks = tuple(c.strip() for c in args.checks.split(",") if c.strip())
+    bad = [c for c in checks if c not in CHECKS]
+    if bad:
+        raise UserError(f"--checks: unknown {bad}; valid: {', '.join(CHECKS)}")
+    if args.xla_cpu_devices < 0:
+        raise UserError(f"--xla-cpu-devices must be >= 0, got {args.xla_cpu_devices}")
+    if args.xla_cpu_devices and args.device != "xla":
+        raise UserError("--xla-cpu-devices runs the XLA path: use it with --device xla")
+    if args.calibrate and os.path.isdir(args.calibrate):
+        raise UserError(f"--calibrate {args.calibrate!r} is a directory; give a file path")
+    return Options(
+        device=args.device,
+        tp=args.tp or 0,
+        quick=args.quick,
+        timeout=args.timeout,
+        instance=args.instance,
+        checks=checks,
+        max_bytes=args.max_bytes or 0,
+        calibrate=args.calibrate,
+        json=args.json,
+        xla_cpu_devices=args.xla_cpu_devices,
+    )
+
+
+def selftest_command(argv: list[str]) -> int:
+    """Run ``neuron-tp selftest``; the exit status (0: every check passed)."""
+    from concurrent.futures.process import BrokenProcessPool
+
+    from ..selftest.runner import SelftestFailed, Shared, run_rank, run_selftest
+    from .launch import run_on_xla_cpu_devices
+
+    options = options_from_args(selftest_parser().parse_args(argv))
+    shared = Shared(options)
+    if not options.xla_cpu_devices:
+        return run_selftest(shared)
+    try:
+        run_on_xla_cpu_devices(options.xla_cpu_devices, run_rank, shared)
+    except SelftestFailed:
+        return 1
+    except BrokenProcessPool:  # the watchdog ended the ranks' process (it said why)
+        print("selftest: FAIL (the ranks' process ended early)", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,122 @@
+"""``neuron-tp selftest`` end to end: all checks pass on healthy gloo ranks (2, 4) and XLA CPU
+devices (2, 4, 8) with ``--quick``; collectives broken underneath neuron_tp (faulty_cli.py: a
+wrong chunk, a lost rank's contribution, an inexact bf16 sum, a rank that never arrives) are
+named in the report (collective, group, dtype) with exit 1 and no hang; ``--calibrate`` feeds
+``neuron-tp plan --calibration``. One launch per world size and tier; the faulty runs check
+only the collectives."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+FAULTY = os.path.join(HERE, "faulty_cli.py")
+DROP = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _env(**extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in DROP and k != "SELFTEST_FAULT"}
+    env.update(PYTHONPATH=REPO, OMP_NUM_THREADS="1", PJRT_DEVICE="CPU", **extra)
+    return env
+
+
+def launch(tier: str, n: int, *args: str, fault: str = "", limit: float = 240):
+    """Run the selftest on ``n`` gloo ranks (torchrun) or XLA CPU devices; (status, stdout,
+    stderr, seconds). A run longer than ``limit`` is a hang: the test fails."""
+    script = [FAULTY] if fault else ["-m", "neuron_tp.cli"]
+    if tier == "gloo":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n)]
+        cmd += ["--master_port", str(29600 + os.getpid() % 300 + n)]
+        cmd += [*script, "selftest", "--device", "cpu", *args]
+    else:
+        cmd = [sys.executable, *script, "selftest", "--xla-cpu-devices", str(n), *args]
+    start = time.monotonic()
+    env = _env(SELFTEST_FAULT=fault) if fault else _env()
+    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=limit)
+    return p.returncode, p.stdout, p.stderr, time.monotonic() - start
+
+
+def report(stdout: str) -> dict:
+    """The --json report in the output (rank 0 prints it; gloo may print lines around it)."""
+    start = stdout.index('{\n "ok"')
+    return json.JSONDecoder().raw_decode(stdout[start:])[0]
+
+
+ALL = ["environment", "collectives", "bandwidth", "layers", "model", "compile", "compute"]
+
+
+@pytest.mark.parametrize("tier,n", [("gloo", 2), ("gloo", 4), ("xla", 2), ("xla", 4), ("xla", 8)])
+def test_quick_selftest_passes_on_a_healthy_install(tier, n, tmp_path):
+    cal = tmp_path / "cal.json"
+    code, out, err, took = launch(tier, n, "--quick", "--json", "--calibrate", str(cal))
+    assert code == 0, out[-3000:] + err[-3000:]
+    rep = report(out)
+    assert rep["ok"] and [c["name"] for c in rep["checks"]] == ALL
+    assert all(c["status"] == "PASS" for c in rep["checks"]), rep
+    checks = {c["name"]: c for c in rep["checks"]}
+    assert checks["collectives"]["numbers"]["collectives"] > 0
+    groups = {r["group"] for r in checks["bandwidth"]["numbers"]["rows"]}
+    assert groups == ({"tp", "dp", "world"} if n >= 4 else {"tp", "world"})
+    layers = checks["layers"]["numbers"]["cases"]
+    assert ("linear 2D" in layers) == (n % 4 == 0) and ("linear 3D" in layers) == (n == 8)
+    assert rep["facts"]["world"] == n
+    assert took < 120 or tier == "xla", f"--quick took {took:.0f} s"  # XLA: see the report
+    written = json.loads(cal.read_text())
+    assert written["link_bandwidth_per_core"] > 0 and written["bf16_flops_per_core"] > 0
+    print(f"{tier} x {n}: {took:.1f} s wall, report {rep['seconds']:.1f} s")
+
+
+FAULTS = "wrong_chunk,lost_rank,inexact_bf16"
+
+
+@pytest.mark.parametrize("tier", ["gloo", "xla"])
+def test_broken_collectives_are_named(tier):
+    code, out, err, _ = launch(
+        tier, 4, "--quick", "--json", "--checks", "collectives", fault=FAULTS
+    )
+    assert code == 1, out[-3000:] + err[-3000:]
+    rep = report(out)
+    coll = {c["name"]: c for c in rep["checks"]}["collectives"]
+    assert not rep["ok"] and coll["status"] == "FAIL"
+    text = "\n".join(coll["failures"])
+    # a wrong chunk: which chunk holds whose data, on which group and dtype
+    assert "all_gather on the tp group [0, 1], fp32" in text
+    assert "chunk 0 (rank 0's) holds rank 1's data; chunk 1 (rank 1's) holds rank 0's" in text
+    # a lost contribution, in both dtypes, on every group with rank 1
+    for group in ("tp group [0, 1]", "dp group [1, 3]", "world group [0, 1, 2, 3]"):
+        for dtype in ("fp32", "bf16"):
+            assert f"all_reduce on the {group}, {dtype}" in text
+    assert "rank 1's contribution is missing from the sum" in text
+    # an inexact bf16 sum: bf16 only, and the hint says what that means
+    assert "reduce_scatter on the tp group [0, 1], bf16" in text
+    assert "reduce_scatter on the tp group [0, 1], fp32" not in text
+    assert "reduce_scatter tp" in coll["hint"] and "only bf16 is wrong" in coll["hint"]
+    assert "accumulation dtype" in coll["hint"]
+
+
+@pytest.mark.parametrize("tier", ["gloo", "xla"])
+def test_a_rank_that_never_arrives_is_named_and_bounded(tier):
+    start = time.monotonic()
+    code, out, err, took = launch(
+        tier,
+        4,
+        "--quick",
+        "--checks",
+        "collectives",
+        "--timeout",
+        "10",
+        fault="no_arrive",
+        limit=120,
+    )
+    assert code == 1, out[-3000:] + err[-3000:]
+    assert "TIMEOUT after" in err, err[-3000:]
+    assert "on rank 0: all_reduce on the tp group [0, 1], bf16" in err
+    assert "a rank never arrived" in err
+    assert time.monotonic() - start < 120
