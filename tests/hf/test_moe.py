@@ -1,8 +1,9 @@
 """MoE families under tensor parallelism vs the unsharded transformers model, on gloo ranks
 (tp 2 and 4, one launch per tp): logits, loss (with and without the router auxiliary loss),
-every gathered gradient on every rank (the replicated router's included), logits after one
-optimizer step, with and without sequence parallelism; the gather (decode) mode and greedy
-generation; the number of collectives of one MoE layer; checkpoints both ways."""
+every gathered gradient on every rank (the replicated router's included), the global gradient
+norm (clipping), logits after one optimizer step, with and without sequence parallelism;
+training jitter; the gather (decode) mode and greedy generation; the number of collectives of
+one MoE layer; checkpoints both ways (and as transformers writes them)."""
 
 from __future__ import annotations
 
@@ -61,6 +62,8 @@ def _check(ref, tag: str, sp: bool, mode: str | None = None) -> None:
     assert set(grads) == set(expected), f"{tag}: gradient names differ {set(grads) ^ set(expected)}"
     for n, g in expected.items():
         _close(grads[n], g, f"{tag} grad {n}")
+    want_norm = torch.stack([g.pow(2).sum() for g in expected.values()]).sum().sqrt()
+    _close(ntp.global_grad_norm(m), want_norm, f"{tag} global grad norm")
     for model in (m, ref):
         torch.optim.SGD(model.parameters(), lr=0.5).step()
     m.eval(), ref.eval()
