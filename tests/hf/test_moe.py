@@ -82,6 +82,23 @@ def _aux(tp: int) -> None:
         ref = build_moe(name, output_router_logits=True, router_aux_loss_coef=0.05)
         for sp in (False, True):
             _check(ref, f"{name} aux tp={tp} sp={sp}", sp)
+    # A packed row's 4-D mask (one sample per row here: the plain causal attention), which
+    # transformers' aux loss cannot read: every position counts, as with no mask.
+    from neuron_tp.hf.packing import block_causal_mask
+
+    ref = build_moe("qwen3_moe", output_router_logits=True, router_aux_loss_coef=0.05).train()
+    m = parallelize(copy.deepcopy(ref), parallel_loss=True)
+    ids = _ids()
+    mask = block_causal_mask(torch.ones_like(ids))
+    out, want = m(ids, attention_mask=mask, labels=ids), ref(ids, labels=ids)
+    _close(out.aux_loss, want.aux_loss, f"4-D mask aux tp={tp}")
+    _close(out.loss, want.loss, f"4-D mask loss tp={tp}")
+    out.loss.backward()
+    want.loss.backward()
+    ntp.sync_sequence_parallel_grads(m)  # Qwen3's per-head q/k norms
+    grads = gather_hf_state_dict(m, grads=True)
+    for n, p in ref.named_parameters():
+        _close(grads[n], p.grad, f"4-D mask tp={tp} grad {n}")
 
 
 def _jitter(tp: int) -> None:
