@@ -12,6 +12,8 @@ save the gathered tensor back)."""
 
 from __future__ import annotations
 
+import contextlib
+import sys
 from dataclasses import dataclass
 
 from torch import nn
@@ -173,3 +175,32 @@ def keep_complete_grads(model: nn.Module) -> None:
             for pname, _ in block.named_parameters():
                 if get_sharding(block, pname) is None:
                     set_param_meta(block, pname, sum_grad_over_tp=False)
+
+
+@contextlib.contextmanager
+def recorded_router_logits(model: nn.Module):
+    """Inside: the router logits of every :class:`ParallelMoEBlock` of ``model``, in call
+    order, appended to the yielded list."""
+    logits: list = []
+    hooks = [
+        block._child("router").register_forward_hook(lambda _m, _a, out: logits.append(out[0]))
+        for block in model.modules()
+        if isinstance(block, ParallelMoEBlock)
+    ]
+    try:
+        yield logits
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def aux_loss_over_all_tokens(model: nn.Module, logits: list):
+    """transformers' load-balancing loss of ``model`` (its modeling module's
+    ``load_balancing_loss_func``) over recorded router ``logits``, every position counted:
+    what a packed (4-D) attention mask, which that function cannot read, leaves."""
+    func = getattr(sys.modules[type(model).__module__], "load_balancing_loss_func", None)
+    cfg = model.config
+    experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
+    if func is None or not logits:
+        return None
+    return func(tuple(logits), experts, cfg.num_experts_per_tok, None)

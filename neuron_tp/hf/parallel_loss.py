@@ -10,6 +10,7 @@ from torch import nn
 
 from ..layers import parallel_cross_entropy
 from ..parallel.mesh import Mesh
+from .moe import aux_loss_over_all_tokens, recorded_router_logits
 
 
 @contextlib.contextmanager
@@ -34,14 +35,25 @@ def is_causal(model: nn.Module) -> bool:
 
 def wrap_loss(model: nn.Module, mesh: Mesh) -> None:
     """With ``labels``: loss from the vocab-sharded logits (HF's shift for causal LMs), plus
-    an MoE model's router auxiliary loss times ``router_aux_loss_coef`` when it returns one."""
+    an MoE model's router auxiliary loss times ``router_aux_loss_coef`` when it returns one
+    (with a 4-D packed attention mask, computed over every position)."""
     forward = model.forward
     vocab = model.config.vocab_size
     causal = is_causal(model)
 
     @functools.wraps(forward)
     def wrapped(*args, labels=None, **kwargs):
-        out = forward(*args, **kwargs)
+        mask = kwargs.get("attention_mask")
+        router = kwargs.get("output_router_logits")
+        router = getattr(model.config, "output_router_logits", False) if router is None else router
+        if router and mask is not None and mask.dim() == 4:
+            # transformers' load-balancing loss cannot read a 4-D (packed) mask: count every
+            # position instead, from the router logits recorded here.
+            with recorded_router_logits(model) as logits:
+                out = forward(*args, **{**kwargs, "output_router_logits": False})
+            out.aux_loss = aux_loss_over_all_tokens(model, logits)
+        else:
+            out = forward(*args, **kwargs)
         if labels is not None:
             logits = out.logits
             if causal:

@@ -1,8 +1,9 @@
 """MoE families under tensor parallelism vs the unsharded transformers model, on gloo ranks
 (tp 2 and 4, one launch per tp): logits, loss (with and without the router auxiliary loss),
-every gathered gradient on every rank (the replicated router's included), logits after one
-optimizer step, with and without sequence parallelism; the gather (decode) mode and greedy
-generation; the number of collectives of one MoE layer; checkpoints both ways."""
+every gathered gradient on every rank (the replicated router's included), the global gradient
+norm (clipping), logits after one optimizer step, with and without sequence parallelism;
+training jitter; the gather (decode) mode and greedy generation; the number of collectives of
+one MoE layer; checkpoints both ways (and as transformers writes them)."""
 
 from __future__ import annotations
 
@@ -61,6 +62,8 @@ def _check(ref, tag: str, sp: bool, mode: str | None = None) -> None:
     assert set(grads) == set(expected), f"{tag}: gradient names differ {set(grads) ^ set(expected)}"
     for n, g in expected.items():
         _close(grads[n], g, f"{tag} grad {n}")
+    want_norm = torch.stack([g.pow(2).sum() for g in expected.values()]).sum().sqrt()
+    _close(ntp.global_grad_norm(m), want_norm, f"{tag} global grad norm")
     for model in (m, ref):
         torch.optim.SGD(model.parameters(), lr=0.5).step()
     m.eval(), ref.eval()
@@ -79,6 +82,23 @@ def _aux(tp: int) -> None:
         ref = build_moe(name, output_router_logits=True, router_aux_loss_coef=0.05)
         for sp in (False, True):
             _check(ref, f"{name} aux tp={tp} sp={sp}", sp)
+    # A packed row's 4-D mask (one sample per row here: the plain causal attention), which
+    # transformers' aux loss cannot read: every position counts, as with no mask.
+    from neuron_tp.hf.packing import block_causal_mask
+
+    ref = build_moe("qwen3_moe", output_router_logits=True, router_aux_loss_coef=0.05).train()
+    m = parallelize(copy.deepcopy(ref), parallel_loss=True)
+    ids = _ids()
+    mask = block_causal_mask(torch.ones_like(ids))
+    out, want = m(ids, attention_mask=mask, labels=ids), ref(ids, labels=ids)
+    _close(out.aux_loss, want.aux_loss, f"4-D mask aux tp={tp}")
+    _close(out.loss, want.loss, f"4-D mask loss tp={tp}")
+    out.loss.backward()
+    want.loss.backward()
+    ntp.sync_sequence_parallel_grads(m)  # Qwen3's per-head q/k norms
+    grads = gather_hf_state_dict(m, grads=True)
+    for n, p in ref.named_parameters():
+        _close(grads[n], p.grad, f"4-D mask tp={tp} grad {n}")
 
 
 def _jitter(tp: int) -> None:

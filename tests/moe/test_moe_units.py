@@ -176,8 +176,7 @@ def test_mode_rule_and_set_moe_mode():
     assert pick_mode("capacity", 1, 2, 8) == "capacity"
     with pytest.raises(ValueError, match="unknown MoE mode 'fast'.*dense"):
         pick_mode("fast", 1, 2, 8)
-    ntp.init_mesh(tp=1)
-    m = parallelize(build_moe("qwen2_moe"))
+    m = parallelize(build_moe("qwen2_moe"), mesh=ntp.Mesh(world_size=1, rank=0))
     with pytest.raises(ValueError, match="capacity_factor > 0"):
         set_moe_mode(m, "capacity")
     assert set_moe_mode(m, "capacity", 1.25) == 1  # one MoE layer (the other is dense)
