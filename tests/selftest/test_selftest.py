@@ -7,8 +7,10 @@ only the collectives."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -39,8 +41,33 @@ def launch(tier: str, n: int, *args: str, fault: str = "", limit: float = 240):
         cmd = [sys.executable, *script, "selftest", "--xla-cpu-devices", str(n), *args]
     start = time.monotonic()
     env = _env(SELFTEST_FAULT=fault) if fault else _env()
-    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=limit)
-    return p.returncode, p.stdout, p.stderr, time.monotonic() - start
+    # a new session: on a hang the tree is stopped: SIGTERM first (torchrun forwards it to
+    # its ranks, which run in sessions of their own), then SIGKILL to what is left
+    p = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = p.communicate(timeout=limit)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGTERM)
+        try:
+            out, err = p.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            out, err = "", ""
+        raise AssertionError(
+            f"no result in {limit:.0f} s (a hang)\n{out[-2000:]}{err[-2000:]}"
+        ) from None
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)  # leftovers of the tree, if any
+    return p.returncode, out, err, time.monotonic() - start
 
 
 def report(stdout: str) -> dict:
