@@ -147,3 +147,17 @@ def test_a_rank_that_never_arrives_is_named_and_bounded(tier):
     assert "on rank 0: all_reduce on the tp group [0, 1], bf16" in err
     assert "a rank never arrived" in err
     assert time.monotonic() - start < 120
+
+
+def test_ranks_that_differ_stop_the_run_with_the_difference():
+    code, out, err, _ = launch("gloo", 4, "--quick", "--json", fault="env_mismatch")
+    assert code == 1, out[-3000:] + err[-3000:]
+    rep = report(out)
+    assert [c["name"] for c in rep["checks"]] == ["environment"]  # nothing else ran
+    (env,) = rep["checks"]
+    text = " ".join(env["failures"])
+    assert env["status"] == "FAIL" and "NEURON_CC_FLAGS" in text
+    assert 'rank 0-2: "--model-type=transformer"' in text
+    assert 'rank 3: "--model-type=transformer -O2"' in text
+    assert "compile_cache" not in text  # one cache per node is allowed
+    assert "same image" in env["hint"]
