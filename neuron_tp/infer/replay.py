@@ -66,7 +66,10 @@ class ReplayedStep:
         torch_xla.sync()  # every argument must be device data, not pending computation
         import torch_xla.core.xla_model as xm
 
-        xm.wait_device_ops()
+        # this device only: under --xla-cpu-devices the other ranks are threads of this
+        # process whose devices may wait in a collective for this one (waiting for them all
+        # would deadlock until XLA:CPU aborts the collective)
+        xm.wait_device_ops(X._xla_real_devices([X._xla_get_default_device()]))
         arg_of_id = {X._xla_get_tensor_id(a): i for i, a in enumerate(args)}
         outputs = list(self.fn(*args))
         self.traces += 1

@@ -41,6 +41,12 @@ def compile_cache(environ=os.environ) -> str:
     return environ.get("NEURON_COMPILE_CACHE_URL") or DEFAULT_CACHE
 
 
+def flags_without_cache(environ=os.environ) -> str:
+    """``NEURON_CC_FLAGS`` without its ``--cache_dir=`` (one cache per node is the rule)."""
+    tokens = shlex.split(environ.get("NEURON_CC_FLAGS", ""))
+    return " ".join(t for t in tokens if not t.startswith("--cache_dir="))
+
+
 def facts(ctx: Context) -> dict:
     """This rank's environment: what must agree across ranks, and where it runs."""
     versions = {p: _version(p) for p in PACKAGES}
@@ -58,7 +64,7 @@ def facts(ctx: Context) -> dict:
         "device": kind,
         "world": ctx.world,
         "ranks_per_node": ctx.ranks_per_node,
-        "NEURON_CC_FLAGS": os.environ.get("NEURON_CC_FLAGS", ""),
+        "NEURON_CC_FLAGS": flags_without_cache(),
         "compile_cache": compile_cache() if ctx.on_neuron else "n/a (not on Neuron)",
         "tp": ctx.mesh.tp_size,
         "dp": ctx.mesh.dp_size,
@@ -66,14 +72,19 @@ def facts(ctx: Context) -> dict:
 
 
 def check_env(ctx: Context) -> Check:
-    """Every rank's facts, compared on the host; a difference fails (and stops the run)."""
+    """Every rank's facts, compared on the host; a difference fails (and stops the run). The
+    compile cache must agree within a node only, ``NEURON_CC_FLAGS`` without its
+    ``--cache_dir``."""
     c = Check("environment")
     mine = facts(ctx)
     ctx.facts.update(mine)
+    per = ctx.ranks_per_node
+    nodes = [list(range(n, min(n + per, ctx.world))) for n in range(0, ctx.world, per)]
     try:
         check_agreement(
-            {k: v for k, v in mine.items()},
+            dict(mine),
             ctx.mesh.group("world"),
+            scopes={"compile_cache": nodes},  # one cache per node (k8s/train.yaml does so)
             details={"versions": mine["versions"]},
             what="selftest environment",
         )

@@ -27,8 +27,10 @@ NEW_TOKENS, PROMPT = 6, 8
 
 
 def tiny_llama(ctx: Context):
-    """A 2-layer Llama (1 with --quick: half the compile time) whose heads, kv heads and MLP
-    tp divides; a vocabulary it does not."""
+    """A Llama whose heads, kv heads and MLP tp divides, and a vocabulary it does not: 2
+    layers on Neuron, 1 with --quick and off Neuron (half the compile time: XLA CPU device
+    threads compiling one graph each on a busy machine drift apart, and XLA:CPU aborts a
+    collective whose threads arrive more than 10 s apart)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tp = ctx.mesh.tp_size
@@ -37,7 +39,7 @@ def tiny_llama(ctx: Context):
         vocab_size=16 * tp + 5,
         hidden_size=16 * heads,
         intermediate_size=32 * heads,
-        num_hidden_layers=1 if ctx.options.quick else 2,
+        num_hidden_layers=2 if ctx.on_neuron and not ctx.options.quick else 1,
         num_attention_heads=heads,
         num_key_value_heads=max(2, heads // 2),
         max_position_embeddings=256,

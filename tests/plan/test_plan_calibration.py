@@ -12,7 +12,7 @@ from neuron_tp.cli.args import train_parser
 from neuron_tp.cli.plan import plan_command
 from neuron_tp.job.config import TrainConfig
 from neuron_tp.plan.auto import apply_plan
-from neuron_tp.plan.calibration import FORMAT
+from neuron_tp.plan.calibration import FORMAT, describe, load_calibration
 from neuron_tp.plan.hardware import get_instance
 
 JOB = ("--model", "tiny-llama", "--instance", "trn1.2xlarge", "--seq-len", "64")
@@ -66,12 +66,13 @@ def test_calibration_replaces_the_datasheet_figures(capsys, tmp_path):
     assert compared >= 3
 
 
-def test_text_output_says_it_is_calibrated(capsys, tmp_path):
-    cal = _write(tmp_path / "cal.json", collective_latency_s=1e-3)
-    code, out = _plan(capsys, "--calibration", cal)
-    assert code == 0
-    assert f"note: calibrated from {cal} (measured on test): collective_latency 1000 us" in out
-    assert "(datasheet 50 us)" in out
+def test_the_note_names_each_measured_figure_and_the_datasheets(tmp_path):
+    cal = _write(tmp_path / "cal.json", collective_latency_s=1e-3, bf16_flops_per_core=2e13)
+    note = describe(get_instance("trn1.2xlarge"), load_calibration(cal))
+    assert note == (
+        f"calibrated from {cal} (measured on test): collective_latency 1000 us (datasheet "
+        "50 us); peak_flops_per_core 20.00 TFLOP/s (datasheet 95.00 TFLOP/s)"
+    )
 
 
 def test_a_bad_calibration_file_is_refused(capsys, tmp_path):
@@ -85,12 +86,30 @@ def test_a_bad_calibration_file_is_refused(capsys, tmp_path):
 
 
 def test_train_plan_auto_uses_the_calibration(tmp_path, monkeypatch):
+    """The job ``--plan auto`` plans has the measured figures (the search itself, the same
+    as ``neuron-tp plan``'s, is replaced by a recorder: it is tested above and in
+    test_plan_cli.py)."""
+    import neuron_tp.plan.search as search
+
     monkeypatch.setenv("NEURON_TP_CACHE", str(tmp_path / "cache"))
-    cal = _write(tmp_path / "cal.json", bf16_flops_per_core=1e12)
+    planned = []
+
+    def record(config, job):
+        planned.append(job)
+        return search.Plan(job, [], "recorded", 0.0, 0)
+
+    monkeypatch.setattr(search, "make_plan", record)
+    link = get_instance("trn1.2xlarge").link_bandwidth_per_core / 2
+    cal = _write(tmp_path / "cal.json", bf16_flops_per_core=1e12, link_bandwidth_per_core=link)
     args = ["--plan", "auto", "--global-batch", "8", "--seq-len", "64"]
     args += ["--plan-instance", "trn1.2xlarge", "--plan-calibration", cal]
     printed = []
-    config = apply_plan(TrainConfig.from_args(train_parser().parse_args(args)), printed.append)
-    assert any(p.startswith(f"--plan auto: calibrated from {cal}") for p in printed)
-    assert any("compute at 100% of peak" in p for p in printed)  # efficiency 1.0
-    assert config.micro_batch * config.grad_accum == 8
+    with pytest.raises(ValueError, match="recorded"):  # the recorder's plan recommends nothing
+        apply_plan(TrainConfig.from_args(train_parser().parse_args(args)), printed.append)
+    (job,) = planned
+    assert job.instance.peak_flops_per_core == 1e12 and job.efficiency == 1.0
+    assert job.instance.link_bandwidth_per_core == link
+    assert job.instance.hbm_per_core == get_instance("trn1.2xlarge").hbm_per_core
+    assert printed == [
+        f"--plan auto: {describe(get_instance('trn1.2xlarge'), load_calibration(cal))}"
+    ]

@@ -5,7 +5,9 @@ comm itself. ``SELFTEST_FAULT`` picks the faults (comma-separated):
 - ``wrong_chunk``: all-gather returns the first two ranks' chunks swapped;
 - ``lost_rank``: rank 1's contribution to every all-reduce is lost (zeros);
 - ``inexact_bf16``: bf16 reduce-scatter sums come back off by a relative 2^-6;
-- ``no_arrive``: rank 1 never arrives in its first bf16 all-reduce.
+- ``no_arrive``: rank 1 never arrives in its first bf16 all-reduce;
+- ``env_mismatch`` (gloo): two "nodes" of 2 ranks, one compile cache each (allowed), and
+  rank 3 started with other compiler flags (not allowed).
 
 Installed at import: under ``--xla-cpu-devices`` the ranks' process (multiprocessing spawn)
 imports this module again as ``__mp_main__``, so the ranks run with the fault too.
@@ -93,6 +95,15 @@ def _install_xla() -> None:
     xm.reduce_scatter = reduce_scatter
 
 
+def _mismatch_env() -> None:
+    rank = int(os.environ.get("RANK", "0"))
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    flags = f"--model-type=transformer --cache_dir=/tmp/cache/node-{rank // 2}"
+    os.environ["NEURON_CC_FLAGS"] = flags + (" -O2" if rank == 3 else "")
+
+
+if "env_mismatch" in FAULTS:
+    _mismatch_env()
 if FAULTS:
     # The ranks' process of --xla-cpu-devices has CPU_NUM_DEVICES set (the launcher's too:
     # patching it as well is harmless); gloo ranks do not.

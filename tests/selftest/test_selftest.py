@@ -7,8 +7,10 @@ only the collectives."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -39,8 +41,33 @@ def launch(tier: str, n: int, *args: str, fault: str = "", limit: float = 240):
         cmd = [sys.executable, *script, "selftest", "--xla-cpu-devices", str(n), *args]
     start = time.monotonic()
     env = _env(SELFTEST_FAULT=fault) if fault else _env()
-    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=limit)
-    return p.returncode, p.stdout, p.stderr, time.monotonic() - start
+    # a new session: on a hang the tree is stopped: SIGTERM first (torchrun forwards it to
+    # its ranks, which run in sessions of their own), then SIGKILL to what is left
+    p = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = p.communicate(timeout=limit)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGTERM)
+        try:
+            out, err = p.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            out, err = "", ""
+        raise AssertionError(
+            f"no result in {limit:.0f} s (a hang)\n{out[-2000:]}{err[-2000:]}"
+        ) from None
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)  # leftovers of the tree, if any
+    return p.returncode, out, err, time.monotonic() - start
 
 
 def report(stdout: str) -> dict:
@@ -120,3 +147,17 @@ def test_a_rank_that_never_arrives_is_named_and_bounded(tier):
     assert "on rank 0: all_reduce on the tp group [0, 1], bf16" in err
     assert "a rank never arrived" in err
     assert time.monotonic() - start < 120
+
+
+def test_ranks_that_differ_stop_the_run_with_the_difference():
+    code, out, err, _ = launch("gloo", 4, "--quick", "--json", fault="env_mismatch")
+    assert code == 1, out[-3000:] + err[-3000:]
+    rep = report(out)
+    assert [c["name"] for c in rep["checks"]] == ["environment"]  # nothing else ran
+    (env,) = rep["checks"]
+    text = " ".join(env["failures"])
+    assert env["status"] == "FAIL" and "NEURON_CC_FLAGS" in text
+    assert "NEURON_CC_FLAGS: rank 0-2: --model-type=transformer; rank 3: " in text
+    assert "rank 3: --model-type=transformer -O2" in text
+    assert "compile_cache" not in text  # one cache per node is allowed
+    assert "same image" in env["hint"]
