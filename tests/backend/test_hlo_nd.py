@@ -3,10 +3,15 @@ virtual mesh holds exactly the collectives of the documented schedule, with repl
 computed here independently from the rank layout (numpy reshapes of the world); both schedules:
 ``regather=True`` (backward all-gathers the saved local X and W blocks again) and ``False``."""
 
+import os
+
 import numpy as np
 import pytest
 
-from neuron_tp.backend.hlo import collectives_in_fresh_process
+import xla_zygote
+from neuron_tp.backend.hlo import parse_collectives
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 TRACE = """
 import torch, neuron_tp as ntp
@@ -20,6 +25,16 @@ y = lin(x)
 y.square().sum().backward()
 print(trace_hlo([y, x.grad, lin.weight.grad, lin.bias.grad]))
 """
+
+
+def collectives_in_fresh_process(code: str) -> list:
+    """``neuron_tp.backend.hlo.collectives_in_fresh_process`` (tests/backend/test_xla.py runs
+    that one), with the fresh process forked from the session's zygote: the collectives of the
+    HLO that ``code`` prints."""
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONPATH": REPO}
+    out = xla_zygote.python(["-c", code], env, 300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return parse_collectives(out.stdout)
 
 
 def _groups(lists):
@@ -124,19 +139,12 @@ print(trace_hlo([loss] + [p.grad for m in (emb, block, head) for p in m.paramete
 def test_3d_model_traces_one_graph_for_all_ranks():
     """Embedding, norms, block, classifier and loss: rank-dependent values are device data, so
     two ranks trace the same HLO (one Neuron compile), and it holds 3D collectives only."""
-    import os
-
-    import xla_zygote
-
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONPATH": root}
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONPATH": REPO}
     texts = []
     for rank in (0, 6):
         out = xla_zygote.python(["-c", MODEL.format(rank=rank)], env, 300)
         assert out.returncode == 0, out.stderr[-3000:]
         texts.append(out.stdout)
     assert texts[0] == texts[1]
-    from neuron_tp.backend.hlo import parse_collectives
-
     sizes = {c.group_size for c in parse_collectives(texts[0])}
     assert sizes == {2, 4}  # q = 2 axes and the q^2 batch groups; never the whole tp group
