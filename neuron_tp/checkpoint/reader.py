@@ -18,7 +18,7 @@ import torch
 
 from ..optim import zero1_state
 from ..parallel.mesh import Mesh
-from ..parallel.sharding import ParamMeta, named_parameter_meta
+from ..parallel.sharding import ParamMeta, experts_piece, named_parameter_meta
 from . import zero1_files
 from .agree import agree
 from .format import CheckpointError, file_record, read_meta, verify
@@ -149,8 +149,8 @@ def _read_tensors(path: str, meta: dict, model, optimizer, mesh: Mesh) -> tuple:
 
     def piece(name: str, key: str, pmeta: ParamMeta) -> torch.Tensor:
         rec = meta["params"][name]
-        if same:
-            return shards.get(mesh.tp_rank, key)
+        if same:  # the files hold every expert: this rank's under expert parallelism
+            return experts_piece(shards.get(mesh.tp_rank, key), pmeta.sharding, mesh)
         return local_piece(shards.full(key, rec), rec["hf"], pmeta, mesh)
 
     params, optim = {}, {}

@@ -8,12 +8,22 @@ from collections.abc import Callable
 import torch
 
 from ..parallel.mesh import Mesh
-from ..parallel.sharding import ParamMeta, Sharding, join_shards, shard_of, trim_padding
+from ..parallel.sharding import (
+    ParamMeta,
+    Sharding,
+    experts_piece,
+    join_shards,
+    shard_of,
+    trim_padding,
+    without_experts,
+)
 
 
 def sharding_record(meta: ParamMeta) -> dict | None:
-    """JSON record of a parameter's tensor-parallel layout (None = replicated)."""
-    sh = meta.sharding
+    """JSON record of a parameter's tensor-parallel layout (None = replicated). An expert-
+    parallel parameter is saved with every expert (:func:`~.writer.save` gathers it over
+    ``ep``), so its record is the layout without the ``ep`` split."""
+    sh = without_experts(meta.sharding)
     rec = None
     if sh is not None:
         rec = {
@@ -138,7 +148,7 @@ def local_piece(full: torch.Tensor, hf: dict | None, meta: ParamMeta, mesh: Mesh
         def read(dim, start, stop):
             return hf_full if dim is None else hf_full.narrow(dim, start, stop - start)
 
-        return read_local(read, tuple(hf_full.shape), layout)
+        return experts_piece(read_local(read, tuple(hf_full.shape), layout), meta.sharding, mesh)
     sh = meta.sharding
     if sh is None:  # replicated, or a plain (unparallelized) model holding HF tensors
         return to_hf(full, hf)

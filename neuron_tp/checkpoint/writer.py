@@ -18,7 +18,7 @@ from collections.abc import Iterable
 import torch
 
 from ..parallel.mesh import Mesh, get_mesh
-from ..parallel.sharding import named_parameter_meta
+from ..parallel.sharding import expert_split, gather_experts, named_parameter_meta
 from . import zero1_files
 from .agree import agree
 from .assets import write_files
@@ -48,6 +48,8 @@ def dry_run_save(model: torch.nn.Module, mesh: Mesh | None = None) -> None:
     """The synchronisation of :func:`save` without writing anything: what the graph-extraction
     trial runs so that checkpointing compiles nothing new in the real run."""
     mesh = mesh_of(model, mesh)
+    for t in _expert_tensors(model, None, mesh).values():
+        t.cpu()
     for _ in range(3):
         agree(mesh, device_of(model), "dry-run save", None)
 
@@ -105,7 +107,7 @@ def _metadata(model, optimizer, scheduler, step: int, mesh: Mesh, data_state, ex
         },
         "params": {
             n: {
-                "shape": list(p.shape),
+                "shape": _saved_shape(p, m, mesh),
                 "full_shape": list(full_shape(p, m)),
                 "logical_shape": list(logical_shape(p, m)),
                 "dtype": str(p.dtype).replace("torch.", ""),
@@ -119,6 +121,32 @@ def _metadata(model, optimizer, scheduler, step: int, mesh: Mesh, data_state, ex
         "data_state": data_state,
         "extra": extra or {},
     }
+
+
+def _expert_tensors(model, optimizer, mesh: Mesh) -> dict[str, torch.Tensor]:
+    """Every expert-parallel parameter and its optimizer state with ALL its experts, gathered
+    over ``ep`` (collective: every rank calls it), so the files hold what an ``ep=1`` run
+    saves and resume or consolidate do not depend on the expert-parallel degree."""
+    out: dict[str, torch.Tensor] = {}
+    if mesh.ep_size == 1:
+        return out
+    for n, p, m in named_parameter_meta(model):
+        if expert_split(m.sharding) is None:
+            continue
+        out[f"model/{n}"] = gather_experts(p, m.sharding, mesh)
+        state = optimizer.state.get(p, {}) if optimizer is not None else {}
+        for key, v in state.items():
+            if isinstance(v, torch.Tensor) and v.shape == p.shape:
+                out[f"optim/{n}/{key}"] = gather_experts(v, m.sharding, mesh)
+    return out
+
+
+def _saved_shape(p: torch.Tensor, meta, mesh: Mesh) -> list[int]:
+    """The shape of ``p`` as the files hold it (every expert of an expert-parallel one)."""
+    shape, dim = list(p.shape), expert_split(meta.sharding)
+    if dim is not None:
+        shape[dim] *= mesh.ep_size
+    return shape
 
 
 def _model_tensors(model) -> dict[str, torch.Tensor]:
@@ -151,10 +179,12 @@ def _write_rank_files(
 ) -> None:
     if is_zero1(optimizer):  # every rank its own ZeRO-1 shard, no dp gather
         zero1_files.write_shard(tmp, optimizer, mesh, step)
+    experts = _expert_tensors(model, optimizer, mesh)
     if mesh.dp_rank == 0:  # one copy of each tp shard: the ranks of dp replica 0
         tensors = _model_tensors(model)
         if optimizer is not None and not is_zero1(optimizer):
             tensors.update(_optimizer_tensors(model, optimizer))
+        tensors.update({k: v.cpu().contiguous() for k, v in experts.items()})
         write_tensors(
             os.path.join(tmp, f"shard-tp{mesh.tp_rank:05d}.safetensors"),
             tensors,

@@ -15,6 +15,7 @@ from ..errors import UserError
 from ..parallel.mesh import Mesh, get_mesh
 from ..parallel.sharding import (
     Sharding,
+    experts_piece,
     gather_full,
     get_param_meta,
     named_parameter_meta,
@@ -321,7 +322,7 @@ def from_pretrained(
                         name, files, opened.read, opened.shape, get_slice_map(mod, pname)
                     )
                     if local is not None:
-                        _install(model, p, local)
+                        _install(model, p, _experts_of(local, mod, pname, mesh))
                         continue
                 if name not in files:
                     raise UserError(f"{path}: checkpoint has no tensor {name!r}")
@@ -332,6 +333,7 @@ def from_pretrained(
 
                 if mesh.tp_mode == "1d":
                     local = read_local(read, shape, get_slice_map(mod, pname))
+                    local = _experts_of(local, mod, pname, mesh)
                 else:
                     local = read_block(sl, shape, get_param_meta(mod, pname).sharding, mesh, name)
                 _install(model, p, local, name)
@@ -340,6 +342,11 @@ def from_pretrained(
         handles.clear()
     model.eval()
     return model
+
+
+def _experts_of(local: torch.Tensor, mod: nn.Module, name: str, mesh: Mesh) -> torch.Tensor:
+    """This rank's experts of ``local`` (read for every expert) under expert parallelism."""
+    return experts_piece(local, get_param_meta(mod, name).sharding, mesh)
 
 
 class _Opened:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from ..moe import ParallelMoEBlock, TPExperts, TPSharedMLP
-from ..parallel.mesh import Mesh, valid_tp_degrees
+from ..parallel.mesh import Mesh, divisors, valid_tp_degrees
 from ..parallel.sharding import get_sharding, set_param_meta
 from .slice_map import HFSliceMap, even_pieces, set_slice_map
 
@@ -101,6 +101,12 @@ def check_moe(model: nn.Module, name: str, mesh: Mesh) -> None:
             "down_proj [E, H, I] (transformers >= 5 layout)"
         )
     _require(down.shape[2], mesh, name, "expert intermediate size")
+    if down.shape[0] % mesh.ep_size:
+        ok = [d for d in divisors(mesh.dp_size) if down.shape[0] % d == 0]
+        raise ValueError(
+            f"{name}: {down.shape[0]} experts cannot be spread over ep={mesh.ep_size}; ep "
+            f"degrees that work with dp={mesh.dp_size}: {ok}"
+        )
     if spec.shared is not None:
         shared = getattr(block, spec.shared)
         for proj in ("gate_proj", "up_proj", "down_proj"):

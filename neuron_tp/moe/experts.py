@@ -15,6 +15,11 @@ whole layer. Three ways to compute it, all with shapes fixed by ``T``, ``E`` and
   ``C = ceil(capacity_factor * T * k / E)`` (token, slot) pairs, earlier tokens first; the
   pairs past an expert's capacity are dropped (their weight treated as 0), so results differ
   from transformers whenever any pair is dropped. FLOPs ``capacity_factor`` times ideal.
+
+With expert parallelism (a mesh with ``ep > 1``) each rank holds only ``E / ep`` experts (its
+``ep`` chunk, each expert still split over tp) and the tokens travel to their experts by
+all-to-all (:func:`~neuron_tp.moe.expert_parallel.expert_parallel_mlp`): dropless by default,
+``capacity`` mode bounds the rows sent per expert.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from torch import nn
 
 from ..parallel.mesh import Mesh
 from ..parallel.sharding import Sharding, mark_sharded, shard_of
+from .expert_parallel import expert_parallel_mlp
 
 MODES = ("auto", "dense", "gather", "capacity")
 
@@ -60,23 +66,32 @@ class TPExperts(nn.Module):
         inter = two_i // 2
         if tuple(down.shape) != (e, h, inter):
             raise ValueError(f"experts: down_proj {tuple(down.shape)} != {(e, h, inter)}")
-        tp = mesh.tp_size
+        tp, ep = mesh.tp_size, mesh.ep_size
         if inter % tp:
             raise ValueError(f"experts: intermediate size {inter} not divisible by tp={tp}")
-        gu = Sharding((("tp", 1),), tuple(gate_up.shape), segments=(inter, inter))
-        dn = Sharding((("tp", 2),), tuple(down.shape))
+        if e % ep:
+            raise ValueError(f"experts: {e} experts cannot be split over ep={ep}")
+        outer = (("ep", 0),) if ep > 1 else ()
+        gu = Sharding((*outer, ("tp", 1)), tuple(gate_up.shape), segments=(inter, inter))
+        dn = Sharding((*outer, ("tp", 2)), tuple(down.shape))
         rg = gate_up.requires_grad
         self.gate_up_proj = nn.Parameter(shard_of(gate_up.detach(), gu, mesh).clone(), rg)
         self.down_proj = nn.Parameter(shard_of(down.detach(), dn, mesh).clone(), rg)
         mark_sharded(self, "gate_up_proj", gu)
         mark_sharded(self, "down_proj", dn)
-        self.num_experts, self.act_fn = e, act
+        self.num_experts, self.act_fn, self.mesh = e, act, mesh
         self.mode, self.capacity_factor = "auto", None
         self.dropped: torch.Tensor | None = None  # capacity mode: pairs dropped last forward
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """Partial output ``[T, H]`` for tokens ``x [T, H]`` routed to ``idx [T, k]`` with
         weights ``w [T, k]``."""
+        if self.mesh.ep_size > 1:
+            cf = self.capacity_factor if self.mode == "capacity" else None
+            out, self.dropped = expert_parallel_mlp(
+                x, idx, w, self.gate_up_proj, self.down_proj, self.mesh.group("ep"), self.act_fn, cf
+            )
+            return out
         mode = pick_mode(self.mode, x.shape[0], idx.shape[1], self.num_experts)
         if mode == "capacity":
             if self.capacity_factor is None:

@@ -10,7 +10,13 @@ from torch import nn
 
 from ..parallel import comm
 from ..parallel.mesh import Group, Mesh, get_mesh
-from ..parallel.sharding import get_param_meta, named_parameter_meta, num_shards
+from ..parallel.sharding import (
+    expert_split,
+    get_param_meta,
+    named_parameter_meta,
+    num_shards,
+    without_experts,
+)
 
 
 def _bucketed_all_reduce(
@@ -40,12 +46,28 @@ def _grads(params: Iterable[nn.Parameter]) -> list[torch.Tensor]:
 def allreduce_data_parallel_grads(
     model: nn.Module, mesh: Mesh | None = None, bucket_mb: float = 25.0
 ) -> None:
-    """Average every gradient over the dp group (bucketed all-reduce). Call after backward."""
+    """Average every gradient over the dp group (bucketed all-reduce). Call after backward.
+
+    Under expert parallelism an expert's gradient already holds the contributions of every
+    rank of its ``ep`` group (they came back through the all-to-all): it is summed over the
+    ``edp`` group (the ranks holding the same experts) and divided by dp, the same mean."""
     mesh = get_mesh(mesh)
-    if mesh.dp_size > 1:
-        _bucketed_all_reduce(
-            _grads(model.parameters()), mesh.dp, int(bucket_mb * 2**20), 1.0 / mesh.dp_size
-        )
+    if mesh.dp_size == 1:
+        return
+    bucket, scale = int(bucket_mb * 2**20), 1.0 / mesh.dp_size
+    experts = {
+        id(p) for _, p, m in named_parameter_meta(model) if expert_split(m.sharding) is not None
+    }
+    _bucketed_all_reduce(
+        _grads(p for p in model.parameters() if id(p) not in experts), mesh.dp, bucket, scale
+    )
+    if experts:
+        grads = _grads(p for p in model.parameters() if id(p) in experts)
+        if mesh.group("edp").size > 1:
+            _bucketed_all_reduce(grads, mesh.group("edp"), bucket, scale)
+        else:
+            for g in grads:
+                g.mul_(scale)
 
 
 def sync_sequence_parallel_grads(model: nn.Module, mesh: Mesh | None = None) -> None:
@@ -62,7 +84,8 @@ def norm_weights(model: nn.Module, name: str, mesh: Mesh) -> tuple[float, torch.
     distinct element counts once: a factor (num_shards / tp: 1/tp for a parameter replicated
     over tp) and, for a parameter some of whose rows are copies held by several tp ranks (kv
     heads replicated when tp > num_key_value_heads), per-row weights 1/copies (else None)."""
-    factor = num_shards(get_param_meta(model, name).sharding, mesh) / mesh.tp_size
+    sharding = without_experts(get_param_meta(model, name).sharding)
+    factor = num_shards(sharding, mesh) / mesh.tp_size
     parent, _, local = name.rpartition(".")
     owner = model.get_submodule(parent) if parent else model
     weights = getattr(owner, "distinct_row_weights", None)
@@ -81,12 +104,18 @@ def global_grad_norm(model: nn.Module, mesh: Mesh | None = None) -> torch.Tensor
     if not entries:
         return torch.zeros(())
     total = torch.zeros((), dtype=torch.float32, device=entries[0][1].grad.device)
-    for name, p, _meta in entries:
+    experts = torch.zeros_like(total)  # expert parallelism: this rank's experts only
+    for name, p, meta in entries:
         sq = p.grad.detach().float().pow(2)
         factor, rows = norm_weights(model, name, mesh)
         if rows is not None:
             sq = sq.reshape(rows.shape[0], -1).sum(1) * rows.to(sq.device)
-        total = total + sq.sum() * factor
+        if expert_split(meta.sharding) is None:
+            total = total + sq.sum() * factor
+        else:
+            experts = experts + sq.sum() * factor
+    if mesh.ep_size > 1:
+        total = total + comm.all_reduce(experts, mesh.group("ep"))
     return comm.all_reduce(total, mesh.tp).sqrt()
 
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..errors import UserError
 from ..parallel import comm
 from ..parallel.mesh import Mesh, get_mesh
 from . import zero1_state
@@ -73,6 +74,11 @@ class Zero1:
         **opt_kwargs,
     ):
         self.mesh = get_mesh(mesh)
+        if self.mesh.ep_size > 1:
+            raise UserError(
+                f"ZeRO-1 does not support expert parallelism yet (mesh ep={self.mesh.ep_size}): "
+                "use ep=1, or the plain optimizer (no --zero1, no --bf16)"
+            )
         self.group = self.mesh.dp
         self.master_dtype = master_dtype
         if isinstance(params, nn.Module):

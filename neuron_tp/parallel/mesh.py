@@ -1,7 +1,10 @@
 """The device mesh: which ranks talk to which, computed once, as plain rank lists.
 
 World ranks are laid out ``rank = dp_rank * tp + tp_rank`` so that a tensor-parallel group is
-a block of contiguous ranks (the NeuronCores of one node). In 2D mode the tp group is a
+a block of contiguous ranks (the NeuronCores of one node). With expert parallelism (``ep > 1``,
+dividing dp) the dp ranks are also cut into blocks of ``ep`` consecutive dp ranks: an ``ep``
+group (same tp rank, one block) shares its MoE experts out, and an ``edp`` group (same tp rank,
+same place in every block) holds copies of the same experts. In 2D mode the tp group is a
 ``q x q`` grid (``tp_rank = row * q + col``); in 3D mode a ``q x q x q`` cube
 (``tp_rank = (i * q + j) * q + l``). Every group of every axis is listed, so the same lists give
 XLA replica groups and torch.distributed process groups.
@@ -108,6 +111,15 @@ def _launch_hint(world_size: int, tp: int) -> str:
     )
 
 
+def _check_ep(world_size: int, tp: int, ep: int) -> None:
+    dp = world_size // tp
+    if ep < 1 or dp % ep:
+        raise UserError(
+            f"ep={ep} does not divide the data-parallel degree {dp} (world {world_size} / "
+            f"tp {tp}); valid ep degrees: {divisors(dp)}"
+        )
+
+
 def _check_tp(world_size: int, tp: int, tp_mode: str) -> None:
     if tp_mode not in TP_MODES:
         raise UserError(f"tp_mode must be one of {TP_MODES}, got {tp_mode!r}")
@@ -125,7 +137,8 @@ def _check_tp(world_size: int, tp: int, tp_mode: str) -> None:
 
 
 class Mesh:
-    """dp x tp mesh (tp optionally a 2D grid or 3D cube) with one :class:`Group` per axis.
+    """dp x tp mesh (tp optionally a 2D grid or 3D cube) with one :class:`Group` per axis;
+    with ``ep > 1`` also the ``ep`` and ``edp`` axes over dp (module doc).
 
     Use :func:`init_mesh` in a real job and :meth:`Mesh.virtual` to trace what one rank of a
     large job would run, on a single XLA device, without executing it.
@@ -140,8 +153,10 @@ class Mesh:
         virtual: bool = False,
         create_process_groups: bool = False,
         reduce_dtype: torch.dtype | None = None,
+        ep: int = 1,
     ):
         _check_tp(world_size, tp, tp_mode)
+        _check_ep(world_size, tp, ep)
         if reduce_dtype is not None and not reduce_dtype.is_floating_point:
             raise ValueError(f"reduce_dtype must be a floating dtype (or None), got {reduce_dtype}")
         self.reduce_dtype = reduce_dtype
@@ -154,6 +169,14 @@ class Mesh:
             "dp": [[d * tp + t for d in range(dp)] for t in range(tp)],
             "world": [list(range(world_size))],
         }
+        if ep > 1:  # dp rank d = block * ep + j
+            blocks = range(dp // ep)
+            lists["ep"] = [
+                [(b * ep + j) * tp + t for j in range(ep)] for b in blocks for t in range(tp)
+            ]
+            lists["edp"] = [
+                [(b * ep + j) * tp + t for b in blocks] for j in range(ep) for t in range(tp)
+            ]
         for name, local_groups in _tp_axes(tp_mode, tp).items():
             lists[name] = [[d * tp + t for t in g] for d in range(dp) for g in local_groups]
         self.groups: dict[str, Group] = {}
@@ -191,13 +214,20 @@ class Mesh:
         tp: int,
         tp_mode: str = "1d",
         reduce_dtype: torch.dtype | None = None,
+        ep: int = 1,
     ) -> Mesh:
         """A trace-only mesh: layers emit XLA collectives for rank ``rank`` of ``world_size``.
 
         Only XLA tensors may be fed to its layers; the graph is traced, not executed.
         """
         return cls(
-            world_size, rank, tp=tp, tp_mode=tp_mode, virtual=True, reduce_dtype=reduce_dtype
+            world_size,
+            rank,
+            tp=tp,
+            tp_mode=tp_mode,
+            virtual=True,
+            reduce_dtype=reduce_dtype,
+            ep=ep,
         )
 
     def group(self, name: str) -> Group:
@@ -222,6 +252,11 @@ class Mesh:
         return self.groups["dp"]
 
     @property
+    def ep_size(self) -> int:
+        """Expert-parallel degree: how many dp ranks share one set of MoE experts out."""
+        return self.groups["ep"].size if "ep" in self.groups else 1
+
+    @property
     def tp_size(self) -> int:
         return self.tp.size
 
@@ -241,7 +276,8 @@ class Mesh:
         kind = "virtual " if self.virtual else ""
         return (
             f"{kind}Mesh(world={self.world_size}, rank={self.rank}, dp={self.dp_size}, "
-            f"tp={self.tp_size}, tp_mode={self.tp_mode!r})"
+            f"tp={self.tp_size}, tp_mode={self.tp_mode!r}"
+            + (f", ep={self.ep_size})" if self.ep_size > 1 else ")")
         )
 
 
@@ -331,8 +367,12 @@ def init_mesh(
     tp_mode: str = "1d",
     backend: str | None = None,
     reduce_dtype: torch.dtype | None = None,
+    ep: int = 1,
 ) -> Mesh:
     """Build the mesh of this job (world = dp x tp) and make it the default.
+
+    ``ep``: expert-parallel degree (dividing dp): MoE experts are spread over blocks of ``ep``
+    dp ranks and tokens exchanged by all-to-all (:mod:`neuron_tp.moe.expert_parallel`).
 
     ``reduce_dtype`` (e.g. ``torch.float32`` for a bf16 model): every sum over a group of this
     mesh (row-parallel outputs, sequence-parallel reduce-scatters, input and data-parallel
@@ -354,6 +394,7 @@ def init_mesh(
         if not dist.is_initialized():
             # Validate before any rendezvous so a bad tp never leaves ranks waiting.
             _check_tp(world, tp, tp_mode)
+            _check_ep(world, tp, ep)
         _init_process_group(backend, world)
         if dist.is_available() and dist.is_initialized():
             if dist.get_backend() == "xla":
@@ -377,6 +418,7 @@ def init_mesh(
         tp_mode=tp_mode,
         create_process_groups=needs_groups,
         reduce_dtype=reduce_dtype,
+        ep=ep,
     )
     set_default_mesh(mesh)
     return mesh

@@ -27,7 +27,8 @@ class Sharding:
     """``splits``: (mesh axis, tensor dim) pairs, outermost first; ``full_shape``: the
     unsharded shape (smaller than shards x chunk when the dim was padded, e.g. a vocab).
     ``segments``: for a packed projection (fused QKV, gate_up), the sizes of the pieces of the
-    split dim that are each split separately; a rank holds its chunk of every piece."""
+    innermost (last) split's dim that are each split separately; a rank holds its chunk of
+    every piece. An ``("ep", dim)`` split spreads MoE experts over the expert-parallel group."""
 
     splits: tuple[tuple[str, int], ...]
     full_shape: tuple[int, ...]
@@ -122,12 +123,49 @@ def gather_full(
     if sharding is None:
         return t
     mesh = get_mesh(mesh)
-    for axis, dim in reversed(sharding.splits):
+    for i, (axis, dim) in enumerate(reversed(sharding.splits)):
         group = mesh.group(axis)
         t = comm.all_gather(t.contiguous(), group, dim)
-        if sharding.segments:
+        if sharding.segments and i == 0:
             t = join_shards(list(t.chunk(group.size, dim)), dim, sharding.segments)
     return trim_padding(t, sharding.full_shape)
+
+
+def expert_split(sharding: Sharding | None) -> int | None:
+    """The dim a parameter is split along over the expert-parallel (``ep``) group, or None."""
+    for axis, dim in sharding.splits if sharding else ():
+        if axis == "ep":
+            return dim
+    return None
+
+
+def without_experts(sharding: Sharding | None) -> Sharding | None:
+    """``sharding`` without its ``ep`` split: the layout of the tensor holding every expert
+    (what checkpoints store, so they do not depend on the expert-parallel degree)."""
+    if expert_split(sharding) is None:
+        return sharding
+    splits = tuple(s for s in sharding.splits if s[0] != "ep")
+    return Sharding(splits, sharding.full_shape, sharding.segments) if splits else None
+
+
+def experts_piece(t: torch.Tensor, sharding: Sharding | None, mesh: Mesh) -> torch.Tensor:
+    """This rank's ``ep`` chunk of ``t``, a tensor holding every expert (laid out by
+    :func:`without_experts`); ``t`` itself when ``sharding`` has no ``ep`` split."""
+    dim = expert_split(sharding)
+    if dim is None:
+        return t
+    g = mesh.group("ep")
+    chunk = t.shape[dim] // g.size
+    return t.narrow(dim, g.rank * chunk, chunk)
+
+
+def gather_experts(t: torch.Tensor, sharding: Sharding | None, mesh: Mesh) -> torch.Tensor:
+    """The tensor holding every expert from this rank's ``ep`` chunk ``t`` (collective over
+    ``ep``; the inverse of :func:`experts_piece`); ``t`` when there is no ``ep`` split."""
+    dim = expert_split(sharding)
+    if dim is None:
+        return t
+    return comm.all_gather(t.detach().contiguous(), mesh.group("ep"), dim)
 
 
 def join_shards(
@@ -169,11 +207,13 @@ def gather_params(
 def shard_of(full: torch.Tensor, sharding: Sharding, mesh: Mesh) -> torch.Tensor:
     """This rank's piece of the unsharded tensor ``full`` (padding with zeros where needed)."""
     t = full
-    if sharding.segments:
-        ((axis, dim),) = sharding.splits
-        unpacked = Sharding(sharding.splits, sharding.full_shape)
+    if sharding.segments:  # outer splits first, then the innermost one piece by piece
+        *outer, (axis, dim) = sharding.splits
+        if outer:
+            t = shard_of(t, Sharding(tuple(outer), sharding.full_shape), mesh)
+        inner = Sharding(((axis, dim),), tuple(t.shape))
         return torch.cat(
-            [shard_of(piece, unpacked, mesh) for piece in full.split(list(sharding.segments), dim)],
+            [shard_of(piece, inner, mesh) for piece in t.split(list(sharding.segments), dim)],
             dim,
         )
     for axis, dim in sharding.splits:

@@ -1,0 +1,144 @@
+"""Expert parallelism inside ``ntp.parallelize`` (a mesh with ``ep > 1``), ONE 4-rank gloo launch:
+training steps of MoE families against the unsharded transformers model fed the whole global
+batch (each rank's loss on its own rows, every gathered gradient, the global gradient norm
+with clipping, the parameters after AdamW steps), at ep 2 x tp 2, ep 4, ep 2 of dp 4 (two
+copies of each expert: their gradients summed over ``edp``) and ep 2 x tp 2 with sequence
+parallelism; checkpoints written at one ep degree load at another; bad degrees refused before
+any collective. (tp-only is proven against the same reference in tests/hf/test_moe.py.)"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import os
+
+import pytest
+import torch
+
+import gloo_dist
+from moe_archs import V, build_moe
+from neuron_tp import checkpoint
+from neuron_tp.errors import UserError
+from neuron_tp.hf import gather_hf_state_dict, parallelize
+from neuron_tp.optim.grads import reduce_gradients
+from neuron_tp.parallel.mesh import Mesh, init_mesh
+
+ROWS = 2  # sequences per rank
+MAX_NORM = 0.05  # small enough to clip
+
+
+@functools.cache
+def _mesh(tp: int, ep: int) -> Mesh:
+    return init_mesh(tp=tp, ep=ep)
+
+
+def _close(a, b, what, atol=2e-5):
+    torch.testing.assert_close(a, b, atol=atol, rtol=1e-4, msg=lambda m: f"{what}: {m}")
+
+
+def _batch(step: int, dp: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randint(1, V, (dp * ROWS, 8), generator=g)
+
+
+def _train(name: str, tp: int, ep: int, sp: bool = False, steps: int = 2, **cfg):
+    """``steps`` AdamW steps of the ep-sharded model and of the reference; checks every step."""
+    mesh = _mesh(tp, ep)
+    tag = f"{name} tp={tp} ep={ep} sp={sp}"
+    ref = build_moe(name, **cfg).train()
+    m = parallelize(copy.deepcopy(ref), mesh, sequence_parallel=sp, parallel_loss=True)
+    local = {n: p.shape for n, p in m.named_parameters() if n.endswith("experts.down_proj")}
+    full = ref.get_parameter(next(iter(local))).shape
+    assert next(iter(local.values()))[0] == full[0] // ep, f"{tag}: experts not spread over ep"
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    dp, d = mesh.dp_size, mesh.dp_rank
+    for step in range(steps):
+        ids = _batch(step, dp)
+        rows = [ids[i * ROWS : (i + 1) * ROWS] for i in range(dp)]
+        losses = [ref(r, labels=r).loss for r in rows]
+        (sum(losses) / dp).backward()
+        want_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
+        out = m(rows[d], labels=rows[d])
+        _close(out.loss, losses[d], f"{tag} step {step} loss")
+        out.loss.backward()
+        norm = reduce_gradients(m, opt, mesh, MAX_NORM, zero1=False)
+        _close(norm, want_norm, f"{tag} step {step} grad norm")
+        grads = gather_hf_state_dict(m, grads=True)
+        for n, p in ref.named_parameters():
+            _close(grads[n], p.grad, f"{tag} step {step} grad {n}")
+        for o in (opt, opt_ref):
+            o.step()
+            o.zero_grad()
+    params = gather_hf_state_dict(m)
+    for n, p in ref.named_parameters():
+        _close(params[n], p.detach(), f"{tag} {n} after {steps} steps", atol=1e-4)
+    return m, opt
+
+
+def _checkpoint(tmp: str) -> None:
+    """Saved at ep 2 x tp 2 (the files hold every expert), loaded at ep 1 and back at ep 2:
+    parameters and AdamW moments equal the saving model's, gathered."""
+    m, opt = _train("mixtral", 2, 2, steps=1)
+    path = checkpoint.save(os.path.join(tmp, "ep"), m, opt, step=1, mesh=_mesh(2, 2))
+    want = gather_hf_state_dict(m)
+    for ep in (1, 2):
+        other = parallelize(build_moe("mixtral", seed=7).train(), _mesh(2, ep), parallel_loss=True)
+        o_opt = torch.optim.AdamW(other.parameters(), lr=1e-2)
+        checkpoint.load(path, other, o_opt, mesh=_mesh(2, ep))
+        got = gather_hf_state_dict(other)
+        for n, t in want.items():
+            _close(got[n], t, f"load at ep={ep}: {n}", atol=0)
+        pm = dict(m.named_parameters())
+        for n, p in other.named_parameters():
+            if n.endswith("experts.gate_up_proj") and ep == 2:
+                _close(o_opt.state[p]["exp_avg"], opt.state[pm[n]]["exp_avg"], n, atol=0)
+
+
+def _bad() -> None:
+    """Refusals name the degrees that work, before any collective."""
+    with pytest.raises(
+        UserError,
+        match=r"ep=3 does not divide the data-parallel degree 4 .*"
+        r"valid ep degrees: \[1, 2, 4\]",
+    ):
+        Mesh(4, 0, tp=1, ep=3)
+    ref = build_moe("mixtral")  # 6 experts
+    with pytest.raises(
+        ValueError,
+        match=r"6 experts cannot be spread over ep=4; ep degrees "
+        r"that work with dp=4: \[1, 2\]",
+    ):
+        parallelize(copy.deepcopy(ref), _mesh(1, 4))
+    from neuron_tp.optim.zero1 import Zero1
+
+    m = parallelize(copy.deepcopy(ref), _mesh(2, 2))
+    with pytest.raises(UserError, match="ZeRO-1 does not support expert parallelism"):
+        Zero1(m, mesh=_mesh(2, 2))
+    _train("qwen3_moe", 1, 2, steps=1)  # nobody communicated: the ranks are still in step
+
+
+CASES = {
+    "mixtral_aux_tp2_ep2": lambda tmp: _train(
+        "mixtral", 2, 2, output_router_logits=True, router_aux_loss_coef=0.05
+    ),
+    "qwen2_moe_tp1_ep4": lambda tmp: _train("qwen2_moe", 1, 4, num_experts=8),
+    "glm4_moe_ep2_of_dp4": lambda tmp: _train("glm4_moe", 1, 2),
+    "qwen3_moe_tp2_ep2_sp": lambda tmp: _train("qwen3_moe", 2, 2, sp=True),
+    "checkpoint_across_ep": _checkpoint,
+    "bad_degrees": lambda tmp: _bad(),
+}
+
+
+def _case(case: str, tmp: str) -> None:
+    CASES[case](tmp)
+
+
+@pytest.fixture(scope="module")
+def shared_tmp(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("ep"))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_expert_parallel_model(case, shared_tmp):
+    gloo_dist.run_case(_case, case, shared_tmp, cases=list(CASES), world_size=4, timeout=600)
