@@ -169,4 +169,8 @@ def xla_job() -> dict:
     after_pending = step(6)  # other tokens, other routing
     compare(after_pending, atol=1e-4, rtol=1e-4)
     dist.barrier()
-    return {"rank": mesh.rank, "checks": n, "new_compiles": compiles() - before}
+    new_compiles = compiles() - before
+    import ep_model_xla
+
+    model = ep_model_xla.run()
+    return {"rank": mesh.rank, "checks": n, "new_compiles": new_compiles, "model": model}

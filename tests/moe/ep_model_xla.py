@@ -1,0 +1,71 @@
+"""A tiny MoE model trained with expert parallelism on the XLA CPU devices of one launch
+(ep = the world, tp 1), next to the unsharded transformers model trained on the whole global
+batch on the CPU: each rank's loss, every gathered gradient after the dp/edp reduction, and the
+process-wide compile count after each step (tokens and routing differ every step)."""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import torch
+
+import neuron_tp as ntp
+from moe_archs import V, build_moe
+from neuron_tp import hf
+from neuron_tp.backend.graphs import graph_counters
+from neuron_tp.optim.grads import reduce_gradients
+from xla_dist import serial
+
+ROWS = 2
+_barriers: dict[int, threading.Barrier] = {}
+_lock = threading.Lock()
+
+
+def _counted(world: int) -> int:
+    with _lock:
+        barrier = _barriers.setdefault(world, threading.Barrier(world))
+    barrier.wait()
+    n = graph_counters()["compiles"]
+    barrier.wait()
+    return n
+
+
+def _maxdiff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.detach().cpu().float() - b.detach().float()).abs().max())
+
+
+def run(name: str = "qwen3_moe", steps: int = 3) -> dict:
+    """``steps`` SGD steps; per step the largest loss and gradient differences and the
+    compile count."""
+    import torch_xla
+
+    world = ntp.get_mesh().world_size
+    mesh = ntp.init_mesh(tp=1, ep=world)
+    dev = ntp.xla_device()
+    with serial():
+        ref = build_moe(name, num_experts=2 * world).train()
+    m = ntp.move_to(hf.parallelize(copy.deepcopy(ref), mesh, parallel_loss=True), dev)
+    opts = [torch.optim.SGD(x.parameters(), lr=0.2) for x in (m, ref)]
+    out = {"loss": [], "grad": [], "compiles": []}
+    d = mesh.dp_rank
+    for step in range(steps):
+        g = torch.Generator().manual_seed(200 + step)
+        ids = torch.randint(1, V, (world * ROWS, 8), generator=g)
+        rows = [ids[i * ROWS : (i + 1) * ROWS] for i in range(world)]
+        loss = m(rows[d].to(dev), labels=rows[d].to(dev)).loss
+        loss.backward()
+        reduce_gradients(m, opts[0], mesh, 0.0, zero1=False)
+        grads = hf.gather_hf_state_dict(m, grads=True)
+        torch_xla.sync()
+        with serial():
+            ref_losses = [ref(r, labels=r).loss for r in rows]
+            (sum(ref_losses) / world).backward()
+        out["loss"].append(_maxdiff(loss, ref_losses[d]))
+        out["grad"].append(max(_maxdiff(grads[n], p.grad) for n, p in ref.named_parameters()))
+        for opt in opts:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        torch_xla.sync()
+        out["compiles"].append(_counted(world))
+    return out
