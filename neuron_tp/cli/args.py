@@ -95,6 +95,15 @@ def train_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--sequence-parallel", action="store_true", help="1d only")
     p.add_argument(
+        "--ep",
+        type=positive(int),
+        default=1,
+        help="expert parallelism for mixture-of-experts models: each block of --ep data-"
+        "parallel ranks shares the experts out (E/ep each, still split over tp) and sends "
+        "tokens to them by all-to-all; divides dp (world / tp) and the expert count; not "
+        "with --zero1 / --bf16 yet",
+    )
+    p.add_argument(
         "--data",
         default=REPO_DATA,
         help="a .txt/.jsonl/.parquet/.arrow file or a directory of them; jsonl lines (table "

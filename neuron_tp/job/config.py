@@ -89,6 +89,7 @@ class TrainConfig(_CommonConfig):
     eval_every: int = 0  # 0: no evaluation
     eval_batches: int = 0  # micro-batches per rank per evaluation; 0: the whole eval set
     plan_calibration: str = ""  # --plan auto: measured figures (neuron-tp selftest --calibrate)
+    ep: int = 1  # expert-parallel degree (MoE): blocks of ep dp ranks share the experts out
 
     @property
     def uses_zero1(self) -> bool:

@@ -328,31 +328,35 @@ def check_model_replicas(
     model: torch.nn.Module, mesh, error: BaseException | None = None, what: str = "the job"
 ) -> None:
     """After sharding: every rank's shard equals the shard of the ranks with the same tp rank
-    (its data-parallel replicas), and replicated parameters are equal on every rank.
+    (its data-parallel replicas; for experts spread over ``ep``, the ranks holding the same
+    experts), and replicated parameters are equal on every rank.
     ``error``: this rank's local failure (every rank raises). Collective over the world."""
-    from .sharding import named_parameter_meta
+    from .sharding import expert_split, named_parameter_meta
 
     world = mesh.group("world")
-    shards, sharded, replicated = {}, {}, {}
+    shards, sharded, experts, replicated = {}, {}, {}, {}
     if error is None:
         for name, p, meta in named_parameter_meta(model):
             if meta.sharding is None:
                 replicated[name] = tensor_checksum(p)
             else:
                 shards[name] = [list(p.shape), str(p.dtype)]
-                sharded[name] = tensor_checksum(p)
+                held = experts if expert_split(meta.sharding) is not None else sharded
+                held[name] = tensor_checksum(p)
     replicas = [list(g) for g in mesh.dp.all_groups]  # the ranks holding the same shards
+    copies = [list(g) for g in mesh.group("edp").all_groups] if mesh.ep_size > 1 else replicas
     keys = (
         "parameter shards (names, shapes, dtypes)",
         "weights of the shards (checksums)",
         "weights of replicated parameters (checksums)",
+        "weights of the experts (checksums)",
     )
-    values = dict(zip(keys, (shards, sharded, replicated)))
+    values = dict(zip(keys, (shards, sharded, replicated, experts)))
     check_agreement(
         values,
         world,
         error=error,
         what=what,
         details=values,
-        scopes={keys[0]: replicas, keys[1]: replicas},
+        scopes={keys[0]: replicas, keys[1]: replicas, keys[3]: copies},
     )

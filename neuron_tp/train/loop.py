@@ -86,8 +86,17 @@ def setup(args: TrainConfig | argparse.Namespace, mesh: Mesh | None = None) -> R
                 "already splits the batch (and the features) over the grid; drop "
                 "--sequence-parallel"
             )
-        # Valid tp (a square for 2d, a cube for 3d)? This rank's dp rank.
-        layout = mesh or Mesh(world.size, world.rank, tp=config.tp, tp_mode=config.tp_mode)
+        if config.ep > 1 and config.uses_zero1:
+            raise UserError(
+                f"--ep {config.ep} does not work with ZeRO-1 yet (--zero1, or --bf16 which "
+                "keeps its fp32 masters in ZeRO-1): train in fp32 without --zero1, or --ep 1"
+            )
+        # Valid tp (a square for 2d, a cube for 3d) and ep? This rank's dp rank.
+        layout = mesh or Mesh(
+            world.size, world.rank, tp=config.tp, tp_mode=config.tp_mode, ep=config.ep
+        )
+        if layout.ep_size != config.ep:
+            raise ValueError(f"mesh has ep={layout.ep_size} but --ep={config.ep}")
         if layout.tp_size != config.tp:
             raise ValueError(f"mesh has tp={layout.tp_size} but --tp={config.tp}")
         if layout.tp_mode != config.tp_mode:
@@ -137,7 +146,7 @@ def setup(args: TrainConfig | argparse.Namespace, mesh: Mesh | None = None) -> R
     agreement.check_agreement(values, world, details=details, error=error, what="neuron-tp train")
     device = rank_device(config.device)  # before any backward (see neuron_tp.xla_device)
     mesh = mesh or init_mesh(
-        tp=config.tp, tp_mode=config.tp_mode, reduce_dtype=config.mesh_reduce_dtype
+        tp=config.tp, tp_mode=config.tp_mode, reduce_dtype=config.mesh_reduce_dtype, ep=config.ep
     )
     dtype = torch.bfloat16 if config.bf16 else torch.float32
     from .. import hf

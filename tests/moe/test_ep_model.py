@@ -118,6 +118,53 @@ def _bad() -> None:
     _train("qwen3_moe", 1, 2, steps=1)  # nobody communicated: the ranks are still in step
 
 
+def _cli(tmp: str) -> None:
+    """``neuron-tp train --ep 2`` (tp 2, dp 2) from a transformers-saved Mixtral directory:
+    the same losses as ``--ep 1`` on the same data, and checkpoints that consolidate to the
+    same weights; ``--ep`` with ZeRO-1 (``--bf16``) refused on every rank."""
+    import torch.distributed as dist
+    import transformers as tf
+
+    from neuron_tp.checkpoint.merge import consolidate
+    from neuron_tp.cli.args import train_parser
+    from neuron_tp.train.loop import train
+
+    model_dir = os.path.join(tmp, "mixtral")
+    if dist.get_rank() == 0:
+        build_moe("mixtral", vocab_size=257, max_position_embeddings=64).save_pretrained(model_dir)
+    dist.barrier()
+
+    def run(ep: int, *extra: str) -> list:
+        out = os.path.join(tmp, f"run-ep{ep}{''.join(extra)}")
+        args = train_parser().parse_args(
+            ["--model", model_dir, "--tokenizer", "bytes", "--device", "cpu", "--tp", "2"]
+            + ["--seq-len", "16", "--micro-batch", "2", "--steps", "3", "--lr", "1e-2"]
+            + ["--warmup-steps", "1", "--log-every", "1", "--output-dir", out, "--ep", str(ep)]
+            + list(extra)
+        )
+        log = train(args, _mesh(2, ep), printer=lambda *a, **k: None)["log"]
+        return [r["loss"] for r in log if "loss" in r], out
+
+    with pytest.raises(UserError, match=r"--ep 2 does not work with ZeRO-1 yet"):
+        run(2, "--bf16")
+    (got, out2), (want, out1) = run(2), run(1)
+    assert len(want) == 3 and got == pytest.approx(want, rel=1e-5, abs=1e-6), (got, want)
+    failed = None
+    if dist.get_rank() == 0:  # the other ranks wait at the barrier, whatever happens here
+        try:
+            a, b = (
+                tf.AutoModelForCausalLM.from_pretrained(consolidate(o, o + "-cons")).state_dict()
+                for o in (out2, out1)
+            )
+            for n, t in b.items():
+                _close(a[n], t, f"consolidated {n}", atol=1e-4)
+        except Exception as e:  # noqa: BLE001 - raised after the barrier
+            failed = e
+    dist.barrier()
+    if failed is not None:
+        raise failed
+
+
 CASES = {
     "mixtral_aux_tp2_ep2": lambda tmp: _train(
         "mixtral", 2, 2, output_router_logits=True, router_aux_loss_coef=0.05
@@ -127,6 +174,7 @@ CASES = {
     "qwen3_moe_tp2_ep2_sp": lambda tmp: _train("qwen3_moe", 2, 2, sp=True),
     "checkpoint_across_ep": _checkpoint,
     "bad_degrees": lambda tmp: _bad(),
+    "cli_train_ep2_equals_ep1": _cli,
 }
 
 
