@@ -75,12 +75,12 @@ def _lora_rank(tmp: str) -> None:
         ),
     }
     # a local HF directory: the base read slice by slice onto the meta-device peft model
-    from moe_archs import build_moe
+    from moe_archs import build_moe, loud_experts
     from neuron_tp.job.presets import build_model
 
     if mesh.rank == 0:
         build_model("tiny-llama", 257, 3).save_pretrained(f"{tmp}/hf")
-        build_moe("mixtral", 5, vocab_size=257).save_pretrained(f"{tmp}/moe")
+        loud_experts(build_moe("mixtral", 5, vocab_size=257)).save_pretrained(f"{tmp}/moe")
     torch.distributed.barrier()
     hf = ["--model", f"{tmp}/hf", "--tokenizer", "bytes"]  # a directory without a tokenizer
     args = _args(f"{tmp}/run-hf", "--tp", "2", *hf, *LORA, *HF_STEPS)
@@ -150,7 +150,6 @@ def test_lora_training_follows_unsharded_peft_and_saves_a_peft_adapter(tmp_path)
     torch.testing.assert_close(
         torch.tensor(r0["moe_norms"]), torch.tensor(norms), atol=2e-4, rtol=1e-3
     )
-    assert losses[-1] < losses[0]
     adapter = tmp_path / "run-moe" / "adapter"
     base = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "moe")
     loaded = PeftModel.from_pretrained(base, str(adapter)).eval()
@@ -158,3 +157,4 @@ def test_lora_training_follows_unsharded_peft_and_saves_a_peft_adapter(tmp_path)
     torch.testing.assert_close(loaded(ids).logits, ref(ids).logits, atol=2e-4, rtol=1e-4)
     saved = load_file(str(adapter / "adapter_model.safetensors"))
     assert len(saved) == 2 * 3 * 2  # A and B of 3 attention projections x 2 layers
+    assert all(t.abs().sum() > 0 for k, t in saved.items() if "lora_B" in k)  # trained
