@@ -5,7 +5,9 @@ Layout of one checkpoint ``ROOT/step-00000100/``::
     meta.json                      mesh, model class + config, layout of every parameter,
                                    optimizer/scheduler state, data position
     shard-tp00000.safetensors      the tp rank's parameters and optimizer states (written by
-    ...                            the ranks of data-parallel replica 0), a CRC-32 per tensor
+    ...                            the ranks of data-parallel replica 0), a CRC-32 per tensor;
+                                   tp rank 0's also the persistent buffers (replicated,
+                                   ``buffer/<name>``; meta.json's ``buffers`` lists them)
     optim-tp00000-dp00000.safetensors   ZeRO-1 only: each (tp, dp) rank's own shard of the
     ...                            optimizer state and fp32 masters (none in shard-tp*; the
                                    metadata's optimizer.dp_shards says at which dp)
@@ -23,7 +25,8 @@ and commits / modifies nothing. No tensor is pickled.
 Modules: :mod:`.format` (names, checksums, durable writes), :mod:`.agree` (failure agreement),
 :mod:`.writer` (save), :mod:`.reader` (load), :mod:`.merge` (consolidate), :mod:`.reshard`
 (layouts), :mod:`.assets` (tokenizer and generation config files), :mod:`.zero1_files`
-(dp-sharded ZeRO-1 state), :mod:`.outdir` (output directory checks, job lock, resume plan).
+(dp-sharded ZeRO-1 state), :mod:`.buffers` (persistent buffers), :mod:`.outdir` (output
+directory checks, job lock, resume plan).
 """
 
 from __future__ import annotations

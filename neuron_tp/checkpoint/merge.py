@@ -12,6 +12,7 @@ import torch
 from ..errors import UserError
 from ..parallel.failures import describe
 from .assets import export_for_transformers
+from .buffers import PREFIX as BUFFER_PREFIX
 from .format import CheckpointError, fsync, latest, read_meta
 from .reader import Shards
 from .reshard import to_hf
@@ -125,6 +126,9 @@ def consolidate(path: str, out_dir: str, adapter_only: bool = False) -> str:
                     "(NaN/inf); refusing to write a diverged model"
                 )
             tensors[name] = t
+        if not adapter_only:  # persistent buffers (replicated): tp rank 0's copy
+            for name in meta.get("buffers") or {}:
+                tensors[name] = shards.get(0, BUFFER_PREFIX + name)
         if adapter_only:
             state = lora_files.adapter_state(tensors, lora)
             lora_files.write_adapter_dir(tmp, lora_files.config_from_record(lora), state)

@@ -21,6 +21,7 @@ from ..parallel.mesh import Mesh
 from ..parallel.sharding import ParamMeta, experts_piece, named_parameter_meta
 from . import zero1_files
 from .agree import agree
+from .buffers import apply_buffers, read_buffers
 from .format import CheckpointError, file_record, read_meta, verify
 from .reshard import assemble, local_piece, logical_shape
 from .writer import device_of, is_zero1, mesh_of
@@ -135,6 +136,7 @@ class Staged:
     optim: dict
     zero1: dict | None  # this rank's own ZeRO-1 shard state (same tp and dp layout)
     rng: tuple | None  # (torch cpu state, python state, xla seed or None)
+    buffers: dict  # persistent buffers (replicated), by name
 
 
 def _read_tensors(path: str, meta: dict, model, optimizer, mesh: Mesh) -> tuple:
@@ -225,6 +227,8 @@ def _stage(path: str, model, optimizer, scheduler, mesh: Mesh, restore_rng: bool
     meta = read_meta(path)
     check_model(meta, model, path)
     params, optim, zero1 = _read_tensors(path, meta, model, optimizer, mesh)
+    first = Shards(path, meta["mesh"]["tp"], meta.get("step"))
+    buffers = read_buffers(lambda key: first.get(0, key), meta, model, path)
     if scheduler is not None and meta.get("scheduler") is not None:
         try:  # on a shallow copy: the scheduler itself is not touched
             copy.copy(scheduler).load_state_dict(copy.deepcopy(meta["scheduler"]))
@@ -235,7 +239,7 @@ def _stage(path: str, model, optimizer, scheduler, mesh: Mesh, restore_rng: bool
     rng = None
     if restore_rng and meta["mesh"]["world_size"] == mesh.world_size:
         rng = _read_rng(path, mesh.rank)
-    return Staged(meta, params, optim, zero1, rng)
+    return Staged(meta, params, optim, zero1, rng, buffers)
 
 
 def _apply(model, optimizer, scheduler, s: Staged) -> None:
@@ -251,6 +255,7 @@ def _apply(model, optimizer, scheduler, s: Staged) -> None:
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(s.params[name].to(p.dtype))
+    apply_buffers(model, s.buffers)
     if s.zero1 is not None:  # ZeRO-1 at the saved layout: its own shard (params loaded above)
         zero1_state.load_state_dict(optimizer, s.zero1, gather=False)
     elif is_zero1(optimizer):  # ZeRO-1 from a full state: this rank's dp chunks

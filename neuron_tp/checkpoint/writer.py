@@ -22,6 +22,7 @@ from ..parallel.sharding import expert_split, gather_experts, named_parameter_me
 from . import zero1_files
 from .agree import agree
 from .assets import write_files
+from .buffers import buffer_meta, buffer_tensors
 from .format import (
     FORMAT,
     FORMAT_DP_SHARDED,
@@ -116,6 +117,7 @@ def _metadata(model, optimizer, scheduler, step: int, mesh: Mesh, data_state, ex
             }
             for n, p, m in named_parameter_meta(model)
         },
+        "buffers": buffer_meta(model),  # replicated: stored once, in tp rank 0's file
         "optimizer": _optimizer_meta(optimizer),
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "data_state": data_state,
@@ -182,6 +184,8 @@ def _write_rank_files(
     experts = _expert_tensors(model, optimizer, mesh)
     if mesh.dp_rank == 0:  # one copy of each tp shard: the ranks of dp replica 0
         tensors = _model_tensors(model)
+        if mesh.tp_rank == 0:
+            tensors.update(buffer_tensors(model))
         if optimizer is not None and not is_zero1(optimizer):
             tensors.update(_optimizer_tensors(model, optimizer))
         tensors.update({k: v.cpu().contiguous() for k, v in experts.items()})

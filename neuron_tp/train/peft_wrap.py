@@ -8,6 +8,7 @@ import os
 
 from torch import nn
 
+from ..errors import UserError
 from ..job.config import TrainConfig
 
 ADAPTER_DIR = "adapter"  # under --output-dir: adapter_model.safetensors + adapter_config.json
@@ -40,7 +41,16 @@ def wrap(model: nn.Module, config: TrainConfig) -> nn.Module:
 
     refuse_parallelized(model)
     cfg = lora_config(config)
-    peft_model = get_peft_model(model, cfg)
+    try:
+        peft_model = get_peft_model(model, cfg)
+    except ValueError as e:  # e.g. a fused MoE experts module, or a name that matches nothing
+        from ..hf.lora import valid_targets
+
+        raise UserError(
+            f"--lora-target-modules {','.join(config.lora_target_modules) or '(default)'}: "
+            f"{' '.join(str(e).split())}; LoRA targets this model supports under tensor "
+            f"parallelism: {','.join(valid_targets(model, None))}"
+        ) from None
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(config.seed)
         for mod in peft_model.modules():

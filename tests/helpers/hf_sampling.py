@@ -26,3 +26,13 @@ def hf_sample(full, prompts, new: int, temperature: float, top_k: int, seed: int
         **generate,
     )
     return out[:, width:].tolist()
+
+
+def peaked(model, scale: float = 15.0):
+    """``model`` with its output head scaled in place by ``scale`` (returned): a random tiny
+    model's logits are nearly uniform (spread ~0.4), so a wrong temperature (``logits * T``
+    for ``logits / T``) would sample the same tokens; scaled, they spread over several units
+    and the temperature decides which token is drawn."""
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(scale)
+    return model

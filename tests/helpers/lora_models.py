@@ -12,11 +12,18 @@ TARGETS = {
     "tiny-qwen3": LLAMA_TARGETS,
     "tiny-gpt2": ["c_attn", "c_proj", "c_fc"],
     "odd-llama": LLAMA_TARGETS,
+    # MoE: LoRA on the attention projections (the fused 3-D experts take none under tp)
+    "tiny-qwen3moe": ["q_proj", "k_proj", "v_proj", "o_proj"],
 }
 
 
 def base_model(name: str, seed: int = 0):
-    """A tiny random causal LM: a preset, or ``odd-llama`` (tp 3: 6 heads over 3 kv heads)."""
+    """A tiny random causal LM: a preset, ``odd-llama`` (tp 3: 6 heads over 3 kv heads) or
+    ``tiny-qwen3moe`` (tests/helpers/moe_archs.py, its experts scaled to matter)."""
+    if name == "tiny-qwen3moe":
+        from moe_archs import build_moe, loud_experts
+
+        return loud_experts(build_moe("qwen3_moe", seed))
     if name != "odd-llama":
         from neuron_tp.job.presets import build_model
 

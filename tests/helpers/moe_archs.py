@@ -97,3 +97,16 @@ def build_moe(name: str, seed: int = 0, **config_kwargs):
         if isinstance(bias, torch.Tensor):
             bias.copy_(torch.rand(bias.shape) * 0.2)
     return model
+
+
+def loud_experts(model, scale: float = 5.0):
+    """``model`` (returned) with every routed expert's fused weights scaled in place: random
+    tiny experts add little next to the residual stream, so a wrong expert output or gradient
+    would hardly move the logits; scaled, the MoE layers decide them."""
+    with torch.no_grad():
+        for mod in model.modules():
+            for name in ("gate_up_proj", "down_proj"):
+                p = getattr(mod, name, None)
+                if isinstance(p, torch.nn.Parameter) and p.dim() == 3:
+                    p.mul_(scale)
+    return model

@@ -18,7 +18,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 import gloo_dist  # noqa: E402
 import neuron_tp as ntp  # noqa: E402
-from hf_sampling import hf_sample  # noqa: E402
+from hf_sampling import hf_sample, peaked  # noqa: E402
 
 HERE = os.path.dirname(__file__)
 REPO = os.path.dirname(os.path.dirname(HERE))
@@ -36,6 +36,8 @@ def _sharded(tmp: str) -> None:
     mesh = ntp.init_mesh(tp=2)
     full = build_model("tiny-llama", 257, 4).eval()
     model = hf.parallelize(copy.deepcopy(full), mesh).eval()
+    peak = peaked(copy.deepcopy(full))  # logits spread over units: the temperature matters
+    peak_sharded = hf.parallelize(copy.deepcopy(peak), mesh).eval()
     res = {
         "greedy": generate(model, PROMPTS, 10, [8, 16]),
         "ref_greedy": [
@@ -45,9 +47,10 @@ def _sharded(tmp: str) -> None:
             for p in PROMPTS
         ],
         "sample": generate(
-            model, PROMPTS, 10, [16], do_sample=True, temperature=0.8, top_k=20, seed=9
+            peak_sharded, PROMPTS, 10, [16], do_sample=True, temperature=0.8, top_k=20, seed=9
         ),
-        "ref_sample": hf_sample(full, PROMPTS, 10, temperature=0.8, top_k=20, seed=9),
+        "ref_sample": hf_sample(peak, PROMPTS, 10, temperature=0.8, top_k=20, seed=9),
+        "peak_greedy": generate(peak_sharded, PROMPTS, 10, [16]),
     }
     # one batch bucket of 4 (a filler row) with per-sequence EOS, and stop strings
     from neuron_tp.infer.generate import Generator
@@ -100,7 +103,7 @@ def test_sharded_generation_matches_unsharded(tmp_path):
     r0, r1 = (json.loads((tmp_path / f"gen-{r}.json").read_text()) for r in range(2))
     assert r0 == r1  # every tp rank produced the same tokens
     assert r0["greedy"] == r0["ref_greedy"]
-    assert r0["sample"] == r0["ref_sample"] and r0["sample"] != r0["greedy"]
+    assert r0["sample"] == r0["ref_sample"] and r0["sample"] != r0["peak_greedy"]
     assert r0["cli"] == r0["cli_ref"]
     assert r0["cli_stop"] == r0["cli_stop_ref"] and r0["cli_stop"] != r0["cli"]
     assert r0["eos"] == r0["ref_eos"] and sorted(map(len, r0["eos"])) == [3, 6, 20]

@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
+import torch
 
 import gloo_dist
 from neuron_tp.infer.generate import GREEDY, Generator, Sampling
@@ -904,3 +905,101 @@ def test_tp2_answers_like_tp1_and_shuts_down_cleanly(tp1, tp2):
     assert "[rank0]:" not in log and "[rank1]:" not in log, log[-3000:]  # no rank tracebacks
     assert "neuron-tp serve: request cmpl-" in log and "status=400" in log, log[-3000:]
     assert "forcefully exiting" not in log, log[-3000:]  # ended within torchrun's grace
+
+
+# -- an MoE directory at tp=2: two torchrun ranks ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def moe_tp2(tmp_path_factory):
+    """A tiny Mixtral directory (output head scaled: sampling depends on the temperature;
+    experts scaled: they decide the tokens) served at tp=2 (gloo, torchrun); yields
+    (unsharded model, base url)."""
+    from hf_sampling import peaked
+    from moe_archs import build_moe, loud_experts
+
+    tmp = tmp_path_factory.mktemp("moe")
+    full = peaked(loud_experts(build_moe("mixtral", 2, vocab_size=257)), 8.0)
+    full.save_pretrained(tmp / "model")
+    port = _free_port()
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        "-m", "neuron_tp.cli", "serve", "--model", str(tmp / "model"), "--tokenizer", "bytes",
+        "--tp", "2", "--device", "cpu", "--port", str(port), "--served-model-name", "tiny",
+        "--buckets", "16,32", "--batch-buckets", "1,2,4", "--max-new-tokens", "12",
+    ]  # fmt: skip
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "OMP_NUM_THREADS": "1"}
+    log = tmp / "serve.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            if _get(url + "/ready")[0] == 200:
+                break
+        except OSError:
+            pass
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.2)
+    ranks = _children(proc.pid)
+    yield full, url
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(45)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    for pid in ranks:
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_moe_directory_tp2_answers_like_transformers_per_request(moe_tp2):
+    """Concurrent requests (greedy and seeded sampling) on a tiny Mixtral at tp=2, each equal
+    to transformers' ``generate`` of that request alone; decode runs slot buckets 4 (MoE dense
+    mode: 4 tokens x top-2 >= 6 experts) and 1 (gather mode), prefill chunks dense."""
+    from hf_sampling import hf_sample
+    from neuron_tp.job.data import ByteTokenizer
+
+    full, url = moe_tp2
+    tok, eos = ByteTokenizer(), [int(full.generation_config.eos_token_id)]
+
+    def expected(ids, n, sampling):
+        with torch.no_grad():
+            if sampling is None:
+                out = full.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)
+                out = out[0, len(ids) :].tolist()
+            else:
+                out = hf_sample(full, [ids], n, *sampling)[0]
+        return tok.decode([t for t in out if t not in eos])
+
+    # (token ids, max tokens, (temperature, top_k, seed) or None for greedy)
+    asks = [
+        ([72, 101, 108, 108, 111], 10, None),
+        ([84, 104, 101], 7, (0.8, 20, 7)),
+        (list(range(97, 117)), 12, None),  # 20 tokens: two prefill chunks of 16
+        ([65], 9, (1.3, 0, 11)),
+        ([120, 121, 122, 33], 5, None),
+    ]
+    want = [expected(*a) for a in asks]
+    barrier = threading.Barrier(len(asks))
+
+    def ask(a):
+        ids, n, sampling = a
+        kw = {"temperature": 0}
+        if sampling is not None:
+            kw = {"temperature": sampling[0], "seed": sampling[2]}
+            kw["extra_body"] = {"top_k": sampling[1]}
+        c = _client(url)
+        barrier.wait()
+        return c.completions.create(model="tiny", prompt=ids, max_tokens=n, **kw).choices[0].text
+
+    with ThreadPoolExecutor(len(asks)) as pool:
+        got = list(pool.map(ask, asks))
+    assert got == want
+    assert got[1] != expected(asks[1][0], asks[1][1], None)  # sampling chose other tokens
+    # alone: decode bucket 1 (gather mode)
+    alone = _client(url).completions.create(
+        model="tiny", prompt=asks[2][0], max_tokens=12, temperature=0
+    )
+    assert alone.choices[0].text == want[2]

@@ -1,7 +1,8 @@
 """SlotGenerator (continuous batching): under random schedules of joins and leaves (requests
 prefilled chunk by chunk into free slots while others decode, prompts longer than a chunk,
 slot reuse), every request's tokens equal transformers' own generation of that request alone
-(greedy ``generate``; ``hf_sample`` for a seed), at tp 1 (eager CPU), tp 2 and 4 (gloo) and
+(greedy ``generate``; ``hf_sample`` for a seed), at tp 1 (eager CPU), tp 2 and 4 (gloo; a tiny
+Mixtral too, its MoE layers decoding in gather and dense mode) and
 tp 2 on 2 XLA CPU devices (replayed graphs: their number fixed at warm-up)."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 import gloo_dist
+from hf_sampling import peaked
 from neuron_tp.infer.generate import MAX_TOP_K, Sampling
 from neuron_tp.infer.slots import SlotGenerator
 from slot_trace import Req, eos_ids, make_requests, reference, run_schedule
@@ -17,7 +19,11 @@ from slot_trace import Req, eos_ids, make_requests, reference, run_schedule
 def _model(name: str = "tiny-llama"):
     from neuron_tp.job.presets import build_model
 
-    return build_model(name, 257, 4).eval()
+    if name == "tiny-mixtral":  # experts that decide the tokens
+        from moe_archs import build_moe, loud_experts
+
+        return peaked(loud_experts(build_moe("mixtral", 4, vocab_size=257)))
+    return peaked(build_model(name, 257, 4)).eval()  # logits spread: temperature matters
 
 
 def _reuse_requests() -> list:
@@ -45,6 +51,8 @@ CASES = {
     "reuse_tp2": (2, 1, None, _reuse_requests, 0, "tiny-llama"),
     "gpt2_tp2": (2, 2, None, lambda: make_requests(8, 5, 20, 5), 8, "tiny-gpt2"),
     "trace_tp4": (4, 4, [4], lambda: make_requests(3, 8, 20, 6), 3, "tiny-llama"),  # kv replicated
+    # MoE: decode bucket 1 in gather mode (1 x top-2 < 6 experts), bucket 3 and prefill dense
+    "moe_tp2": (2, 3, [1, 3], lambda: make_requests(4, 5, 20, 6), 4, "tiny-mixtral"),
 }
 GLOO = [c for c in CASES if CASES[c][0] > 1]
 

@@ -23,6 +23,7 @@ def serve_trace(tp: int, n_requests: int, seed: int) -> dict:
     """One rank: warm up every graph, then serve ``make_requests(seed, n_requests, ...)`` with a
     random schedule; the tokens and (traces, process-wide compiles) after warm-up and after
     the trace (every rank meets at a barrier before counting)."""
+    from hf_sampling import peaked
     from neuron_tp import hf
     from neuron_tp.infer.slots import SlotGenerator
     from neuron_tp.job.presets import build_model
@@ -30,7 +31,7 @@ def serve_trace(tp: int, n_requests: int, seed: int) -> dict:
 
     mesh = ntp.init_mesh(tp=tp)
     with serial():
-        full = build_model("tiny-llama", 257, 4).eval()
+        full = peaked(build_model("tiny-llama", 257, 4)).eval()  # temperature matters
     model = ntp.move_to(hf.parallelize(copy.deepcopy(full), mesh).eval(), ntp.xla_device())
     gen = SlotGenerator(model, 4, max_len=48, chunk=8, prefill_buckets=[8], decode_buckets=[2, 4])
     barrier, counts = _barrier(mesh.world_size), []
