@@ -146,7 +146,16 @@ def _read_tensors(path: str, meta: dict, model, optimizer, mesh: Mesh) -> tuple:
     dp_shards = (meta.get("optimizer") or {}).get("dp_shards")
     shards = Shards(path, saved_mesh["tp"], meta.get("step"), dp_shards, saved_mode)
     zero1 = None
-    if same and is_zero1(optimizer) and dp_shards == mesh.dp_size:  # read only its own
+    saved_ep = saved_mesh.get("ep", 1)
+    own = same and is_zero1(optimizer) and (dp_shards, saved_ep) == (mesh.dp_size, mesh.ep_size)
+    if optimizer is not None and dp_shards and saved_ep > 1 and not own:
+        raise CheckpointError(
+            f"{path}: a ZeRO-1 state of an expert-parallel run (ep={saved_ep}, tp="
+            f"{saved_mesh['tp']}, dp={dp_shards}) resumes with ZeRO-1 at the same tp, dp and "
+            f"ep only; this run has tp={mesh.tp_size}, dp={mesh.dp_size}, ep={mesh.ep_size} "
+            "(the model weights alone load at any layout)"
+        )
+    if own:  # read only its own
         zero1 = zero1_files.stage_shard(shards.optim, optimizer, mesh, path)
 
     def piece(name: str, key: str, pmeta: ParamMeta) -> torch.Tensor:

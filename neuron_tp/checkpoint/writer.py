@@ -98,6 +98,7 @@ def _metadata(model, optimizer, scheduler, step: int, mesh: Mesh, data_state, ex
             "tp": mesh.tp_size,
             "dp": mesh.dp_size,
             "tp_mode": mesh.tp_mode,
+            "ep": mesh.ep_size,
         },
         "model": {
             "class": type(model).__name__,

@@ -40,7 +40,7 @@ def write_shard(tmp: str, optimizer, mesh: Mesh, step: int) -> None:
             if isinstance(v, torch.Tensor):
                 tensors[f"optim/{name}/{key}"] = v.detach().cpu().contiguous()
     info = {"step": int(step), "tp_rank": mesh.tp_rank, "tp": mesh.tp_size}
-    info.update(dp_rank=sd["dp_rank"], dp=sd["dp_size"], zero1=layout)
+    info.update(dp_rank=sd["dp_rank"], dp=sd["dp_size"], ep=sd.get("ep", 1), zero1=layout)
     write_tensors(optim_file(tmp, mesh.tp_rank, mesh.dp_rank), tensors, info)
 
 
@@ -133,7 +133,13 @@ class DpShards:
                     state[key.rsplit("/", 1)[1]] = t
             entry = {"shape": tuple(shape), "numel": numel, "chunk": chunk, "offset": offset}
             params[name] = {**entry, "state": state, "master": master}
-        return {"format": SHARD_FORMAT, "dp_size": self.dp, "dp_rank": dp_rank, "params": params}
+        return {
+            "format": SHARD_FORMAT,
+            "dp_size": self.dp,
+            "dp_rank": dp_rank,
+            "ep": rec.get("ep", 1),
+            "params": params,
+        }
 
 
 def stage_shard(optim_files: DpShards, optimizer, mesh: Mesh, path: str) -> dict:

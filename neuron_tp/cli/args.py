@@ -100,8 +100,7 @@ def train_parser() -> argparse.ArgumentParser:
         default=1,
         help="expert parallelism for mixture-of-experts models: each block of --ep data-"
         "parallel ranks shares the experts out (E/ep each, still split over tp) and sends "
-        "tokens to them by all-to-all; divides dp (world / tp) and the expert count; not "
-        "with --zero1 / --bf16 yet",
+        "tokens to them by all-to-all; divides dp (world / tp) and the expert count",
     )
     p.add_argument(
         "--data",

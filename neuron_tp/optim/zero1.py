@@ -32,7 +32,8 @@ from torch import nn
 
 from ..errors import UserError
 from ..parallel import comm
-from ..parallel.mesh import Mesh, get_mesh
+from ..parallel.mesh import Group, Mesh, get_mesh
+from ..parallel.sharding import expert_split, named_parameter_meta
 from . import zero1_state
 from .grads import norm_weights
 from .zero1_layout import Slot, chunk_of, padded_blocks
@@ -74,11 +75,6 @@ class Zero1:
         **opt_kwargs,
     ):
         self.mesh = get_mesh(mesh)
-        if self.mesh.ep_size > 1:
-            raise UserError(
-                f"ZeRO-1 does not support expert parallelism yet (mesh ep={self.mesh.ep_size}): "
-                "use ep=1, or the plain optimizer (no --zero1, no --bf16)"
-            )
         self.group = self.mesh.dp
         self.master_dtype = master_dtype
         if isinstance(params, nn.Module):
@@ -89,23 +85,33 @@ class Zero1:
             groups = [{"params": groups}]
         self.model = model
         names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
-        dp = self.group.size
+        if self.mesh.ep_size > 1 and model is None:
+            raise UserError(
+                f"ZeRO-1 under expert parallelism (ep={self.mesh.ep_size}) needs the model "
+                "(Zero1(model, ...) or model=...) to tell the experts, cut over edp, apart"
+            )
+        self._experts = (
+            {n for n, _, m in named_parameter_meta(model) if expert_split(m.sharding) is not None}
+            if model is not None
+            else set()
+        )
         self.buckets: list[_Bucket] = []
         self.slots: dict[str, Slot] = {}
         inner_groups = []
         for gi, g in enumerate(groups):
             opts = {k: v for k, v in g.items() if k != "params"}
             shards = []
-            by_dtype: dict[torch.dtype, _Bucket] = {}
+            by_dtype: dict[tuple[torch.dtype, str], _Bucket] = {}
             for pi, p in enumerate(g["params"]):
                 name = names.get(id(p), f"group{gi}.param{pi}")
                 if name in self.slots:
                     raise ValueError(f"parameter {name!r} appears twice")
-                chunk = -(-p.numel() // dp)
+                group = self._group_of(name)
+                chunk = -(-p.numel() // group.size)
                 with torch.no_grad():
-                    shard = chunk_of(p.detach(), chunk, self.group).to(master_dtype).clone()
-                slot = Slot(name, p, shard, chunk, p.dtype != master_dtype)
-                by_dtype.setdefault(p.dtype, _Bucket()).slots.append(slot)
+                    shard = chunk_of(p.detach(), chunk, group).to(master_dtype).clone()
+                slot = Slot(name, p, shard, chunk, p.dtype != master_dtype, group)
+                by_dtype.setdefault((p.dtype, group.name), _Bucket()).slots.append(slot)
                 self.slots[name] = slot
                 shards.append(shard)
             self.buckets.extend(by_dtype.values())
@@ -113,6 +119,11 @@ class Zero1:
         self.inner = optimizer_cls(inner_groups, **opt_kwargs)
         self._reduced = False
         self._norm_weights_ready = False
+
+    def _group_of(self, name: str) -> Group:
+        """The group a parameter's chunks are cut over: dp, or for an expert spread over
+        ``ep`` the ranks holding the same experts (``edp``)."""
+        return self.mesh.group("edp") if name in self._experts else self.group
 
     # -- the optimizer interface the training loop uses ---------------------------------
     @property
@@ -144,15 +155,16 @@ class Zero1:
             slots = bucket.slots
             if all(s.param.grad is None for s in slots):
                 continue
+            group = slots[0].group  # an expert's gradient already sums its ep group's tokens
             grads = [
                 s.param.grad.detach() if s.param.grad is not None else torch.zeros_like(s.param)
                 for s in slots
             ]
             chunks = [s.chunk for s in slots]
-            blocks = padded_blocks(grads, chunks, dp)
+            blocks = padded_blocks(grads, chunks, group.size)
             # With the mesh's reduce_dtype the sum stays wide: it feeds the fp32 masters.
-            blocks = blocks.to(comm.accumulation_dtype(blocks, self.group))
-            mine = comm.reduce_scatter(blocks, self.group, 0)
+            blocks = blocks.to(comm.accumulation_dtype(blocks, group))
+            mine = comm.reduce_scatter(blocks, group, 0) if group.size > 1 else blocks
             for s, piece in zip(slots, mine.split(chunks)):
                 s.shard.grad = (
                     piece.to(self.master_dtype) / dp if s.param.grad is not None else None
@@ -173,7 +185,7 @@ class Zero1:
                 factor, rows = norm_weights(self.model, s.name, self.mesh)
             if rows is not None:
                 per_elem = rows.float().repeat_interleave(s.numel // rows.shape[0])
-                w = chunk_of(per_elem.to(s.shard.device), s.chunk, self.group) * factor
+                w = chunk_of(per_elem.to(s.shard.device), s.chunk, s.group) * factor
                 s.norm_weight = w
             else:
                 s.norm_weight = factor
@@ -188,10 +200,19 @@ class Zero1:
         slots = [s for s in self.slots.values() if s.shard.grad is not None]
         if not slots:
             return torch.zeros(())
-        total = torch.zeros((), dtype=torch.float32, device=slots[0].shard.device)
+        total = torch.zeros(1, dtype=torch.float32, device=slots[0].shard.device)
+        experts = torch.zeros_like(total)  # expert parallelism: over edp, then ep
         for s in slots:
-            total = total + (s.shard.grad.detach().float().pow(2) * s.norm_weight).sum()
-        total = comm.all_reduce(total.reshape(1), self.group)
+            sq = (s.shard.grad.detach().float().pow(2) * s.norm_weight).sum()
+            if s.group is self.group:
+                total = total + sq
+            else:
+                experts = experts + sq
+        total = comm.all_reduce(total, self.group)
+        if self.mesh.ep_size > 1:
+            edp = self.mesh.group("edp")
+            experts = comm.all_reduce(experts, edp) if edp.size > 1 else experts
+            total = total + comm.all_reduce(experts, self.mesh.group("ep"))
         return comm.all_reduce(total, self.mesh.tp).reshape(()).sqrt()
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
@@ -213,7 +234,7 @@ class Zero1:
             self.reduce_grads()
         for s in self.slots.values():  # working copies follow the parameters
             if not s.keeps_master:
-                s.shard.copy_(chunk_of(s.param.detach(), s.chunk, self.group))
+                s.shard.copy_(chunk_of(s.param.detach(), s.chunk, s.group))
         saved = []
         if ok is not None:
             for s in self.slots.values():
@@ -236,12 +257,12 @@ class Zero1:
 
     @torch.no_grad()
     def gather_params(self) -> None:
-        dp = self.group.size
         for bucket in self.buckets:
             slots = bucket.slots
-            dtype = slots[0].param.dtype
+            dtype, group = slots[0].param.dtype, slots[0].group
             mine = torch.cat([s.shard.to(dtype) for s in slots])
-            full = comm.all_gather(mine, self.group, 0).view(dp, -1)
+            full = comm.all_gather(mine, group, 0) if group.size > 1 else mine
+            full = full.view(group.size, -1)
             for s, block in zip(slots, full.split([s.chunk for s in slots], 1)):
                 s.param.detach().copy_(block.reshape(-1)[: s.numel].view(s.param.shape))
 

@@ -23,6 +23,7 @@ class Slot:
     shard: torch.Tensor  # (chunk,) in master dtype
     chunk: int
     keeps_master: bool  # the shard is a persistent master (param dtype != master dtype)
+    group: Group  # the ranks it is cut over: dp; under expert parallelism an expert's is edp
     norm_weight: torch.Tensor | float = 1.0  # per-element weight of the squared grad norm
 
     @property

@@ -78,7 +78,7 @@ def state_dict(zero: Sharded) -> dict:
             "shape": tuple(s.param.shape),
             "numel": s.numel,
             "chunk": s.chunk,
-            "offset": zero.group.rank * s.chunk,
+            "offset": s.group.rank * s.chunk,
             "state": dict(zero.inner.state.get(s.shard, {})),
             "master": s.shard if s.keeps_master else None,
         }
@@ -86,9 +86,15 @@ def state_dict(zero: Sharded) -> dict:
         "format": SHARD_FORMAT,
         "dp_size": zero.group.size,
         "dp_rank": zero.group.rank,
+        "ep": _ep(zero),
         "params": params,
         "param_groups": groups_meta(zero),
     }
+
+
+def _ep(zero: Sharded) -> int:
+    mesh = getattr(zero, "mesh", None)
+    return mesh.ep_size if mesh is not None else 1
 
 
 def check_shard_state(zero: Sharded, state: dict) -> None:
@@ -96,6 +102,11 @@ def check_shard_state(zero: Sharded, state: dict) -> None:
     parameter present, same shape and chunk). Modifies nothing."""
     if state.get("format") != SHARD_FORMAT:
         raise ValueError(f"not a Zero1 shard state (format {state.get('format')!r})")
+    if state.get("ep", 1) != _ep(zero):
+        raise ValueError(
+            f"state of an ep={state.get('ep', 1)} run, this one has ep={_ep(zero)}: the "
+            "experts' ZeRO-1 chunks are cut over other ranks"
+        )
     if (state["dp_size"], state["dp_rank"]) != (zero.group.size, zero.group.rank):
         raise ValueError(
             f"state of dp rank {state['dp_rank']} of {state['dp_size']}, this is dp rank "
@@ -107,10 +118,10 @@ def check_shard_state(zero: Sharded, state: dict) -> None:
         raise KeyError(f"shard optimizer state lacks parameters {sorted(missing)[:5]}")
     for name, entry in state["params"].items():
         s = _slot(zero, name, entry["shape"])
-        if entry["chunk"] != s.chunk or entry["offset"] != zero.group.rank * s.chunk:
+        if entry["chunk"] != s.chunk or entry["offset"] != s.group.rank * s.chunk:
             raise ValueError(
                 f"{name}: saved chunk {entry['chunk']} at offset {entry['offset']}, this rank "
-                f"holds chunk {s.chunk} at offset {zero.group.rank * s.chunk}"
+                f"holds chunk {s.chunk} at offset {s.group.rank * s.chunk}"
             )
 
 
@@ -128,7 +139,7 @@ def load_state_dict(zero: Sharded, state: dict, gather: bool = True) -> None:
         if entry["master"] is not None and s.keeps_master:
             s.shard.copy_(entry["master"].to(s.shard.device))
         elif s.keeps_master:  # saved without a master (fp32 params): from the parameter
-            s.shard.copy_(chunk_of(s.param.detach(), s.chunk, zero.group))
+            s.shard.copy_(chunk_of(s.param.detach(), s.chunk, s.group))
     if state.get("param_groups") is not None:
         _load_hyper(zero, state["param_groups"])
     if gather:
@@ -137,7 +148,8 @@ def load_state_dict(zero: Sharded, state: dict, gather: bool = True) -> None:
 
 @torch.no_grad()
 def full_state_dict(zero: Sharded) -> dict:
-    """The unsharded (over dp) state, per parameter, on every rank: collective over dp."""
+    """The unsharded (over dp) state, per parameter, on every rank: collective over dp (an
+    expert's over edp: its value holds this rank's experts, the parameter's shape)."""
     params = {}
     for s in zero.slots.values():
         entry = {"shape": tuple(s.param.shape), "state": {}, "master": None}
@@ -150,7 +162,7 @@ def full_state_dict(zero: Sharded) -> dict:
 
 
 def _gather(zero: Sharded, v: torch.Tensor, s: Slot) -> torch.Tensor:
-    full = comm.all_gather(v.detach().contiguous(), zero.group, 0)
+    full = comm.all_gather(v.detach().contiguous(), s.group, 0)
     return full[: s.numel].view(s.param.shape)
 
 
@@ -170,7 +182,7 @@ def load_full_state_dict(zero: Sharded, state: dict) -> None:
         shard_state = {}
         for k, v in entry["state"].items():
             if isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(s.param.shape) and v.dim():
-                v = chunk_of(v.to(dev), s.chunk, zero.group).clone()
+                v = chunk_of(v.to(dev), s.chunk, s.group).clone()
             shard_state[k] = v
         _set_state(s, zero.inner, shard_state)
         master = entry.get("master")
@@ -178,9 +190,9 @@ def load_full_state_dict(zero: Sharded, state: dict) -> None:
             master = master.to(dev)
             s.param.detach().copy_(master.to(s.param.dtype))
             if s.keeps_master:
-                s.shard.copy_(chunk_of(master, s.chunk, zero.group))
+                s.shard.copy_(chunk_of(master, s.chunk, s.group))
         elif s.keeps_master:  # saved without a master (fp32 params): from the parameter
-            s.shard.copy_(chunk_of(s.param.detach(), s.chunk, zero.group))
+            s.shard.copy_(chunk_of(s.param.detach(), s.chunk, s.group))
     _load_hyper(zero, state["param_groups"])
 
 
@@ -226,6 +238,11 @@ def gather_full_state(shards: list[dict]) -> dict:
     (any order; e.g. loaded from per-rank files), on the host, without a mesh."""
     if not shards or any(s.get("format") != SHARD_FORMAT for s in shards):
         raise ValueError("gather_full_state needs Zero1 shard states")
+    if any(s.get("ep", 1) != 1 for s in shards):
+        raise ValueError(
+            "gather_full_state: states of an expert-parallel run (ep > 1) are cut over edp "
+            "per expert block; they load at the same dp and ep only (load_state_dict)"
+        )
     dp = shards[0]["dp_size"]
     by_rank = {s["dp_rank"]: s for s in shards}
     if sorted(by_rank) != list(range(dp)) or any(s["dp_size"] != dp for s in shards):

@@ -86,11 +86,6 @@ def setup(args: TrainConfig | argparse.Namespace, mesh: Mesh | None = None) -> R
                 "already splits the batch (and the features) over the grid; drop "
                 "--sequence-parallel"
             )
-        if config.ep > 1 and config.uses_zero1:
-            raise UserError(
-                f"--ep {config.ep} does not work with ZeRO-1 yet (--zero1, or --bf16 which "
-                "keeps its fp32 masters in ZeRO-1): train in fp32 without --zero1, or --ep 1"
-            )
         # Valid tp (a square for 2d, a cube for 3d) and ep? This rank's dp rank.
         layout = mesh or Mesh(
             world.size, world.rank, tp=config.tp, tp_mode=config.tp_mode, ep=config.ep

@@ -172,5 +172,11 @@ def xla_job() -> dict:
     new_compiles = compiles() - before
     import ep_model_xla
 
-    model = ep_model_xla.run()
-    return {"rank": mesh.rank, "checks": n, "new_compiles": new_compiles, "model": model}
+    model, zero1 = ep_model_xla.run(), ep_model_xla.run_zero1()
+    return {
+        "rank": mesh.rank,
+        "checks": n,
+        "new_compiles": new_compiles,
+        "model": model,
+        "zero1": zero1,
+    }

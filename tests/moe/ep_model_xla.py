@@ -1,7 +1,9 @@
 """A tiny MoE model trained with expert parallelism on the XLA CPU devices of one launch
 (ep = the world, tp 1), next to the unsharded transformers model trained on the whole global
 batch on the CPU: each rank's loss, every gathered gradient after the dp/edp reduction, and the
-process-wide compile count after each step (tokens and routing differ every step)."""
+process-wide compile count after each step (tokens and routing differ every step); then the
+same with ZeRO-1 (AdamW, experts' state cut over edp): losses, the clipped global norm and the
+weights after the steps."""
 
 from __future__ import annotations
 
@@ -33,6 +35,46 @@ def _counted(world: int) -> int:
 
 def _maxdiff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.detach().cpu().float() - b.detach().float()).abs().max())
+
+
+def run_zero1(name: str = "qwen3_moe", steps: int = 2) -> dict:
+    """ZeRO-1 AdamW steps with clipping vs torch's AdamW on the reference: per step the loss
+    and norm differences, then the largest weight difference."""
+    import torch_xla
+
+    from neuron_tp.optim.zero1 import Zero1
+
+    world = ntp.get_mesh().world_size
+    mesh = ntp.init_mesh(tp=1, ep=world)
+    dev = ntp.xla_device()
+    with serial():
+        ref = build_moe(name, num_experts=2 * world).train()
+    m = ntp.move_to(hf.parallelize(copy.deepcopy(ref), mesh, parallel_loss=True), dev)
+    opt, opt_ref = Zero1(m, mesh=mesh, lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    out = {"loss": [], "norm": []}
+    d = mesh.dp_rank
+    for step in range(steps):
+        g = torch.Generator().manual_seed(300 + step)
+        ids = torch.randint(1, V, (world * ROWS, 8), generator=g)
+        rows = [ids[i * ROWS : (i + 1) * ROWS] for i in range(world)]
+        loss = m(rows[d].to(dev), labels=rows[d].to(dev)).loss
+        loss.backward()
+        norm = reduce_gradients(m, opt, mesh, 0.05, zero1=True)
+        opt.step()
+        opt.zero_grad()
+        torch_xla.sync()
+        with serial():
+            ref_losses = [ref(r, labels=r).loss for r in rows]
+            (sum(ref_losses) / world).backward()
+            want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+            opt_ref.step()
+            opt_ref.zero_grad()
+        out["loss"].append(_maxdiff(loss, ref_losses[d]))
+        out["norm"].append(_maxdiff(norm, want))
+    params = hf.gather_hf_state_dict(m)
+    torch_xla.sync()
+    out["weights"] = max(_maxdiff(params[n], p) for n, p in ref.named_parameters())
+    return out
 
 
 def run(name: str = "qwen3_moe", steps: int = 3) -> dict:

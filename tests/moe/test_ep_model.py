@@ -21,6 +21,7 @@ from neuron_tp import checkpoint
 from neuron_tp.errors import UserError
 from neuron_tp.hf import gather_hf_state_dict, parallelize
 from neuron_tp.optim.grads import reduce_gradients
+from neuron_tp.optim.zero1 import Zero1
 from neuron_tp.parallel.mesh import Mesh, init_mesh
 
 ROWS = 2  # sequences per rank
@@ -41,17 +42,21 @@ def _batch(step: int, dp: int) -> torch.Tensor:
     return torch.randint(1, V, (dp * ROWS, 8), generator=g)
 
 
-def _train(name: str, tp: int, ep: int, sp: bool = False, steps: int = 2, **cfg):
-    """``steps`` AdamW steps of the ep-sharded model and of the reference; checks every step."""
+def _train(name: str, tp: int, ep: int, sp: bool = False, steps: int = 2, zero1=False, **cfg):
+    """``steps`` AdamW steps (``zero1``: ZeRO-1's, experts cut over edp) of the ep-sharded
+    model and of the reference; checks every step."""
     mesh = _mesh(tp, ep)
-    tag = f"{name} tp={tp} ep={ep} sp={sp}"
+    tag = f"{name} tp={tp} ep={ep} sp={sp} zero1={zero1}"
     ref = build_moe(name, **cfg).train()
     m = parallelize(copy.deepcopy(ref), mesh, sequence_parallel=sp, parallel_loss=True)
     local = {n: p.shape for n, p in m.named_parameters() if n.endswith("experts.down_proj")}
     full = ref.get_parameter(next(iter(local))).shape
     assert next(iter(local.values()))[0] == full[0] // ep, f"{tag}: experts not spread over ep"
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    if zero1:
+        opt = Zero1(m, mesh=mesh, lr=1e-2)
+    else:
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
     dp, d = mesh.dp_size, mesh.dp_rank
     for step in range(steps):
         ids = _batch(step, dp)
@@ -62,11 +67,14 @@ def _train(name: str, tp: int, ep: int, sp: bool = False, steps: int = 2, **cfg)
         out = m(rows[d], labels=rows[d])
         _close(out.loss, losses[d], f"{tag} step {step} loss")
         out.loss.backward()
-        norm = reduce_gradients(m, opt, mesh, MAX_NORM, zero1=False)
+        if not zero1:  # the averaged gradients (ZeRO-1 keeps them as shards)
+            norm = reduce_gradients(m, opt, mesh, MAX_NORM, zero1=False)
+            grads = gather_hf_state_dict(m, grads=True)
+            for n, p in ref.named_parameters():
+                _close(grads[n], p.grad, f"{tag} step {step} grad {n}")
+        else:
+            norm = reduce_gradients(m, opt, mesh, MAX_NORM, zero1=True)
         _close(norm, want_norm, f"{tag} step {step} grad norm")
-        grads = gather_hf_state_dict(m, grads=True)
-        for n, p in ref.named_parameters():
-            _close(grads[n], p.grad, f"{tag} step {step} grad {n}")
         for o in (opt, opt_ref):
             o.step()
             o.zero_grad()
@@ -95,6 +103,36 @@ def _checkpoint(tmp: str) -> None:
                 _close(o_opt.state[p]["exp_avg"], opt.state[pm[n]]["exp_avg"], n, atol=0)
 
 
+def _zero1_resume(tmp: str) -> None:
+    """ZeRO-1 at ep 2 x tp 2: a checkpoint after one step resumes to the uninterrupted run's
+    weights after the second; at another ep its optimizer state is refused by name."""
+    mesh = _mesh(2, 2)
+    m, opt = _train("mixtral", 2, 2, steps=1, zero1=True)
+    path = checkpoint.save(os.path.join(tmp, "z1"), m, opt, step=1, mesh=mesh)
+    saved = gather_hf_state_dict(m)
+    other = parallelize(build_moe("mixtral", seed=7).train(), mesh, parallel_loss=True)
+    o_opt = Zero1(other, mesh=mesh, lr=1e-2)
+    checkpoint.load(path, other, o_opt, mesh=mesh)
+    ids = _batch(1, mesh.dp_size)[mesh.dp_rank * ROWS : (mesh.dp_rank + 1) * ROWS]
+    for model, o in ((m, opt), (other, o_opt)):
+        model(ids, labels=ids).loss.backward()
+        reduce_gradients(model, o, mesh, MAX_NORM, zero1=True)
+        o.step()
+    want, got = gather_hf_state_dict(m), gather_hf_state_dict(other)
+    for n, t in want.items():
+        _close(got[n], t, f"zero1 resume {n}", atol=0)
+    flat = parallelize(build_moe("mixtral").train(), _mesh(2, 1), parallel_loss=True)
+    with pytest.raises(
+        checkpoint.CheckpointError,
+        match=r"a ZeRO-1 state of an expert-parallel "
+        r"run \(ep=2, tp=2, dp=2\) resumes with ZeRO-1 at the same tp, dp and ep",
+    ):
+        checkpoint.load(path, flat, Zero1(flat, mesh=_mesh(2, 1), lr=1e-2), mesh=_mesh(2, 1))
+    checkpoint.load(path, flat, mesh=_mesh(2, 1))  # the weights alone: any layout
+    for n, t in gather_hf_state_dict(flat).items():
+        _close(t, saved[n], f"weights at ep 1: {n}", atol=0)
+
+
 def _bad() -> None:
     """Refusals name the degrees that work, before any collective."""
     with pytest.raises(
@@ -110,11 +148,9 @@ def _bad() -> None:
         r"that work with dp=4: \[1, 2\]",
     ):
         parallelize(copy.deepcopy(ref), _mesh(1, 4))
-    from neuron_tp.optim.zero1 import Zero1
-
     m = parallelize(copy.deepcopy(ref), _mesh(2, 2))
-    with pytest.raises(UserError, match="ZeRO-1 does not support expert parallelism"):
-        Zero1(m, mesh=_mesh(2, 2))
+    with pytest.raises(UserError, match=r"ZeRO-1 under expert parallelism \(ep=2\) needs the"):
+        Zero1(list(m.parameters()), mesh=_mesh(2, 2))
     _train("qwen3_moe", 1, 2, steps=1)  # nobody communicated: the ranks are still in step
 
 
@@ -145,10 +181,11 @@ def _cli(tmp: str) -> None:
         log = train(args, _mesh(2, ep), printer=lambda *a, **k: None)["log"]
         return [r["loss"] for r in log if "loss" in r], out
 
-    with pytest.raises(UserError, match=r"--ep 2 does not work with ZeRO-1 yet"):
-        run(2, "--bf16")
     (got, out2), (want, out1) = run(2), run(1)
     assert len(want) == 3 and got == pytest.approx(want, rel=1e-5, abs=1e-6), (got, want)
+    (bf_got, _), (bf_want, _) = run(2, "--bf16"), run(1, "--bf16")  # ZeRO-1's fp32 masters
+    assert bf_got == pytest.approx(bf_want, rel=2e-2), (bf_got, bf_want)
+    assert bf_got != pytest.approx(got, rel=1e-6), "--bf16 made no difference"
     failed = None
     if dist.get_rank() == 0:  # the other ranks wait at the barrier, whatever happens here
         try:
@@ -174,6 +211,9 @@ CASES = {
     "qwen3_moe_tp2_ep2_sp": lambda tmp: _train("qwen3_moe", 2, 2, sp=True),
     "checkpoint_across_ep": _checkpoint,
     "bad_degrees": lambda tmp: _bad(),
+    "zero1_ep2_tp2": lambda tmp: _train("qwen2_moe", 2, 2, zero1=True),
+    "zero1_ep2_of_dp4": lambda tmp: _train("glm4_moe", 1, 2, zero1=True),
+    "zero1_resume_and_refusal": _zero1_resume,
     "cli_train_ep2_equals_ep1": _cli,
 }
 

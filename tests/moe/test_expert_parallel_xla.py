@@ -2,7 +2,8 @@
 capacity that drops, against the loop over experts on unsharded weights (ep_cases.py), outputs
 and gradients; a step with different tokens and routing compiles no new graph. Then a tiny
 Qwen3-MoE parallelized with ep 2 trains 3 steps against transformers on the global batch
-(ep_model_xla.py): losses and gradients equal, no new graph after the first step."""
+(ep_model_xla.py): losses and gradients equal, no new graph after the first step; and with
+ZeRO-1 (experts' AdamW state cut over edp): losses, clipped norms, weights after the steps."""
 
 from __future__ import annotations
 
@@ -21,3 +22,5 @@ def test_expert_parallel_xla_devices():
         assert max(model["loss"] + model["grad"]) < 5e-5, model
         compiles = model["compiles"]  # after each step: none after the first
         assert compiles == [compiles[0]] * len(compiles), compiles
+        zero1 = r["zero1"]
+        assert max(zero1["loss"] + zero1["norm"] + [zero1["weights"]]) < 1e-4, zero1
