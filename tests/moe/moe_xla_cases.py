@@ -2,11 +2,16 @@
 test_moe_xla.py. Each rank shards a tiny MoE model, trains it on the device for a few steps
 with DIFFERENT token ids each step next to the unsharded transformers model trained the same
 way on the CPU, and reports the differences and the process-wide compile count after each
-step (rank 0, after a barrier, so every rank's graphs are counted); then generation."""
+step (rank 0, after a barrier, so every rank's graphs are counted); then generation.
+
+A case with a capacity factor runs the device model in ``capacity`` mode; its reference is
+transformers' model whose experts get the weights of the (token, slot) pairs past an expert's
+capacity set to 0, the pairs chosen by a plain loop (:func:`capacity_keep`)."""
 
 from __future__ import annotations
 
 import copy
+import math
 import threading
 
 import torch
@@ -15,6 +20,7 @@ import neuron_tp as ntp
 from moe_archs import V, build_moe
 from neuron_tp import hf
 from neuron_tp.backend.graphs import graph_counters
+from neuron_tp.moe import ParallelMoEBlock
 from xla_dist import serial
 
 _barriers: dict[int, threading.Barrier] = {}
@@ -38,19 +44,51 @@ def _maxdiff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.detach().cpu().float() - b.detach().float()).abs().max())
 
 
-def run_all(tp: int, cases: list[tuple[str, bool]], steps: int) -> dict:
-    """:func:`run_train` for each ``(family, sequence_parallel)``, then :func:`run_generate`,
-    in one launch."""
-    out = {f"{name} sp={sp}": run_train(tp, name, sp, steps) for name, sp in cases}
+def run_all(tp: int, cases: list[tuple], steps: int) -> dict:
+    """:func:`run_train` for each ``(family, sequence_parallel[, capacity_factor])``, then
+    :func:`run_generate`, in one launch."""
+    out = {}
+    for name, sp, *cf in cases:
+        key = f"{name} sp={sp}" + (f" cf={cf[0]}" if cf else "")
+        out[key] = run_train(tp, name, sp, steps, *cf)
     out["generate"] = run_generate(tp)
     return out
 
 
-def run_train(tp: int, name: str, sp: bool, steps: int) -> dict:
+def capacity_keep(idx: torch.Tensor, cap: int, num_experts: int) -> torch.Tensor:
+    """``[T, k]`` bool: the pairs each expert takes, in token order, at most ``cap`` each."""
+    seen, keep = [0] * num_experts, torch.ones(idx.shape, dtype=torch.bool)
+    for t, row in enumerate(idx.tolist()):
+        for j, e in enumerate(row):
+            keep[t, j] = seen[e] < cap
+            seen[e] += 1
+    return keep
+
+
+def _drop_past_capacity(model, cf: float, dropped: list) -> None:
+    """Each MoE layer's experts of transformers' ``model`` take at most ``C = ceil(cf * T * k
+    / E)`` pairs (the others' weights set to 0); the dropped count is appended to ``dropped``."""
+    for mod in model.modules():
+        if hasattr(mod, "gate_up_proj") and hasattr(mod, "num_experts"):
+
+            def forward(x, idx, w, orig=mod.forward, e=mod.num_experts):
+                keep = capacity_keep(idx, math.ceil(cf * idx.numel() / e), e)
+                dropped.append(int((~keep).sum()))
+                return orig(x, idx, w * keep.to(w.dtype))
+
+            mod.forward = forward
+
+
+def _device_dropped(model) -> int:
+    return sum(int(b.experts.dropped) for b in model.modules() if isinstance(b, ParallelMoEBlock))
+
+
+def run_train(tp: int, name: str, sp: bool, steps: int, cf: float | None = None) -> dict:
     """``steps`` SGD steps (tokens differ every step) on the device vs on the CPU: the loss
     and every gathered gradient of each step, eval logits after the last step, and the
     compile count after each step. Every step runs the same two graphs (forward, backward and
-    the gradient gathers; the optimizer update)."""
+    the gradient gathers; the optimizer update). With ``cf``: capacity mode (see the module
+    doc), and the pairs dropped per step (device, reference)."""
     import torch_xla
 
     mesh = ntp.init_mesh(tp=tp)
@@ -59,8 +97,12 @@ def run_train(tp: int, name: str, sp: bool, steps: int) -> dict:
         ref = build_moe(name).train()
     m = hf.parallelize(copy.deepcopy(ref), mesh, sequence_parallel=sp, parallel_loss=True)
     m = ntp.move_to(m, dev)
+    ref_dropped: list[int] = []
+    if cf is not None:
+        ntp.set_moe_mode(m, "capacity", capacity_factor=cf)
+        _drop_past_capacity(ref, cf, ref_dropped)
     opts = [torch.optim.SGD(x.parameters(), lr=0.2) for x in (m, ref)]
-    out = {"loss": [], "grad": [], "compiles": []}
+    out = {"loss": [], "grad": [], "compiles": [], "dropped": []}
     for step in range(steps):
         ids = torch.randint(1, V, (2, 8), generator=torch.Generator().manual_seed(100 + step))
         loss = m(ids.to(dev), labels=ids.to(dev)).loss
@@ -73,6 +115,9 @@ def run_train(tp: int, name: str, sp: bool, steps: int) -> dict:
             ref_loss.backward()
         out["loss"].append(_maxdiff(loss, ref_loss))
         out["grad"].append(max(_maxdiff(grads[n], p.grad) for n, p in ref.named_parameters()))
+        if cf is not None:
+            out["dropped"].append((_device_dropped(m), sum(ref_dropped)))
+            ref_dropped.clear()
         for opt in opts:
             opt.step()
             opt.zero_grad(set_to_none=True)

@@ -2,7 +2,9 @@
 CPU (loss every step, every gradient, logits after training) for Qwen2-MoE (shared expert and
 its gate, a dense layer) with sequence parallelism and GLM-4-MoE (group-limited sigmoid routing,
 shared experts); training with different tokens every step compiles no graph after the first
-step; generation keeps its graph count."""
+step; generation keeps its graph count. Capacity mode (Qwen3-MoE, SP, cf 0.5: pairs are dropped
+every step) equals transformers with the dropped pairs' weights zeroed by an independent loop,
+and drops the same number of pairs."""
 
 from __future__ import annotations
 
@@ -18,13 +20,15 @@ TOL = 5e-5
 
 
 def test_moe_on_two_xla_devices():
-    cases = [("qwen2_moe", True), ("glm4_moe", False)]
+    cases = [("qwen2_moe", True), ("glm4_moe", False), ("qwen3_moe", True, 0.5)]
     for ranks in xla_dist.run(run_all, 2, cases, 3, devices=2):
         gen = ranks.pop("generate")
         for name, r in ranks.items():
             assert max(r["loss"] + r["grad"]) < TOL and r["logits"] < TOL, (name, r)
             compiles = r["compiles"]  # after each step: none after the first
             assert compiles == [compiles[0]] * len(compiles), (name, compiles)
+            if "cf=" in name:  # device and reference drop the same pairs, some every step
+                assert all(d == want > 0 for d, want in r["dropped"]), (name, r["dropped"])
         assert all(gen["same"]), gen
         counts = gen["counts"]  # (model traces, compiles) after each generate call
         assert counts[1:] == [counts[0]] * 2, counts
