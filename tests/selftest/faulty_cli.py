@@ -9,8 +9,9 @@ comm itself. ``SELFTEST_FAULT`` picks the faults (comma-separated):
 - ``env_mismatch`` (gloo): two "nodes" of 2 ranks, one compile cache each (allowed), and
   rank 3 started with other compiler flags (not allowed).
 
-Installed at import: under ``--xla-cpu-devices`` the ranks' process (multiprocessing spawn)
-imports this module again as ``__mp_main__``, so the ranks run with the fault too.
+Installed at import: under ``--xla-cpu-devices`` the ranks' process is forked from this one
+(and would import this module again as ``__mp_main__`` if it were spawned), so the ranks run
+with the fault too.
 """
 
 from __future__ import annotations
