@@ -47,7 +47,9 @@ def run_on_xla_cpu_devices(n: int, fn: Callable, *args) -> None:
     os.environ.update(_xla.cpu_devices_env(n))
     import torch_xla.distributed.xla_multiprocessing as xmp
 
-    xmp.spawn(_per_device, args=(fn, args))
+    # fork: the device process starts with this one's imports (spawn would import torch,
+    # torch-xla and transformers again, ~10 CPU-seconds); safe here, the runtime is not up
+    xmp.spawn(_per_device, args=(fn, args), start_method="fork")
 
 
 _warm_lock = threading.Lock()

@@ -212,6 +212,22 @@ def _from_json(d: dict) -> Trace | str:
     return Trace(t["flops"], t["saved_bytes"], comms["micro"], comms["step"])
 
 
+def run_trace_child(
+    request: str, env: dict[str, str], timeout: float
+) -> subprocess.CompletedProcess:
+    """``python -m neuron_tp.plan.trace`` with ``request`` on stdin, its output captured as
+    text (the launcher of :func:`trace_in_subprocess`; the test suite forks it from an
+    interpreter that has the imports already)."""
+    return subprocess.run(
+        [sys.executable, "-m", "neuron_tp.plan.trace"],
+        input=request,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
 def trace_in_subprocess(config, specs: list[Spec], timeout: float = 1800) -> list[Trace | str]:
     """Trace every spec in one child process on the XLA CPU device. Each result is a
     :class:`Trace` or the message of the error that refused the layout (e.g. tp not dividing
@@ -221,14 +237,7 @@ def trace_in_subprocess(config, specs: list[Spec], timeout: float = 1800) -> lis
     env.pop("CPU_NUM_DEVICES", None)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
     request = {"config": config.to_dict(), "specs": [asdict(s) for s in specs]}
-    out = subprocess.run(
-        [sys.executable, "-m", "neuron_tp.plan.trace"],
-        input=json.dumps(request),
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    out = run_trace_child(json.dumps(request), env, timeout)
     lines = [ln[6:] for ln in out.stdout.splitlines() if ln.startswith("TRACE ")]
     if out.returncode or len(lines) != len(specs):
         raise RuntimeError(f"tracing failed:\n{out.stderr[-3000:]}")

@@ -1,8 +1,14 @@
 """XLA path of 2D/3D tensor parallelism: the traced HLO (forward + backward) of one rank of a
 virtual mesh holds exactly the collectives of the documented schedule, with replica groups
 computed here independently from the rank layout (numpy reshapes of the world); both schedules:
-``regather=True`` (backward all-gathers the saved local X and W blocks again) and ``False``."""
+``regather=True`` (backward all-gathers the saved local X and W blocks again) and ``False``.
 
+The eight linear layouts are traced by ONE process (forked from the session's zygote): after
+each trace the device's collective ordering token is reset, so the next graph starts without
+the previous one's collectives (were it not, every later case would hold its predecessors'
+collectives and fail its exact count)."""
+
+import json
 import os
 
 import numpy as np
@@ -14,27 +20,64 @@ from neuron_tp.backend.hlo import parse_collectives
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 TRACE = """
-import torch, neuron_tp as ntp
+import json, sys, torch, torch_xla, neuron_tp as ntp
 from neuron_tp.backend.hlo import trace_hlo
 from neuron_tp.layers import nd
-mesh = ntp.Mesh.virtual(world_size={world}, rank={rank}, tp={tp}, tp_mode="{mode}")
-dev = ntp.xla_device()
-lin = {ctor}.to(dev)
-x = torch.randn({x_shape}, device=dev, requires_grad=True)
-y = lin(x)
-y.square().sum().backward()
-print(trace_hlo([y, x.grad, lin.weight.grad, lin.bias.grad]))
+out = {}
+for key, (world, rank, tp, mode, ctor, x_shape) in json.loads(sys.argv[1]).items():
+    mesh = ntp.Mesh.virtual(world_size=world, rank=rank, tp=tp, tp_mode=mode)
+    dev = ntp.xla_device()
+    lin = eval(ctor, {"nd": nd, "mesh": mesh}).to(dev)
+    x = torch.randn(x_shape, device=dev, requires_grad=True)
+    y = lin(x)
+    y.square().sum().backward()
+    out[key] = trace_hlo([y, x.grad, lin.weight.grad, lin.bias.grad])
+    # nothing executes (a virtual mesh's graph cannot): drop the pending collectives' ordering
+    # token, as a step boundary would, so the next trace is what a fresh process would trace
+    torch_xla._XLAC._set_all_reduce_token(str(dev), None)
+print(json.dumps(out))
 """
 
+LINEAR2D = [(32, 16, 21), (64, 64, 45)]  # (world, tp, rank)
+LINEAR3D = [(16, 8, 13), (64, 64, 45)]
 
-def collectives_in_fresh_process(code: str) -> list:
-    """``neuron_tp.backend.hlo.collectives_in_fresh_process`` (tests/backend/test_xla.py runs
-    that one), with the fresh process forked from the session's zygote: the collectives of the
-    HLO that ``code`` prints."""
+
+def _shape2d(tp: int) -> tuple[int, int, int, int]:
+    q = int(round(tp**0.5))
+    return q, 3, 4 * q, 2 * q  # b, s, a, c
+
+
+def _shape3d(tp: int) -> tuple[int, int, int, int]:
+    q = int(round(tp ** (1 / 3)))
+    return q * q, 2, 2 * q * q, 3 * q
+
+
+def _cases() -> dict[str, tuple]:
+    """Every linear layout this file checks: key -> (world, rank, tp, mode, ctor, x shape)."""
+    cases = {}
+    for regather in (True, False):
+        for world, tp, rank in LINEAR2D:
+            b, s, a, c = _shape2d(tp)
+            q = int(round(tp**0.5))
+            ctor = f"nd.Linear2D({a}, {c}, mesh=mesh, regather={regather})"
+            shape = (b // q, s, a // q)
+            cases[f"2d-{world}-{tp}-{rank}-{regather}"] = (world, rank, tp, "2d", ctor, shape)
+        for world, tp, rank in LINEAR3D:
+            b, s, a, c = _shape3d(tp)
+            q = int(round(tp ** (1 / 3)))
+            ctor = f"nd.Linear3D({a}, {c}, orientation='ab', mesh=mesh, regather={regather})"
+            shape = (b // q // q, s, a // q)
+            cases[f"3d-{world}-{tp}-{rank}-{regather}"] = (world, rank, tp, "3d", ctor, shape)
+    return cases
+
+
+@pytest.fixture(scope="module")
+def traced() -> dict[str, str]:
+    """HLO text per case key, all traced by one process forked from the zygote."""
     env = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONPATH": REPO}
-    out = xla_zygote.python(["-c", code], env, 300)
+    out = xla_zygote.python(["-c", TRACE, json.dumps(_cases())], env, 300)
     assert out.returncode == 0, out.stderr[-3000:]
-    return parse_collectives(out.stdout)
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def _groups(lists):
@@ -47,23 +90,14 @@ def _summary(colls):
 
 
 @pytest.mark.parametrize("regather", [True, False])
-@pytest.mark.parametrize("world,tp,rank", [(32, 16, 21), (64, 64, 45)])
-def test_linear2d_collectives(world, tp, rank, regather):
+@pytest.mark.parametrize("world,tp,rank", LINEAR2D)
+def test_linear2d_collectives(traced, world, tp, rank, regather):
     q = int(round(tp**0.5))
-    b, s, a, c = q, 3, 4 * q, 2 * q
+    b, s, a, c = _shape2d(tp)
     grid = np.arange(world).reshape(world // tp, q, q)  # (dp, r, c)
     row = _groups(grid[d, r, :] for d in range(world // tp) for r in range(q))  # vary c
     col = _groups(grid[d, :, k] for d in range(world // tp) for k in range(q))  # vary r
-    colls = collectives_in_fresh_process(
-        TRACE.format(
-            world=world,
-            rank=rank,
-            tp=tp,
-            mode="2d",
-            ctor=f"nd.Linear2D({a}, {c}, mesh=mesh, regather={regather})",
-            x_shape=(b // q, s, a // q),
-        )
-    )
+    colls = parse_collectives(traced[f"2d-{world}-{tp}-{rank}-{regather}"])
     want = [
         ("all-gather", (b // q, s, a), row),  # fwd: X along the row
         ("all-gather", (c // q, a), col),  # fwd: W along the column
@@ -81,26 +115,17 @@ def test_linear2d_collectives(world, tp, rank, regather):
 
 
 @pytest.mark.parametrize("regather", [True, False])
-@pytest.mark.parametrize("world,tp,rank", [(16, 8, 13), (64, 64, 45)])
-def test_linear3d_collectives(world, tp, rank, regather):
+@pytest.mark.parametrize("world,tp,rank", LINEAR3D)
+def test_linear3d_collectives(traced, world, tp, rank, regather):
     q = int(round(tp ** (1 / 3)))
-    b, s, a, c = q * q, 2, 2 * q * q, 3 * q
+    b, s, a, c = _shape3d(tp)
     cube = np.arange(world).reshape(world // tp, q, q, q)  # (dp, i, j, l)
     dp, r = range(world // tp), range(q)
     inp = _groups(cube[d, :, j, l] for d in dp for j in r for l in r)
     wgt = _groups(cube[d, i, :, l] for d in dp for i in r for l in r)
     out = _groups(cube[d, i, j, :] for d in dp for i in r for j in r)
     in_out = _groups(cube[d, :, j, :].reshape(-1) for d in dp for j in r)
-    colls = collectives_in_fresh_process(
-        TRACE.format(
-            world=world,
-            rank=rank,
-            tp=tp,
-            mode="3d",
-            ctor=f"nd.Linear3D({a}, {c}, orientation='ab', mesh=mesh, regather={regather})",
-            x_shape=(b // q // q, s, a // q),
-        )
-    )
+    colls = parse_collectives(traced[f"3d-{world}-{tp}-{rank}-{regather}"])
     want = [
         ("all-gather", (b // q, s, a // q), wgt),  # fwd: X over weight (batch)
         ("all-gather", (c // q, a // q), inp),  # fwd: W over input

@@ -135,15 +135,24 @@ def session() -> Zygote:
 
 
 def python(
-    args: list[str], env: dict | None = None, timeout: float = 300, cwd: str | None = None
+    args: list[str],
+    env: dict | None = None,
+    timeout: float = 300,
+    cwd: str | None = None,
+    input: str | None = None,  # noqa: A002 - subprocess.run's name
 ) -> subprocess.CompletedProcess:
     """``subprocess.run([sys.executable, *args], capture_output=True, text=True, ...)`` for
-    ``-c CODE ...``, ``-m MODULE ...`` or ``SCRIPT ...``, forked from the zygote. On a timeout
-    the return code is -9 and stderr ends with the reason."""
+    ``-c CODE ...``, ``-m MODULE ...`` or ``SCRIPT ...``, forked from the zygote (``input``:
+    the child's stdin, else empty). On a timeout the return code is -9 and stderr ends with
+    the reason."""
     env = {k: v for k, v in (os.environ if env is None else env).items() if k not in DIST_VARS}
     with tempfile.TemporaryDirectory(prefix="zygote-") as tmp:
         out, err = os.path.join(tmp, "out"), os.path.join(tmp, "err")
         req = {"argv": list(args), "env": env, "cwd": cwd or os.getcwd(), "out": out, "err": err}
+        if input is not None:
+            req["in"] = os.path.join(tmp, "in")
+            with open(req["in"], "w") as f:
+                f.write(input)
         status = session().launch(req, timeout)
         texts = []
         for path in (out, err):
@@ -191,9 +200,10 @@ def _child(req: dict) -> None:
         os.setsid()
         _redirect(1, req.get("out") or req["log"])
         _redirect(2, req.get("err") or req["log"])
-        null = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(null, 0)
-        os.close(null)
+        stdin = os.open(req.get("in") or os.devnull, os.O_RDONLY)
+        os.dup2(stdin, 0)
+        os.close(stdin)
+        sys.stdin = open(0, closefd=False)  # noqa: SIM115 - not the zygote's buffered requests
         if "argv" in req:
             _run_python(req)
         else:

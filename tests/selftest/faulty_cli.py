@@ -9,8 +9,8 @@ comm itself. ``SELFTEST_FAULT`` picks the faults (comma-separated):
 - ``env_mismatch`` (gloo): two "nodes" of 2 ranks, one compile cache each (allowed), and
   rank 3 started with other compiler flags (not allowed).
 
-Installed at import: under ``--xla-cpu-devices`` the ranks' process (multiprocessing spawn)
-imports this module again as ``__mp_main__``, so the ranks run with the fault too.
+Installed at import, before ``--xla-cpu-devices`` forks the ranks' process from this one, so
+the ranks run with the fault too.
 """
 
 from __future__ import annotations
@@ -105,9 +105,10 @@ def _mismatch_env() -> None:
 if "env_mismatch" in FAULTS:
     _mismatch_env()
 if FAULTS:
-    # The ranks' process of --xla-cpu-devices has CPU_NUM_DEVICES set (the launcher's too:
-    # patching it as well is harmless); gloo ranks do not.
-    _install_xla() if "CPU_NUM_DEVICES" in os.environ else _install_gloo()
+    # --xla-cpu-devices: the launcher, patched here, forks the ranks' process (which has
+    # CPU_NUM_DEVICES set, were it spawned and imported this again); gloo ranks have neither.
+    xla = "--xla-cpu-devices" in sys.argv or "CPU_NUM_DEVICES" in os.environ
+    _install_xla() if xla else _install_gloo()
 
 if __name__ == "__main__":
     from neuron_tp.cli.entry import main

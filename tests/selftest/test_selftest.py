@@ -17,6 +17,8 @@ import time
 
 import pytest
 
+import xla_zygote
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 FAULTY = os.path.join(HERE, "faulty_cli.py")
@@ -30,17 +32,21 @@ def _env(**extra: str) -> dict:
 
 
 def launch(tier: str, n: int, *args: str, fault: str = "", limit: float = 240):
-    """Run the selftest on ``n`` gloo ranks (torchrun) or XLA CPU devices; (status, stdout,
-    stderr, seconds). A run longer than ``limit`` is a hang: the test fails."""
+    """Run the selftest on ``n`` gloo ranks (torchrun) or XLA CPU devices (one process forked
+    from the session's zygote, tests/helpers/xla_zygote.py); (status, stdout, stderr, seconds).
+    A run longer than ``limit`` is a hang: the test fails."""
     script = [FAULTY] if fault else ["-m", "neuron_tp.cli"]
-    if tier == "gloo":
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n)]
-        cmd += ["--master_port", str(29600 + os.getpid() % 300 + n)]
-        cmd += [*script, "selftest", "--device", "cpu", *args]
-    else:
-        cmd = [sys.executable, *script, "selftest", "--xla-cpu-devices", str(n), *args]
     start = time.monotonic()
     env = _env(SELFTEST_FAULT=fault) if fault else _env()
+    if tier == "xla":  # one process (its ranks are threads): forked from the session's zygote
+        cli = [*script, "selftest", "--xla-cpu-devices", str(n), *args]
+        proc = xla_zygote.python(cli, env, limit, cwd=REPO)
+        if proc.returncode == -9 and "[zygote] timeout" in proc.stderr:
+            raise AssertionError(f"no result in {limit:.0f} s (a hang)\n{proc.stderr[-3000:]}")
+        return proc.returncode, proc.stdout, proc.stderr, time.monotonic() - start
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n)]
+    cmd += ["--master_port", str(29600 + os.getpid() % 300 + n)]
+    cmd += [*script, "selftest", "--device", "cpu", *args]
     # a new session: on a hang the tree is stopped: SIGTERM first (torchrun forwards it to
     # its ranks, which run in sessions of their own), then SIGKILL to what is left
     p = subprocess.Popen(
