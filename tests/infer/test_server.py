@@ -814,6 +814,23 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _serve(cmd: list[str], env: dict, log, port: int) -> tuple[subprocess.Popen, str]:
+    """Start ``cmd`` (a torchrun ``neuron-tp serve``), its output in ``log``; return it and its
+    base url once ``/ready`` answers 200 (fails with the log's tail if it dies or takes 120 s)."""
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            if _get(url + "/ready")[0] == 200:
+                return proc, url
+        except OSError:
+            pass
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.2)
+
+
 @pytest.fixture(scope="module")
 def tp2(tmp_path_factory):
     port = _free_port()
@@ -830,18 +847,7 @@ def tp2(tmp_path_factory):
     log = tmp_path_factory.mktemp("tp2") / "serve.log"
     # the key from the environment: _client sends "Bearer none"
     env = {**os.environ, "PJRT_DEVICE": "CPU", "OMP_NUM_THREADS": "1", "NEURON_TP_API_KEY": "none"}
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            if _get(url + "/ready")[0] == 200:
-                break
-        except OSError:
-            pass
-        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-        time.sleep(0.2)
+    proc, url = _serve(cmd, env, log, port)
     info = {"proc": proc, "ranks": _children(proc.pid), "log": log, "url": url}
     yield info
     if proc.poll() is None:
@@ -930,18 +936,7 @@ def moe_tp2(tmp_path_factory):
     ]  # fmt: skip
     env = {**os.environ, "PJRT_DEVICE": "CPU", "OMP_NUM_THREADS": "1"}
     log = tmp / "serve.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            if _get(url + "/ready")[0] == 200:
-                break
-        except OSError:
-            pass
-        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-        time.sleep(0.2)
+    proc, url = _serve(cmd, env, log, port)
     ranks = _children(proc.pid)
     yield full, url
     proc.send_signal(signal.SIGTERM)

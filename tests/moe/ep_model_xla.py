@@ -37,6 +37,24 @@ def _maxdiff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.detach().cpu().float() - b.detach().float()).abs().max())
 
 
+def _models(name: str):
+    """(mesh: ep = the world, tp 1; this rank's XLA device; the reference on the CPU; its copy
+    parallelized onto the device)."""
+    world = ntp.get_mesh().world_size
+    mesh = ntp.init_mesh(tp=1, ep=world)
+    dev = ntp.xla_device()
+    with serial():
+        ref = build_moe(name, num_experts=2 * world).train()
+    m = ntp.move_to(hf.parallelize(copy.deepcopy(ref), mesh, parallel_loss=True), dev)
+    return mesh, dev, ref, m
+
+
+def _rows(seed: int, world: int) -> list[torch.Tensor]:
+    """Every rank's ``ROWS`` sequences of one global batch."""
+    ids = torch.randint(1, V, (world * ROWS, 8), generator=torch.Generator().manual_seed(seed))
+    return [ids[i * ROWS : (i + 1) * ROWS] for i in range(world)]
+
+
 def run_zero1(name: str = "qwen3_moe", steps: int = 2) -> dict:
     """ZeRO-1 AdamW steps with clipping vs torch's AdamW on the reference: per step the loss
     and norm differences, then the largest weight difference."""
@@ -44,19 +62,13 @@ def run_zero1(name: str = "qwen3_moe", steps: int = 2) -> dict:
 
     from neuron_tp.optim.zero1 import Zero1
 
-    world = ntp.get_mesh().world_size
-    mesh = ntp.init_mesh(tp=1, ep=world)
-    dev = ntp.xla_device()
-    with serial():
-        ref = build_moe(name, num_experts=2 * world).train()
-    m = ntp.move_to(hf.parallelize(copy.deepcopy(ref), mesh, parallel_loss=True), dev)
+    mesh, dev, ref, m = _models(name)
+    world = mesh.world_size
     opt, opt_ref = Zero1(m, mesh=mesh, lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
     out = {"loss": [], "norm": []}
     d = mesh.dp_rank
     for step in range(steps):
-        g = torch.Generator().manual_seed(300 + step)
-        ids = torch.randint(1, V, (world * ROWS, 8), generator=g)
-        rows = [ids[i * ROWS : (i + 1) * ROWS] for i in range(world)]
+        rows = _rows(300 + step, world)
         loss = m(rows[d].to(dev), labels=rows[d].to(dev)).loss
         loss.backward()
         norm = reduce_gradients(m, opt, mesh, 0.05, zero1=True)
@@ -82,19 +94,13 @@ def run(name: str = "qwen3_moe", steps: int = 3) -> dict:
     compile count."""
     import torch_xla
 
-    world = ntp.get_mesh().world_size
-    mesh = ntp.init_mesh(tp=1, ep=world)
-    dev = ntp.xla_device()
-    with serial():
-        ref = build_moe(name, num_experts=2 * world).train()
-    m = ntp.move_to(hf.parallelize(copy.deepcopy(ref), mesh, parallel_loss=True), dev)
+    mesh, dev, ref, m = _models(name)
+    world = mesh.world_size
     opts = [torch.optim.SGD(x.parameters(), lr=0.2) for x in (m, ref)]
     out = {"loss": [], "grad": [], "compiles": []}
     d = mesh.dp_rank
     for step in range(steps):
-        g = torch.Generator().manual_seed(200 + step)
-        ids = torch.randint(1, V, (world * ROWS, 8), generator=g)
-        rows = [ids[i * ROWS : (i + 1) * ROWS] for i in range(world)]
+        rows = _rows(200 + step, world)
         loss = m(rows[d].to(dev), labels=rows[d].to(dev)).loss
         loss.backward()
         reduce_gradients(m, opts[0], mesh, 0.0, zero1=False)
