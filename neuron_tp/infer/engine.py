@@ -23,17 +23,16 @@ import json
 import queue
 import random
 import threading
-import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 
 from ..parallel import comm
 from .generate import Sampling
+from .slot_rows import Event, Request, Row, SlotRows
 from .slots import SlotGenerator
 from .text import Detokenizer
 
-Event = dict  # {"type": "delta", "text"} | {"type": "done", "finish_reason", usage} | "error"
 _SHUTDOWN = object()
 _KEY = "serve"
 
@@ -44,43 +43,6 @@ class NotReady(RuntimeError):
 
 class QueueFull(RuntimeError):
     """More requests wait than the engine's ``max_queue``: try again later (HTTP 429)."""
-
-
-@dataclass
-class Request:
-    """One sequence to generate; ``sink`` receives its events (called on the worker thread)."""
-
-    prompt: list[int]
-    max_tokens: int
-    sampling: Sampling
-    stop: list[str]
-    seeded: bool
-    sink: Callable[[Event], None]
-    cancelled: bool = False  # the client went away (or timed out): its slot is freed
-    created: float = field(default_factory=time.monotonic)
-    tokens: list[int] = field(default_factory=list)  # generated so far (EOS included)
-
-    def cancel(self) -> None:
-        self.cancelled = True
-
-
-@dataclass
-class _Row:
-    """A request in a slot, as every rank knows it."""
-
-    slot: int
-    prompt: list[int]
-    max_tokens: int
-    sampling: Sampling
-    detok: Detokenizer
-    request: Request | None  # rank 0 only
-    order: int = 0  # admission order (prefill goes oldest first)
-    filled: int = 0  # prompt tokens prefilled so far
-    count: int = 0  # tokens generated
-
-    @property
-    def prefilling(self) -> bool:
-        return self.filled < len(self.prompt)
 
 
 class Engine:
@@ -113,8 +75,7 @@ class Engine:
         self.max_new_tokens = 0
         self._queue: queue.Queue = queue.Queue()
         self._waiting: deque[Request] = deque()  # rank 0: taken off the queue, no slot yet
-        self._rows: dict[int, _Row] = {}  # slot -> the request in it (every rank)
-        self._admitted = 0  # requests admitted so far (every rank)
+        self.rows: SlotRows | None = None  # the requests in the slots (every rank)
         self._admitting: list[Request] = []  # rank 0: admitted by the lease being placed
         self._worker: threading.Thread | None = None
         self._ready = threading.Event()
@@ -136,6 +97,7 @@ class Engine:
         tokens a request may ask for."""
         self.gen, self.tokenizer, self.eos_ids = gen, tokenizer, list(eos_ids)
         self.max_new_tokens = max_new_tokens
+        self.rows = SlotRows(gen, tokenizer, eos_ids, self.prefill_budget, self.stats)
 
     def warmup(self, every_shape: bool = False) -> None:
         """Capture the graphs before serving (every rank, in the same order): all of them
@@ -164,6 +126,11 @@ class Engine:
     @property
     def ready(self) -> bool:
         return self._ready.is_set() and not self._closed
+
+    @property
+    def _rows(self) -> dict[int, Row]:
+        """slot -> the request in it (none before :meth:`attach`)."""
+        return self.rows.by_slot if self.rows is not None else {}
 
     def _model(self) -> SlotGenerator:
         if self.gen is None:
@@ -328,121 +295,10 @@ class Engine:
 
     # -- one lease, the same on every rank -----------------------------------------------------
     def _run(self, lease: dict, requests: list[Request] | None = None) -> None:
-        """Run ``lease``; ``requests`` (rank 0) are its admitted requests, in order."""
-        gen = self._model()
-        for slot in lease["cancel"]:
-            self._end(slot)
-            self.stats["cancelled"] += 1
-        for i, spec in enumerate(lease["admit"]):
-            slot = gen.acquire()
-            if slot is None or slot in self._rows:
-                raise RuntimeError(f"no free slot for an admitted request (slot {slot})")
-            self._rows[slot] = _Row(
-                slot,
-                spec["prompt"],
-                spec["max_tokens"],
-                Sampling(**spec["sampling"]),
-                Detokenizer(self.tokenizer, spec["stop"]),
-                requests[i] if requests is not None else None,
-                order=self._admitted,
-            )
-            self._admitted += 1
+        """Run ``lease`` (:meth:`SlotRows.run`); ``requests`` (rank 0): its admitted ones."""
+        self._model()
+        self.rows.run(lease, requests)
         self._admitting = []
-        for _ in range(lease["steps"]):
-            if not self._rows:
-                return
-            self._step()
-
-    def _step(self) -> None:
-        """One iteration: prompt chunks within the budget, then one token per running row."""
-        gen = self._model()
-        self.stats["steps"] += 1
-        self.stats["max_batch"] = max(self.stats["max_batch"], len(self._rows))
-        budget, spent = self.prefill_budget or gen.chunk, 0
-        for row in sorted(self._rows.values(), key=lambda r: r.order):  # oldest first
-            if not row.prefilling:
-                continue
-            size = min(len(row.prompt) - row.filled, gen.chunk)
-            if spent and spent + size > budget:
-                break  # the next iteration takes it: a decode step comes first
-            spent += size
-            self._prefill(row)
-        running = [r for r in self._rows.values() if not r.prefilling]
-        if not running:
-            return
-        try:
-            tokens = gen.decode()
-        except Exception as e:  # noqa: BLE001 - fails this step's rows, not the engine
-            for r in running:
-                self._fail(r, e)
-            return
-        for slot, t in tokens.items():
-            if slot in self._rows and not self._rows[slot].prefilling:
-                self._token(self._rows[slot], t)
-
-    def _prefill(self, row: _Row) -> None:
-        """Prefill the row's next chunk (its first new token comes with the last chunk)."""
-        gen = self._model()
-        chunk = row.prompt[row.filled : row.filled + gen.chunk]
-        last = row.filled + len(chunk) == len(row.prompt)
-        try:
-            token = gen.prefill(row.slot, chunk, row.filled, row.sampling if last else None)
-        except Exception as e:  # noqa: BLE001 - fails this request only
-            self._fail(row, e)
-            return
-        row.filled += len(chunk)
-        if last:
-            self._token(row, token)
-
-    def _token(self, row: _Row, t: int) -> None:
-        """A new token of ``row``: stream its text, end the row when it is done."""
-        row.count += 1
-        if row.request is not None:
-            row.request.tokens.append(t)
-        eos = t in self.eos_ids
-        try:
-            text = "" if eos else row.detok.add(t)
-        except Exception as e:  # noqa: BLE001 - e.g. a tokenizer that cannot decode the id
-            self._fail(row, e)
-            return
-        if text:
-            self._emit(row, {"type": "delta", "text": text})
-        if eos or row.detok.stopped:
-            self._finish(row, "stop")
-        elif row.count >= row.max_tokens:
-            self._finish(row, "length")
-
-    def _finish(self, row: _Row, reason: str) -> None:
-        rest = row.detok.finish()
-        if rest:
-            self._emit(row, {"type": "delta", "text": rest})
-        usage = {"prompt_tokens": len(row.prompt), "completion_tokens": row.count}
-        self._emit(row, {"type": "done", "finish_reason": reason, **usage})
-        self._end(row.slot)
-
-    def _fail(self, row: _Row, error: Exception) -> None:
-        message = f"generation failed: {type(error).__name__}: {error}"
-        if row.request is not None:
-            self.stats["failed"] += 1
-        self._emit(row, {"type": "error", "message": message})
-        self._end(row.slot)
-
-    def _end(self, slot: int) -> None:
-        if self._rows.pop(slot, None) is not None:
-            self._model().release(slot)
-
-    def _emit(self, row: _Row, event: Event) -> None:
-        """Give ``event`` to the row's client (rank 0), unless it went away (dropped)."""
-        req = row.request
-        if req is None:
-            return
-        if not req.cancelled:
-            try:
-                req.sink(event)
-                return
-            except Exception:  # noqa: BLE001 - a consumer that went away must not stop others
-                req.cancel()
-        self.stats["dropped"] += 1
 
     def _fail_all(self, message: str) -> None:
         """Rank 0, the engine stopping: every request still known gets ``message``."""

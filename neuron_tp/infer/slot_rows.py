@@ -1,0 +1,191 @@
+"""The requests in the slots of a :class:`~.slots.SlotGenerator`, as every tp rank runs them
+(the serving :class:`~.engine.Engine` decides what is admitted and cancelled; this runs it).
+
+A lease places its admitted requests in free slots and frees its cancelled ones, then runs
+iterations: prompt chunks of the rows still prefilling (oldest first, at most the prefill budget
+per iteration), then one decoded token for every running row. A row ends on EOS, a stop string or
+its ``max_tokens``; a failure while generating ends only the rows of that step. Every rank holds
+the same rows; only rank 0's have a client :class:`Request` to stream events to.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from .generate import Sampling
+from .slots import SlotGenerator
+from .text import Detokenizer
+
+Event = dict  # {"type": "delta", "text"} | {"type": "done", "finish_reason", usage} | "error"
+
+
+@dataclass
+class Request:
+    """One sequence to generate; ``sink`` receives its events (called on the worker thread)."""
+
+    prompt: list[int]
+    max_tokens: int
+    sampling: Sampling
+    stop: list[str]
+    seeded: bool
+    sink: Callable[[Event], None]
+    cancelled: bool = False  # the client went away (or timed out): its slot is freed
+    created: float = field(default_factory=time.monotonic)
+    tokens: list[int] = field(default_factory=list)  # generated so far (EOS included)
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+@dataclass
+class Row:
+    """A request in a slot, as every rank knows it."""
+
+    slot: int
+    prompt: list[int]
+    max_tokens: int
+    sampling: Sampling
+    detok: Detokenizer
+    request: Request | None  # rank 0 only
+    order: int = 0  # admission order (prefill goes oldest first)
+    filled: int = 0  # prompt tokens prefilled so far
+    count: int = 0  # tokens generated
+
+    @property
+    def prefilling(self) -> bool:
+        return self.filled < len(self.prompt)
+
+
+class SlotRows:
+    """The rows of ``gen``'s slots (``by_slot``); ``stats`` (the engine's counters) gets steps,
+    the largest batch, cancelled, dropped and failed requests."""
+
+    def __init__(
+        self,
+        gen: SlotGenerator,
+        tokenizer,
+        eos_ids: Sequence[int],
+        prefill_budget: int | None,
+        stats: dict,
+    ):
+        self.gen, self.tokenizer, self.eos_ids = gen, tokenizer, list(eos_ids)
+        self.prefill_budget, self.stats = prefill_budget, stats
+        self.by_slot: dict[int, Row] = {}
+        self.admitted = 0  # requests admitted so far (every rank)
+
+    def run(self, lease: dict, requests: list[Request] | None = None) -> None:
+        """Run ``lease``; ``requests`` (rank 0) are its admitted requests, in order."""
+        for slot in lease["cancel"]:
+            self.end(slot)
+            self.stats["cancelled"] += 1
+        for i, spec in enumerate(lease["admit"]):
+            slot = self.gen.acquire()
+            if slot is None or slot in self.by_slot:
+                raise RuntimeError(f"no free slot for an admitted request (slot {slot})")
+            self.by_slot[slot] = Row(
+                slot,
+                spec["prompt"],
+                spec["max_tokens"],
+                Sampling(**spec["sampling"]),
+                Detokenizer(self.tokenizer, spec["stop"]),
+                requests[i] if requests is not None else None,
+                order=self.admitted,
+            )
+            self.admitted += 1
+        for _ in range(lease["steps"]):
+            if not self.by_slot:
+                return
+            self.step()
+
+    def step(self) -> None:
+        """One iteration: prompt chunks within the budget, then one token per running row."""
+        gen = self.gen
+        self.stats["steps"] += 1
+        self.stats["max_batch"] = max(self.stats["max_batch"], len(self.by_slot))
+        budget, spent = self.prefill_budget or gen.chunk, 0
+        for row in sorted(self.by_slot.values(), key=lambda r: r.order):  # oldest first
+            if not row.prefilling:
+                continue
+            size = min(len(row.prompt) - row.filled, gen.chunk)
+            if spent and spent + size > budget:
+                break  # the next iteration takes it: a decode step comes first
+            spent += size
+            self._prefill(row)
+        running = [r for r in self.by_slot.values() if not r.prefilling]
+        if not running:
+            return
+        try:
+            tokens = gen.decode()
+        except Exception as e:  # noqa: BLE001 - fails this step's rows, not the engine
+            for r in running:
+                self._fail(r, e)
+            return
+        for slot, t in tokens.items():
+            if slot in self.by_slot and not self.by_slot[slot].prefilling:
+                self._token(self.by_slot[slot], t)
+
+    def end(self, slot: int) -> None:
+        """Free ``slot`` (nothing when it holds no row)."""
+        if self.by_slot.pop(slot, None) is not None:
+            self.gen.release(slot)
+
+    def _prefill(self, row: Row) -> None:
+        """Prefill the row's next chunk (its first new token comes with the last chunk)."""
+        chunk = row.prompt[row.filled : row.filled + self.gen.chunk]
+        last = row.filled + len(chunk) == len(row.prompt)
+        try:
+            token = self.gen.prefill(row.slot, chunk, row.filled, row.sampling if last else None)
+        except Exception as e:  # noqa: BLE001 - fails this request only
+            self._fail(row, e)
+            return
+        row.filled += len(chunk)
+        if last:
+            self._token(row, token)
+
+    def _token(self, row: Row, t: int) -> None:
+        """A new token of ``row``: stream its text, end the row when it is done."""
+        row.count += 1
+        if row.request is not None:
+            row.request.tokens.append(t)
+        eos = t in self.eos_ids
+        try:
+            text = "" if eos else row.detok.add(t)
+        except Exception as e:  # noqa: BLE001 - e.g. a tokenizer that cannot decode the id
+            self._fail(row, e)
+            return
+        if text:
+            self._emit(row, {"type": "delta", "text": text})
+        if eos or row.detok.stopped:
+            self._finish(row, "stop")
+        elif row.count >= row.max_tokens:
+            self._finish(row, "length")
+
+    def _finish(self, row: Row, reason: str) -> None:
+        rest = row.detok.finish()
+        if rest:
+            self._emit(row, {"type": "delta", "text": rest})
+        usage = {"prompt_tokens": len(row.prompt), "completion_tokens": row.count}
+        self._emit(row, {"type": "done", "finish_reason": reason, **usage})
+        self.end(row.slot)
+
+    def _fail(self, row: Row, error: Exception) -> None:
+        message = f"generation failed: {type(error).__name__}: {error}"
+        if row.request is not None:
+            self.stats["failed"] += 1
+        self._emit(row, {"type": "error", "message": message})
+        self.end(row.slot)
+
+    def _emit(self, row: Row, event: Event) -> None:
+        """Give ``event`` to the row's client (rank 0), unless it went away (dropped)."""
+        req = row.request
+        if req is None:
+            return
+        if not req.cancelled:
+            try:
+                req.sink(event)
+                return
+            except Exception:  # noqa: BLE001 - a consumer that went away must not stop others
+                req.cancel()
+        self.stats["dropped"] += 1
