@@ -2,9 +2,11 @@
 training steps of MoE families against the unsharded transformers model fed the whole global
 batch (each rank's loss on its own rows, every gathered gradient, the global gradient norm
 with clipping, the parameters after AdamW steps), at ep 2 x tp 2, ep 4, ep 2 of dp 4 (two
-copies of each expert: their gradients summed over ``edp``) and ep 2 x tp 2 with sequence
-parallelism; checkpoints written at one ep degree load at another; bad degrees refused before
-any collective. (tp-only is proven against the same reference in tests/hf/test_moe.py.)"""
+copies of each expert: their gradients summed over ``edp``), ep 2 x tp 2 with sequence
+parallelism, ep 4 in capacity mode (a capacity that drops nothing), and with ZeRO-1;
+checkpoints written at one ep degree load at another, a ZeRO-1 one resumes exactly at its own;
+``neuron-tp train --ep 2`` equals ``--ep 1``; bad degrees refused before any collective.
+(tp-only is proven against the same reference in tests/hf/test_moe.py.)"""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from moe_archs import V, build_moe
 from neuron_tp import checkpoint
 from neuron_tp.errors import UserError
 from neuron_tp.hf import gather_hf_state_dict, parallelize
+from neuron_tp.moe import ParallelMoEBlock, set_moe_mode
 from neuron_tp.optim.grads import reduce_gradients
 from neuron_tp.optim.zero1 import Zero1
 from neuron_tp.parallel.mesh import Mesh, init_mesh
@@ -42,13 +45,18 @@ def _batch(step: int, dp: int) -> torch.Tensor:
     return torch.randint(1, V, (dp * ROWS, 8), generator=g)
 
 
-def _train(name: str, tp: int, ep: int, sp: bool = False, steps: int = 2, zero1=False, **cfg):
-    """``steps`` AdamW steps (``zero1``: ZeRO-1's, experts cut over edp) of the ep-sharded
-    model and of the reference; checks every step."""
+def _train(
+    name: str, tp: int, ep: int, sp: bool = False, steps: int = 2, zero1=False, cf=None, **cfg
+):
+    """``steps`` AdamW steps (``zero1``: ZeRO-1's, experts cut over edp; ``cf``: capacity mode
+    with that factor, large enough to drop nothing) of the ep-sharded model and of the
+    reference; checks every step."""
     mesh = _mesh(tp, ep)
     tag = f"{name} tp={tp} ep={ep} sp={sp} zero1={zero1}"
     ref = build_moe(name, **cfg).train()
     m = parallelize(copy.deepcopy(ref), mesh, sequence_parallel=sp, parallel_loss=True)
+    if cf is not None:
+        assert set_moe_mode(m, "capacity", capacity_factor=cf) == len(ref.model.layers)
     local = {n: p.shape for n, p in m.named_parameters() if n.endswith("experts.down_proj")}
     full = ref.get_parameter(next(iter(local))).shape
     assert next(iter(local.values()))[0] == full[0] // ep, f"{tag}: experts not spread over ep"
@@ -65,6 +73,9 @@ def _train(name: str, tp: int, ep: int, sp: bool = False, steps: int = 2, zero1=
         (sum(losses) / dp).backward()
         want_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
         out = m(rows[d], labels=rows[d])
+        if cf is not None:  # capacity = every token: the all-to-all buffers drop nothing
+            drops = [int(b.experts.dropped) for b in m.modules() if isinstance(b, ParallelMoEBlock)]
+            assert drops and not any(drops), f"{tag}: dropped {drops}"
         _close(out.loss, losses[d], f"{tag} step {step} loss")
         out.loss.backward()
         if not zero1:  # the averaged gradients (ZeRO-1 keeps them as shards)
@@ -209,6 +220,7 @@ CASES = {
     "qwen2_moe_tp1_ep4": lambda tmp: _train("qwen2_moe", 1, 4, num_experts=8),
     "glm4_moe_ep2_of_dp4": lambda tmp: _train("glm4_moe", 1, 2),
     "qwen3_moe_tp2_ep2_sp": lambda tmp: _train("qwen3_moe", 2, 2, sp=True),
+    "mixtral_capacity_ep4": lambda tmp: _train("mixtral", 1, 4, num_local_experts=8, cf=4.0),
     "checkpoint_across_ep": _checkpoint,
     "bad_degrees": lambda tmp: _bad(),
     "zero1_ep2_tp2": lambda tmp: _train("qwen2_moe", 2, 2, zero1=True),
