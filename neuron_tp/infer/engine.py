@@ -69,7 +69,7 @@ class Engine:
         multi = group is not None and group.size > 1
         self.lease_steps = lease_steps if multi else 1
         self.prefill_budget = prefill_budget
-        self.gen: SlotGenerator | None = None
+        self._gen: SlotGenerator | None = None
         self.tokenizer = None
         self.eos_ids: list[int] = []
         self.max_new_tokens = 0
@@ -126,6 +126,17 @@ class Engine:
     @property
     def ready(self) -> bool:
         return self._ready.is_set() and not self._closed
+
+    @property
+    def gen(self) -> SlotGenerator | None:
+        """The slot generator (None before :meth:`attach`); set, it replaces the rows' one."""
+        return self._gen
+
+    @gen.setter
+    def gen(self, gen: SlotGenerator | None) -> None:
+        self._gen = gen
+        if self.rows is not None:
+            self.rows.gen = gen
 
     @property
     def _rows(self) -> dict[int, Row]:
