@@ -86,6 +86,17 @@ def xm():
     return xla_model
 
 
+def wait_own_device() -> None:
+    """Wait for the pending work of this thread's XLA device only. Under ``--xla-cpu-devices``
+    the other ranks are threads of this process whose devices may wait in a collective for
+    this one: waiting for every device (``xm.wait_device_ops()``) could deadlock until XLA:CPU
+    aborts the collective. On Neuron (one device per process) the same as waiting for all."""
+    import torch_xla
+
+    X = torch_xla._XLAC
+    xm().wait_device_ops(X._xla_real_devices([X._xla_get_default_device()]))
+
+
 def device() -> torch.device:
     """The XLA device of this process (a NeuronCore on Neuron, the CPU PJRT device elsewhere).
 

@@ -22,6 +22,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from ..backend import xla as _xla
+
 
 class ReplayedStep:
     """``step(*args)`` -> ``(outputs, updated)``: ``outputs`` are ``fn``'s results, ``updated``
@@ -64,12 +66,7 @@ class ReplayedStep:
 
         X = torch_xla._XLAC
         torch_xla.sync()  # every argument must be device data, not pending computation
-        import torch_xla.core.xla_model as xm
-
-        # this device only: under --xla-cpu-devices the other ranks are threads of this
-        # process whose devices may wait in a collective for this one (waiting for them all
-        # would deadlock until XLA:CPU aborts the collective)
-        xm.wait_device_ops(X._xla_real_devices([X._xla_get_default_device()]))
+        _xla.wait_own_device()  # not every device: the other ranks' threads may wait on it
         arg_of_id = {X._xla_get_tensor_id(a): i for i, a in enumerate(args)}
         outputs = list(self.fn(*args))
         self.traces += 1

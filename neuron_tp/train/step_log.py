@@ -132,7 +132,7 @@ class StepLogger:
         if self.run.device.type == "xla":
             from ..backend import xla as _xla
 
-            _xla.xm().wait_device_ops()
+            _xla.wait_own_device()
         elapsed = time.perf_counter() - mark[1]
         return (step - mark[0]) * self.tokens_per_step / max(elapsed, 1e-9)
 
