@@ -1,7 +1,7 @@
 """MoE on 2 XLA CPU devices (one process, one launch per test): equal to transformers on the
 CPU (loss every step, every gradient, logits after training) for Qwen2-MoE (shared expert and
-its gate, a dense layer) with sequence parallelism and GLM-4-MoE (group-limited sigmoid routing,
-shared experts); training with different tokens every step compiles no graph after the first
+its gate, a dense layer) with sequence parallelism, GLM-4-MoE (group-limited sigmoid routing,
+shared experts), Mixtral and OLMoE (with SP); training with different tokens every step compiles no graph after the first
 step; generation keeps its graph count. Capacity mode (Qwen3-MoE, SP, cf 0.5: pairs are dropped
 every step) equals transformers with the dropped pairs' weights zeroed by an independent loop,
 and drops the same number of pairs."""
@@ -20,7 +20,13 @@ TOL = 5e-5
 
 
 def test_moe_on_two_xla_devices():
-    cases = [("qwen2_moe", True), ("glm4_moe", False), ("qwen3_moe", True, 0.5)]
+    cases = [
+        ("qwen2_moe", True),
+        ("glm4_moe", False),
+        ("mixtral", False),
+        ("olmoe", True),
+        ("qwen3_moe", True, 0.5),
+    ]
     for ranks in xla_dist.run(run_all, 2, cases, 3, devices=2):
         gen = ranks.pop("generate")
         for name, r in ranks.items():
