@@ -15,7 +15,7 @@ from ..errors import UserError
 from ..parallel.mesh import Mesh, get_mesh
 from ..parallel.sharding import (
     Sharding,
-    experts_piece,
+    expert_split,
     gather_full,
     get_param_meta,
     named_parameter_meta,
@@ -317,23 +317,23 @@ def from_pretrained(
                 if p.device.type != "meta":
                     continue
                 name = stored_name(name, files)
+                experts = _experts_range(mod, pname, mesh)  # expert parallelism: this rank's
                 if name not in files and mesh.tp_mode == "1d":
                     local = read_per_expert(
-                        name, files, opened.read, opened.shape, get_slice_map(mod, pname)
+                        name, files, opened.read, opened.shape, get_slice_map(mod, pname), experts
                     )
                     if local is not None:
-                        _install(model, p, _experts_of(local, mod, pname, mesh))
+                        _install(model, p, local)
                         continue
                 if name not in files:
                     raise UserError(f"{path}: checkpoint has no tensor {name!r}")
                 sl, shape = opened.handle(name), opened.shape(name)
 
-                def read(dim, start, stop, name=name):
-                    return opened.read(name, dim, start, stop)
+                def read(dim, start, stop, name=name, experts=experts):
+                    return opened.read(name, dim, start, stop, experts)
 
                 if mesh.tp_mode == "1d":
                     local = read_local(read, shape, get_slice_map(mod, pname))
-                    local = _experts_of(local, mod, pname, mesh)
                 else:
                     local = read_block(sl, shape, get_param_meta(mod, pname).sharding, mesh, name)
                 _install(model, p, local, name)
@@ -344,9 +344,15 @@ def from_pretrained(
     return model
 
 
-def _experts_of(local: torch.Tensor, mod: nn.Module, name: str, mesh: Mesh) -> torch.Tensor:
-    """This rank's experts of ``local`` (read for every expert) under expert parallelism."""
-    return experts_piece(local, get_param_meta(mod, name).sharding, mesh)
+def _experts_range(mod: nn.Module, name: str, mesh: Mesh) -> tuple[int, int] | None:
+    """The experts (a range of dim 0) parameter ``name`` of ``mod`` holds on this rank under
+    expert parallelism; None when it is not split over ``ep``."""
+    sharding = get_param_meta(mod, name).sharding
+    if expert_split(sharding) is None:
+        return None
+    g = mesh.group("ep")
+    chunk = sharding.full_shape[0] // g.size
+    return g.rank * chunk, (g.rank + 1) * chunk
 
 
 class _Opened:
@@ -365,13 +371,25 @@ class _Opened:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.handle(name).get_shape())
 
-    def read(self, name: str, dim: int | None, start: int, stop: int) -> torch.Tensor:
-        """Tensor ``name`` (``dim`` None) or its ``[start, stop)`` range along ``dim``."""
+    def read(
+        self,
+        name: str,
+        dim: int | None,
+        start: int,
+        stop: int,
+        rows: tuple[int, int] | None = None,
+    ) -> torch.Tensor:
+        """Tensor ``name`` (``dim`` None) or its ``[start, stop)`` range along ``dim``; only
+        the ``rows`` range of dim 0 when given (a rank's experts)."""
         sl = self.handle(name)
-        if dim is None:
+        if dim is None and rows is None:
             return sl[:]
-        n = len(sl.get_shape())
-        return sl[tuple(slice(start, stop) if d == dim else slice(None) for d in range(n))]
+        ranges = {d: slice(None) for d in range(len(sl.get_shape()))}
+        if rows is not None:
+            ranges[0] = slice(*rows)
+        if dim is not None:
+            ranges[dim] = slice(start, stop)
+        return sl[tuple(ranges[d] for d in sorted(ranges))]
 
 
 def _install(model: nn.Module, p: nn.Parameter, local: torch.Tensor, name: str = "") -> None:

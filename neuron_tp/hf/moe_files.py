@@ -58,18 +58,24 @@ def per_expert_layout(name: str, files: dict) -> tuple[str, str, str, str, int] 
 
 
 def read_per_expert(
-    name: str, files: dict, read: Reader, shape_of: Callable[[str], tuple], slice_map: HFSliceMap
+    name: str,
+    files: dict,
+    read: Reader,
+    shape_of: Callable[[str], tuple],
+    slice_map: HFSliceMap,
+    experts: tuple[int, int] | None = None,
 ) -> torch.Tensor | None:
     """This rank's slice of the fused expert parameter ``name`` read from per-expert tensors
     (``read(tensor, dim, start, stop)`` reads a range, ``shape_of(tensor)`` its stored shape),
     laid out by ``slice_map`` (dim 1 pieces of gate_up: gate rows below I, up rows from I;
-    dim 2 pieces of down); None when ``files`` do not hold ``name`` per expert."""
+    dim 2 pieces of down), for the ``experts`` range (expert parallelism; None: all); None when
+    ``files`` do not hold ``name`` per expert."""
     layout = per_expert_layout(name, files)
     if layout is None:
         return None
     base, gate, up, down, n = layout
     out = []
-    for e in range(n):
+    for e in range(*(experts or (0, n))):
         if name.endswith("gate_up_proj"):
             inter = shape_of(f"{base}.{e}.{gate}.weight")[0]
             parts = [

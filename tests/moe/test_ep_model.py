@@ -144,6 +144,36 @@ def _zero1_resume(tmp: str) -> None:
         _close(t, saved[n], f"weights at ep 1: {n}", atol=0)
 
 
+def _pretrained(tmp: str) -> None:
+    """Under ep, from_pretrained reads only the rank's experts, from the fused tensors
+    save_pretrained writes (gathered over ep) and from one tensor per expert as transformers
+    writes them (Mixtral's w1/w3/w2 too): equal to parallelize of the full model."""
+    import torch.distributed as dist
+
+    from neuron_tp.hf import from_pretrained, save_pretrained
+    from neuron_tp.hf.loading import checkpoint_files
+
+    for name, key, cfg in (
+        ("mixtral", "block_sparse_moe.experts.7.w3", dict(num_local_experts=8)),
+        ("qwen2_moe", "mlp.experts.7.up_proj", dict(num_experts=8)),
+    ):
+        ref = build_moe(name, **cfg)
+        hf_dir, ours = os.path.join(tmp, f"hf-{name}"), os.path.join(tmp, f"ours-{name}")
+        if dist.get_rank() == 0:
+            copy.deepcopy(ref).save_pretrained(hf_dir)
+        dist.barrier()
+        assert f"model.layers.0.{key}.weight" in checkpoint_files(hf_dir)
+        for tp, ep in ((1, 4), (2, 2)):
+            mesh = _mesh(tp, ep)
+            want = parallelize(copy.deepcopy(ref), mesh).state_dict()
+            for path in (hf_dir, ours):
+                if path == ours:
+                    save_pretrained(parallelize(copy.deepcopy(ref), mesh), ours)
+                got = from_pretrained(path, mesh=mesh).state_dict()
+                for n, t in want.items():
+                    assert torch.equal(got[n], t), f"{name} {path} tp={tp} ep={ep}: {n}"
+
+
 def _bad() -> None:
     """Refusals name the degrees that work, before any collective."""
     with pytest.raises(
@@ -222,6 +252,7 @@ CASES = {
     "qwen3_moe_tp2_ep2_sp": lambda tmp: _train("qwen3_moe", 2, 2, sp=True),
     "mixtral_capacity_ep4": lambda tmp: _train("mixtral", 1, 4, num_local_experts=8, cf=4.0),
     "checkpoint_across_ep": _checkpoint,
+    "from_pretrained_reads_own_experts": _pretrained,
     "bad_degrees": lambda tmp: _bad(),
     "zero1_ep2_tp2": lambda tmp: _train("qwen2_moe", 2, 2, zero1=True),
     "zero1_ep2_of_dp4": lambda tmp: _train("glm4_moe", 1, 2, zero1=True),
