@@ -2,9 +2,9 @@
 CPU (loss every step, every gradient, logits after training) for Qwen2-MoE (shared expert and
 its gate, a dense layer) with sequence parallelism, GLM-4-MoE (group-limited sigmoid routing,
 shared experts), Mixtral and OLMoE (with SP); training with different tokens every step
-compiles no graph after the first step; generation keeps its graph count. Capacity mode (Qwen3-MoE, SP, cf 0.5: pairs are dropped
-every step) equals transformers with the dropped pairs' weights zeroed by an independent loop,
-and drops the same number of pairs."""
+compiles no graph after the first step; generation keeps its graph count. Capacity mode
+(Qwen3-MoE, SP, cf 0.5: pairs are dropped every step) equals transformers with the dropped
+pairs' weights zeroed by an independent loop, and drops the same number of pairs."""
 
 from __future__ import annotations
 
