@@ -32,6 +32,9 @@ NORM_TOL = dict(rel=2e-5, abs=1e-6)
 MODEL = "tiny-llama"  # byte vocabulary 257: padded over the grid (q / q^2 do not divide it)
 # Clipping is active (the reference norms are ~1-4 early on), warmup 3 of 8 steps.
 RUN = ["--model", MODEL, "--steps", "8", "--max-grad-norm", "0.5", "--save-every", "4"]
+# 8 gloo ranks on a few cores: 4 steps (clipping on, a save at step 4) carry the 3D / zero1
+# proof; the 8-step run with its resume is the 2D test's.
+RUN8 = [*RUN[:2], "--steps", "4", *RUN[4:]]
 
 
 def _norms(summary) -> list[float]:
@@ -149,11 +152,11 @@ def test_2d_q2_norm_clip_train_resume_and_refusals_vs_reference(tmp_path):
 def _world8(tmp: str) -> None:
     res = {"norm3d": _norm_and_clip("3d", 8)}
     mesh3 = ntp.get_mesh()
-    base3 = ["--tp", "8", "--tp-mode", "3d", "--micro-batch", "4", *RUN]
+    base3 = ["--tp", "8", "--tp-mode", "3d", "--micro-batch", "4", *RUN8]
     res["c"] = _losses(c := train(_args(f"{tmp}/c", *base3), mesh3, printer=_quiet))
     res["c_norm"] = _norms(c)
     mesh = ntp.init_mesh(tp=4, tp_mode="2d")  # dp2 x 2D q=2
-    base = ["--tp", "4", "--tp-mode", "2d", "--micro-batch", "2", "--grad-accum", "2", *RUN]
+    base = ["--tp", "4", "--tp-mode", "2d", "--micro-batch", "2", "--grad-accum", "2", *RUN8]
     z = train(_args(f"{tmp}/z", *base, "--zero1"), mesh, printer=_quiet)
     p = train(_args(f"{tmp}/p", *base), mesh, printer=_quiet)
     res.update(z=_losses(z), z_norm=_norms(z), p=_losses(p), p_norm=_norms(p))
@@ -166,11 +169,11 @@ def test_3d_q2_and_dp2_x_2d_zero1_vs_reference(tmp_path):
     gloo_dist.run(_world8, str(tmp_path), world_size=8, timeout=600)
     res = json.loads((tmp_path / "world8.json").read_text())
     _check_norm(res["norm3d"])
-    ref_loss, ref_norm = reference_run(_args(tmp_path / "ref", "--micro-batch", "4", *RUN), 4)
+    ref_loss, ref_norm = reference_run(_args(tmp_path / "ref", "--micro-batch", "4", *RUN8), 4)
     assert res["c"] == pytest.approx(ref_loss, rel=2e-4, abs=2e-4)
     assert res["c_norm"] == pytest.approx(ref_norm, **NORM_TOL)
     ref_loss, ref_norm = reference_run(
-        _args(tmp_path / "ref2", "--micro-batch", "2", "--grad-accum", "2", *RUN), 4
+        _args(tmp_path / "ref2", "--micro-batch", "2", "--grad-accum", "2", *RUN8), 4
     )
     for name in ("z", "p"):
         assert res[name] == pytest.approx(ref_loss, rel=2e-4, abs=2e-4), name
