@@ -10,11 +10,8 @@ import time
 from neuron_tp.checkpoint.outdir import LOCK_NAME
 from neuron_tp.cli.args import train_parser
 
-COMMON = [
-    "--device",
-    "cpu",
-    "--tp",
-    "2",
+# the schedule of every guard run (tiny, warm-up 2, cosine to 1e-4, clipping at 1.0)
+SCHEDULE = [
     "--seq-len",
     "32",
     "--micro-batch",
@@ -30,6 +27,7 @@ COMMON = [
     "--max-grad-norm",
     "1.0",
 ]
+COMMON = ["--device", "cpu", "--tp", "2", *SCHEDULE]
 POISONED = "model.layers.0.mlp.down_proj.weight"  # NaN gradient on rank 1 at one step
 
 

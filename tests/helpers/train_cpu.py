@@ -8,9 +8,8 @@ import argparse
 
 from neuron_tp.cli.args import train_parser
 
-COMMON = [
-    "--device",
-    "cpu",
+# the schedule of the tiny training runs, on any device
+SCHEDULE = [
     "--seq-len",
     "32",
     "--log-every",
@@ -24,6 +23,7 @@ COMMON = [
     "--max-grad-norm",
     "1.0",
 ]
+COMMON = ["--device", "cpu", *SCHEDULE]
 
 
 def train_args(out, *extra: str) -> argparse.Namespace:

@@ -26,6 +26,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import gloo_dist  # noqa: E402
+import guarded_run  # noqa: E402
 import xla_zygote  # noqa: E402
 from guarded_run import guard_args as _args  # noqa: E402
 from guarded_run import run_guarded as _run  # noqa: E402
@@ -254,27 +255,7 @@ def test_resume_plan_output_dir_lock_and_nonfinite(tmp_path):
 
 
 def test_skip_nonfinite_on_the_xla_device(tmp_path):
-    argv = [
-        "--device",
-        "xla",
-        "--seq-len",
-        "32",
-        "--micro-batch",
-        "2",
-        "--log-every",
-        "1",
-        "--warmup-steps",
-        "2",
-        "--lr",
-        "3e-3",
-        "--min-lr",
-        "1e-4",
-        "--max-grad-norm",
-        "1.0",
-        "--steps",
-        "6",
-        "--skip-nonfinite",
-    ]
+    argv = ["--device", "xla", *guarded_run.SCHEDULE, "--steps", "6", "--skip-nonfinite"]
     here = os.path.dirname(__file__)
     env = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONPATH": os.path.dirname(os.path.dirname(here))}
     proc = xla_zygote.python(

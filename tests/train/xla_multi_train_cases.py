@@ -16,23 +16,9 @@ from neuron_tp.backend.graphs import graph_counters
 from neuron_tp.cli.args import train_parser
 from neuron_tp.parallel.sharding import named_parameter_meta
 from neuron_tp.train.loop import train
+from train_cpu import SCHEDULE
 
-COMMON = [
-    "--device",
-    "xla",
-    "--seq-len",
-    "32",
-    "--log-every",
-    "1",
-    "--warmup-steps",
-    "3",
-    "--lr",
-    "3e-3",
-    "--min-lr",
-    "1e-4",
-    "--max-grad-norm",
-    "1.0",
-]
+COMMON = ["--device", "xla", *SCHEDULE]
 _barriers: dict[int, threading.Barrier] = {}
 _barrier_lock = threading.Lock()
 
