@@ -37,9 +37,8 @@ from ..parallel.agreement import check_agreement, tensor_checksum
 from ..parallel.mesh import Mesh, get_mesh
 from ..parallel.sharding import Sharding, gather_full, get_param_meta, mark_sharded, shard_of
 from .lora_files import SAFETENSORS, write_adapter_dir
+from .lora_targets import check_targets, refuse_target_parameters
 from .modules import HFColumnLinear
-from .plans import Style
-from .resolve import plan_model
 from .slice_map import HFSliceMap, even_pieces, get_slice_map, read_local, set_slice_map, to_hf
 
 
@@ -128,53 +127,6 @@ def _swap(inner: nn.Module, modules: dict[str, nn.Module]) -> None:
         setattr(inner.get_submodule(parent), attr, mod)
 
 
-def _lora_ok(name: str, style: Style | None, mp) -> bool:
-    """Whether a module planned ``style`` can carry LoRA under tp: a column projection with a
-    split output (not the LM head) or a row one."""
-    from .resolve import column_role
-
-    return style in (Style.ROW, Style.ROW_SPLIT_INPUT) or (
-        style is not None
-        and style.is_column
-        and column_role(name, style, mp) in ("attention", "plain")
-    )
-
-
-def valid_targets(inner: nn.Module, plan: dict[str, str] | None) -> list[str]:
-    """The ``target_modules`` names LoRA supports on ``inner`` under tp (e.g. the attention
-    projections; an MoE block's experts and shared expert are sharded by the block, not here)."""
-    mp = plan_model(inner, plan)
-    return sorted({n.rpartition(".")[2] for n, s in mp.targets.items() if _lora_ok(n, s, mp)})
-
-
-def _check_targets(inner: nn.Module, names, plan: dict[str, str] | None) -> None:
-    """Every LoRA target must be a column projection with a split output or a row one."""
-    mp = plan_model(inner, plan)
-    for name in names:
-        style = mp.targets.get(name)
-        if not _lora_ok(name, style, mp):
-            what = "not sharded by the plan" if style is None else f"planned {style.value!r}"
-            raise ValueError(
-                f"{name}: LoRA target {what}; tensor parallelism supports LoRA on projections "
-                "planned 'colwise' (split output, not the LM head) or 'rowwise' (of this "
-                f"model: target_modules {valid_targets(inner, plan)}); remove it from "
-                "target_modules"
-            )
-
-
-def _refuse_target_parameters(model: nn.Module, plan: dict[str, str] | None) -> None:
-    """ValueError for LoRA on parameters (peft's ``target_parameters``, e.g. an MoE layer's
-    fused 3-D ``experts.gate_up_proj``): the experts are sharded by the MoE block."""
-    cfg = next(iter(model.peft_config.values()))
-    params = getattr(cfg, "target_parameters", None)
-    if params:
-        raise ValueError(
-            f"LoraConfig target_parameters {list(params)}: LoRA on fused expert (3-D) or other "
-            "parameters is not supported under tensor parallelism; LoRA targets this model "
-            f"supports: target_modules {valid_targets(model.base_model.model, plan)}"
-        )
-
-
 def parallelize_peft(model: nn.Module, mesh: Mesh | None, parallelize_fn, **options) -> nn.Module:
     """``parallelize`` for a ``PeftModel`` (called by :func:`neuron_tp.hf.parallelize`): the
     LoRA wrappers are taken out, the inner model is parallelized, and they are put back around
@@ -189,13 +141,13 @@ def parallelize_peft(model: nn.Module, mesh: Mesh | None, parallelize_fn, **opti
             f"{type(inner).__name__} inside the PeftModel is already parallelized; call "
             "get_peft_model on the unsharded model, then parallelize the PeftModel"
         )
-    _refuse_target_parameters(model, options.get("plan"))
+    refuse_target_parameters(model, options.get("plan"))
     adapter = _adapter(model)
     wrappers = _wrappers(inner)
     lora = {n: p for n, p in model.named_parameters() if "lora_" in n}
     _swap(inner, {n: w.base_layer for n, w in wrappers.items()})
     try:
-        _check_targets(inner, wrappers, options.get("plan"))  # before any collective
+        check_targets(inner, wrappers, options.get("plan"))  # before any collective
         check_agreement(
             {"LoRA weights (checksums)": {n: tensor_checksum(p) for n, p in lora.items()}},
             mesh.tp,

@@ -44,7 +44,7 @@ def wrap(model: nn.Module, config: TrainConfig) -> nn.Module:
     try:
         peft_model = get_peft_model(model, cfg)
     except ValueError as e:  # e.g. a fused MoE experts module, or a name that matches nothing
-        from ..hf.lora import valid_targets
+        from ..hf.lora_targets import valid_targets
 
         raise UserError(
             f"--lora-target-modules {','.join(config.lora_target_modules) or '(default)'}: "
