@@ -21,6 +21,7 @@ import torch
 
 from ..backend import xla as _xla
 from .mesh import Group
+from .store import job_store, wait_keys
 
 __all__ = [
     "all_reduce",
@@ -279,28 +280,22 @@ def host_all_gather(
     same ``key`` sequence."""
     if group.size == 1:
         return [payload]
-    import datetime
-
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("host_all_gather needs an initialised process group (init_mesh)")
-    store = dist.distributed_c10d._get_default_store()
+    store = job_store()
     counts = _host_calls.__dict__.setdefault("counts", {})  # per (key, group): ranks of one
     n = counts[(key, group.ranks)] = counts.get((key, group.ranks), -1) + 1  # group stay in step
     prefix = f"ntp/{key}/{'-'.join(map(str, group.ranks))}/{n}"
     store.set(f"{prefix}/{group.ranks[group.rank]}", payload)
     keys = [f"{prefix}/{r}" for r in group.ranks]
-    store.wait(keys, datetime.timedelta(seconds=timeout_s))
+    wait_keys(store, keys, timeout_s, f"host exchange {key!r}", group.ranks)
     return [bytes(store.get(k)) for k in keys]
 
 
 def _store():
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError("host collectives need an initialised process group (init_mesh)")
-    return dist.distributed_c10d._get_default_store()
+    return job_store()
 
 
 def host_any(key: str, flag: bool, group: Group, timeout_s: float = 600.0) -> bool:
@@ -313,8 +308,6 @@ def host_any(key: str, flag: bool, group: Group, timeout_s: float = 600.0) -> bo
     rounds later the keys are deleted (every rank has read the answer by then)."""
     if group.size == 1:
         return flag
-    import datetime
-
     store = _store()
     ident = "-".join(map(str, group.ranks))
     prefix = f"ntp/any/{key}/{ident}"
@@ -325,7 +318,7 @@ def host_any(key: str, flag: bool, group: Group, timeout_s: float = 600.0) -> bo
     if total % group.size == 0:  # the last arrival: total = size * (1 + flags)
         store.set(f"{prefix}/{round_id}/any", b"1" if total > group.size else b"0")
         store.delete_key(f"{prefix}/{round_id}/n")
-    store.wait([f"{prefix}/{round_id}/any"], datetime.timedelta(seconds=timeout_s))
+    wait_keys(store, [f"{prefix}/{round_id}/any"], timeout_s, f"host_any {key!r}", group.ranks)
     answer = bytes(store.get(f"{prefix}/{round_id}/any")) == b"1"
     done.append(round_id)
     if len(done) > 2:  # every rank got past the round before last: its answer is read

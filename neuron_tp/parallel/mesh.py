@@ -23,6 +23,7 @@ import torch
 
 from ..backend import xla as _xla
 from ..errors import UserError
+from . import store
 
 TP_MODES = ("1d", "2d", "3d")
 
@@ -346,6 +347,12 @@ def _init_process_group(backend: str | None, world: int) -> None:
         import torch_xla.distributed.xla_backend  # noqa: F401  (registers the backend)
 
         dist.init_process_group("xla", init_method="xla://")
+    elif store.under_torchrun():  # a store of this attempt's own: nothing of a dead one is read
+        rank = int(os.environ["RANK"])
+        fresh = store.attempt_store(rank, world)
+        dist.init_process_group(
+            backend, store=dist.PrefixStore("default_pg", fresh), rank=rank, world_size=world
+        )
     else:
         dist.init_process_group(backend)
 

@@ -531,5 +531,5 @@ def test_error_of_one_rank_alone_under_torchrun_is_printed(tmp_path):
         timeout=120,
     )
     text = proc.stdout + proc.stderr
-    assert proc.returncode != 0 and time.monotonic() - start < 50, text
+    assert proc.returncode != 0 and time.monotonic() - start < 100, text  # no 600 s wait
     assert text.count("neuron-tp train: error (rank 1): only rank 1 failed") == 1, text

