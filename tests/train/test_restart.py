@@ -10,15 +10,25 @@ attempt finishes. Checked: every attempt started, every kill happened where plan
 ends at step 12 with exit 0, metrics.jsonl ends with the uninterrupted run's losses, and the
 final checkpoint holds bit-identical weights and optimizer state; each restart is bounded in
 time (a hang fails the test) and the time from a kill to the next attempt's first step is
-printed."""
+printed.
+
+And ``neuron-tp serve`` (tp 2) under torchrun ``--max-restarts 1``: a follower SIGKILLed takes
+the server down (rank 0 does not keep answering with a dead peer), the restarted attempt
+serves the same greedy completion; the leader killed with no restarts left ends the job
+(non-zero exit, no hang)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
+import urllib.request
 
+import psutil
 import torch
 from safetensors.torch import load_file
 
@@ -97,3 +107,68 @@ def test_killed_workers_restart_and_end_with_the_uninterrupted_weights(tmp_path)
     for a, t in sorted(kill_t.items()):
         nxt = min(b for b in first_t if b > a)
         print(f"kill in attempt {a} -> first step of attempt {nxt}: {first_t[nxt] - t:.1f} s")
+
+
+def _get(url: str, body: dict | None = None, timeout: float = 30.0) -> dict:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data, {"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return json.loads(resp.read())
+
+
+def _workers(agent: int) -> dict[int, int]:
+    """global rank -> pid of the torchrun workers under ``agent``."""
+    out = {}
+    for p in psutil.Process(agent).children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            rank = p.environ().get("RANK")
+            if rank is not None and "neuron_tp.cli" in " ".join(p.cmdline()):
+                out[int(rank)] = p.pid
+    return out
+
+
+def _serving(base: str, proc, deadline: float, not_pids: set[int], agent: int) -> dict[int, int]:
+    """Wait until the server is ready, run by workers other than ``not_pids``."""
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        pids = _workers(agent)
+        if len(pids) == 2 and not set(pids.values()) & not_pids:
+            with contextlib.suppress(OSError):
+                if _get(base + "/ready", timeout=2).get("status") == "ready":
+                    return pids
+        time.sleep(0.5)
+    raise AssertionError("the server did not come back")
+
+
+def test_a_dead_serving_rank_takes_the_server_down_and_the_restart_serves_again(tmp_path):
+    port, rdzv = 28700 + os.getpid() % 200, 29960 + os.getpid() % 30
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    cmd += ["--max-restarts", "1", "--monitor-interval", "0.1", "--rdzv_backend", "c10d"]
+    cmd += ["--rdzv_endpoint", f"127.0.0.1:{rdzv}", "--rdzv_id", "serve-restart"]
+    cmd += ["-m", "neuron_tp.cli", "serve", "--model", "tiny-llama", "--tp", "2"]
+    cmd += ["--device", "cpu", "--port", str(port)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC")}
+    env.update(PYTHONPATH=REPO, OMP_NUM_THREADS="1")
+    base, body = f"http://127.0.0.1:{port}", {"prompt": "Hello", "max_tokens": 6, "temperature": 0}
+    proc = subprocess.Popen(
+        cmd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        first = _serving(base, proc, time.monotonic() + 180, set(), proc.pid)
+        want = _get(base + "/v1/completions", body)["choices"][0]["text"]
+        os.kill(first[1], signal.SIGKILL)  # a follower dies: rank 0 must not keep serving
+        killed = time.monotonic()
+        second = _serving(base, proc, time.monotonic() + 180, set(first.values()), proc.pid)
+        print(f"serve: rank 1 killed -> serving again in {time.monotonic() - killed:.1f} s")
+        assert _get(base + "/v1/completions", body)["choices"][0]["text"] == want
+        os.kill(second[0], signal.SIGKILL)  # the leader dies: no restarts left, the job ends
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode != 0, out[-3000:]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
