@@ -1,0 +1,92 @@
+"""neuron_tp.parallel.store: a torchrun attempt's own key-value store.
+
+Two real worker processes (rank 0 and rank 1, torchrun's environment, no torchrun) and a
+"torchrun store" held by the test, into which a dead attempt's records were left: first a
+record naming a server that no longer listens, then one naming a live store that holds
+another attempt's nonce (a port reused). Rank 1 starts first and must accept neither; it
+accepts exactly the store rank 0 publishes once rank 0 starts, and sees what rank 0 wrote in
+it and nothing of the dead attempt's keys."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import torch.distributed as dist
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+WORKER = """
+import sys
+from neuron_tp.parallel import store
+rank = int(sys.argv[1])
+s = store.attempt_store(rank, 2)
+if rank == 0:
+    s.set("written-by-rank-0", "yes")
+    s.wait(["rank-1-done"])
+else:
+    print("stale key visible:", s.check(["ntp/left-by-the-dead-attempt"]), flush=True)
+    print("rank 0 wrote:", s.get("written-by-rank-0").decode(), flush=True)
+    print("nonce:", s.get(store.NONCE).decode(), flush=True)
+    s.set("rank-1-done", "1")
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, boot_port: int) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC")}
+    env.update(
+        PYTHONPATH=REPO,
+        TORCHELASTIC_RUN_ID="job-7",
+        TORCHELASTIC_USE_AGENT_STORE="True",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(boot_port),
+        RANK=str(rank),
+        WORLD_SIZE="2",
+        NEURON_TP_STARTUP_TIMEOUT="60",
+    )
+    return subprocess.Popen(
+        [sys.executable, "-c", WORKER, str(rank)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def test_a_new_attempt_accepts_only_its_own_store():
+    timeout = datetime.timedelta(seconds=60)
+    boot = dist.TCPStore("127.0.0.1", 0, None, True, timeout, wait_for_workers=False)
+    key = "ntp/attempt-store/job-7"
+    boot.set(key, f"127.0.0.1 {_free_port()} dead-attempt")  # its server died with it
+    impostor = dist.TCPStore("127.0.0.1", 0, None, True, timeout, wait_for_workers=False)
+    impostor.set("ntp/attempt-nonce", "another-attempt")
+    impostor.set("ntp/left-by-the-dead-attempt", "x")
+
+    follower = _worker(1, boot.port)
+    try:
+        time.sleep(3)  # rank 1 is up and polling the dead record
+        assert follower.poll() is None, follower.communicate()[0]
+        boot.set(key, f"127.0.0.1 {impostor.port} dead-attempt")  # a live port, wrong nonce
+        time.sleep(2)
+        assert follower.poll() is None, follower.communicate()[0]
+        leader = _worker(0, boot.port)
+        out, _ = follower.communicate(timeout=120)
+        lead_out, _ = leader.communicate(timeout=60)
+    finally:
+        for p in (follower, locals().get("leader")):
+            if p is not None and p.poll() is None:
+                p.kill()
+    assert follower.returncode == 0 and leader.returncode == 0, out + lead_out
+    assert "stale key visible: False" in out, out
+    assert "rank 0 wrote: yes" in out, out
+    published = boot.get(key).decode().split()
+    assert f"nonce: {published[2]}" in out and published[2] != "dead-attempt", (out, published)
