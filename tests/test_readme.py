@@ -1,4 +1,4 @@
-"""README.md is executable documentation.
+"""README.md and every docs/*.md page are executable documentation.
 
 - Every ```python block runs as written, in a namespace of its own, on 4 gloo ranks (the
   blocks call ``ntp.init_mesh`` with tp 2 or 4 and run collectives; one launch for all of
@@ -11,6 +11,12 @@
   command that is not Neuron-only (``neuron_parallel_compile``, ``compile_and_train.sh``) must
   pass the startup check that refuses several XLA ranks off Neuron (it runs here). A command
   the test does not know how to read fails it, so new kinds of examples get checked too.
+  ``k8s/render.sh NAME`` must name a manifest ``k8s/NAME.yaml``. The cluster tools of
+  docs/deployment.md (``kubectl``, ``aws``, ``docker``, ``helm``, ``curl``, ``openssl``) run
+  against a cluster or a registry, not here: their commands are only split into words. Pipes
+  (``|``), ``&&``, ``VAR=value`` lines and ``VAR=$(command)`` are read as the shell would.
+- Untagged fences (program output) and the ``layers`` block of docs/architecture.md (read by
+  tests/test_architecture.py) are not run.
 """
 
 from __future__ import annotations
@@ -24,22 +30,29 @@ import pytest
 import gloo_dist
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-README = os.path.join(REPO, "README.md")
+DOCS = ["README.md"] + sorted(
+    f"docs/{f}" for f in os.listdir(os.path.join(REPO, "docs")) if f.endswith(".md")
+)
 
 
 def fenced(kind: str) -> dict[str, str]:
-    """The README's ```kind blocks by ``"<kind>-L<line of the fence>"``."""
-    with open(README) as fh:
-        lines = fh.read().splitlines()
-    out, start = {}, None
-    for i, line in enumerate(lines, 1):
-        if start is None and line.strip() == f"```{kind}":
-            start, body = i, []
-        elif start is not None and line.strip() == "```":
-            out[f"{kind}-L{start}"] = "\n".join(body) + "\n"
-            start = None
-        elif start is not None:
-            body.append(line)
+    """The ```kind blocks of every page by ``"<page>:<kind>-L<line of the fence>"``."""
+    out = {}
+    for page in DOCS:
+        with open(os.path.join(REPO, page)) as fh:
+            lines = fh.read().splitlines()
+        start, opened = None, False
+        for i, line in enumerate(lines, 1):
+            if not opened and line.strip().startswith("```"):
+                opened = True
+                if line.strip() == f"```{kind}":
+                    start, body = i, []
+            elif opened and line.strip() == "```":
+                if start is not None:
+                    out[f"{page}:{kind}-L{start}"] = "\n".join(body) + "\n"
+                opened, start = False, None
+            elif start is not None:
+                body.append(line)
     return out
 
 
@@ -48,10 +61,10 @@ PYTHON = fenced("python")
 
 def commands() -> dict[str, list[str]]:
     """Every command of the bash blocks (continuations joined, comments and ``...``
-    placeholders dropped) as words, by ``"L<line>"``."""
+    placeholders dropped) as words, by ``"<page>:L<line>"``."""
     out = {}
     for name, block in fenced("bash").items():
-        fence = int(name.rsplit("-L", 1)[1])
+        page, fence = name.split(":")[0], int(name.rsplit("-L", 1)[1])
         lines, i = block.splitlines(), 0
         while i < len(lines):
             start, text = i, lines[i]
@@ -61,7 +74,7 @@ def commands() -> dict[str, list[str]]:
             i += 1
             words = [w for w in shlex.split(text, comments=True) if w != "..."]
             if words:
-                out[f"L{fence + 1 + start}"] = words
+                out[f"{page}:L{fence + 1 + start}"] = words
     return out
 
 
@@ -72,11 +85,11 @@ COMMANDS = commands()
 
 
 def _run_block(case: str, workdir: str) -> None:
-    where = os.path.join(workdir, case)
+    where = os.path.join(workdir, re.sub(r"[^\w.-]", "_", case))
     os.makedirs(where, exist_ok=True)
     os.chdir(where)
-    code = compile(PYTHON[case], f"README.md ({case})", "exec")
-    exec(code, {"__name__": "__readme__"})  # noqa: S102 - the README's own example
+    code = compile(PYTHON[case], case, "exec")
+    exec(code, {"__name__": "__readme__"})  # noqa: S102 - the documentation's own example
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +98,14 @@ def workdir(tmp_path_factory) -> str:
 
 
 def test_readme_has_python_blocks():
+    assert any(k.startswith("README.md:") for k in PYTHON), PYTHON.keys()
     assert len(PYTHON) >= 3, PYTHON.keys()
+
+
+def test_readme_names_the_test_command():
+    """CI's ``.ci/run`` calls ``./scripts/test.sh``; the README says it runs everything."""
+    with open(os.path.join(REPO, "README.md")) as fh:
+        assert "./scripts/test.sh" in fh.read()
 
 
 @pytest.mark.parametrize("case", sorted(PYTHON))
@@ -175,12 +195,40 @@ def _check_python(words: list[str], world: int, neuron_only: bool, monkeypatch) 
         _check_file(words[0])
 
 
+# run against a cluster or a registry (docs/deployment.md): only split into words here
+EXTERNAL = {"kubectl", "aws", "docker", "helm", "curl", "openssl"}
+
+
+def segments(words: list[str]) -> list[list[str]]:
+    """The simple commands of one line: split at ``|``, ``&&`` and ``;``; ``VAR=$(cmd ...)``
+    gives ``cmd ...``; ``VAR=value`` prefixes dropped (a line of assignments only: none)."""
+    out, cur = [], []
+    for w in [*words, "|"]:
+        if w in ("|", "&&", ";"):
+            while cur and re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", cur[0]):
+                sub = re.fullmatch(r"[A-Z_][A-Z0-9_]*=\$\((.*)", cur[0])
+                if sub and cur[-1].endswith(")"):  # VAR=$(command ...)
+                    cur = [sub.group(1), *cur[1:-1], cur[-1][:-1]]
+                    break
+                cur = cur[1:]
+            if cur:
+                out.append(cur)
+            cur = []
+        else:
+            cur.append(w)
+    return out
+
+
 def check_command(words: list[str], monkeypatch) -> None:
-    """AssertionError unless the command ``words`` would start as the README says."""
+    """AssertionError unless the command line ``words`` would start as the page says."""
+    for simple in segments(words):
+        check_simple(simple, monkeypatch)
+
+
+def check_simple(words: list[str], monkeypatch) -> None:
+    """AssertionError unless the simple command ``words`` would start as the page says."""
     from torch.distributed.run import get_args_parser
 
-    while re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", words[0]):  # VAR=value prefixes
-        words = words[1:]
     neuron_only = words[0] == "neuron_parallel_compile"
     words = words[1:] if neuron_only else words
     head, rest = words[0], words[1:]
@@ -197,17 +245,28 @@ def check_command(words: list[str], monkeypatch) -> None:
         _check_file(head.removeprefix("./"), executable=True)
         assert rest and rest[0].isdigit(), f"{head} takes NPROC first, got {rest}"
         _check_cli(["train", *rest[1:]], int(rest[0]), True, monkeypatch)
+    elif head.removeprefix("./") == "k8s/render.sh":  # one manifest name
+        _check_file("k8s/render.sh", executable=True)
+        assert len(rest) == 1, f"{head} takes one manifest name, got {rest}"
+        _check_file(f"k8s/{rest[0]}.yaml")
     elif head.endswith(".sh"):
         assert not rest, f"{head} takes no arguments here"
         _check_file(head.removeprefix("./"), executable=True)
+    elif head in EXTERNAL:
+        pass
     else:
         raise AssertionError(f"test_readme does not know how to check {shlex.join(words)!r}")
 
 
-@pytest.mark.parametrize("line", sorted(COMMANDS, key=lambda k: int(k[1:])))
+def _line_order(key: str) -> tuple[int, int]:
+    page, line = key.split(":L")
+    return DOCS.index(page), int(line)
+
+
+@pytest.mark.parametrize("line", sorted(COMMANDS, key=_line_order))
 def test_bash_command_is_valid(line, monkeypatch):
     monkeypatch.chdir(REPO)
     try:
         check_command(COMMANDS[line], monkeypatch)
     except (AssertionError, ValueError) as e:
-        raise AssertionError(f"README.md {line}: {shlex.join(COMMANDS[line])}\n{e}") from e
+        raise AssertionError(f"{line}: {shlex.join(COMMANDS[line])}\n{e}") from e

@@ -1,6 +1,9 @@
 """Tensor parallelism for HuggingFace transformers models: ``parallelize`` a model in place,
 ``from_pretrained`` only this rank's slices, ``save_pretrained`` a consolidated checkpoint.
-Plans (which module is sharded how, where the layers are) live in :mod:`neuron_tp.hf.plans`."""
+Plans (which module is sharded how, where the layers are) live in :mod:`neuron_tp.hf.plans`;
+2D / 3D meshes in :mod:`.parallelize_nd`. Also: LoRA on parallelized models (:mod:`.lora`),
+MoE blocks (:mod:`.moe`), inputs of packed rows (:mod:`.packing`) and activation recompute
+(:mod:`.recompute`)."""
 
 from .loading import from_pretrained, gather_hf_state_dict, save_pretrained
 from .parallel_loss import full_logits

@@ -1,4 +1,4 @@
-"""The options of a training or generation run as typed, frozen records.
+"""The options of a training, generation or serving run as typed, frozen records.
 
 The command-line parsers (:mod:`neuron_tp.cli.args`) stay the one home of option names,
 defaults, help and validation; these records are what the rest of the code reads. Each field is
@@ -26,7 +26,7 @@ class _CommonConfig:
     model: str  # a preset name or a local directory
     tp: int
     device: str  # "xla" or "cpu"
-    tokenizer: str | None  # a directory or "bytes"; None: see train.tokenizer.resolve_tokenizer
+    tokenizer: str | None  # a directory or "bytes"; None: see job.tokenizer.resolve_tokenizer
     seed: int
     xla_cpu_devices: int  # 0: this process is one rank
 

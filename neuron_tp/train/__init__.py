@@ -1,3 +1,4 @@
-"""Compile-aware training and inference entry points (``neuron-tp train|generate``).
+"""The training job (``neuron-tp train``): setup, the compiled step, the loop, evaluation,
+metrics, the checkpoint policy and the guards (graph agreement, non-finite values, preemption).
 
 Importing this package needs torch only; torch-xla and transformers are imported lazily."""
