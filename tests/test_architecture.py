@@ -148,3 +148,28 @@ def test_no_import_up_or_across_the_floors():
 def test_no_import_of_another_modules_private_name():
     found = violations()["private"]
     assert not found, "\n".join(found)
+
+
+def private_attribute_owners(root: Path = REPO) -> dict[str, set[str]]:
+    """``{"_ntp_...": modules whose source names it}`` over the package."""
+    found: dict[str, set[str]] = {}
+    for name, path in modules(root).items():
+        for attr in re.findall(r"\b_ntp_[a-z_]+\b", path.read_text()):
+            found.setdefault(attr, set()).add(name)
+    return found
+
+
+def test_each_private_model_attribute_is_read_by_the_module_that_owns_it():
+    shared = {a: sorted(m) for a, m in private_attribute_owners().items() if len(m) > 1}
+    assert not shared, f"_ntp_ attributes named by several modules (use an accessor): {shared}"
+
+
+def test_private_attribute_check_sees_a_second_reader(tmp_path):
+    pkg = tmp_path / "neuron_tp" / "parallel"
+    pkg.mkdir(parents=True)
+    (pkg / "state.py").write_text("_ATTR = '_ntp_state'\n")
+    (pkg / "other.py").write_text("x = getattr(m, '_ntp_state', None)\n")
+    assert private_attribute_owners(tmp_path)["_ntp_state"] == {
+        "neuron_tp.parallel.state",
+        "neuron_tp.parallel.other",
+    }

@@ -19,12 +19,13 @@ import torch
 from ..optim import zero1_state
 from ..parallel.mesh import Mesh
 from ..parallel.sharding import ParamMeta, experts_piece, named_parameter_meta
+from ..parallel.state import mesh_of
 from . import zero1_files
 from .agree import agree
 from .buffers import apply_buffers, read_buffers
 from .format import CheckpointError, file_record, read_meta, verify
 from .reshard import assemble, local_piece, logical_shape
-from .writer import device_of, is_zero1, mesh_of
+from .writer import device_of, is_zero1
 from .zero1_files import DpShards
 
 

@@ -17,8 +17,9 @@ from collections.abc import Iterable
 
 import torch
 
-from ..parallel.mesh import Mesh, get_mesh
+from ..parallel.mesh import Mesh
 from ..parallel.sharding import expert_split, gather_experts, named_parameter_meta
+from ..parallel.state import mesh_of, state_of
 from . import zero1_files
 from .agree import agree
 from .assets import write_files
@@ -34,10 +35,6 @@ from .format import (
     write_text,
 )
 from .reshard import full_shape, hf_record, logical_shape, sharding_record
-
-
-def mesh_of(model, mesh: Mesh | None) -> Mesh:
-    return get_mesh(mesh if mesh is not None else getattr(model, "_ntp_mesh", None))
 
 
 def device_of(model) -> torch.device:
@@ -90,6 +87,7 @@ def _optimizer_meta(optimizer) -> dict | None:
 
 def _metadata(model, optimizer, scheduler, step: int, mesh: Mesh, data_state, extra) -> dict:
     config = getattr(model, "config", None)
+    state = state_of(model)
     return {
         "format": FORMAT_DP_SHARDED if is_zero1(optimizer) else FORMAT,
         "step": int(step),
@@ -103,9 +101,9 @@ def _metadata(model, optimizer, scheduler, step: int, mesh: Mesh, data_state, ex
         "model": {
             "class": type(model).__name__,
             "config": config.to_dict() if hasattr(config, "to_dict") else None,
-            "sequence_parallel": bool(getattr(model, "_ntp_sequence_parallel", False)),
+            "sequence_parallel": bool(state and state.sequence_parallel),
             # a parallelized PeftModel: how to merge / export its LoRA adapter offline
-            "lora": getattr(model, "_ntp_lora", None),
+            "lora": state.lora if state is not None else None,
         },
         "params": {
             n: {

@@ -21,6 +21,7 @@ from ..parallel.sharding import (
     named_parameter_meta,
     shard_of,
 )
+from ..parallel.state import mesh_of
 from .lora_files import plain_name
 from .moe_files import read_per_expert, stored_name
 from .parallelize import parallelize
@@ -36,7 +37,7 @@ def gather_hf_state_dict(
 
     Collective over tp: every rank must call it. Gradients should be synced first
     (:func:`neuron_tp.sync_sequence_parallel_grads`)."""
-    mesh = get_mesh(mesh if mesh is not None else getattr(model, "_ntp_mesh", None))
+    mesh = mesh_of(model, mesh)
     out = {}
     for name, p, meta in named_parameter_meta(model):
         t = p.grad if grads else p
@@ -69,7 +70,7 @@ def save_pretrained(model: nn.Module, out_dir: str, mesh: Mesh | None = None) ->
 
     from ..parallel.agreement import check_agreement
 
-    mesh = get_mesh(mesh if mesh is not None else getattr(model, "_ntp_mesh", None))
+    mesh = mesh_of(model, mesh)
     state = gather_hf_state_dict(model, mesh)
     error = None
     try:

@@ -31,11 +31,12 @@ from torch import nn
 
 from ..errors import UserError
 from ..layers import RowParallelLinear
-from ..layers.common import WRAP_FIRST
+from ..layers.common import WRAP_FIRST, mark_lora_base
 from ..parallel import regions
 from ..parallel.agreement import check_agreement, tensor_checksum
 from ..parallel.mesh import Mesh, get_mesh
 from ..parallel.sharding import Sharding, gather_full, get_param_meta, mark_sharded, shard_of
+from ..parallel.state import attach, is_parallel, mesh_of, state_of
 from .lora_files import SAFETENSORS, write_adapter_dir
 from .lora_targets import check_targets, refuse_target_parameters
 from .modules import HFColumnLinear
@@ -50,7 +51,7 @@ def is_peft_model(model: nn.Module) -> bool:
 def refuse_parallelized(model: nn.Module) -> None:
     """UserError for a model already sharded that is about to be wrapped by peft (neuron_tp's
     own ``get_peft_model`` calls; peft's own call is refused by the parallel layers)."""
-    if getattr(model, "_ntp_parallel", False):
+    if is_parallel(model):
         raise UserError(f"{type(model).__name__} is already parallelized; {WRAP_FIRST}")
 
 
@@ -136,7 +137,7 @@ def parallelize_peft(model: nn.Module, mesh: Mesh | None, parallelize_fn, **opti
     if mesh.tp_mode != "1d":
         raise ValueError(f"LoRA under tensor parallelism supports 1d meshes, not {mesh.tp_mode!r}")
     inner = model.base_model.model
-    if getattr(inner, "_ntp_parallel", False):
+    if is_parallel(inner):
         raise ValueError(
             f"{type(inner).__name__} inside the PeftModel is already parallelized; call "
             "get_peft_model on the unsharded model, then parallelize the PeftModel"
@@ -162,8 +163,8 @@ def parallelize_peft(model: nn.Module, mesh: Mesh | None, parallelize_fn, **opti
         _shard_wrapper(w, inner.get_submodule(name), adapter, mesh)
         w.__class__ = cls
     _swap(inner, wrappers)
-    model._ntp_parallel, model._ntp_mesh = True, mesh
-    model._ntp_lora = lora_record(model, {n: w.scaling[adapter] for n, w in wrappers.items()})
+    record = lora_record(model, {n: w.scaling[adapter] for n, w in wrappers.items()})
+    attach(model, state_of(inner).with_lora(record))
     return model
 
 
@@ -233,7 +234,7 @@ def _shard_wrapper(w: nn.Module, base: nn.Module, adapter: str, mesh: Mesh) -> N
             a_mod, "weight", HFSliceMap(1, tuple(even_pieces(a_full.shape[1], *_rank_tp(mesh))))
         )
         a_mod.in_features = local.shape[1]
-    base._ntp_lora_base = True  # peft's layer code may ask it for a plan: it has none
+    mark_lora_base(base)  # peft's layer code may ask it for a plan: it has none
     w.base_layer = base
     w.fan_in_fan_out = False  # the parallel base weight is [out, in] (GPT-2 Conv1D too)
 
@@ -305,7 +306,7 @@ def _tp_lora_class() -> type:
 
 
 def _lora_wrappers(model: nn.Module) -> dict[str, nn.Module]:
-    if not getattr(model, "_ntp_parallel", False) or not is_peft_model(model):
+    if not is_parallel(model) or not is_peft_model(model):
         raise ValueError(
             f"{type(model).__name__}: not a parallelized PeftModel; call "
             "neuron_tp.hf.parallelize(get_peft_model(model, LoraConfig(...)), mesh) first"
@@ -337,7 +338,7 @@ def gather_adapter(model: nn.Module, mesh: Mesh | None = None) -> dict[str, torc
     """The full LoRA weights (CPU tensors) under the keys of peft's adapter file, on every
     rank (collective over tp): B row selections and A column shards joined, kv-replica copies
     dropped."""
-    mesh = get_mesh(mesh if mesh is not None else model._ntp_mesh)
+    mesh = mesh_of(model, mesh)
     params = _adapter_params(model)
     keys = _peft_keys(model, [n for n, _ in params], model.active_adapters[0])
     out = {}
@@ -355,7 +356,7 @@ def gather_adapter(model: nn.Module, mesh: Mesh | None = None) -> dict[str, torc
 def save_adapter(model: nn.Module, out_dir: str, mesh: Mesh | None = None) -> None:
     """Write peft's adapter format (``adapter_model.safetensors`` + ``adapter_config.json``)
     from rank 0; collective over tp. Loads with ``PeftModel.from_pretrained(base, out_dir)``."""
-    mesh = get_mesh(mesh if mesh is not None else model._ntp_mesh)
+    mesh = mesh_of(model, mesh)
     state = gather_adapter(model, mesh)
     if mesh.rank == 0:
         write_adapter_dir(out_dir, model.peft_config[model.active_adapters[0]], state)
@@ -370,7 +371,7 @@ def load_adapter(model: nn.Module, adapter_dir: str, mesh: Mesh | None = None) -
     weights for every LoRA parameter; ValueError otherwise."""
     from safetensors.torch import load_file
 
-    mesh = get_mesh(mesh if mesh is not None else model._ntp_mesh)
+    mesh = mesh_of(model, mesh)
     adapter = model.active_adapters[0]
     with open(os.path.join(adapter_dir, "adapter_config.json")) as f:
         saved = json.load(f)
@@ -410,5 +411,5 @@ def merge_adapters(model: nn.Module) -> nn.Module:
             delta = (b.float() @ a.float()) * w.scaling[adapter]
             base.weight.add_(delta.to(base.weight.dtype))
         _swap(inner, {name.removeprefix("base_model.model."): base})
-    inner._ntp_mesh = model._ntp_mesh
+    attach(inner, state_of(model).with_lora(None))
     return inner

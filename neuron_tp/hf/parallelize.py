@@ -14,6 +14,7 @@ from torch import nn
 from ..errors import UserError
 from ..parallel.mesh import Mesh, get_mesh
 from ..parallel.sharding import copy_param_meta, get_sharding, mark_sequence_parallel
+from ..parallel.state import ParallelState, attach, is_parallel
 from .attention import (
     SUPPORTED_ATTN,
     Heads,
@@ -79,7 +80,7 @@ def parallelize(
     Llama-family models get the 2D/3D layers (:mod:`neuron_tp.hf.parallelize_nd`).
     """
     mesh = get_mesh(mesh)
-    if getattr(model, "_ntp_parallel", False):
+    if is_parallel(model):
         raise ValueError(f"{type(model).__name__} is already parallelized")
     from . import lora  # LoRA (peft) models: wrappers out, parallelize, wrappers back
 
@@ -342,9 +343,8 @@ def _install(
     if sequence_parallel:
         apply_sequence_parallel(model, mesh, s.layers, s.final_norm)
         keep_complete_grads(model)
-    model._ntp_parallel, model._ntp_mesh = True, mesh
+    attach(model, ParallelState(mesh, parallel_loss, sequence_parallel))
     guard_meta(model)
-    model._ntp_parallel_loss, model._ntp_sequence_parallel = parallel_loss, sequence_parallel
     if parallel_loss:
         wrap_loss(model, mesh)
 

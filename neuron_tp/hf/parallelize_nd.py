@@ -61,6 +61,7 @@ from ..layers.vocab_nd import (
     gather_logits,
 )
 from ..parallel.mesh import Mesh, valid_tp_degrees
+from ..parallel.state import ParallelState, attach
 from .attention import SUPPORTED_ATTN, model_heads, patch_attention_module
 
 # Causal LMs with the Llama structure: model.embed_tokens / layers[i].{input_layernorm,
@@ -272,8 +273,7 @@ def _install(model: nn.Module, built: dict[str, nn.Module], mesh: Mesh, parallel
         patch_attention_module(layer.self_attn, heads, q, heads.kv // q)
     # full_logits() toggles this: False keeps the LM head output as this rank's block.
     model.lm_head.gather_output = not parallel_loss
-    model._ntp_parallel, model._ntp_mesh = True, mesh
-    model._ntp_parallel_loss, model._ntp_sequence_parallel = parallel_loss, False
+    attach(model, ParallelState(mesh, parallel_loss, sequence_parallel=False))
     guard_meta(model)  # built from a meta-device model: refuses to run until loaded
     _wrap_forward(model, mesh)
 

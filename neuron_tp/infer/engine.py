@@ -8,7 +8,7 @@ request. A request takes a free slot as soon as there is one and leaves it the m
 (EOS, a stop string, its ``max_tokens``, its client gone): nobody waits for a batch to finish.
 
 Rank 0 owns the request queue and decides the schedule; at tp > 1 it sends the other ranks a
-*lease* (:func:`neuron_tp.parallel.comm.host_broadcast`): the requests admitted and cancelled
+*lease* (:func:`neuron_tp.parallel.host.broadcast`): the requests admitted and cancelled
 now, and how many iterations to run before the next message. Everything else (which chunk to
 prefill, when a request ends) follows from the lease and the generated tokens, which every rank
 has: the ranks run the same schedule with one host message per ``lease_steps`` iterations.
@@ -27,7 +27,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 
-from ..parallel import comm
+from ..parallel import host
 from .generate import Sampling
 from .slot_rows import Event, Request, Row, SlotRows
 from .slots import SlotGenerator
@@ -289,7 +289,7 @@ class Engine:
         silent = 0.0
         while True:
             try:
-                lease = json.loads(comm.host_broadcast(_KEY, None, self.group, timeout_s=1.0))
+                lease = json.loads(host.broadcast(_KEY, None, self.group, timeout_s=1.0))
             except TimeoutError:
                 silent = silent + 1.0 if should_stop() else 0.0
                 if silent >= 30:
@@ -302,7 +302,7 @@ class Engine:
 
     def _broadcast(self, message: dict) -> None:
         if self.group is not None and self.group.size > 1:
-            comm.host_broadcast(_KEY, json.dumps(message).encode(), self.group)
+            host.broadcast(_KEY, json.dumps(message).encode(), self.group)
 
     # -- one lease, the same on every rank -----------------------------------------------------
     def _run(self, lease: dict, requests: list[Request] | None = None) -> None:

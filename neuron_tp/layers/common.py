@@ -177,17 +177,25 @@ def load_shards_from(layer: nn.Module, full: nn.Module) -> nn.Module:
 WRAP_FIRST = "wrap first, then parallelize: ntp.parallelize(get_peft_model(model, cfg), mesh)"
 
 
+_LORA_BASE = "_ntp_lora_base"
+
+
+def mark_lora_base(module) -> None:
+    """Mark a parallel layer as the base of a LoRA wrapper (see :class:`RefusesPeftWrap`)."""
+    module.__dict__[_LORA_BASE] = True
+
+
 class RefusesPeftWrap:
     """Mixin of the parallel layers: peft's ``get_peft_model`` on an already parallelized
     model is refused with the order that works. peft asks each layer it is about to wrap for
     its transformers tensor-parallel plan (``_hf_tp_plan``); a parallel layer answers with a
     :class:`~neuron_tp.errors.UserError`, unless it is the base of a LoRA wrapper that
-    :func:`neuron_tp.hf.parallelize` made (``_ntp_lora_base``: peft's layer code reads the
+    :func:`neuron_tp.hf.parallelize` made (:func:`mark_lora_base`: peft's layer code reads the
     attribute too, and there the answer is "no transformers plan")."""
 
     @property
     def _hf_tp_plan(self) -> None:
-        if self.__dict__.get("_ntp_lora_base", False):
+        if self.__dict__.get(_LORA_BASE, False):
             return None
         raise UserError(
             f"{type(self).__name__} is a tensor-parallel layer (the model is already "

@@ -3,7 +3,7 @@
 A job whose ranks got different options, models, data or weights either hangs (the ranks build
 different graphs) or trains silently wrong. :func:`check_agreement` hashes each value per key,
 exchanges one fixed-size ``int32`` vector per rank through the job's host-side store (no
-device graph: :func:`neuron_tp.parallel.comm.host_all_gather`) and
+device graph: :func:`neuron_tp.parallel.host.all_gather`) and
 raises :class:`RankMismatchError` on EVERY rank, naming the keys and which ranks hold which
 value. A rank that failed locally while computing its values passes ``error=``: every rank then
 raises (the failing one its own error, the others a :class:`RankMismatchError` quoting it, as
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from ..errors import UserError, set_reporter
-from . import comm
+from . import host
 from .failures import gather_failures
 from .mesh import Group, get_mesh, init_mesh, set_default_mesh
 
@@ -119,10 +119,10 @@ def world_group() -> Group:
 def _gather(rows: torch.Tensor, group: Group, device: torch.device) -> torch.Tensor:
     """``[group.size, n]`` int64 on the CPU: every rank's ``rows`` (``[n]`` int32).
 
-    Exchanged through the job's host-side store (:func:`neuron_tp.parallel.comm.host_all_gather`),
+    Exchanged through the job's host-side store (:func:`neuron_tp.parallel.host.all_gather`),
     not a device collective: no extra graph to compile on Neuron, and ranks that reach the check
     seconds apart (one still loading weights) cannot trip XLA's collective timeouts."""
-    payloads = comm.host_all_gather("agreement", rows.to(torch.int32).numpy().tobytes(), group)
+    payloads = host.all_gather("agreement", rows.to(torch.int32).numpy().tobytes(), group)
     return torch.stack([torch.frombuffer(bytearray(p), dtype=torch.int32) for p in payloads]).long()
 
 

@@ -15,13 +15,10 @@ all-gather (same values, ``group.size`` times the bytes; Neuron gets the real al
 
 from __future__ import annotations
 
-import threading
-
 import torch
 
 from ..backend import xla as _xla
 from .mesh import Group
-from .store import job_store, wait_keys
 
 __all__ = [
     "all_reduce",
@@ -30,8 +27,6 @@ __all__ = [
     "all_to_all",
     "local_chunk",
     "all_reduce_coalesced",
-    "host_all_gather",
-    "host_broadcast",
     "accumulation_dtype",
 ]
 
@@ -266,113 +261,3 @@ def local_chunk(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
         return x.narrow(dim, group.rank * (n // group.size), n // group.size)
     parts = x.unflatten(dim, (group.size, n // group.size))
     return parts.index_select(dim, group.rank_tensor(x.device).view(1)).squeeze(dim)
-
-
-_host_calls = threading.local()  # per rank: ranks may be threads of one process
-
-
-def host_all_gather(
-    key: str, payload: bytes, group: Group, timeout_s: float = 600.0
-) -> list[bytes]:
-    """Every group rank's ``payload`` (in group order), exchanged on the host through the
-    job's key-value store, never through a device collective: usable while a device graph is
-    pending (e.g. to compare graphs before running them). Every rank must call it with the
-    same ``key`` sequence."""
-    if group.size == 1:
-        return [payload]
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError("host_all_gather needs an initialised process group (init_mesh)")
-    store = job_store()
-    counts = _host_calls.__dict__.setdefault("counts", {})  # per (key, group): ranks of one
-    n = counts[(key, group.ranks)] = counts.get((key, group.ranks), -1) + 1  # group stay in step
-    prefix = f"ntp/{key}/{'-'.join(map(str, group.ranks))}/{n}"
-    store.set(f"{prefix}/{group.ranks[group.rank]}", payload)
-    keys = [f"{prefix}/{r}" for r in group.ranks]
-    wait_keys(store, keys, timeout_s, f"host exchange {key!r}", group.ranks)
-    return [bytes(store.get(k)) for k in keys]
-
-
-def _store():
-    return job_store()
-
-
-def host_any(key: str, flag: bool, group: Group, timeout_s: float = 600.0) -> bool:
-    """True on every rank of ``group`` when any rank passed ``flag`` (through the job's
-    key-value store, no device collective). Every rank calls it with the same ``key``
-    sequence (calls are numbered per key, so a later job in the same process never reads an
-    earlier one's answer). O(1) store requests per rank: each rank adds
-    ``1 + size * flag`` to one counter; the rank that brings the count of arrivals to
-    ``size`` (``total % size == 0``) publishes the answer, the others wait for it. Two
-    rounds later the keys are deleted (every rank has read the answer by then)."""
-    if group.size == 1:
-        return flag
-    store = _store()
-    ident = "-".join(map(str, group.ranks))
-    prefix = f"ntp/any/{key}/{ident}"
-    done = _host_calls.__dict__.setdefault("any_done", {}).setdefault((key, ident), [])
-    counts = _host_calls.__dict__.setdefault("any", {})
-    round_id = counts[(key, ident)] = counts.get((key, ident), -1) + 1
-    total = store.add(f"{prefix}/{round_id}/n", 1 + group.size * int(bool(flag)))
-    if total % group.size == 0:  # the last arrival: total = size * (1 + flags)
-        store.set(f"{prefix}/{round_id}/any", b"1" if total > group.size else b"0")
-        store.delete_key(f"{prefix}/{round_id}/n")
-    wait_keys(store, [f"{prefix}/{round_id}/any"], timeout_s, f"host_any {key!r}", group.ranks)
-    answer = bytes(store.get(f"{prefix}/{round_id}/any")) == b"1"
-    done.append(round_id)
-    if len(done) > 2:  # every rank got past the round before last: its answer is read
-        old = done.pop(0)
-        if group.rank == 0:
-            store.delete_key(f"{prefix}/{old}/any")
-    return answer
-
-
-def host_broadcast(
-    key: str, payload: bytes | None, group: Group, src: int = 0, timeout_s: float | None = None
-) -> bytes:
-    """Group rank ``src``'s ``payload`` on every rank of ``group``, through the job's
-    key-value store (no device collective). Every rank calls it with the same ``key``
-    sequence; the others pass ``payload=None`` and wait up to ``timeout_s`` (None: forever,
-    e.g. a server's followers while it is idle). A wait that times out raises TimeoutError
-    and does not consume the round: calling again waits for the same one.
-
-    Each receiver acknowledges a round after reading it; ``src`` deletes a round's keys once
-    every receiver has, so a long-running loop keeps the store small."""
-    if group.size == 1:
-        if payload is None:
-            raise ValueError("host_broadcast: the source rank must pass a payload")
-        return payload
-    store = _store()
-    counts = _host_calls.__dict__.setdefault("bcast", {})
-    ident = (key, group.ranks, src)
-    n = counts.get(ident, -1) + 1
-    prefix = f"ntp/bcast/{key}/{'-'.join(map(str, group.ranks))}/{src}"
-    if group.rank == src:
-        if payload is None:
-            raise ValueError("host_broadcast: the source rank must pass a payload")
-        pending = _host_calls.__dict__.setdefault("bcast_pending", {}).setdefault(ident, [])
-        for m in list(pending):  # rounds every receiver has acknowledged
-            if store.add(f"{prefix}/{m}/acks", 0) >= group.size - 1:
-                store.delete_key(f"{prefix}/{m}")
-                store.delete_key(f"{prefix}/{m}/acks")
-                pending.remove(m)
-        store.set(f"{prefix}/{n}", payload)
-        pending.append(n)
-        counts[ident] = n
-        return payload
-    import time
-
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    pause = 0.0005
-    # Poll (store.wait logs a warning per timeout): short sleeps while busy, at most 20 ms
-    # while idle; the main thread's signal handlers run in between.
-    while not store.check([f"{prefix}/{n}"]):
-        if deadline is not None and time.monotonic() >= deadline:
-            raise TimeoutError(f"host_broadcast {key!r}: nothing from rank {src} in {timeout_s}s")
-        time.sleep(pause)
-        pause = min(pause * 2, 0.02)
-    out = bytes(store.get(f"{prefix}/{n}"))
-    store.add(f"{prefix}/{n}/acks", 1)
-    counts[ident] = n
-    return out

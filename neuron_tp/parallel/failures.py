@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from . import comm
+from . import comm, host
 from .mesh import Group
 
 __all__ = ["MESSAGE_BYTES", "describe", "gather_failures", "has_store"]
@@ -60,7 +60,7 @@ def gather_failures(
         return failed
     if has_store(group):
         sent = b"" if message is None else b"!" + message.encode("utf-8")[:MESSAGE_BYTES]
-        for r, t in enumerate(comm.host_all_gather("failures", sent, group)):
+        for r, t in enumerate(host.all_gather("failures", sent, group)):
             if t and r not in failed:
                 failed[r] = t[1:].decode("utf-8", "replace")
         return failed

@@ -88,9 +88,9 @@ class Context:
 
     def barrier(self, key: str) -> None:
         """Wait for every rank, through the host store (no device graph)."""
-        from ..parallel import comm
+        from ..parallel import host
 
-        comm.host_all_gather(f"selftest-barrier-{key}", b"", self.mesh.group("world"))
+        host.all_gather(f"selftest-barrier-{key}", b"", self.mesh.group("world"))
 
     def nodes(self, group: Group) -> int:
         """How many nodes ``group`` spans."""

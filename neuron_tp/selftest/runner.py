@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 
 from ..backend import xla as _xla
-from ..parallel import comm
+from ..parallel import host
 from ..parallel.mesh import init_mesh, set_default_mesh
 from ..plan.hardware import Instance, get_instance
 from .context import Context, Options, default_tp, ranks_per_node
@@ -126,7 +126,7 @@ def merge(rows: list[Check]) -> Check:
 def exchange(ctx: Context, c: Check) -> Check:
     """Every rank's result of one check (through the host store), merged."""
     payload = json.dumps(c.to_dict(), default=str).encode()
-    rows = comm.host_all_gather("selftest", payload, ctx.mesh.group("world"))
+    rows = host.all_gather("selftest", payload, ctx.mesh.group("world"))
     return merge([Check.from_dict(json.loads(p)) for p in rows])
 
 

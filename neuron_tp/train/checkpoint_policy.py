@@ -139,14 +139,14 @@ def _check_shared(run: Run, lock: OutputLock | None) -> None:
     save, hours later)."""
     from ..checkpoint import outdir
     from ..checkpoint.agree import agree
-    from ..parallel import comm
+    from ..parallel import host
     from ..parallel.failures import has_store
 
     world = run.mesh.group("world")
     if world.size == 1 or not has_store(world):
         return
     mine = (lock.token or "").encode() if lock is not None else b""
-    token = comm.host_all_gather("output-dir-token", mine, world)[0].decode()
+    token = host.all_gather("output-dir-token", mine, world)[0].decode()
     error = None
     if run.mesh.rank != 0:
         path = os.path.join(run.config.output_dir, outdir.LOCK_NAME)

@@ -18,7 +18,7 @@ import zlib
 
 import torch
 
-from ..parallel import comm
+from ..parallel import host
 from ..parallel.mesh import Group
 
 _NAME = re.compile(r"%[\w.\-]+")
@@ -64,13 +64,12 @@ def check_same_graph(tensors: list[torch.Tensor], group: Group, what: str = "ste
         return
     ops = graph_ops(tensors)
     digest = hashlib.sha256("\n".join(ops).encode()).hexdigest()
-    digests = [d.decode() for d in comm.host_all_gather(f"graph/{what}", digest.encode(), group)]
+    digests = [d.decode() for d in host.all_gather(f"graph/{what}", digest.encode(), group)]
     if len(set(digests)) == 1:
         return
     mine = zlib.compress(json.dumps(ops).encode())
     listings = [
-        json.loads(zlib.decompress(p))
-        for p in comm.host_all_gather(f"graph/{what}/ops", mine, group)
+        json.loads(zlib.decompress(p)) for p in host.all_gather(f"graph/{what}/ops", mine, group)
     ]
     classes: dict[str, list[int]] = {}
     for rank, d in zip(group.ranks, digests):

@@ -4,7 +4,7 @@ A pod that Kubernetes stops (node drain, spot reclaim) gets SIGTERM, then SIGKIL
 grace period; torchrun forwards SIGTERM to its workers and SIGKILLs them 30 s later. On the
 first signal :class:`StopSignal` only records it (a flag, read on the host). At every step
 boundary the ranks decide together whether any of them was signalled
-(:func:`neuron_tp.parallel.comm.host_any`: a counter in the job's host key-value store, no
+(:func:`neuron_tp.parallel.host.any_true`: a counter in the job's host key-value store, no
 device collective and no device-to-host transfer, so no extra XLA sync); all of them then stop
 after the same step, save the normal (atomic) checkpoint, release the output lock and the
 command exits ``128 + signal`` (143 for SIGTERM). A second signal changes nothing: the save
@@ -118,14 +118,14 @@ def signal_name(stop: StopSignal | None) -> str:
 def stop_agreed(stop: StopSignal | None, mesh) -> bool:
     """At a step boundary: True on every rank when any rank was signalled.
 
-    One host-store exchange per step (:func:`~neuron_tp.parallel.comm.host_any`), no device
+    One host-store exchange per step (:func:`~neuron_tp.parallel.host.any_true`), no device
     collective; without a store (one rank, a trace-only mesh) this rank's own flag."""
     if stop is None:
         return False
-    from ..parallel import comm
+    from ..parallel import host
     from ..parallel.failures import has_store
 
     world = mesh.group("world")
     if world.size == 1 or not has_store(world):
         return stop.requested
-    return comm.host_any("preempt", stop.requested, world)
+    return host.any_true("preempt", stop.requested, world)

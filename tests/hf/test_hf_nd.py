@@ -17,6 +17,7 @@ import gloo_dist  # noqa: E402
 import neuron_tp as ntp  # noqa: E402
 from neuron_tp.hf import full_logits, gather_hf_state_dict, parallelize  # noqa: E402
 from neuron_tp.layers.nd import Embedding2D, Embedding3D, Linear2D, Linear3D  # noqa: E402
+from neuron_tp.parallel.state import is_parallel  # noqa: E402
 from tiny_configs import nd_config  # noqa: E402
 
 ATOL = 1e-5
@@ -124,7 +125,7 @@ def _refusals() -> None:
         "valid 2D grids for this model: none",
         "tp_mode='1d' with tp in [1, 2, 4]",
     )
-    assert not getattr(ref, "_ntp_parallel", False)
+    assert not is_parallel(ref)
     assert isinstance(ref.model.layers[0].self_attn.k_proj, torch.nn.Linear)  # untouched
     refused(lambda: parallelize(_model(), sequence_parallel=True), "sequence_parallel=True")
     refused(lambda: parallelize(_model(tie_word_embeddings=True)), "tie_word_embeddings")

@@ -23,6 +23,7 @@ from neuron_tp.hf.plans import arch_plan  # noqa: E402
 from neuron_tp.hf.resolve import match_modules, plan_model  # noqa: E402
 from neuron_tp.hf.slice_map import get_slice_map  # noqa: E402
 from neuron_tp.parallel.sharding import get_sharding  # noqa: E402
+from neuron_tp.parallel.state import is_parallel  # noqa: E402
 
 EXPLICIT = [n for n, (config, _, _) in ARCHS.items() if config().model_type in ARCH_PLANS]
 FALLBACK = [n for n in ARCHS if n not in EXPLICIT]
@@ -147,7 +148,7 @@ def _refused(model: nn.Module, arch, match: str, monkeypatch) -> None:
         n: (type(m), [id(p) for p in m.parameters(recurse=False)]) for n, m in model.named_modules()
     }
     assert after == before, "model modified on refusal"
-    assert not getattr(model, "_ntp_parallel", False)
+    assert not is_parallel(model)
 
 
 def test_plan_naming_a_missing_module_is_refused_before_anything_changes(monkeypatch):

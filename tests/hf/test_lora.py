@@ -20,6 +20,7 @@ from lora_models import base_model, lora_config, peft_model, sample_ids  # noqa:
 from neuron_tp.errors import UserError  # noqa: E402
 from neuron_tp.hf import gather_hf_state_dict, parallelize  # noqa: E402
 from neuron_tp.hf.lora import load_adapter, merge_adapters, save_adapter  # noqa: E402
+from neuron_tp.parallel.state import is_parallel  # noqa: E402
 
 ATOL = 2e-5
 
@@ -105,7 +106,7 @@ def _check_refusals() -> None:
     m = peft_model(name, target_modules=["q_proj", "lm_head"])
     _raises(lambda: parallelize(m), "lm_head", "colwise")
     assert type(m.base_model.model.model.layers[0].self_attn.q_proj.base_layer).__name__ == "Linear"
-    assert not getattr(m, "_ntp_parallel", False)
+    assert not is_parallel(m)
     _raises(lambda: parallelize(peft_model(name, target_modules=["embed_tokens"])), "Embedding")
     ia3 = get_peft_model(
         base_model(name), IA3Config(target_modules=["q_proj"], feedforward_modules=[])

@@ -3,7 +3,7 @@
 streaming, stop strings, concurrent clients, a client that disconnects mid-stream, refused
 requests; at tp=1 in this process and at tp=2 as two torchrun ranks (gloo), whose tokens
 equal tp=1's (same preset and seed: the same full model, sharded). Also
-:func:`neuron_tp.parallel.comm.host_broadcast` on two gloo ranks."""
+:func:`neuron_tp.parallel.host.broadcast` on two gloo ranks."""
 
 from __future__ import annotations
 
@@ -769,23 +769,23 @@ def _broadcast_rounds() -> None:
     import torch.distributed as dist
 
     from neuron_tp import init_mesh
-    from neuron_tp.parallel import comm
+    from neuron_tp.parallel import host
 
     group = init_mesh(tp=2).group("world")
     store = dist.distributed_c10d._get_default_store()
     if group.rank == 1:  # a follower's finite wait raises and does not consume the round
         with pytest.raises(TimeoutError):
-            comm.host_broadcast("t", None, group, timeout_s=0.2)
+            host.broadcast("t", None, group, timeout_s=0.2)
     dist.barrier()
     for n in range(6):
         payload = f"round {n}".encode() if group.rank == 0 else None
-        assert comm.host_broadcast("t", payload, group) == f"round {n}".encode()
+        assert host.broadcast("t", payload, group) == f"round {n}".encode()
         dist.barrier()  # every rank has read round n
     if group.rank == 0:  # acknowledged rounds are deleted when the next one is set
-        comm.host_broadcast("t", b"last", group)
+        host.broadcast("t", b"last", group)
         assert not store.check(["ntp/bcast/t/0-1/0/0"]) and not store.check(["ntp/bcast/t/0-1/0/4"])
     else:
-        assert comm.host_broadcast("t", None, group) == b"last"
+        assert host.broadcast("t", None, group) == b"last"
 
 
 def test_host_broadcast_on_two_ranks():

@@ -46,6 +46,7 @@ def _job(tmp: str) -> None:
     from neuron_tp.infer.batch import run_cli
     from neuron_tp.job.presets import build_model
     from neuron_tp.parallel.agreement import check_agreement, check_model_replicas
+    from neuron_tp.parallel.state import is_parallel
     from neuron_tp.train.loop import setup
 
     rank = torch.distributed.get_rank()
@@ -73,7 +74,7 @@ def _job(tmp: str) -> None:
             with torch.no_grad():
                 model.get_parameter(perturb)[0] += 1e-3
         out = _outcome(lambda: ntp.parallelize(model, mesh, **kw))
-        return out, bool(getattr(model, "_ntp_parallel", False)), model
+        return out, is_parallel(model), model
 
     res["parallelize weights"] = parallelize("model.layers.1.mlp.down_proj.weight")[:2]
     res["parallelize options"] = parallelize(sequence_parallel=rank == 1)[:2]
