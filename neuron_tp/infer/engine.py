@@ -1,5 +1,5 @@
 """The serving engine: continuous (iteration-level) batching over the slots of a
-:class:`~.slots.SlotGenerator`, on every tp rank.
+:class:`~.slot_generator.SlotGenerator`, on every tp rank.
 
 Every iteration the engine prefills prompt chunks of newly admitted requests (at most
 ``prefill_budget`` tokens: a long prompt is spread over several iterations, so it never stalls
@@ -28,9 +28,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict
 
 from ..parallel import comm
-from .generate import Sampling
+from .slot_generator import SlotGenerator
 from .slot_rows import Event, Request, Row, SlotRows
-from .slots import SlotGenerator
+from .static_generator import Sampling
 from .text import Detokenizer
 
 _SHUTDOWN = object()

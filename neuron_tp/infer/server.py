@@ -5,10 +5,10 @@ server-sent events in OpenAI's chunk format, then ``data: [DONE]``), ``GET /v1/m
 ``GET /health`` (the process is up), ``GET /ready`` (200 once the model is loaded and its
 warm-up graphs are captured, else 503) and ``GET /metrics`` (Prometheus, :mod:`.metrics`).
 
-What a request may ask for and how it is checked is :mod:`.request` (parameters, prompts as
-text, token ids or chat messages); the API key, body size and JSON depth are :mod:`.limits`.
-``model``: the served name (what ``/v1/models`` lists; absent: that one), any other gets 404
-``model_not_found``. Invalid requests get 400 with ``{"error": {"message", "type":
+What a request may ask for and how it is checked is :mod:`.completion_request` (parameters,
+prompts as text, token ids or chat messages); the API key, body size and JSON depth are
+:mod:`.limits`. ``model``: the served name (what ``/v1/models`` lists; absent: that one), any
+other gets 404 ``model_not_found``. Invalid requests get 400 with ``{"error": {"message", "type":
 "invalid_request_error", "param", ...}}``; a full queue 429 with ``Retry-After``; a request
 past its timeout 504 (a stream: an error event); an exception of the server's own a JSON 500
 for that request only.
@@ -23,10 +23,10 @@ import time
 import uuid
 
 from ..errors import UserError
+from .completion_request import BadRequest, prepare
 from .engine import Engine, NotReady, QueueFull
 from .limits import API_KEY_ENV, Guard, RequestError, ServeLimits, parse_json, read_body
 from .metrics import LOG, RequestTrace, ServerMetrics
-from .request import BadRequest, prepare
 
 PARSE_INLINE = 64 * 1024  # bytes: larger bodies are parsed on a worker thread
 RETRY_AFTER_S = 1  # the Retry-After of a 429 (queue full)
@@ -393,9 +393,9 @@ def _load(engine: Engine, config, mesh) -> None:
     """Load the model onto this rank's device, attach it to ``engine`` and warm up."""
     from ..job.runtime import rank_device
     from ..parallel.sharding import move_to
-    from .batch import eos_ids
+    from .generate_command import eos_ids
     from .load import load_for_generation
-    from .slots import SlotGenerator
+    from .slot_generator import SlotGenerator
 
     model, tok = load_for_generation(config.generate_config(), mesh)
     move_to(model, rank_device(config.device))

@@ -1,5 +1,5 @@
-"""The requests in the slots of a :class:`~.slots.SlotGenerator`, as every tp rank runs them
-(the serving :class:`~.engine.Engine` decides what is admitted and cancelled; this runs it).
+"""The requests in the slots of a :class:`~.slot_generator.SlotGenerator`, as every tp rank runs
+them (the serving :class:`~.engine.Engine` decides what is admitted and cancelled; this runs it).
 
 A lease places its admitted requests in free slots and frees its cancelled ones, then runs
 iterations: prompt chunks of the rows still prefilling (oldest first, at most the prefill budget
@@ -14,8 +14,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from .generate import Sampling
-from .slots import SlotGenerator
+from .slot_generator import SlotGenerator
+from .static_generator import Sampling
 from .text import Detokenizer
 
 Event = dict  # {"type": "delta", "text"} | {"type": "done", "finish_reason", usage} | "error"

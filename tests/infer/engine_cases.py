@@ -11,7 +11,7 @@ import time
 import torch
 
 from hf_sampling import hf_sample
-from neuron_tp.infer.generate import Sampling
+from neuron_tp.infer.static_generator import Sampling
 
 VOCAB, SEED = 257, 4
 EOS = [131, 215]

@@ -1,6 +1,6 @@
 """Continuous batching (:class:`neuron_tp.infer.engine.Engine` over a
-:class:`~neuron_tp.infer.slots.SlotGenerator`): under random arrival traces (requests joining
-while others decode, prompts longer than a prefill chunk, slots reused, clients cancelling,
+:class:`~neuron_tp.infer.slot_generator.SlotGenerator`): under random arrival traces (requests
+joining while others decode, prompts longer than a prefill chunk, slots reused, clients cancelling,
 seeded sampling beside greedy) every finished request's tokens equal transformers' own
 ``generate`` for that request alone, at tp 1 in this process, tp 2 on gloo ranks and tp 2 on two
 XLA CPU devices (where no graph is compiled after warm-up); a short request that arrives while
@@ -23,7 +23,7 @@ import gloo_dist  # noqa: E402
 
 def _engine(model, group=None, **kw):
     from neuron_tp.infer.engine import Engine
-    from neuron_tp.infer.slots import SlotGenerator
+    from neuron_tp.infer.slot_generator import SlotGenerator
     from neuron_tp.job.data import ByteTokenizer
 
     engine = Engine(group, **kw)
@@ -61,7 +61,7 @@ def test_a_short_request_joins_and_leaves_while_long_ones_run(full):
     import time
 
     from neuron_tp import hf, init_mesh
-    from neuron_tp.infer.generate import Sampling
+    from neuron_tp.infer.static_generator import Sampling
 
     model = hf.parallelize(copy.deepcopy(full), init_mesh(tp=1)).eval()
     engine = _engine(model)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from neuron_tp.infer.generate import Generator, Sampling
+from neuron_tp.infer.static_generator import Generator, Sampling
 from neuron_tp.job.presets import build_model
 
 

@@ -1,5 +1,5 @@
 """``neuron-tp serve`` with the real ``openai`` client: completions and chat equal what
-:class:`neuron_tp.infer.generate.Generator` gives directly (greedy and seeded sampling),
+:class:`neuron_tp.infer.static_generator.Generator` gives directly (greedy and seeded sampling),
 streaming, stop strings, concurrent clients, a client that disconnects mid-stream, refused
 requests; at tp=1 in this process and at tp=2 as two torchrun ranks (gloo), whose tokens
 equal tp=1's (same preset and seed: the same full model, sharded). Also
@@ -27,8 +27,8 @@ import pytest
 import torch
 
 import gloo_dist
-from neuron_tp.infer.generate import GREEDY, Generator, Sampling
-from neuron_tp.infer.request import chat_prompt, encode_prompt
+from neuron_tp.infer.completion_request import chat_prompt, encode_prompt
+from neuron_tp.infer.static_generator import GREEDY, Generator, Sampling
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 OPTIONS = {

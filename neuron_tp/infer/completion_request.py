@@ -21,7 +21,7 @@ import math
 from typing import Any
 
 from .engine import Engine
-from .generate import Sampling
+from .static_generator import Sampling
 
 MAX_STOP = 4  # stop strings per request, as OpenAI allows
 MAX_SEED = 2**63 - 1  # seeds are int64 (torch.Generator.manual_seed)

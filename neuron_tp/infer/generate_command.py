@@ -8,8 +8,8 @@ import time
 from ..errors import UserError
 from ..job.config import GenerateConfig
 from ..parallel.sharding import move_to
-from .generate import Generator, Sampling
 from .load import load_for_generation
+from .static_generator import Generator, Sampling
 from .text import Detokenizer
 
 

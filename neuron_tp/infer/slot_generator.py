@@ -13,7 +13,7 @@ sequence with its own position, sampling parameters and host RNG.
 - Slot index, start, chunk length, positions, active flags and sampling parameters are data,
   never shapes: graphs = prefill buckets x {greedy, sampled} + decode buckets x {greedy,
   sampled}, whatever the arrival pattern; :meth:`~SlotGenerator.warmup` captures them all.
-- Sampling per row: temperature, top_k (<= :data:`~.generate.MAX_TOP_K`), seed; Gumbel-max
+- Sampling per row: temperature, top_k (<= :data:`~.static_generator.MAX_TOP_K`), seed; Gumbel-max
   noise drawn on the host from each slot's own generator (the draws transformers makes for that
   request alone), so a seeded request reproduces its tokens whatever runs beside it.
 - Per token the host uploads nothing for greedy steps (positions and last tokens advance in
@@ -28,7 +28,8 @@ from collections.abc import Sequence
 import torch
 
 from ..errors import UserError
-from .generate import (
+from .replay import ReplayedStep
+from .static_generator import (
     MAX_TOP_K,
     Sampling,
     check_cache,
@@ -36,7 +37,6 @@ from .generate import (
     no_aux_outputs,
     pick_bucket,
 )
-from .replay import ReplayedStep
 
 SEED_LIMIT = 2**64  # torch.Generator.manual_seed takes seeds below this
 
