@@ -33,7 +33,7 @@ def execute_ms() -> float:
 
 def measure_slots(gen, n: int, steps: int, sampled: bool) -> dict:
     """``n`` slots prefilled with short prompts, then ``steps`` timed decode steps."""
-    from neuron_tp.infer.static_generator import Sampling
+    from neuron_tp.infer.sampling import Sampling
 
     for s in list(gen.in_use):
         gen.release(s)

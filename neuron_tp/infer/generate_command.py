@@ -8,19 +8,10 @@ import time
 from ..errors import UserError
 from ..job.config import GenerateConfig
 from ..parallel.sharding import move_to
-from .load import load_for_generation
-from .static_generator import Generator, Sampling
+from .load import eos_ids, load_for_generation
+from .sampling import Sampling
+from .static_generator import Generator
 from .text import Detokenizer
-
-
-def eos_ids(model, tokenizer) -> list[int]:
-    """The ids that end a sequence: the model's generation config, else the tokenizer's."""
-    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if ids is None:
-        ids = getattr(tokenizer, "eos_token_id", None)
-    if ids is None:
-        return []
-    return [int(i) for i in (ids if isinstance(ids, (list, tuple)) else [ids])]
 
 
 def run_cli(args: GenerateConfig | argparse.Namespace) -> list[str]:

@@ -27,6 +27,7 @@ from .completion_request import BadRequest, prepare
 from .engine import Engine, NotReady, QueueFull
 from .limits import API_KEY_ENV, Guard, RequestError, ServeLimits, parse_json, read_body
 from .metrics import LOG, RequestTrace, ServerMetrics
+from .schedule import Delta, Done, Failed
 
 PARSE_INLINE = 64 * 1024  # bytes: larger bodies are parsed on a worker thread
 RETRY_AFTER_S = 1  # the Retry-After of a 429 (queue full)
@@ -130,24 +131,25 @@ def create_app(engine: Engine, model_name: str, limits: ServeLimits | None = Non
             return _error(503, why, "service_unavailable")
         try:
             if len(raw) > PARSE_INLINE:  # a long prompt is tokenized off the event loop
-                params, usage, prompts = await asyncio.to_thread(prepare, engine, body, chat)
+                completion = await asyncio.to_thread(prepare, engine, body, chat)
             else:
-                params, usage, prompts = prepare(engine, body, chat)
+                completion = prepare(engine, body, chat)
         except BadRequest as e:
             return _error(400, str(e), param=e.param)
         except ValueError as e:
             return _error(400, str(e))
-        trace.choices = len(prompts)
+        trace.choices = len(completion.prompts)
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
 
         def sink(index: int):
             return lambda ev: loop.call_soon_threadsafe(events.put_nowait, (index, ev))
 
-        args = (params["max_tokens"], params["sampling"], params["stop"])
+        params = completion.params
+        args = (params.max_tokens, params.sampling, params.stop)
         reqs = []
         try:
-            for i, p in enumerate(prompts):
-                reqs.append(engine.submit(p, *args, sink(i), params["seeded"]))
+            for i, p in enumerate(completion.prompts):
+                reqs.append(engine.submit(p, *args, sink(i), params.seeded))
         except (NotReady, QueueFull) as e:
             for r in reqs:
                 r.cancel()
@@ -159,7 +161,7 @@ def create_app(engine: Engine, model_name: str, limits: ServeLimits | None = Non
         meta = {"id": trace.id, "created": int(time.time()), "model": model_name}
         wait = Deadline(trace.start + limits.request_timeout_s, limits.request_timeout_s)
         if body.get("stream"):
-            chunks = _stream(events, reqs, meta, chat, usage, trace, wait)
+            chunks = _stream(events, reqs, meta, chat, completion.include_usage, trace, wait)
             return StreamingResponse(chunks, media_type="text/event-stream")
         try:
             return await _collect(events, reqs, meta, chat, trace, wait)
@@ -219,22 +221,22 @@ async def _collect(events: asyncio.Queue, reqs, meta: dict, chat: bool, trace, w
         except asyncio.TimeoutError:
             return _error(504, wait.message, "timeout_error", code="request_timeout")
         trace.event(i, ev)
-        if ev["type"] == "delta":
-            texts[i] += ev["text"]
-        elif ev["type"] == "error":
-            return _error(500, ev["message"], "server_error")
+        if isinstance(ev, Delta):
+            texts[i] += ev.text
+        elif isinstance(ev, Failed):
+            return _error(500, ev.message, "server_error")
         else:
             done[i] = ev
     choices = [
-        _choice(chat, i, t, d["finish_reason"], False) for i, (t, d) in enumerate(zip(texts, done))
+        _choice(chat, i, t, d.finish_reason, False) for i, (t, d) in enumerate(zip(texts, done))
     ]
     kind = "chat.completion" if chat else "text_completion"
     return JSONResponse({**meta, "object": kind, "choices": choices, "usage": _usage(done)})
 
 
-def _usage(done: list[dict]) -> dict:
-    prompt = sum(d["prompt_tokens"] for d in done)
-    completion = sum(d["completion_tokens"] for d in done)
+def _usage(done: list[Done]) -> dict:
+    prompt = sum(d.prompt_tokens for d in done)
+    completion = sum(d.completion_tokens for d in done)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
@@ -273,16 +275,16 @@ async def _stream(
                 yield failure(wait.message, "timeout_error", "request_timeout")
                 break
             trace.event(i, ev)
-            if ev["type"] == "delta":
-                yield chunk(_choice(chat, i, ev["text"], None, True))
-            elif ev["type"] == "error":
+            if isinstance(ev, Delta):
+                yield chunk(_choice(chat, i, ev.text, None, True))
+            elif isinstance(ev, Failed):
                 note = "error"
-                yield failure(ev["message"], "server_error")
+                yield failure(ev.message, "server_error")
                 break
             else:
                 left -= 1
                 done.append(ev)
-                yield chunk(_choice(chat, i, None, ev["finish_reason"], True))
+                yield chunk(_choice(chat, i, None, ev.finish_reason, True))
         if usage and not left:
             yield chunk(usage=_usage(done))
         yield "data: [DONE]\n\n"
@@ -393,8 +395,7 @@ def _load(engine: Engine, config, mesh) -> None:
     """Load the model onto this rank's device, attach it to ``engine`` and warm up."""
     from ..job.runtime import rank_device
     from ..parallel.sharding import move_to
-    from .generate_command import eos_ids
-    from .load import load_for_generation
+    from .load import eos_ids, load_for_generation
     from .slot_generator import SlotGenerator
 
     model, tok = load_for_generation(config.generate_config(), mesh)

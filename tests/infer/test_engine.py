@@ -61,7 +61,8 @@ def test_a_short_request_joins_and_leaves_while_long_ones_run(full):
     import time
 
     from neuron_tp import hf, init_mesh
-    from neuron_tp.infer.static_generator import Sampling
+    from neuron_tp.infer.sampling import Sampling
+    from neuron_tp.infer.schedule import Done
 
     model = hf.parallelize(copy.deepcopy(full), init_mesh(tp=1)).eval()
     engine = _engine(model)
@@ -70,7 +71,7 @@ def test_a_short_request_joins_and_leaves_while_long_ones_run(full):
 
     def sink(name: str):
         def take(ev):
-            if ev["type"] == "done":
+            if isinstance(ev, Done):
                 with lock:
                     order.append(name)
 
@@ -118,8 +119,8 @@ def test_a_failed_step_fails_its_requests_and_serving_goes_on(full):
     items = [{"gap": 0.0, "prompt": [5, 6, 7], "max_tokens": 6, "sampling": None, "cancel": False}]
     try:
         first = ec.drive(engine, items)
-        assert first[0]["events"][-1]["type"] == "error", first
-        assert "device lost" in first[0]["events"][-1]["message"]
+        assert isinstance(first[0]["events"][-1], ec.Failed), first
+        assert "device lost" in first[0]["events"][-1].message
         assert engine.ready and engine.error is None
         items = ec.make_trace(2, 6, cancel=0)
         again = ec.drive(engine, items)

@@ -28,7 +28,8 @@ import torch
 
 import gloo_dist
 from neuron_tp.infer.completion_request import chat_prompt, encode_prompt
-from neuron_tp.infer.static_generator import GREEDY, Generator, Sampling
+from neuron_tp.infer.sampling import GREEDY, Sampling
+from neuron_tp.infer.static_generator import Generator
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 OPTIONS = {

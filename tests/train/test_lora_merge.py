@@ -157,7 +157,7 @@ def test_consolidate_adapter_only_writes_the_peft_adapter(runs, tmp_path):
 def _hf_texts(tmp: str, merge: bool = True) -> list[str]:
     """transformers' greedy generate on the merged unsharded model (or the base), decoded by
     the run's (byte-level) tokenizer."""
-    from neuron_tp.infer.generate_command import eos_ids
+    from neuron_tp.infer.load import eos_ids
     from neuron_tp.job.data import load_tokenizer
 
     tok = load_tokenizer(None)
