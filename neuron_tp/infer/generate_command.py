@@ -42,17 +42,21 @@ def run_cli(args: GenerateConfig | argparse.Namespace) -> list[str]:
     model, tok = load_for_generation(config, mesh)
     move_to(model, device)  # keeps tied embeddings tied
     pad = getattr(tok, "pad_token_id", None) or 0
-    gen = Generator(model, config.buckets, config.max_new_tokens, config.batch_buckets, pad)
+    gen = Generator(
+        model, config.buckets, config.max_new_tokens, batch_buckets=config.batch_buckets, pad_id=pad
+    )
     sampling = Sampling(config.do_sample, config.temperature, config.top_k, config.seed)
     stops = [] if config.ignore_eos else eos_ids(model, tok)
     texts: list[str] = []
     for start in range(0, len(prompts), gen.batch_buckets[-1]):
         chunk = prompts[start : start + gen.batch_buckets[-1]]
-        texts += _run_batch(gen, tok, chunk, config, sampling, stops, mesh.rank == 0)
+        texts += _run_batch(
+            gen, tok, chunk, config=config, sampling=sampling, eos=stops, show=mesh.rank == 0
+        )
     return texts
 
 
-def _run_batch(gen, tok, prompts, config, sampling, eos, show: bool) -> list[str]:
+def _run_batch(gen, tok, prompts, *, config, sampling, eos, show: bool) -> list[str]:
     """Generate one batch; print its continuations, TTFT and decode tokens/s on rank 0."""
     from ..backend.graphs import graph_counters
 

@@ -37,6 +37,7 @@ def _error(
     status: int,
     message: str,
     kind: str = "invalid_request_error",
+    *,
     param=None,
     code=None,
     headers: dict | None = None,
@@ -161,10 +162,18 @@ def create_app(engine: Engine, model_name: str, limits: ServeLimits | None = Non
         meta = {"id": trace.id, "created": int(time.time()), "model": model_name}
         wait = Deadline(trace.start + limits.request_timeout_s, limits.request_timeout_s)
         if body.get("stream"):
-            chunks = _stream(events, reqs, meta, chat, completion.include_usage, trace, wait)
+            chunks = _stream(
+                events,
+                reqs,
+                meta=meta,
+                chat=chat,
+                usage=completion.include_usage,
+                trace=trace,
+                wait=wait,
+            )
             return StreamingResponse(chunks, media_type="text/event-stream")
         try:
-            return await _collect(events, reqs, meta, chat, trace, wait)
+            return await _collect(events, reqs, meta=meta, chat=chat, trace=trace, wait=wait)
         finally:
             for r in reqs:
                 r.cancel()
@@ -211,7 +220,7 @@ def _choice(chat: bool, index: int, text: str | None, reason: str | None, stream
     return {"index": index, "message": message, "logprobs": None, "finish_reason": reason}
 
 
-async def _collect(events: asyncio.Queue, reqs, meta: dict, chat: bool, trace, wait: Deadline):
+async def _collect(events: asyncio.Queue, reqs, *, meta: dict, chat: bool, trace, wait: Deadline):
     from fastapi.responses import JSONResponse
 
     texts, done = [""] * len(reqs), [None] * len(reqs)
@@ -245,7 +254,7 @@ def _usage(done: list[Done]) -> dict:
 
 
 async def _stream(
-    events: asyncio.Queue, reqs, meta: dict, chat: bool, usage: bool, trace, wait: Deadline
+    events: asyncio.Queue, reqs, *, meta: dict, chat: bool, usage: bool, trace, wait: Deadline
 ):
     """SSE chunks until every choice is done (then one with the usage and no choices when
     ``stream_options.include_usage``); a client that leaves cancels its requests; past the

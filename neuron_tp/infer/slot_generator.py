@@ -90,6 +90,7 @@ class SlotGenerator:
         model,
         slots: int,
         max_len: int,
+        *,
         chunk: int = 256,
         prefill_buckets: Sequence[int] | None = None,
         decode_buckets: Sequence[int] | None = None,

@@ -298,11 +298,11 @@ def test_kv_cache_longer_than_the_model_suggests_what_fits(capsys, monkeypatch):
     # each suggestion fits the model (tiny-llama: 1024 positions), the next step up does not
     model = build_model("tiny-llama", 257, 0)
     new, largest = int(m.group(1)), int(m.group(2))
-    Generator(model, [800], new, None)
-    Generator(model, [largest], 300, None)
+    Generator(model, [800], new)
+    Generator(model, [largest], 300)
     for buckets, n in (([800], new + 128), ([largest + 1], 300)):
         with pytest.raises(ValueError, match="exceeds"):
-            Generator(model, buckets, n, None)
+            Generator(model, buckets, n)
 
 
 def test_generate_from_a_run_without_a_checkpoint_yet(tmp_path, capsys, monkeypatch):

@@ -78,7 +78,9 @@ class Reference:
 
     def __init__(self, model, tok, eos):
         model = copy.deepcopy(model)
-        self.gen = Generator(model, OPTIONS["buckets"], OPTIONS["max_new_tokens"], [1], 0)
+        self.gen = Generator(
+            model, OPTIONS["buckets"], OPTIONS["max_new_tokens"], batch_buckets=[1], pad_id=0
+        )
         self.tok, self.eos, self.lock = tok, eos, threading.Lock()
 
     def tokens(self, ids: list[int], n: int, sampling: Sampling = GREEDY) -> list[int]:
