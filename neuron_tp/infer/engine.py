@@ -185,6 +185,7 @@ class Engine:
         max_tokens: int,
         sampling: Sampling,
         stop: Sequence[str],
+        *,
         sink: Callable[[Event], None],
         seeded: bool = False,
     ) -> Request:

@@ -23,7 +23,7 @@ import time
 import uuid
 
 from ..errors import UserError
-from .completion_request import BadRequest, prepare
+from .completion_request import BadRequest, CompletionRequest, prepare
 from .engine import Engine, NotReady, QueueFull
 from .limits import API_KEY_ENV, Guard, RequestError, ServeLimits, parse_json, read_body
 from .metrics import LOG, RequestTrace, ServerMetrics
@@ -53,7 +53,7 @@ def create_app(engine: Engine, model_name: str, limits: ServeLimits | None = Non
     (API key, body size, JSON depth, request timeout; default: :class:`ServeLimits`), with
     its own Prometheus registry (``GET /metrics``)."""
     from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, Response, StreamingResponse
+    from fastapi.responses import JSONResponse, Response
 
     limits = limits or ServeLimits()
     metrics = ServerMetrics(engine.queue_depth, engine.slots_in_use)
@@ -97,10 +97,34 @@ def create_app(engine: Engine, model_name: str, limits: ServeLimits | None = Non
         card = {"id": model_name, "object": "model", "created": 0, "owned_by": "neuron-tp"}
         return {"object": "list", "data": [card]}
 
-    async def handle(request: Request, chat: bool):
-        trace = RequestTrace(metrics, ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex)
+    answers = _Completions(engine, model_name, limits, metrics)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await answers.handle(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await answers.handle(request, chat=True)
+
+    return app
+
+
+class _Completions:
+    """``POST /v1/completions`` and ``/v1/chat/completions``: read and check a request, queue
+    its prompts on ``engine``, answer (JSON, or a stream of server-sent events)."""
+
+    def __init__(self, engine: Engine, model_name: str, limits: ServeLimits, metrics):
+        self.engine, self.model_name = engine, model_name
+        self.limits, self.metrics = limits, metrics
+
+    async def handle(self, request, chat: bool):
+        from fastapi.responses import StreamingResponse
+
+        prefix = "chatcmpl-" if chat else "cmpl-"
+        trace = RequestTrace(self.metrics, prefix + uuid.uuid4().hex)
         try:
-            response = await answer(request, chat, trace)
+            response = await self._answer(request, chat, trace)
         except Exception as e:  # noqa: BLE001 - a bug: this request fails, the server goes on
             LOG.exception("request %s failed", trace.id)
             message = f"internal server error ({type(e).__name__}: {str(e)[:200]})"
@@ -110,7 +134,40 @@ def create_app(engine: Engine, model_name: str, limits: ServeLimits | None = Non
             trace.finish(status, "timeout" if status == 504 else "error" if status >= 500 else None)
         return response
 
-    async def answer(request: Request, chat: bool, trace: RequestTrace):
+    async def _answer(self, request, chat: bool, trace: RequestTrace):
+        from fastapi.responses import StreamingResponse
+
+        checked = await self._checked(request, chat)
+        if not isinstance(checked, tuple):
+            return checked  # an error response
+        body, completion = checked
+        trace.choices = len(completion.prompts)
+        loop, events = asyncio.get_running_loop(), asyncio.Queue()
+
+        def sink(index: int):
+            return lambda ev: loop.call_soon_threadsafe(events.put_nowait, (index, ev))
+
+        reqs = self._submit(completion, sink)
+        if not isinstance(reqs, list):
+            return reqs  # an error response
+        meta = {"id": trace.id, "created": int(time.time()), "model": self.model_name}
+        timeout = self.limits.request_timeout_s
+        wait = Deadline(trace.start + timeout, timeout)
+        if body.get("stream"):
+            usage = completion.include_usage
+            chunks = _stream(
+                events, reqs, meta=meta, chat=chat, usage=usage, trace=trace, wait=wait
+            )
+            return StreamingResponse(chunks, media_type="text/event-stream")
+        try:
+            return await _collect(events, reqs, meta=meta, chat=chat, trace=trace, wait=wait)
+        finally:
+            for r in reqs:
+                r.cancel()
+
+    async def _checked(self, request, chat: bool):
+        """``(body, CompletionRequest)`` of a request, or the error response refusing it."""
+        engine, limits, model_name = self.engine, self.limits, self.model_name
         try:
             raw = await read_body(request, limits.max_body_bytes)
             if len(raw) > PARSE_INLINE:  # off the event loop: other requests go on
@@ -139,18 +196,16 @@ def create_app(engine: Engine, model_name: str, limits: ServeLimits | None = Non
             return _error(400, str(e), param=e.param)
         except ValueError as e:
             return _error(400, str(e))
-        trace.choices = len(completion.prompts)
-        loop, events = asyncio.get_running_loop(), asyncio.Queue()
+        return body, completion
 
-        def sink(index: int):
-            return lambda ev: loop.call_soon_threadsafe(events.put_nowait, (index, ev))
-
-        params = completion.params
-        args = (params.max_tokens, params.sampling, params.stop)
-        reqs = []
+    def _submit(self, completion: CompletionRequest, sink):
+        """Queue each prompt (``sink(i)`` gets choice ``i``'s events): the engine's requests,
+        or (none queued) the 503 / 429 response."""
+        params, reqs = completion.params, []
         try:
             for i, p in enumerate(completion.prompts):
-                reqs.append(engine.submit(p, *args, sink(i), params.seeded))
+                args = (p, params.max_tokens, params.sampling, params.stop)
+                reqs.append(self.engine.submit(*args, sink=sink(i), seeded=params.seeded))
         except (NotReady, QueueFull) as e:
             for r in reqs:
                 r.cancel()
@@ -159,34 +214,7 @@ def create_app(engine: Engine, model_name: str, limits: ServeLimits | None = Non
             message = f"the server is busy: {e} (neuron-tp serve --max-queue); retry later"
             headers = {"Retry-After": str(RETRY_AFTER_S)}
             return _error(429, message, "rate_limit_error", code="queue_full", headers=headers)
-        meta = {"id": trace.id, "created": int(time.time()), "model": model_name}
-        wait = Deadline(trace.start + limits.request_timeout_s, limits.request_timeout_s)
-        if body.get("stream"):
-            chunks = _stream(
-                events,
-                reqs,
-                meta=meta,
-                chat=chat,
-                usage=completion.include_usage,
-                trace=trace,
-                wait=wait,
-            )
-            return StreamingResponse(chunks, media_type="text/event-stream")
-        try:
-            return await _collect(events, reqs, meta=meta, chat=chat, trace=trace, wait=wait)
-        finally:
-            for r in reqs:
-                r.cancel()
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await handle(request, chat=False)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await handle(request, chat=True)
-
-    return app
+        return reqs
 
 
 class Deadline:

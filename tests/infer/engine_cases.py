@@ -98,7 +98,9 @@ def drive(engine, items: list[dict], timeout: float = 300) -> list[dict]:
     for i, it in enumerate(items):
         time.sleep(it["gap"])
         s = sampling(it)
-        reqs.append(engine.submit(it["prompt"], it["max_tokens"], s, [], sink(i), s.do_sample))
+        reqs.append(
+            engine.submit(it["prompt"], it["max_tokens"], s, [], sink=sink(i), seeded=s.do_sample)
+        )
     deadline = time.monotonic() + timeout
     for _ in items:
         assert finished.acquire(timeout=max(0.0, deadline - time.monotonic())), "a request hung"

@@ -81,10 +81,10 @@ def test_a_short_request_joins_and_leaves_while_long_ones_run(full):
     long_ref = ec.reference(full, {"prompt": prompt, "max_tokens": ec.MAX_NEW, "sampling": None})
     assert len(long_ref) == ec.MAX_NEW
     try:
-        longs = [engine.submit(prompt, ec.MAX_NEW, Sampling(), [], sink("long")) for _ in "ab"]
+        longs = [engine.submit(prompt, ec.MAX_NEW, Sampling(), [], sink=sink("long")) for _ in "ab"]
         while not all(r.tokens for r in longs):
             time.sleep(0.001)
-        engine.submit([65, 66], 2, Sampling(), [], sink("short"))
+        engine.submit([65, 66], 2, Sampling(), [], sink=sink("short"))
         while len(order) < 3:
             time.sleep(0.01)
     finally:

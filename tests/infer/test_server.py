@@ -555,7 +555,7 @@ class _Gate:
 
     def __enter__(self):
         ids = self.engine.tokenizer.encode("Hello")
-        self.engine.submit(ids, 8, GREEDY, [], self._sink)
+        self.engine.submit(ids, 8, GREEDY, [], sink=self._sink)
         assert self.started.wait(30), "the engine did not run the gate request"
         return self
 
@@ -712,14 +712,14 @@ def test_metrics_count_what_was_sent_and_each_request_logs_one_line(tp1, caplog)
 
 
 def test_an_exception_in_a_handler_fails_only_that_request(tp1, monkeypatch):
-    from neuron_tp.infer import request
+    from neuron_tp.infer import completion_request
 
     _, ref, url = tp1
 
     def broken(*args):
         raise RuntimeError("template exploded")
 
-    monkeypatch.setattr(request, "chat_prompt", broken)
+    monkeypatch.setattr(completion_request, "chat_prompt", broken)
     client = _client(url)
     with pytest.raises(openai.InternalServerError) as err:
         _chat(client, "hi", 4)
