@@ -47,7 +47,7 @@ def _execute_ms() -> tuple[int, float]:
 
 def measure_xla(model, prompts, new: int, replay: bool) -> dict:
     """One warm-up call, then a timed one: TTFT, wall and execute ms per decode step."""
-    from neuron_tp.infer.generate import Generator
+    from neuron_tp.infer.static_generator import Generator
 
     gen = Generator(model, [32], new, replay=replay)
     for _ in gen.stream(prompts, new):  # warm-up: captures / compiles every graph

@@ -18,7 +18,7 @@ eager MoE and to the DENSE model of the same active size (Llama / Qwen3, MLP int
    graphs as the routing changes); saved MiB counted per saved tensor (XLA tensors have no
    storage to deduplicate views by: an upper bound of what autograd holds; the compiled graph
    decides what is really kept).
-4. decode ms/token on the XLA CPU device with graph replay (``neuron_tp.infer.generate``,
+4. decode ms/token on the XLA CPU device with graph replay (``neuron_tp.infer.static_generator``,
    ``benchmarks/generate_latency.py``'s measurement; MoE decode runs the ``gather`` mode).
 
     .venv/bin/python benchmarks/moe.py [--batch 2 --seq 128 --repeats 5 --cf 1.25 --new-tokens 32]

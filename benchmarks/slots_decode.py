@@ -33,7 +33,7 @@ def execute_ms() -> float:
 
 def measure_slots(gen, n: int, steps: int, sampled: bool) -> dict:
     """``n`` slots prefilled with short prompts, then ``steps`` timed decode steps."""
-    from neuron_tp.infer.generate import Sampling
+    from neuron_tp.infer.sampling import Sampling
 
     for s in list(gen.in_use):
         gen.release(s)
@@ -57,7 +57,7 @@ def main() -> None:
     args = p.parse_args()
     import neuron_tp as ntp
     from neuron_tp import hf
-    from neuron_tp.infer.slots import SlotGenerator
+    from neuron_tp.infer.slot_generator import SlotGenerator
 
     sizes = sorted(map(int, args.active.split(",")))
     model = hf.parallelize(copy.deepcopy(tiny_llama(args.layers)), ntp.Mesh(1, 0)).eval()

@@ -127,7 +127,7 @@ def worker_generate(opts) -> dict:
     dev = ntp.xla_device()
     from neuron_tp import hf
     from neuron_tp.backend.graphs import graph_counters
-    from neuron_tp.infer.generate import generate
+    from neuron_tp.infer.static_generator import generate
     from neuron_tp.job.presets import build_model
 
     model = hf.parallelize(build_model("tiny-llama", 257, 0), ntp.Mesh(1, 0)).eval().to(dev)

@@ -107,7 +107,7 @@ def train_command(args: argparse.Namespace | TrainConfig, on_step: Callable | No
 def generate_command(args: argparse.Namespace | GenerateConfig) -> None:
     """``neuron-tp generate``: this process's rank(s) of the generation job (the parsed
     options become a :class:`~neuron_tp.job.config.GenerateConfig` here)."""
-    from ..infer.batch import run_cli
+    from ..infer.generate_command import run_cli
 
     _command(GenerateConfig.from_args(args), run_cli)
 

@@ -1,5 +1,5 @@
 """The serving engine: continuous (iteration-level) batching over the slots of a
-:class:`~.slots.SlotGenerator`, on every tp rank.
+:class:`~.slot_generator.SlotGenerator`, on every tp rank.
 
 Every iteration the engine prefills prompt chunks of newly admitted requests (at most
 ``prefill_budget`` tokens: a long prompt is spread over several iterations, so it never stalls
@@ -19,18 +19,16 @@ never the engine: the slots are freed and serving goes on.
 
 from __future__ import annotations
 
-import json
 import queue
-import random
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import asdict
 
 from ..parallel import host
-from .generate import Sampling
-from .slot_rows import Event, Request, Row, SlotRows
-from .slots import SlotGenerator
+from .sampling import Sampling
+from .schedule import Admission, Event, Failed, Lease, Request, Shutdown, decode, encode
+from .slot_generator import SlotGenerator
+from .slot_rows import Row, SlotRows
 from .text import Detokenizer
 
 _SHUTDOWN = object()
@@ -177,11 +175,8 @@ class Engine:
             raise ValueError(
                 f"max_tokens must be in 1..{self.max_new_tokens} (server limit), got {max_tokens}"
             )
-        try:
-            gen.check(len(prompt), max_tokens, sampling or Sampling())
-        except ValueError as e:  # in the request's terms
-            message = str(e).replace("max_new_tokens", "max_tokens")
-            raise ValueError(message.replace("(max_len)", "(server limit)")) from None
+        sampling = sampling or Sampling()
+        gen.check(len(prompt), max_tokens, sampling, asked_as="max_tokens", limit_as="server limit")
         Detokenizer(self.tokenizer, stop)  # validates the stop strings
 
     def submit(
@@ -190,6 +185,7 @@ class Engine:
         max_tokens: int,
         sampling: Sampling,
         stop: Sequence[str],
+        *,
         sink: Callable[[Event], None],
         seeded: bool = False,
     ) -> Request:
@@ -218,7 +214,7 @@ class Engine:
         elif self._ready.is_set():  # the loop runs on the thread that called start()
             self._queue.put(_SHUTDOWN)
         elif self.group is not None and self.group.size > 1:
-            self._broadcast({"op": "shutdown"})
+            self._broadcast(Shutdown())
 
     # -- the loops -------------------------------------------------------------------------
     def _work(self) -> None:
@@ -235,7 +231,7 @@ class Engine:
                 self._broadcast(lease)
                 self.stats["leases"] += 1
                 self._run(lease, admitted)
-            self._broadcast({"op": "shutdown"})
+            self._broadcast(Shutdown())
         except Exception as e:  # noqa: BLE001 - a bug in the engine itself: stop serving
             with self._lock:
                 self.error = f"the serving engine failed: {type(e).__name__}: {e}"
@@ -259,7 +255,7 @@ class Engine:
             else:
                 self._waiting.append(item)
 
-    def _lease(self) -> tuple[dict | None, list[Request]]:
+    def _lease(self) -> tuple[Lease | None, list[Request]]:
         """The next lease (cancelled slots, admitted requests, iterations to run; None when
         there is nothing to do) and the admitted requests."""
         gen = self._model()
@@ -275,12 +271,7 @@ class Engine:
         if not (cancel or admit or self._rows):
             return None, []
         self._admitting = admit  # known to _fail_all until the lease has placed them
-        lease = {
-            "op": "lease",
-            "cancel": cancel,
-            "admit": [_spec(r) for r in admit],
-            "steps": self.lease_steps,
-        }
+        lease = Lease(tuple(cancel), tuple(Admission.of(r) for r in admit), self.lease_steps)
         return lease, admit
 
     def follow(self, should_stop: Callable[[], bool] = lambda: False) -> None:
@@ -289,23 +280,23 @@ class Engine:
         silent = 0.0
         while True:
             try:
-                lease = json.loads(host.broadcast(_KEY, None, self.group, timeout_s=1.0))
+                message = decode(host.broadcast(_KEY, None, self.group, timeout_s=1.0))
             except TimeoutError:
                 silent = silent + 1.0 if should_stop() else 0.0
                 if silent >= 30:
                     return
                 continue
             silent = 0.0
-            if lease["op"] == "shutdown":
+            if isinstance(message, Shutdown):
                 return
-            self._run(lease)
+            self._run(message)
 
-    def _broadcast(self, message: dict) -> None:
+    def _broadcast(self, message: Lease | Shutdown) -> None:
         if self.group is not None and self.group.size > 1:
-            host.broadcast(_KEY, json.dumps(message).encode(), self.group)
+            host.broadcast(_KEY, encode(message), self.group)
 
     # -- one lease, the same on every rank -----------------------------------------------------
-    def _run(self, lease: dict, requests: list[Request] | None = None) -> None:
+    def _run(self, lease: Lease, requests: list[Request] | None = None) -> None:
         """Run ``lease`` (:meth:`SlotRows.run`); ``requests`` (rank 0): its admitted ones."""
         self._model()
         self.rows.run(lease, requests)
@@ -323,20 +314,6 @@ class Engine:
         for req in pending:
             if not req.cancelled:
                 try:
-                    req.sink({"type": "error", "message": message})
+                    req.sink(Failed(message))
                 except Exception:  # noqa: BLE001
                     pass
-
-
-def _spec(req: Request) -> dict:
-    """What every rank needs to run ``req`` (JSON: sent to the other tp ranks). A sampled
-    request without a seed gets a random one here, the same on every rank."""
-    sampling = req.sampling
-    if sampling.do_sample and not req.seeded:
-        sampling = Sampling(True, sampling.temperature, sampling.top_k, random.getrandbits(63))
-    return {
-        "prompt": req.prompt,
-        "max_tokens": req.max_tokens,
-        "sampling": asdict(sampling),
-        "stop": req.stop,
-    }

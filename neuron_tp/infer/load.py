@@ -163,3 +163,13 @@ def use_generation_config(model, path: str) -> None:
         from transformers import GenerationConfig
 
         model.generation_config = GenerationConfig.from_pretrained(path)
+
+
+def eos_ids(model, tokenizer) -> list[int]:
+    """The ids that end a sequence: the model's generation config, else the tokenizer's."""
+    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if ids is None:
+        ids = getattr(tokenizer, "eos_token_id", None)
+    if ids is None:
+        return []
+    return [int(i) for i in (ids if isinstance(ids, (list, tuple)) else [ids])]

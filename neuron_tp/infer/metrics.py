@@ -20,6 +20,8 @@ import logging
 import time
 from collections.abc import Callable
 
+from .schedule import Done, Event
+
 LOG = logging.getLogger("neuron_tp.serve")
 # seconds; a NeuronCore's token is ~ms, a CPU's or a long queue's far more
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -85,16 +87,16 @@ class RequestTrace:
         self.metrics, self.id = metrics, request_id
         self.start = time.monotonic()
         self.first: dict[int, float] = {}  # choice -> time of its first output
-        self.done: dict[int, dict] = {}  # choice -> its "done" event
+        self.done: dict[int, tuple[Done, float]] = {}  # choice -> its Done event and when
         self.choices = 0  # set once the request's prompts are known
         self.finished = False
 
-    def event(self, index: int, event: dict) -> None:
+    def event(self, index: int, event: Event) -> None:
         """Note an engine event of choice ``index``."""
         now = time.monotonic()
         self.first.setdefault(index, now)
-        if event.get("type") == "done":
-            self.done[index] = {**event, "at": now}
+        if isinstance(event, Done):
+            self.done[index] = (event, now)
 
     def finish(self, status: int, note: str | None = None) -> None:
         """Observe and log the request (once): ``status`` its HTTP status, ``note`` why it
@@ -103,20 +105,21 @@ class RequestTrace:
             return
         self.finished = True
         m, end = self.metrics, time.monotonic()
-        prompt = sum(d["prompt_tokens"] for d in self.done.values())
-        completion = sum(d["completion_tokens"] for d in self.done.values())
+        prompt = sum(d.prompt_tokens for d, _ in self.done.values())
+        completion = sum(d.completion_tokens for d, _ in self.done.values())
         ttft = min(self.first.values()) - self.start if self.first else None
         if ttft is not None:
             m.ttft.observe(ttft)
         if self.first or self.done:
             m.duration.observe(end - self.start)
-        for i, d in self.done.items():
-            if d["completion_tokens"] > 1:
-                m.tpot.observe((d["at"] - self.first[i]) / (d["completion_tokens"] - 1))
+        for i, (d, at) in self.done.items():
+            if d.completion_tokens > 1:
+                m.tpot.observe((at - self.first[i]) / (d.completion_tokens - 1))
         m.prompt_tokens.inc(prompt)
         m.generation_tokens.inc(completion)
         choices = max([self.choices - 1, *self.first, *self.done], default=-1) + 1
-        reasons = [self.done.get(i, {}).get("finish_reason", note) for i in range(choices)]
+        ended = {i: d.finish_reason for i, (d, _) in self.done.items()}
+        reasons = [ended.get(i, note) for i in range(choices)]
         LOG.info(
             "request %s status=%d prompt_tokens=%d completion_tokens=%d ttft_ms=%s "
             "duration_ms=%.1f finish_reason=%s",

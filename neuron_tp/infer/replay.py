@@ -18,7 +18,7 @@ nothing to capture: ``fn`` is called each time.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
@@ -85,3 +85,40 @@ class ReplayedStep:
         # now hold it): nothing of it may run again outside the replay.
         X._clear_pending_irs(str(torch_xla.device()))
         return graph_hash, slots, len(outputs), updated_idx
+
+
+class StepGraphs:
+    """A generator's step functions by key (a graph shape): on an XLA device with ``replay``,
+    each a :class:`ReplayedStep` captured at its key's first call; otherwise the function is
+    built and called every time, then (XLA) the graph is cut: torch-xla's plain lazy mode."""
+
+    def __init__(self, device: torch.device, replay: bool = True):
+        self.device = device
+        self.replay = replay and device.type == "xla"
+        self._steps: dict[Hashable, ReplayedStep] = {}
+
+    @property
+    def traces(self) -> int:
+        """How many times the model's Python ran to capture a graph (replay mode)."""
+        return sum(s.traces for s in self._steps.values())
+
+    def run(
+        self,
+        key: Hashable,
+        build: Callable[[], Callable[..., Sequence[torch.Tensor]]],
+        args: Sequence[torch.Tensor],
+        before_capture: Callable[[], object] | None = None,
+    ) -> list[torch.Tensor]:
+        """The outputs of ``key``'s step on ``args``; ``build()`` makes the step function (in
+        replay mode only for its capture, after ``before_capture()``)."""
+        if self.replay:
+            if key not in self._steps:
+                if before_capture is not None:
+                    before_capture()
+                self._steps[key] = ReplayedStep(build())
+            outputs, _ = self._steps[key](*args)
+            return outputs
+        outputs = list(build()(*args))
+        if self.device.type == "xla":
+            _xla.xm().mark_step()
+        return outputs

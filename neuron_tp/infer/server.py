@@ -5,10 +5,10 @@ server-sent events in OpenAI's chunk format, then ``data: [DONE]``), ``GET /v1/m
 ``GET /health`` (the process is up), ``GET /ready`` (200 once the model is loaded and its
 warm-up graphs are captured, else 503) and ``GET /metrics`` (Prometheus, :mod:`.metrics`).
 
-What a request may ask for and how it is checked is :mod:`.request` (parameters, prompts as
-text, token ids or chat messages); the API key, body size and JSON depth are :mod:`.limits`.
-``model``: the served name (what ``/v1/models`` lists; absent: that one), any other gets 404
-``model_not_found``. Invalid requests get 400 with ``{"error": {"message", "type":
+What a request may ask for and how it is checked is :mod:`.completion_request` (parameters,
+prompts as text, token ids or chat messages); the API key, body size and JSON depth are
+:mod:`.limits`. ``model``: the served name (what ``/v1/models`` lists; absent: that one), any
+other gets 404 ``model_not_found``. Invalid requests get 400 with ``{"error": {"message", "type":
 "invalid_request_error", "param", ...}}``; a full queue 429 with ``Retry-After``; a request
 past its timeout 504 (a stream: an error event); an exception of the server's own a JSON 500
 for that request only.
@@ -23,10 +23,11 @@ import time
 import uuid
 
 from ..errors import UserError
+from .completion_request import BadRequest, CompletionRequest, prepare
 from .engine import Engine, NotReady, QueueFull
 from .limits import API_KEY_ENV, Guard, RequestError, ServeLimits, parse_json, read_body
 from .metrics import LOG, RequestTrace, ServerMetrics
-from .request import BadRequest, prepare
+from .schedule import Delta, Done, Failed
 
 PARSE_INLINE = 64 * 1024  # bytes: larger bodies are parsed on a worker thread
 RETRY_AFTER_S = 1  # the Retry-After of a 429 (queue full)
@@ -36,6 +37,7 @@ def _error(
     status: int,
     message: str,
     kind: str = "invalid_request_error",
+    *,
     param=None,
     code=None,
     headers: dict | None = None,
@@ -51,7 +53,7 @@ def create_app(engine: Engine, model_name: str, limits: ServeLimits | None = Non
     (API key, body size, JSON depth, request timeout; default: :class:`ServeLimits`), with
     its own Prometheus registry (``GET /metrics``)."""
     from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, Response, StreamingResponse
+    from fastapi.responses import JSONResponse, Response
 
     limits = limits or ServeLimits()
     metrics = ServerMetrics(engine.queue_depth, engine.slots_in_use)
@@ -95,10 +97,34 @@ def create_app(engine: Engine, model_name: str, limits: ServeLimits | None = Non
         card = {"id": model_name, "object": "model", "created": 0, "owned_by": "neuron-tp"}
         return {"object": "list", "data": [card]}
 
-    async def handle(request: Request, chat: bool):
-        trace = RequestTrace(metrics, ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex)
+    answers = _Completions(engine, model_name, limits, metrics)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await answers.handle(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await answers.handle(request, chat=True)
+
+    return app
+
+
+class _Completions:
+    """``POST /v1/completions`` and ``/v1/chat/completions``: read and check a request, queue
+    its prompts on ``engine``, answer (JSON, or a stream of server-sent events)."""
+
+    def __init__(self, engine: Engine, model_name: str, limits: ServeLimits, metrics):
+        self.engine, self.model_name = engine, model_name
+        self.limits, self.metrics = limits, metrics
+
+    async def handle(self, request, chat: bool):
+        from fastapi.responses import StreamingResponse
+
+        prefix = "chatcmpl-" if chat else "cmpl-"
+        trace = RequestTrace(self.metrics, prefix + uuid.uuid4().hex)
         try:
-            response = await answer(request, chat, trace)
+            response = await self._answer(request, chat, trace)
         except Exception as e:  # noqa: BLE001 - a bug: this request fails, the server goes on
             LOG.exception("request %s failed", trace.id)
             message = f"internal server error ({type(e).__name__}: {str(e)[:200]})"
@@ -108,7 +134,40 @@ def create_app(engine: Engine, model_name: str, limits: ServeLimits | None = Non
             trace.finish(status, "timeout" if status == 504 else "error" if status >= 500 else None)
         return response
 
-    async def answer(request: Request, chat: bool, trace: RequestTrace):
+    async def _answer(self, request, chat: bool, trace: RequestTrace):
+        from fastapi.responses import StreamingResponse
+
+        checked = await self._checked(request, chat)
+        if not isinstance(checked, tuple):
+            return checked  # an error response
+        body, completion = checked
+        trace.choices = len(completion.prompts)
+        loop, events = asyncio.get_running_loop(), asyncio.Queue()
+
+        def sink(index: int):
+            return lambda ev: loop.call_soon_threadsafe(events.put_nowait, (index, ev))
+
+        reqs = self._submit(completion, sink)
+        if not isinstance(reqs, list):
+            return reqs  # an error response
+        meta = {"id": trace.id, "created": int(time.time()), "model": self.model_name}
+        timeout = self.limits.request_timeout_s
+        wait = Deadline(trace.start + timeout, timeout)
+        if body.get("stream"):
+            usage = completion.include_usage
+            chunks = _stream(
+                events, reqs, meta=meta, chat=chat, usage=usage, trace=trace, wait=wait
+            )
+            return StreamingResponse(chunks, media_type="text/event-stream")
+        try:
+            return await _collect(events, reqs, meta=meta, chat=chat, trace=trace, wait=wait)
+        finally:
+            for r in reqs:
+                r.cancel()
+
+    async def _checked(self, request, chat: bool):
+        """``(body, CompletionRequest)`` of a request, or the error response refusing it."""
+        engine, limits, model_name = self.engine, self.limits, self.model_name
         try:
             raw = await read_body(request, limits.max_body_bytes)
             if len(raw) > PARSE_INLINE:  # off the event loop: other requests go on
@@ -130,24 +189,23 @@ def create_app(engine: Engine, model_name: str, limits: ServeLimits | None = Non
             return _error(503, why, "service_unavailable")
         try:
             if len(raw) > PARSE_INLINE:  # a long prompt is tokenized off the event loop
-                params, usage, prompts = await asyncio.to_thread(prepare, engine, body, chat)
+                completion = await asyncio.to_thread(prepare, engine, body, chat)
             else:
-                params, usage, prompts = prepare(engine, body, chat)
+                completion = prepare(engine, body, chat)
         except BadRequest as e:
             return _error(400, str(e), param=e.param)
         except ValueError as e:
             return _error(400, str(e))
-        trace.choices = len(prompts)
-        loop, events = asyncio.get_running_loop(), asyncio.Queue()
+        return body, completion
 
-        def sink(index: int):
-            return lambda ev: loop.call_soon_threadsafe(events.put_nowait, (index, ev))
-
-        args = (params["max_tokens"], params["sampling"], params["stop"])
-        reqs = []
+    def _submit(self, completion: CompletionRequest, sink):
+        """Queue each prompt (``sink(i)`` gets choice ``i``'s events): the engine's requests,
+        or (none queued) the 503 / 429 response."""
+        params, reqs = completion.params, []
         try:
-            for i, p in enumerate(prompts):
-                reqs.append(engine.submit(p, *args, sink(i), params["seeded"]))
+            for i, p in enumerate(completion.prompts):
+                args = (p, params.max_tokens, params.sampling, params.stop)
+                reqs.append(self.engine.submit(*args, sink=sink(i), seeded=params.seeded))
         except (NotReady, QueueFull) as e:
             for r in reqs:
                 r.cancel()
@@ -156,26 +214,7 @@ def create_app(engine: Engine, model_name: str, limits: ServeLimits | None = Non
             message = f"the server is busy: {e} (neuron-tp serve --max-queue); retry later"
             headers = {"Retry-After": str(RETRY_AFTER_S)}
             return _error(429, message, "rate_limit_error", code="queue_full", headers=headers)
-        meta = {"id": trace.id, "created": int(time.time()), "model": model_name}
-        wait = Deadline(trace.start + limits.request_timeout_s, limits.request_timeout_s)
-        if body.get("stream"):
-            chunks = _stream(events, reqs, meta, chat, usage, trace, wait)
-            return StreamingResponse(chunks, media_type="text/event-stream")
-        try:
-            return await _collect(events, reqs, meta, chat, trace, wait)
-        finally:
-            for r in reqs:
-                r.cancel()
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await handle(request, chat=False)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await handle(request, chat=True)
-
-    return app
+        return reqs
 
 
 class Deadline:
@@ -209,7 +248,7 @@ def _choice(chat: bool, index: int, text: str | None, reason: str | None, stream
     return {"index": index, "message": message, "logprobs": None, "finish_reason": reason}
 
 
-async def _collect(events: asyncio.Queue, reqs, meta: dict, chat: bool, trace, wait: Deadline):
+async def _collect(events: asyncio.Queue, reqs, *, meta: dict, chat: bool, trace, wait: Deadline):
     from fastapi.responses import JSONResponse
 
     texts, done = [""] * len(reqs), [None] * len(reqs)
@@ -219,22 +258,22 @@ async def _collect(events: asyncio.Queue, reqs, meta: dict, chat: bool, trace, w
         except asyncio.TimeoutError:
             return _error(504, wait.message, "timeout_error", code="request_timeout")
         trace.event(i, ev)
-        if ev["type"] == "delta":
-            texts[i] += ev["text"]
-        elif ev["type"] == "error":
-            return _error(500, ev["message"], "server_error")
+        if isinstance(ev, Delta):
+            texts[i] += ev.text
+        elif isinstance(ev, Failed):
+            return _error(500, ev.message, "server_error")
         else:
             done[i] = ev
     choices = [
-        _choice(chat, i, t, d["finish_reason"], False) for i, (t, d) in enumerate(zip(texts, done))
+        _choice(chat, i, t, d.finish_reason, False) for i, (t, d) in enumerate(zip(texts, done))
     ]
     kind = "chat.completion" if chat else "text_completion"
     return JSONResponse({**meta, "object": kind, "choices": choices, "usage": _usage(done)})
 
 
-def _usage(done: list[dict]) -> dict:
-    prompt = sum(d["prompt_tokens"] for d in done)
-    completion = sum(d["completion_tokens"] for d in done)
+def _usage(done: list[Done]) -> dict:
+    prompt = sum(d.prompt_tokens for d in done)
+    completion = sum(d.completion_tokens for d in done)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
@@ -243,7 +282,7 @@ def _usage(done: list[dict]) -> dict:
 
 
 async def _stream(
-    events: asyncio.Queue, reqs, meta: dict, chat: bool, usage: bool, trace, wait: Deadline
+    events: asyncio.Queue, reqs, *, meta: dict, chat: bool, usage: bool, trace, wait: Deadline
 ):
     """SSE chunks until every choice is done (then one with the usage and no choices when
     ``stream_options.include_usage``); a client that leaves cancels its requests; past the
@@ -273,16 +312,16 @@ async def _stream(
                 yield failure(wait.message, "timeout_error", "request_timeout")
                 break
             trace.event(i, ev)
-            if ev["type"] == "delta":
-                yield chunk(_choice(chat, i, ev["text"], None, True))
-            elif ev["type"] == "error":
+            if isinstance(ev, Delta):
+                yield chunk(_choice(chat, i, ev.text, None, True))
+            elif isinstance(ev, Failed):
                 note = "error"
-                yield failure(ev["message"], "server_error")
+                yield failure(ev.message, "server_error")
                 break
             else:
                 left -= 1
                 done.append(ev)
-                yield chunk(_choice(chat, i, None, ev["finish_reason"], True))
+                yield chunk(_choice(chat, i, None, ev.finish_reason, True))
         if usage and not left:
             yield chunk(usage=_usage(done))
         yield "data: [DONE]\n\n"
@@ -393,9 +432,8 @@ def _load(engine: Engine, config, mesh) -> None:
     """Load the model onto this rank's device, attach it to ``engine`` and warm up."""
     from ..job.runtime import rank_device
     from ..parallel.sharding import move_to
-    from .batch import eos_ids
-    from .load import load_for_generation
-    from .slots import SlotGenerator
+    from .load import eos_ids, load_for_generation
+    from .slot_generator import SlotGenerator
 
     model, tok = load_for_generation(config.generate_config(), mesh)
     move_to(model, rank_device(config.device))

@@ -1,6 +1,7 @@
-"""The KV cache of :class:`~neuron_tp.infer.slots.SlotGenerator`: one static tensor pair per
-layer, ``[slots, local kv heads, max_len + 1, head dim]``, where every row (slot) writes at its
-OWN positions (a scatter whose indices are device data), as a transformers ``Cache``.
+"""The KV cache of :class:`~neuron_tp.infer.slot_generator.SlotGenerator`: one static tensor
+pair per layer, ``[slots, local kv heads, max_len + 1, head dim]``, where every row (slot)
+writes at its OWN positions (a scatter whose indices are device data), as a transformers
+``Cache``.
 
 Index ``max_len`` is scratch: padding of a prefill chunk and the rows of inactive slots write
 there, and no attention mask of a live query ever admits it (a query at position ``p`` sees

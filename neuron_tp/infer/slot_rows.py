@@ -1,5 +1,5 @@
-"""The requests in the slots of a :class:`~.slots.SlotGenerator`, as every tp rank runs them
-(the serving :class:`~.engine.Engine` decides what is admitted and cancelled; this runs it).
+"""The requests in the slots of a :class:`~.slot_generator.SlotGenerator`, as every tp rank runs
+them (the serving :class:`~.engine.Engine` decides what is admitted and cancelled; this runs it).
 
 A lease places its admitted requests in free slots and frees its cancelled ones, then runs
 iterations: prompt chunks of the rows still prefilling (oldest first, at most the prefill budget
@@ -10,33 +10,13 @@ the same rows; only rank 0's have a client :class:`Request` to stream events to.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 
-from .generate import Sampling
-from .slots import SlotGenerator
+from .sampling import Sampling
+from .schedule import Delta, Done, Event, Failed, Lease, Request
+from .slot_generator import SlotGenerator
 from .text import Detokenizer
-
-Event = dict  # {"type": "delta", "text"} | {"type": "done", "finish_reason", usage} | "error"
-
-
-@dataclass
-class Request:
-    """One sequence to generate; ``sink`` receives its events (called on the worker thread)."""
-
-    prompt: list[int]
-    max_tokens: int
-    sampling: Sampling
-    stop: list[str]
-    seeded: bool
-    sink: Callable[[Event], None]
-    cancelled: bool = False  # the client went away (or timed out): its slot is freed
-    created: float = field(default_factory=time.monotonic)
-    tokens: list[int] = field(default_factory=list)  # generated so far (EOS included)
-
-    def cancel(self) -> None:
-        self.cancelled = True
 
 
 @dataclass
@@ -75,26 +55,26 @@ class SlotRows:
         self.by_slot: dict[int, Row] = {}
         self.admitted = 0  # requests admitted so far (every rank)
 
-    def run(self, lease: dict, requests: list[Request] | None = None) -> None:
+    def run(self, lease: Lease, requests: list[Request] | None = None) -> None:
         """Run ``lease``; ``requests`` (rank 0) are its admitted requests, in order."""
-        for slot in lease["cancel"]:
+        for slot in lease.cancel:
             self.end(slot)
             self.stats["cancelled"] += 1
-        for i, spec in enumerate(lease["admit"]):
+        for i, admission in enumerate(lease.admit):
             slot = self.gen.acquire()
             if slot is None or slot in self.by_slot:
                 raise RuntimeError(f"no free slot for an admitted request (slot {slot})")
             self.by_slot[slot] = Row(
                 slot,
-                spec["prompt"],
-                spec["max_tokens"],
-                Sampling(**spec["sampling"]),
-                Detokenizer(self.tokenizer, spec["stop"]),
+                list(admission.prompt),
+                admission.max_tokens,
+                admission.sampling,
+                Detokenizer(self.tokenizer, list(admission.stop)),
                 requests[i] if requests is not None else None,
                 order=self.admitted,
             )
             self.admitted += 1
-        for _ in range(lease["steps"]):
+        for _ in range(lease.steps):
             if not self.by_slot:
                 return
             self.step()
@@ -156,7 +136,7 @@ class SlotRows:
             self._fail(row, e)
             return
         if text:
-            self._emit(row, {"type": "delta", "text": text})
+            self._emit(row, Delta(text))
         if eos or row.detok.stopped:
             self._finish(row, "stop")
         elif row.count >= row.max_tokens:
@@ -165,16 +145,15 @@ class SlotRows:
     def _finish(self, row: Row, reason: str) -> None:
         rest = row.detok.finish()
         if rest:
-            self._emit(row, {"type": "delta", "text": rest})
-        usage = {"prompt_tokens": len(row.prompt), "completion_tokens": row.count}
-        self._emit(row, {"type": "done", "finish_reason": reason, **usage})
+            self._emit(row, Delta(rest))
+        self._emit(row, Done(reason, prompt_tokens=len(row.prompt), completion_tokens=row.count))
         self.end(row.slot)
 
     def _fail(self, row: Row, error: Exception) -> None:
         message = f"generation failed: {type(error).__name__}: {error}"
         if row.request is not None:
             self.stats["failed"] += 1
-        self._emit(row, {"type": "error", "message": message})
+        self._emit(row, Failed(message))
         self.end(row.slot)
 
     def _emit(self, row: Row, event: Event) -> None:

@@ -13,7 +13,7 @@ import copy
 import torch
 
 from ..hf import parallelize
-from ..infer.generate import Generator
+from ..infer.static_generator import Generator
 from ..optim.grads import allreduce_data_parallel_grads, global_grad_norm
 from ..parallel import comm
 from ..parallel.sharding import move_to

@@ -151,7 +151,7 @@ def test_plan_whose_split_output_has_no_consumer():
 
 
 def test_generate_with_device_xla_on_ranks_off_neuron(monkeypatch):
-    from neuron_tp.infer.batch import run_cli
+    from neuron_tp.infer.generate_command import run_cli
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("PJRT_DEVICE", "CPU")
@@ -183,8 +183,8 @@ def _reference_tokens(trained) -> list[list[int]]:
 
 
 def _generate_tp2(tmp: str) -> None:
-    from neuron_tp.infer.generate import generate
     from neuron_tp.infer.load import load_for_generation
+    from neuron_tp.infer.static_generator import generate
 
     mesh = ntp.init_mesh(tp=2)
     res = {}
@@ -201,8 +201,8 @@ def _generate_tp2(tmp: str) -> None:
 
 def test_generate_from_neuron_tp_checkpoint_at_any_tp(tmp_path):
     from neuron_tp.hf.loading import gather_hf_state_dict
-    from neuron_tp.infer.generate import generate
     from neuron_tp.infer.load import load_for_generation
+    from neuron_tp.infer.static_generator import generate
     from neuron_tp.train.loop import setup, train
 
     runs = []
@@ -284,7 +284,7 @@ def test_user_error_is_one_line_and_debug_shows_the_traceback(capsys, monkeypatc
 
 def test_kv_cache_longer_than_the_model_suggests_what_fits(capsys, monkeypatch):
     from neuron_tp.cli.entry import main
-    from neuron_tp.infer.generate import Generator
+    from neuron_tp.infer.static_generator import Generator
 
     monkeypatch.delenv("NEURON_TP_DEBUG", raising=False)
     base = ["generate", "--device", "cpu", "--prompt", "Hi"]
@@ -298,11 +298,11 @@ def test_kv_cache_longer_than_the_model_suggests_what_fits(capsys, monkeypatch):
     # each suggestion fits the model (tiny-llama: 1024 positions), the next step up does not
     model = build_model("tiny-llama", 257, 0)
     new, largest = int(m.group(1)), int(m.group(2))
-    Generator(model, [800], new, None)
-    Generator(model, [largest], 300, None)
+    Generator(model, [800], new)
+    Generator(model, [largest], 300)
     for buckets, n in (([800], new + 128), ([largest + 1], 300)):
         with pytest.raises(ValueError, match="exceeds"):
-            Generator(model, buckets, n, None)
+            Generator(model, buckets, n)
 
 
 def test_generate_from_a_run_without_a_checkpoint_yet(tmp_path, capsys, monkeypatch):

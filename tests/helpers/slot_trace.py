@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from hf_sampling import hf_sample
-from neuron_tp.infer.generate import Sampling
+from neuron_tp.infer.sampling import Sampling
 
 
 @dataclass(frozen=True)

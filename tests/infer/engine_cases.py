@@ -11,7 +11,8 @@ import time
 import torch
 
 from hf_sampling import hf_sample
-from neuron_tp.infer.generate import Sampling
+from neuron_tp.infer.sampling import Sampling
+from neuron_tp.infer.schedule import Done, Failed
 
 VOCAB, SEED = 257, 4
 EOS = [131, 215]
@@ -83,9 +84,9 @@ def drive(engine, items: list[dict], timeout: float = 300) -> list[dict]:
     reqs = []
 
     def sink(i: int):
-        def take(ev: dict) -> None:
+        def take(ev) -> None:
             results[i]["events"].append(ev)
-            if ev["type"] in ("done", "error"):
+            if isinstance(ev, (Done, Failed)):
                 finished.release()
             elif items[i]["cancel"] and not results[i]["cancelled"]:
                 results[i]["cancelled"] = True
@@ -97,7 +98,9 @@ def drive(engine, items: list[dict], timeout: float = 300) -> list[dict]:
     for i, it in enumerate(items):
         time.sleep(it["gap"])
         s = sampling(it)
-        reqs.append(engine.submit(it["prompt"], it["max_tokens"], s, [], sink(i), s.do_sample))
+        reqs.append(
+            engine.submit(it["prompt"], it["max_tokens"], s, [], sink=sink(i), seeded=s.do_sample)
+        )
     deadline = time.monotonic() + timeout
     for _ in items:
         assert finished.acquire(timeout=max(0.0, deadline - time.monotonic())), "a request hung"
@@ -117,8 +120,8 @@ def check(results: list[dict], items: list[dict], refs: list[list[int]]) -> None
             assert r["tokens"] == ref[: len(r["tokens"])], f"{what}: {r['tokens']} vs {ref}"
             continue
         done = r["events"][-1]
-        assert done["type"] == "done", f"{what}: {r['events'][-1]}"
+        assert isinstance(done, Done), f"{what}: {r['events'][-1]}"
         assert r["tokens"] == ref, f"{what}: got {r['tokens']}, transformers {ref}"
-        assert done["completion_tokens"] == len(ref), what
+        assert done.completion_tokens == len(ref), what
         reason = "stop" if ref[-1] in EOS else "length"
-        assert done["finish_reason"] == reason, f"{what}: {done['finish_reason']}"
+        assert done.finish_reason == reason, f"{what}: {done.finish_reason}"

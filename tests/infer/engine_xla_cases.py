@@ -16,7 +16,7 @@ import neuron_tp as ntp
 from neuron_tp import hf
 from neuron_tp.backend.graphs import graph_counters
 from neuron_tp.infer.engine import Engine
-from neuron_tp.infer.slots import SlotGenerator
+from neuron_tp.infer.slot_generator import SlotGenerator
 from neuron_tp.job.data import ByteTokenizer
 from neuron_tp.job.presets import build_model
 from neuron_tp.parallel.sharding import move_to

@@ -1,6 +1,6 @@
 """Continuous batching (:class:`neuron_tp.infer.engine.Engine` over a
-:class:`~neuron_tp.infer.slots.SlotGenerator`): under random arrival traces (requests joining
-while others decode, prompts longer than a prefill chunk, slots reused, clients cancelling,
+:class:`~neuron_tp.infer.slot_generator.SlotGenerator`): under random arrival traces (requests
+joining while others decode, prompts longer than a prefill chunk, slots reused, clients cancelling,
 seeded sampling beside greedy) every finished request's tokens equal transformers' own
 ``generate`` for that request alone, at tp 1 in this process, tp 2 on gloo ranks and tp 2 on two
 XLA CPU devices (where no graph is compiled after warm-up); a short request that arrives while
@@ -23,7 +23,7 @@ import gloo_dist  # noqa: E402
 
 def _engine(model, group=None, **kw):
     from neuron_tp.infer.engine import Engine
-    from neuron_tp.infer.slots import SlotGenerator
+    from neuron_tp.infer.slot_generator import SlotGenerator
     from neuron_tp.job.data import ByteTokenizer
 
     engine = Engine(group, **kw)
@@ -61,7 +61,8 @@ def test_a_short_request_joins_and_leaves_while_long_ones_run(full):
     import time
 
     from neuron_tp import hf, init_mesh
-    from neuron_tp.infer.generate import Sampling
+    from neuron_tp.infer.sampling import Sampling
+    from neuron_tp.infer.schedule import Done
 
     model = hf.parallelize(copy.deepcopy(full), init_mesh(tp=1)).eval()
     engine = _engine(model)
@@ -70,7 +71,7 @@ def test_a_short_request_joins_and_leaves_while_long_ones_run(full):
 
     def sink(name: str):
         def take(ev):
-            if ev["type"] == "done":
+            if isinstance(ev, Done):
                 with lock:
                     order.append(name)
 
@@ -80,10 +81,10 @@ def test_a_short_request_joins_and_leaves_while_long_ones_run(full):
     long_ref = ec.reference(full, {"prompt": prompt, "max_tokens": ec.MAX_NEW, "sampling": None})
     assert len(long_ref) == ec.MAX_NEW
     try:
-        longs = [engine.submit(prompt, ec.MAX_NEW, Sampling(), [], sink("long")) for _ in "ab"]
+        longs = [engine.submit(prompt, ec.MAX_NEW, Sampling(), [], sink=sink("long")) for _ in "ab"]
         while not all(r.tokens for r in longs):
             time.sleep(0.001)
-        engine.submit([65, 66], 2, Sampling(), [], sink("short"))
+        engine.submit([65, 66], 2, Sampling(), [], sink=sink("short"))
         while len(order) < 3:
             time.sleep(0.01)
     finally:
@@ -118,8 +119,8 @@ def test_a_failed_step_fails_its_requests_and_serving_goes_on(full):
     items = [{"gap": 0.0, "prompt": [5, 6, 7], "max_tokens": 6, "sampling": None, "cancel": False}]
     try:
         first = ec.drive(engine, items)
-        assert first[0]["events"][-1]["type"] == "error", first
-        assert "device lost" in first[0]["events"][-1]["message"]
+        assert isinstance(first[0]["events"][-1], ec.Failed), first
+        assert "device lost" in first[0]["events"][-1].message
         assert engine.ready and engine.error is None
         items = ec.make_trace(2, 6, cancel=0)
         again = ec.drive(engine, items)

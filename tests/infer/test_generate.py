@@ -29,8 +29,8 @@ EOS = [131, 215]  # seed-4 tiny Llama: ends row 0 after 3 tokens, row 1 after 6,
 def _sharded(tmp: str) -> None:
     from neuron_tp import hf
     from neuron_tp.cli.args import generate_parser
-    from neuron_tp.infer.batch import run_cli
-    from neuron_tp.infer.generate import generate
+    from neuron_tp.infer.generate_command import run_cli
+    from neuron_tp.infer.static_generator import generate
     from neuron_tp.job.presets import build_model
 
     mesh = ntp.init_mesh(tp=2)
@@ -53,7 +53,7 @@ def _sharded(tmp: str) -> None:
         "peak_greedy": generate(peak_sharded, PROMPTS, 10, [16]),
     }
     # one batch bucket of 4 (a filler row) with per-sequence EOS, and stop strings
-    from neuron_tp.infer.generate import Generator
+    from neuron_tp.infer.static_generator import Generator
 
     gen = Generator(model, [16], 20, batch_buckets=[4])
     res["eos"] = gen.generate(PROMPTS, 20, eos_ids=EOS)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from neuron_tp.infer.generate import Generator, Sampling
+from neuron_tp.infer.sampling import Sampling
+from neuron_tp.infer.static_generator import Generator
 from neuron_tp.job.presets import build_model
 
 

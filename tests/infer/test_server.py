@@ -1,5 +1,5 @@
 """``neuron-tp serve`` with the real ``openai`` client: completions and chat equal what
-:class:`neuron_tp.infer.generate.Generator` gives directly (greedy and seeded sampling),
+:class:`neuron_tp.infer.static_generator.Generator` gives directly (greedy and seeded sampling),
 streaming, stop strings, concurrent clients, a client that disconnects mid-stream, refused
 requests; at tp=1 in this process and at tp=2 as two torchrun ranks (gloo), whose tokens
 equal tp=1's (same preset and seed: the same full model, sharded). Also
@@ -27,8 +27,9 @@ import pytest
 import torch
 
 import gloo_dist
-from neuron_tp.infer.generate import GREEDY, Generator, Sampling
-from neuron_tp.infer.request import chat_prompt, encode_prompt
+from neuron_tp.infer.completion_request import chat_prompt, encode_prompt
+from neuron_tp.infer.sampling import GREEDY, Sampling
+from neuron_tp.infer.static_generator import Generator
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 OPTIONS = {
@@ -77,7 +78,9 @@ class Reference:
 
     def __init__(self, model, tok, eos):
         model = copy.deepcopy(model)
-        self.gen = Generator(model, OPTIONS["buckets"], OPTIONS["max_new_tokens"], [1], 0)
+        self.gen = Generator(
+            model, OPTIONS["buckets"], OPTIONS["max_new_tokens"], batch_buckets=[1], pad_id=0
+        )
         self.tok, self.eos, self.lock = tok, eos, threading.Lock()
 
     def tokens(self, ids: list[int], n: int, sampling: Sampling = GREEDY) -> list[int]:
@@ -552,7 +555,7 @@ class _Gate:
 
     def __enter__(self):
         ids = self.engine.tokenizer.encode("Hello")
-        self.engine.submit(ids, 8, GREEDY, [], self._sink)
+        self.engine.submit(ids, 8, GREEDY, [], sink=self._sink)
         assert self.started.wait(30), "the engine did not run the gate request"
         return self
 
@@ -709,14 +712,14 @@ def test_metrics_count_what_was_sent_and_each_request_logs_one_line(tp1, caplog)
 
 
 def test_an_exception_in_a_handler_fails_only_that_request(tp1, monkeypatch):
-    from neuron_tp.infer import request
+    from neuron_tp.infer import completion_request
 
     _, ref, url = tp1
 
     def broken(*args):
         raise RuntimeError("template exploded")
 
-    monkeypatch.setattr(request, "chat_prompt", broken)
+    monkeypatch.setattr(completion_request, "chat_prompt", broken)
     client = _client(url)
     with pytest.raises(openai.InternalServerError) as err:
         _chat(client, "hi", 4)

@@ -11,8 +11,8 @@ import pytest
 
 import gloo_dist
 from hf_sampling import peaked
-from neuron_tp.infer.generate import MAX_TOP_K, Sampling
-from neuron_tp.infer.slots import SlotGenerator
+from neuron_tp.infer.sampling import MAX_TOP_K, Sampling
+from neuron_tp.infer.slot_generator import SlotGenerator
 from slot_trace import Req, eos_ids, make_requests, reference, run_schedule
 
 

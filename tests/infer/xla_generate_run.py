@@ -9,7 +9,7 @@ import neuron_tp as ntp
 dev = ntp.xla_device()
 from neuron_tp import hf  # noqa: E402
 from neuron_tp.backend.graphs import graph_counters  # noqa: E402
-from neuron_tp.infer.generate import generate  # noqa: E402
+from neuron_tp.infer.static_generator import generate  # noqa: E402
 from neuron_tp.job.presets import build_model  # noqa: E402
 
 cpu_model = build_model("tiny-llama", 257, 0).eval()

@@ -25,7 +25,7 @@ def serve_trace(tp: int, n_requests: int, seed: int) -> dict:
     the trace (every rank meets at a barrier before counting)."""
     from hf_sampling import peaked
     from neuron_tp import hf
-    from neuron_tp.infer.slots import SlotGenerator
+    from neuron_tp.infer.slot_generator import SlotGenerator
     from neuron_tp.job.presets import build_model
     from xla_dist import serial
 

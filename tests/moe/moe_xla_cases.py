@@ -136,7 +136,7 @@ def run_generate(tp: int) -> dict:
     """Greedy generation of a tiny Mixtral through one Generator (prefill dense, decode in the
     gather mode): tokens vs transformers' generate on the CPU, and traces / compiles after
     each of three calls with different prompts (no new graph after the first)."""
-    from neuron_tp.infer.generate import Generator
+    from neuron_tp.infer.static_generator import Generator
 
     mesh = ntp.init_mesh(tp=tp)
     with serial():

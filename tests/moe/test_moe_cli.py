@@ -36,8 +36,8 @@ def _train_tp2(model_dir: str, out: str) -> None:
 
 
 def _generate(path: str, *extra: str) -> list[list[int]]:
-    from neuron_tp.infer.generate import generate
     from neuron_tp.infer.load import load_for_generation
+    from neuron_tp.infer.static_generator import generate
 
     args = generate_parser().parse_args(["--device", "cpu", "--model", path, *extra])
     model, _ = load_for_generation(args, ntp.Mesh(1, 0))

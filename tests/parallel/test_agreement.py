@@ -43,7 +43,7 @@ def _outcome(fn) -> str:
 def _job(tmp: str) -> None:
     import neuron_tp as ntp
     from neuron_tp.cli.args import generate_parser, train_parser
-    from neuron_tp.infer.batch import run_cli
+    from neuron_tp.infer.generate_command import run_cli
     from neuron_tp.job.presets import build_model
     from neuron_tp.parallel.agreement import check_agreement, check_model_replicas
     from neuron_tp.parallel.state import is_parallel

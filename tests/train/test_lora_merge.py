@@ -49,7 +49,7 @@ NEW = 6
 
 def _generate(model: str, tp: int, device: str, *extra: str) -> list[str]:
     from neuron_tp.cli.args import generate_parser
-    from neuron_tp.infer.batch import run_cli
+    from neuron_tp.infer.generate_command import run_cli
 
     argv = ["--device", device, "--tp", str(tp), "--model", model, "--max-new-tokens", str(NEW)]
     argv += ["--buckets", "8", *(a for p in PROMPTS for a in ("--prompt", p)), *extra]
@@ -157,7 +157,7 @@ def test_consolidate_adapter_only_writes_the_peft_adapter(runs, tmp_path):
 def _hf_texts(tmp: str, merge: bool = True) -> list[str]:
     """transformers' greedy generate on the merged unsharded model (or the base), decoded by
     the run's (byte-level) tokenizer."""
-    from neuron_tp.infer.batch import eos_ids
+    from neuron_tp.infer.load import eos_ids
     from neuron_tp.job.data import load_tokenizer
 
     tok = load_tokenizer(None)

@@ -154,7 +154,7 @@ def test_missing_tokenizers_are_refused_with_what_to_pass(dirs, tmp_path):
 def test_tokenizer_larger_than_the_model_is_refused(dirs, tmp_path):
     """train, generate (the CPU path, which crashed with IndexError) and serve (its loader)."""
     from neuron_tp.infer import server
-    from neuron_tp.infer.batch import run_cli
+    from neuron_tp.infer.generate_command import run_cli
     from neuron_tp.train.loop import setup
 
     msg = r"the tokenizer has 400 tokens but --model .* has 300 .*use the model's own tokenizer"
@@ -172,7 +172,7 @@ def test_tokenizer_larger_than_the_model_is_refused(dirs, tmp_path):
 def _run_and_generate(tmp: str, dirs: dict) -> None:
     """tp 2: train on the model directory (no --tokenizer), generate from the run's output
     directory (no --tokenizer), rank 0 consolidates."""
-    from neuron_tp.infer.batch import run_cli
+    from neuron_tp.infer.generate_command import run_cli
     from neuron_tp.train.loop import train
 
     argv = _train_argv(dirs, f"{tmp}/run", "--tp", "2", "--steps", "3", "--lr", "3e-2")
@@ -227,7 +227,7 @@ def test_generate_and_consolidate_carry_the_runs_tokenizer(dirs, tmp_path):
 
 
 def _xla_generate(run: str, big: str) -> dict:
-    from neuron_tp.infer.batch import run_cli
+    from neuron_tp.infer.generate_command import run_cli
 
     base = ["--tp", "2", "--model", run, "--buckets", "8", "--max-new-tokens", str(NEW)]
     texts = run_cli(generate_parser().parse_args([*base, *(f"--prompt={p}" for p in PROMPTS)]))

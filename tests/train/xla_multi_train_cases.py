@@ -112,7 +112,8 @@ def run_generate(tp: int) -> dict:
     import copy
 
     from neuron_tp import hf
-    from neuron_tp.infer.generate import Generator, Sampling
+    from neuron_tp.infer.sampling import Sampling
+    from neuron_tp.infer.static_generator import Generator
     from neuron_tp.job.presets import build_model
     from xla_dist import serial
 

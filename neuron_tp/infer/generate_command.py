@@ -8,19 +8,10 @@ import time
 from ..errors import UserError
 from ..job.config import GenerateConfig
 from ..parallel.sharding import move_to
-from .generate import Generator, Sampling
-from .load import load_for_generation
+from .load import eos_ids, load_for_generation
+from .sampling import Sampling
+from .static_generator import Generator
 from .text import Detokenizer
-
-
-def eos_ids(model, tokenizer) -> list[int]:
-    """The ids that end a sequence: the model's generation config, else the tokenizer's."""
-    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if ids is None:
-        ids = getattr(tokenizer, "eos_token_id", None)
-    if ids is None:
-        return []
-    return [int(i) for i in (ids if isinstance(ids, (list, tuple)) else [ids])]
 
 
 def run_cli(args: GenerateConfig | argparse.Namespace) -> list[str]:
@@ -51,17 +42,21 @@ def run_cli(args: GenerateConfig | argparse.Namespace) -> list[str]:
     model, tok = load_for_generation(config, mesh)
     move_to(model, device)  # keeps tied embeddings tied
     pad = getattr(tok, "pad_token_id", None) or 0
-    gen = Generator(model, config.buckets, config.max_new_tokens, config.batch_buckets, pad)
+    gen = Generator(
+        model, config.buckets, config.max_new_tokens, batch_buckets=config.batch_buckets, pad_id=pad
+    )
     sampling = Sampling(config.do_sample, config.temperature, config.top_k, config.seed)
     stops = [] if config.ignore_eos else eos_ids(model, tok)
     texts: list[str] = []
     for start in range(0, len(prompts), gen.batch_buckets[-1]):
         chunk = prompts[start : start + gen.batch_buckets[-1]]
-        texts += _run_batch(gen, tok, chunk, config, sampling, stops, mesh.rank == 0)
+        texts += _run_batch(
+            gen, tok, chunk, config=config, sampling=sampling, eos=stops, show=mesh.rank == 0
+        )
     return texts
 
 
-def _run_batch(gen, tok, prompts, config, sampling, eos, show: bool) -> list[str]:
+def _run_batch(gen, tok, prompts, *, config, sampling, eos, show: bool) -> list[str]:
     """Generate one batch; print its continuations, TTFT and decode tokens/s on rank 0."""
     from ..backend.graphs import graph_counters
 

@@ -18,54 +18,17 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from ..errors import UserError
-from .replay import ReplayedStep
+from .model_step import check_cache, no_aux_outputs, pick_bucket
+from .replay import StepGraphs
+from .sampling import GREEDY, Sampling, choose, host_generator, host_noise
 
 CACHE_ROUND = 128  # the cache holds max(buckets) + new tokens rounded up to this
 EOS_SLOTS = 8  # EOS ids per call, padded with -1: any EOS list runs the same graphs
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """How the next token is chosen: greedy, or sampled at ``temperature`` from the top ``k``
-    (0: all) with a seeded host generator."""
-
-    do_sample: bool = False
-    temperature: float = 1.0
-    top_k: int = 0
-    seed: int = 0
-
-    def __post_init__(self):
-        if not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = no filter), got {self.top_k}")
-
-
-GREEDY = Sampling()
-
-
-def pick_bucket(length: int, buckets: Sequence[int], what: str = "prompt") -> int:
-    """The smallest bucket that holds ``length`` (ValueError when none does)."""
-    for b in sorted(buckets):
-        if length <= b:
-            return b
-    unit = "tokens" if what == "prompt" else "sequences"
-    raise ValueError(
-        f"{what} of {length} {unit} is longer than the largest bucket {max(buckets)}"
-        f" (buckets: {', '.join(map(str, sorted(buckets)))})"
-    )
-
-
-def no_aux_outputs(config) -> dict:
-    """Model kwargs that turn off outputs generation never uses: an MoE model whose config asks
-    for router logits (its training auxiliary loss) would compute that loss from the 4D
-    attention mask, which transformers' load-balancing loss cannot read."""
-    return {"output_router_logits": False} if hasattr(config, "output_router_logits") else {}
 
 
 def cache_length(buckets: Sequence[int], max_new_tokens: int) -> int:
@@ -103,37 +66,6 @@ def attention_mask_4d(pad_mask: torch.Tensor, cache_pos: torch.Tensor) -> torch.
     return (allowed | (kv[None, :] == q))[:, None]
 
 
-def choose(logits: torch.Tensor, top_k: int, temperature, noise) -> torch.Tensor:
-    """Greedy (``noise`` None) or ``argmax(softmax(logits / T) / noise)`` over the top k: a
-    draw from that distribution when ``noise ~ Exp(1)``."""
-    if noise is None:
-        return logits.argmax(-1)
-    logits = logits.float() / temperature
-    if top_k:
-        kth = logits.topk(min(top_k, logits.shape[-1]), -1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    return (logits.softmax(-1) / noise).argmax(-1)
-
-
-MAX_TOP_K = 128  # the largest per-row top_k of choose_rows (a fixed-size topk in the graph)
-
-
-def choose_rows(logits, temperature, top_k, sample, noise) -> torch.Tensor:
-    """:func:`choose` with per-row parameters as data: ``temperature`` [B], ``top_k`` [B]
-    (0: no filter, at most :data:`MAX_TOP_K`), ``sample`` [B] (False: greedy row); ``noise``
-    None: every row greedy."""
-    greedy = logits.argmax(-1)
-    if noise is None:
-        return greedy
-    logits = logits.float() / temperature[:, None]
-    k = min(MAX_TOP_K, logits.shape[-1])
-    top = logits.topk(k, -1).values
-    kth = top.gather(-1, (top_k.clamp(1, k) - 1)[:, None])
-    kth = torch.where(top_k[:, None] > 0, kth, torch.full_like(kth, float("-inf")))
-    logits = logits.masked_fill(logits < kth, float("-inf"))
-    return torch.where(sample, (logits.softmax(-1) / noise).argmax(-1), greedy)
-
-
 class Generator:
     """Generation with one model on its device. Graphs are captured once per shape and
     reused by later calls: the model's weights must not change while the Generator is used.
@@ -147,6 +79,7 @@ class Generator:
         model,
         buckets: Sequence[int],
         max_new_tokens: int,
+        *,
         batch_buckets: Sequence[int] | None = None,
         pad_id: int = 0,
         replay: bool = True,
@@ -164,15 +97,23 @@ class Generator:
         if limit is not None and self.total > limit:
             raise UserError(cache_too_long(self.buckets, max_new_tokens, limit))
         self.device = next(model.parameters()).device
-        check_cache(model.config, self.total)
-        self.replay = replay and self.device.type == "xla"
-        self._steps: dict[tuple, ReplayedStep] = {}
+        check_cache(
+            model.config,
+            self.total,
+            f"(largest bucket + max new tokens rounded up to {CACHE_ROUND}); use "
+            "smaller --buckets / --max-new-tokens",
+        )
+        self._graphs = StepGraphs(self.device, replay)
         self._caches: dict[int, _CacheSlots] = {}  # batch -> the cache object the traces use
+
+    @property
+    def replay(self) -> bool:
+        return self._graphs.replay
 
     @property
     def traces(self) -> int:
         """How many times the model's Python ran to capture a graph (replay mode)."""
-        return sum(s.traces for s in self._steps.values())
+        return self._graphs.traces
 
     def check(
         self, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_ids: Sequence[int] = ()
@@ -222,15 +163,15 @@ class Generator:
         batch = pick_bucket(n, self.batch_buckets, "batch") if self.batch_buckets else n
         bucket = pick_bucket(max(len(p) for p in prompts), self.buckets)
         rows = list(prompts) + [[self.pad_id]] * (batch - n)  # filler rows, never reported
-        gen = torch.Generator().manual_seed(sampling.seed)  # not the global RNG (threads)
+        gen = host_generator(sampling)
         state = _start(self, rows, bucket, sampling, eos_ids)
         eos, ended = set(eos_ids), [False] * n
+        vocab = self.model.config.vocab_size
         for step in range(max_new_tokens):
             noise = None
             if sampling.do_sample:  # [n, vocab] per step, as transformers draws them
-                draw = torch.empty((n, state["vocab"])).exponential_(generator=gen)
-                noise = torch.cat([draw, torch.ones(batch - n, draw.shape[1])])
-                noise = noise.to(self.device)
+                draw = host_noise(gen, n, vocab)
+                noise = torch.cat([draw, torch.ones(batch - n, vocab)]).to(self.device)
             tokens = self._run(state, batch, bucket if step == 0 else None, sampling, noise)
             column: list[int | None] = []
             for i, t in enumerate(tokens[:n]):
@@ -242,26 +183,15 @@ class Generator:
                 return
 
     # -- graphs ------------------------------------------------------------------------------
-    def _run(self, state: dict, batch: int, bucket: int | None, sampling, noise) -> list[int]:
+    def _run(self, state: _CallState, batch: int, bucket: int | None, sampling, noise):
+        """One step (the prefill when ``bucket`` is given): each row's new token."""
         prefill = bucket is not None
         key = (batch, bucket, sampling.top_k, noise is not None)
-        args = [*state["inputs"], *([noise] if noise is not None else [])]
-        if not prefill:
-            args += state["cache"]
-        if self.replay:
-            if key not in self._steps:  # the step function is built for its capture only
-                self._steps[key] = ReplayedStep(self._step_fn(batch, prefill, *key[2:]))
-            outputs, _ = self._steps[key](*args)
-        else:
-            outputs = list(self._step_fn(batch, prefill, *key[2:])(*args))
-            if self.device.type == "xla":
-                from ..backend import xla as _xla
-
-                _xla.xm().mark_step()
-        ids, pos, cache_pos, done, *cache = outputs
-        state["inputs"] = [ids, pos, cache_pos, state["mask"], done, *state["const"]]
-        state["cache"] = cache
-        return ids.cpu()[:, 0].tolist()  # one transfer, no slicing graph
+        outputs = self._graphs.run(
+            key, lambda: self._step_fn(batch, prefill, *key[2:]), state.args(noise)
+        )
+        state.ids, state.pos, state.cache_pos, state.done, *state.cache = outputs
+        return state.ids.cpu()[:, 0].tolist()  # one transfer, no slicing graph
 
     def _step_fn(self, batch: int, prefill: bool, top_k: int, sampled: bool):
         model, pad = self.model, self.pad_id
@@ -321,31 +251,26 @@ class _CacheSlots:
         return self.cache
 
 
-def check_cache(config, total: int, what: str = "") -> None:
-    """ValueError unless every layer of the model's static cache holds the whole sequence:
-    full-attention layers, or sliding windows at least as long as the cache. A shorter
-    window rolls (its keys no longer line up with the in-graph attention mask) and counts
-    positions in a host int, which a replayed graph would freeze."""
-    from transformers import StaticCache
+@dataclass
+class _CallState:
+    """The device tensors a call's next step reads, in the step function's argument order
+    (:meth:`args`); each step's outputs replace ``ids`` to ``done`` and the cache."""
 
-    short = {
-        layer.max_cache_len
-        for layer in StaticCache(config=config, max_cache_len=total).layers
-        if layer.max_cache_len < total
-    }
-    if short:
-        raise ValueError(
-            f"the model's sliding window ({min(short)} positions) is shorter than the "
-            f"{total}-position cache "
-            + (
-                what
-                or f"(largest bucket + max new tokens rounded up to {CACHE_ROUND}); use "
-                "smaller --buckets / --max-new-tokens"
-            )
-        )
+    ids: torch.Tensor
+    pos: torch.Tensor
+    cache_pos: torch.Tensor
+    mask: torch.Tensor
+    done: torch.Tensor
+    eos: torch.Tensor
+    temperature: torch.Tensor
+    cache: list[torch.Tensor] = field(default_factory=list)  # none before the prefill
+
+    def args(self, noise: torch.Tensor | None) -> list[torch.Tensor]:
+        fixed = [self.ids, self.pos, self.cache_pos, self.mask, self.done, self.eos]
+        return [*fixed, self.temperature, *([noise] if noise is not None else []), *self.cache]
 
 
-def _start(g: Generator, rows, bucket: int, sampling: Sampling, eos_ids) -> dict:
+def _start(g: Generator, rows, bucket: int, sampling: Sampling, eos_ids) -> _CallState:
     """The device tensors of a call's first step."""
     batch, dev = len(rows), g.device
     ids = torch.full((batch, bucket), g.pad_id, dtype=torch.long)
@@ -356,12 +281,15 @@ def _start(g: Generator, rows, bucket: int, sampling: Sampling, eos_ids) -> dict
     pos = (mask[:, :bucket].cumsum(-1) - 1).clamp(min=0)
     eos = torch.tensor(list(eos_ids) + [-1] * (EOS_SLOTS - len(eos_ids)), dtype=torch.long)
     temperature = torch.tensor([float(sampling.temperature)])  # not 0-d: 0-d is a constant
-    const = [eos.to(dev), temperature.to(dev)]
-    mask = mask.to(dev)
-    done = torch.zeros(batch, dtype=torch.bool).to(dev)
-    inputs = [ids.to(dev), pos.to(dev), torch.arange(bucket).to(dev), mask, done, *const]
-    vocab = g.model.config.vocab_size
-    return {"inputs": inputs, "mask": mask, "const": const, "cache": [], "vocab": vocab}
+    return _CallState(
+        ids=ids.to(dev),
+        pos=pos.to(dev),
+        cache_pos=torch.arange(bucket).to(dev),
+        mask=mask.to(dev),
+        done=torch.zeros(batch, dtype=torch.bool).to(dev),
+        eos=eos.to(dev),
+        temperature=temperature.to(dev),
+    )
 
 
 def generate(
@@ -369,6 +297,7 @@ def generate(
     prompts: list[list[int]],
     max_new_tokens: int,
     buckets: list[int],
+    *,
     do_sample: bool = False,
     temperature: float = 1.0,
     top_k: int = 0,

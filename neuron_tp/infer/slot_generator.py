@@ -13,7 +13,7 @@ sequence with its own position, sampling parameters and host RNG.
 - Slot index, start, chunk length, positions, active flags and sampling parameters are data,
   never shapes: graphs = prefill buckets x {greedy, sampled} + decode buckets x {greedy,
   sampled}, whatever the arrival pattern; :meth:`~SlotGenerator.warmup` captures them all.
-- Sampling per row: temperature, top_k (<= :data:`~.generate.MAX_TOP_K`), seed; Gumbel-max
+- Sampling per row: temperature, top_k (<= :data:`~.sampling.MAX_TOP_K`), seed; Gumbel-max
   noise drawn on the host from each slot's own generator (the draws transformers makes for that
   request alone), so a seeded request reproduces its tokens whatever runs beside it.
 - Per token the host uploads nothing for greedy steps (positions and last tokens advance in
@@ -24,28 +24,47 @@ sequence with its own position, sampling parameters and host RNG.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
 from ..errors import UserError
-from .generate import (
-    MAX_TOP_K,
-    Sampling,
-    check_cache,
-    choose_rows,
-    no_aux_outputs,
-    pick_bucket,
-)
-from .replay import ReplayedStep
-
-SEED_LIMIT = 2**64  # torch.Generator.manual_seed takes seeds below this
+from .model_step import check_cache, no_aux_outputs, pick_bucket
+from .replay import StepGraphs
+from .sampling import Sampling, check_per_row, choose_rows, host_generator, host_noise
 
 
-def _check_sampling(sampling: Sampling) -> None:
-    if sampling.do_sample and sampling.top_k > MAX_TOP_K:
-        raise ValueError(f"top_k must be in 0..{MAX_TOP_K} (0 = no filter), got {sampling.top_k}")
-    if not 0 <= sampling.seed < SEED_LIMIT:
-        raise ValueError(f"seed must be in 0..2**64-1, got {sampling.seed}")
+class SlotState(NamedTuple):
+    """The per-slot device tensors (one row per slot) every step reads and the last prompt
+    chunk of a slot writes, in this order wherever they are graph arguments or results."""
+
+    tokens: torch.Tensor  # the last token of each slot
+    pos: torch.Tensor  # its cache index
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    sample: torch.Tensor  # False: a greedy row
+
+
+class ChunkMeta(NamedTuple):
+    """The host values of one prefill chunk, uploaded as ONE int64 tensor (:meth:`tensor`):
+    its slot, the position it starts at, how many of its tokens are real, whether it is the
+    prompt's last (then a token is chosen and the slot's :class:`SlotState` row written),
+    the row's ``top_k`` and whether it samples. In the graph :meth:`read` names the fields
+    of the uploaded tensor, each a ``[1]`` tensor."""
+
+    slot: int
+    start: int
+    length: int
+    final: bool
+    top_k: int
+    sampled: bool
+
+    def tensor(self) -> torch.Tensor:
+        return torch.tensor([int(v) for v in self])
+
+    @classmethod
+    def read(cls, meta: torch.Tensor) -> ChunkMeta:
+        return cls(*(meta[i : i + 1] for i in range(len(cls._fields))))
 
 
 def default_prefill_buckets(chunk: int) -> list[int]:
@@ -71,6 +90,7 @@ class SlotGenerator:
         model,
         slots: int,
         max_len: int,
+        *,
         chunk: int = 256,
         prefill_buckets: Sequence[int] | None = None,
         decode_buckets: Sequence[int] | None = None,
@@ -103,15 +123,16 @@ class SlotGenerator:
 
         self.model, self.slots, self.max_len, self.chunk = model, slots, max_len, chunk
         self.pad_id, self.vocab = pad_id, model.config.get_text_config(decoder=True).vocab_size
-        self.device = next(model.parameters()).device
-        self.replay = replay and self.device.type == "xla"
-        self._kv = allocate(model, slots, max_len, self.device)
-        dev = self.device
-        self._tokens = torch.zeros(slots, dtype=torch.long).to(dev)  # last token per slot
-        self._pos = torch.zeros(slots, dtype=torch.long).to(dev)  # its cache index
-        self._temperature = torch.ones(slots).to(dev)
-        self._top_k = torch.zeros(slots, dtype=torch.long).to(dev)
-        self._sample = torch.zeros(slots, dtype=torch.bool).to(dev)
+        self.device = dev = next(model.parameters()).device
+        self._graphs = StepGraphs(dev, replay)
+        self._kv = allocate(model, slots, max_len, dev)
+        self._state = SlotState(
+            tokens=torch.zeros(slots, dtype=torch.long).to(dev),
+            pos=torch.zeros(slots, dtype=torch.long).to(dev),
+            temperature=torch.ones(slots).to(dev),
+            top_k=torch.zeros(slots, dtype=torch.long).to(dev),
+            sample=torch.zeros(slots, dtype=torch.bool).to(dev),
+        )
         self._active_dev = torch.zeros(slots, dtype=torch.bool).to(dev)
         self._active_dirty = False
         self.in_use: set[int] = set()  # acquired slots (prefilling or decoding)
@@ -119,26 +140,39 @@ class SlotGenerator:
         self._filled: dict[int, int] = {}  # prompt positions written so far, per acquired slot
         self._host_pos: dict[int, int] = {}  # next cache index of each active slot
         self._gens: dict[int, torch.Generator] = {}  # sampled active slots
-        self._steps: dict[tuple, ReplayedStep] = {}
+
+    @property
+    def replay(self) -> bool:
+        return self._graphs.replay
 
     @property
     def traces(self) -> int:
         """How many times the model's Python ran to capture a graph (replay mode)."""
-        return sum(s.traces for s in self._steps.values())
+        return self._graphs.traces
 
     # -- requests --------------------------------------------------------------------------
-    def check(self, prompt_len: int, max_new_tokens: int, sampling: Sampling) -> None:
-        """ValueError naming the limit a request exceeds (before any device work)."""
+    def check(
+        self,
+        prompt_len: int,
+        max_new_tokens: int,
+        sampling: Sampling,
+        *,
+        asked_as: str = "max_new_tokens",
+        limit_as: str = "max_len",
+    ) -> None:
+        """ValueError naming the limit a request exceeds (before any device work); the
+        messages call the new tokens ``asked_as`` and the slot's length ``limit_as`` (the
+        caller's terms)."""
         if prompt_len < 1:
             raise ValueError("the prompt needs at least one token")
         if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+            raise ValueError(f"{asked_as} must be >= 1, got {max_new_tokens}")
         if prompt_len + max_new_tokens > self.max_len:
             raise ValueError(
-                f"prompt of {prompt_len} tokens + max_new_tokens {max_new_tokens} exceeds "
-                f"the {self.max_len} positions of a slot (max_len)"
+                f"prompt of {prompt_len} tokens + {asked_as} {max_new_tokens} exceeds "
+                f"the {self.max_len} positions of a slot ({limit_as})"
             )
-        _check_sampling(sampling)
+        check_per_row(sampling)
 
     def acquire(self) -> int | None:
         """The lowest free slot, now in use (None: every slot is in use)."""
@@ -166,6 +200,31 @@ class SlotGenerator:
         ``sampling`` (the LAST chunk): choose and return the first new token; the slot then
         decodes from ``start+len``. Without: more chunks follow; returns None."""
         n = len(tokens)
+        self._check_chunk(slot, n, start)
+        if sampling is not None:
+            check_per_row(sampling)
+        bucket = pick_bucket(n, self.prefill_buckets)
+        final = sampling is not None
+        s = sampling or Sampling()
+        meta = ChunkMeta(slot, start, n, final, s.top_k, sampled=final and s.do_sample)
+        ids = torch.full((1, bucket), self.pad_id, dtype=torch.long)
+        ids[0, :n] = torch.tensor(list(tokens), dtype=torch.long)
+        temperature = torch.tensor([float(s.temperature)])
+        args = [ids.to(self.device), meta.tensor().to(self.device), temperature.to(self.device)]
+        if meta.sampled:
+            gen = host_generator(s)
+            self._gens[slot] = gen
+            args.append(host_noise(gen, 1, self.vocab).to(self.device))
+        tok = self._run_prefill(bucket, meta.sampled, args)
+        self._filled[slot] = start + n
+        if not final:
+            return None
+        self.active.add(slot)
+        self._active_dirty = True
+        self._host_pos[slot] = start + n
+        return int(tok.cpu()[0])
+
+    def _check_chunk(self, slot: int, n: int, start: int) -> None:
         if slot not in self.in_use or slot in self.active:
             raise ValueError(f"slot {slot} must be acquired and not decoding to be prefilled")
         if not 1 <= n <= self.chunk or not 0 <= start <= self._filled[slot]:
@@ -175,31 +234,6 @@ class SlotGenerator:
             )
         if start + n > self.max_len:
             raise ValueError(f"{n} tokens at {start} exceed the {self.max_len} positions")
-        if sampling is not None:
-            _check_sampling(sampling)
-        bucket = pick_bucket(n, self.prefill_buckets)
-        final = sampling is not None
-        sampled = final and sampling.do_sample
-        s = sampling or Sampling()
-        ids = torch.full((1, bucket), self.pad_id, dtype=torch.long)
-        ids[0, :n] = torch.tensor(list(tokens), dtype=torch.long)
-        meta = torch.tensor([slot, start, n, int(final), s.top_k, int(sampled)])
-        args = [ids.to(self.device), meta.to(self.device)]
-        args.append(torch.tensor([float(s.temperature)]).to(self.device))
-        if sampled:
-            gen = torch.Generator().manual_seed(s.seed)
-            self._gens[slot] = gen
-            args.append(self._draw(gen).to(self.device))
-        out = self._run(("prefill", bucket, sampled), [*args, *self._state(), *self._kv])
-        tok, self._tokens, self._pos, self._temperature, self._top_k, self._sample = out[:6]
-        self._kv = out[6:]
-        self._filled[slot] = start + n
-        if not final:
-            return None
-        self.active.add(slot)
-        self._active_dirty = True
-        self._host_pos[slot] = start + n
-        return int(tok.cpu()[0])
 
     def decode(self) -> dict[int, int]:
         """One step of every active slot: ``{slot: new token}``."""
@@ -210,17 +244,16 @@ class SlotGenerator:
             raise ValueError(f"slots {full} have no position left (max_len {self.max_len})")
         bucket = pick_bucket(max(self.active) + 1, self.decode_buckets, "batch")
         sampled = any(s in self._gens for s in self.active)
-        args = [self._tokens, self._pos, self._active(), *self._state()[2:]]
+        noise = None
         if sampled:
             noise = torch.ones(bucket, self.vocab)
             for s, gen in self._gens.items():
-                noise[s] = self._draw(gen)[0]
-            args.append(noise.to(self.device))
-        out = self._run(("decode", bucket, sampled), [*args, *self._kv])
-        self._tokens, self._pos, self._kv = out[0], out[1], out[2:]
+                noise[s] = host_noise(gen, 1, self.vocab)[0]
+            noise = noise.to(self.device)
+        self._run_decode(bucket, self._active(), noise)
         for s in self.active:
             self._host_pos[s] += 1
-        toks = self._tokens.cpu().tolist()  # one transfer
+        toks = self._state.tokens.cpu().tolist()  # one transfer
         return {s: toks[s] for s in sorted(self.active)}
 
     def warmup(self) -> None:
@@ -230,120 +263,114 @@ class SlotGenerator:
         for bucket in self.prefill_buckets:
             for sampled in (False, True):
                 ids = torch.full((1, bucket), self.pad_id, dtype=torch.long).to(dev)
-                meta = torch.tensor([0, 0, 0, 0, 0, int(sampled)]).to(dev)  # no token written
-                args = [ids, meta, torch.ones(1).to(dev)]
+                meta = ChunkMeta(0, 0, 0, False, 0, sampled)  # no token written
+                args = [ids, meta.tensor().to(dev), torch.ones(1).to(dev)]
                 args += [torch.ones(1, self.vocab).to(dev)] if sampled else []
-                out = self._run(("prefill", bucket, sampled), [*args, *self._state(), *self._kv])
-                self._tokens, self._pos, self._temperature, self._top_k, self._sample = out[1:6]
-                self._kv = out[6:]
+                self._run_prefill(bucket, sampled, args)
         for bucket in self.decode_buckets:
             for sampled in (False, True):
-                args = [self._tokens, self._pos, none, *self._state()[2:]]
-                args += [torch.ones(bucket, self.vocab).to(dev)] if sampled else []
-                out = self._run(("decode", bucket, sampled), [*args, *self._kv])
-                self._tokens, self._pos, self._kv = out[0], out[1], out[2:]
+                noise = torch.ones(bucket, self.vocab).to(dev) if sampled else None
+                self._run_decode(bucket, none, noise)
         self._active_dirty = True
 
     # -- device side ------------------------------------------------------------------------
-    def _state(self) -> list[torch.Tensor]:
-        return [self._tokens, self._pos, self._temperature, self._top_k, self._sample]
-
     def _active(self) -> torch.Tensor:
         if self._active_dirty:  # uploaded only after a change (prefill, release)
             mask = torch.tensor([s in self.active for s in range(self.slots)])
             self._active_dev, self._active_dirty = mask.to(self.device), False
         return self._active_dev
 
-    def _draw(self, gen: torch.Generator) -> torch.Tensor:
-        """One row of Exp(1) noise: the draws ``torch.multinomial`` makes for one sequence."""
-        return torch.empty((1, self.vocab)).exponential_(generator=gen)
+    def _run_prefill(self, bucket: int, sampled: bool, args: list[torch.Tensor]):
+        """Run a prefill graph on ``args`` (ids, meta, temperature[, noise]); the new state
+        and cache are kept, the chosen token returned."""
+        key = ("prefill", bucket, sampled)
+        out = self._run(key, lambda: self._prefill_fn(bucket, sampled), [*args, *self._state])
+        n = len(SlotState._fields)
+        self._state, self._kv = SlotState(*out[1 : 1 + n]), out[1 + n :]
+        return out[0]
 
-    def _run(self, key: tuple, args: list[torch.Tensor]) -> list[torch.Tensor]:
-        kind, bucket, sampled = key
-        make = self._prefill_fn if kind == "prefill" else self._decode_fn
-        if self.replay:
-            if key not in self._steps:
-                # This device's earlier steps finish first: a capture waits for every device
-                # (xm.wait_device_ops), which deadlocks on XLA CPU devices sharing a process
-                # when another device's step waits in a collective for one of ours.
-                self._tokens.cpu()
-                self._steps[key] = ReplayedStep(make(bucket, sampled))
-            outputs, _ = self._steps[key](*args)
-            return outputs
-        outputs = list(make(bucket, sampled)(*args))
-        if self.device.type == "xla":
-            from ..backend import xla as _xla
+    def _run_decode(self, bucket: int, active: torch.Tensor, noise: torch.Tensor | None):
+        """Run a decode graph: every active row of ``[0, bucket)`` advances one token."""
+        key = ("decode", bucket, noise is not None)
+        args = [active, *self._state, *([noise] if noise is not None else [])]
+        out = self._run(key, lambda: self._decode_fn(bucket, noise is not None), args)
+        self._state = self._state._replace(tokens=out[0], pos=out[1])
+        self._kv = out[2:]
 
-            _xla.xm().mark_step()
-        return outputs
+    def _run(self, key: tuple, build, args: list[torch.Tensor]) -> list[torch.Tensor]:
+        # This device's earlier steps finish first: a capture waits for every device
+        # (xm.wait_device_ops), which deadlocks on XLA CPU devices sharing a process
+        # when another device's step waits in a collective for one of ours.
+        return self._graphs.run(key, build, [*args, *self._kv], self._state.tokens.cpu)
 
     def _prefill_fn(self, bucket: int, sampled: bool):
         from .slot_cache import SlotCache, visible
 
-        model, scratch = self.model, self.max_len
+        model, scratch, n_state = self.model, self.max_len, len(SlotState._fields)
 
         def step(ids, meta, temp, *rest):
             noise, rest = (rest[0], rest[1:]) if sampled else (None, rest)
-            tokens, pos, temperature, top_k, sample, *kv = rest
-            slot, start, n, final = meta[0:1], meta[1], meta[2], meta[3:4].bool()
+            state, kv = SlotState(*rest[:n_state]), rest[n_state:]
+            m = ChunkMeta.read(meta)
+            final = m.final.bool()
             idx = torch.arange(bucket, device=ids.device)
-            valid = idx < n
-            qpos = torch.where(valid, start + idx, torch.full_like(idx, scratch))[None]
-            cache = SlotCache(kv, slot, qpos, slot)
+            valid = idx < m.length
+            qpos = torch.where(valid, m.start + idx, torch.full_like(idx, scratch))[None]
+            cache = SlotCache(list(kv), m.slot, qpos, m.slot)
             out = model(
                 input_ids=ids,
                 attention_mask=visible(qpos, scratch + 1),
-                position_ids=torch.where(valid, start + idx, torch.zeros_like(idx))[None],
+                position_ids=torch.where(valid, m.start + idx, torch.zeros_like(idx))[None],
                 past_key_values=cache,
                 use_cache=True,
-                logits_to_keep=(meta[2:3] - 1).clamp(min=0),
+                logits_to_keep=(m.length - 1).clamp(min=0),
                 **no_aux_outputs(model.config),
             )
-            tok = choose_rows(out.logits[:, -1], temp, meta[4:5], meta[5:6].bool(), noise)
+            tok = choose_rows(out.logits[:, -1], temp, m.top_k, m.sampled.bool(), noise)
 
-            def put(state, value):  # state[slot] = value on the last chunk
-                new = torch.where(final, value.to(state.dtype), state.index_select(0, slot))
-                return state.index_put((slot,), new)
+            def put(row, value):  # row[slot] = value on the last chunk
+                new = torch.where(final, value.to(row.dtype), row.index_select(0, m.slot))
+                return row.index_put((m.slot,), new)
 
-            return [
-                tok,
-                put(tokens, tok),
-                put(pos, start + meta[2:3]),
-                put(temperature, temp),
-                put(top_k, meta[4:5]),
-                put(sample, meta[5:6].bool()),
-                *cache.tensors(),
-            ]
+            new = SlotState(
+                tokens=put(state.tokens, tok),
+                pos=put(state.pos, m.start + m.length),
+                temperature=put(state.temperature, temp),
+                top_k=put(state.top_k, m.top_k),
+                sample=put(state.sample, m.sampled.bool()),
+            )
+            return [tok, *new, *cache.tensors()]
 
         return step
 
     def _decode_fn(self, bucket: int, sampled: bool):
         from .slot_cache import SlotCache, visible
 
-        model, scratch = self.model, self.max_len
+        model, scratch, n_state = self.model, self.max_len, len(SlotState._fields)
 
-        def step(tokens, pos, active, temperature, top_k, sample, *rest):
-            noise, kv = (rest[0], rest[1:]) if sampled else (None, rest)
-            a, last = active[:bucket], tokens[:bucket]
-            qpos = torch.where(a, pos[:bucket], torch.full_like(pos[:bucket], scratch))[:, None]
-            rows = torch.arange(bucket, device=tokens.device)
-            cache = SlotCache(list(kv), rows, qpos, slice(0, bucket))
+        def step(active, *rest):
+            state = SlotState(*rest[:n_state])
+            noise, kv = (rest[n_state], rest[n_state + 1 :]) if sampled else (None, rest[n_state:])
+            b = slice(0, bucket)
+            a, last, pos = active[b], state.tokens[b], state.pos[b]
+            qpos = torch.where(a, pos, torch.full_like(pos, scratch))[:, None]
+            rows = torch.arange(bucket, device=last.device)
+            cache = SlotCache(list(kv), rows, qpos, b)
             out = model(
                 input_ids=last[:, None],
                 attention_mask=visible(qpos, scratch + 1),
-                position_ids=torch.where(a, pos[:bucket], torch.zeros_like(pos[:bucket]))[:, None],
+                position_ids=torch.where(a, pos, torch.zeros_like(pos))[:, None],
                 past_key_values=cache,
                 use_cache=True,
                 logits_to_keep=1,
                 **no_aux_outputs(model.config),
             )
-            b = slice(0, bucket)
-            tok = choose_rows(out.logits[:, -1], temperature[b], top_k[b], sample[b], noise)
+            logits = out.logits[:, -1]
+            tok = choose_rows(logits, state.temperature[b], state.top_k[b], state.sample[b], noise)
             tok = torch.where(a, tok, last)
-            new_pos = pos[:bucket] + a.long()
             return [
-                torch.cat([tok, tokens[bucket:]]),
-                torch.cat([new_pos, pos[bucket:]]),
+                torch.cat([tok, state.tokens[bucket:]]),
+                torch.cat([pos + a.long(), state.pos[bucket:]]),
                 *cache.tensors(),
             ]
 

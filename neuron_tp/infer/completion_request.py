@@ -18,15 +18,36 @@ byte-level fallback) uses ``"{role}: {content}\\n"`` per message then ``"assista
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 from .engine import Engine
-from .generate import Sampling
+from .sampling import MAX_SEED, Sampling
 
 MAX_STOP = 4  # stop strings per request, as OpenAI allows
-MAX_SEED = 2**63 - 1  # seeds are int64 (torch.Generator.manual_seed)
 MAX_TEMPERATURE = 2.0  # OpenAI's range: 0..2
 MAX_INT = 2**63 - 1  # no count in a request needs more
+
+
+@dataclass(frozen=True)
+class CompletionParams:
+    """The generation parameters of a completion or chat request (``seeded``: it named its
+    seed, so its text is reproducible)."""
+
+    max_tokens: int
+    sampling: Sampling
+    stop: list[str]
+    seeded: bool
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    """A checked completion or chat request: its parameters, whether its stream ends with a
+    usage chunk, and its prompts as token ids (one choice each)."""
+
+    params: CompletionParams
+    include_usage: bool
+    prompts: list[list[int]]
 
 
 class BadRequest(ValueError):
@@ -73,7 +94,9 @@ def _number(
     return kind(value)
 
 
-def parse_params(body: dict, limit: int, default_max: int = 16, vocab: int | None = None) -> dict:
+def parse_params(
+    body: dict, limit: int, default_max: int = 16, vocab: int | None = None
+) -> CompletionParams:
     """Generation parameters of a request body (BadRequest naming the wrong one);
     ``max_tokens`` defaults to ``default_max`` (at most the server's ``limit``); ``top_k`` is
     at most ``vocab`` (the model's vocabulary size, when known)."""
@@ -108,12 +131,7 @@ def parse_params(body: dict, limit: int, default_max: int = 16, vocab: int | Non
         sampling = Sampling()
     else:
         sampling = Sampling(True, temperature, top_k, seed if seed is not None else 0)
-    return {
-        "max_tokens": max_tokens,
-        "sampling": sampling,
-        "stop": stop,
-        "seeded": seed is not None,
-    }
+    return CompletionParams(max_tokens, sampling, stop, seeded=seed is not None)
 
 
 def refuse_logprobs(body: dict) -> None:
@@ -161,7 +179,7 @@ def message_text(index: int, message: Any) -> dict:
     return {**message, "content": content}
 
 
-def prepare(engine: Engine, body: dict, chat: bool) -> tuple[dict, bool, list[list[int]]]:
+def prepare(engine: Engine, body: dict, chat: bool) -> CompletionRequest:
     """A request's generation parameters, whether its stream ends with the usage, and its
     prompts as token ids, all checked against the engine's limits (BadRequest or ValueError
     naming what is wrong; nothing is queued)."""
@@ -177,8 +195,8 @@ def prepare(engine: Engine, body: dict, chat: bool) -> tuple[dict, bool, list[li
             "prompt",
         )
     for p in prompts:
-        engine.check(p, params["max_tokens"], params["stop"], params["sampling"])
-    return params, usage, prompts
+        engine.check(p, params.max_tokens, params.stop, params.sampling)
+    return CompletionRequest(params, usage, prompts)
 
 
 def stream_usage(body: dict) -> bool:

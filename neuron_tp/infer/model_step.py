@@ -1,0 +1,46 @@
+"""What the static and the slot generator share about one step of the model: the bucket a
+length runs in, the model kwargs that turn off outputs generation never reads, and the check
+that every layer's static cache holds the whole sequence."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def pick_bucket(length: int, buckets: Sequence[int], what: str = "prompt") -> int:
+    """The smallest bucket that holds ``length`` (ValueError when none does)."""
+    for b in sorted(buckets):
+        if length <= b:
+            return b
+    unit = "tokens" if what == "prompt" else "sequences"
+    raise ValueError(
+        f"{what} of {length} {unit} is longer than the largest bucket {max(buckets)}"
+        f" (buckets: {', '.join(map(str, sorted(buckets)))})"
+    )
+
+
+def no_aux_outputs(config) -> dict:
+    """Model kwargs that turn off outputs generation never uses: an MoE model whose config asks
+    for router logits (its training auxiliary loss) would compute that loss from the 4D
+    attention mask, which transformers' load-balancing loss cannot read."""
+    return {"output_router_logits": False} if hasattr(config, "output_router_logits") else {}
+
+
+def check_cache(config, total: int, what: str) -> None:
+    """ValueError unless every layer of the model's static cache holds the whole sequence:
+    full-attention layers, or sliding windows at least as long as the cache. A shorter
+    window rolls (its keys no longer line up with the in-graph attention mask) and counts
+    positions in a host int, which a replayed graph would freeze. ``what``: where the
+    ``total`` positions come from and what to change."""
+    from transformers import StaticCache
+
+    short = {
+        layer.max_cache_len
+        for layer in StaticCache(config=config, max_cache_len=total).layers
+        if layer.max_cache_len < total
+    }
+    if short:
+        raise ValueError(
+            f"the model's sliding window ({min(short)} positions) is shorter than the "
+            f"{total}-position cache {what}"
+        )

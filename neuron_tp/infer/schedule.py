@@ -1,0 +1,123 @@
+"""The records of the serving engine (the shape of vLLM v1's typed scheduler outputs): the
+engine's :class:`Request`, the :class:`Lease` rank 0 sends to every tp rank (or
+:class:`Shutdown`), written to and read from ``host_broadcast`` bytes in one place
+(:func:`encode`, :func:`decode`), and the events a request's client receives
+(:class:`Delta`, :class:`Done`, :class:`Failed`)."""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+from .sampling import Sampling
+
+
+@dataclass(frozen=True)
+class Delta:
+    """More text of a request's answer."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class Done:
+    """The request ended (``finish_reason`` ``stop`` or ``length``) with this usage."""
+
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The request failed; ``message`` says why."""
+
+    message: str
+
+
+Event = Delta | Done | Failed
+
+
+@dataclass
+class Request:
+    """One sequence to generate, as rank 0's engine holds it; ``sink`` receives its events
+    (called on the worker thread)."""
+
+    prompt: list[int]
+    max_tokens: int
+    sampling: Sampling
+    stop: list[str]
+    seeded: bool
+    sink: Callable[[Event], None]
+    cancelled: bool = False  # the client went away (or timed out): its slot is freed
+    created: float = field(default_factory=time.monotonic)
+    tokens: list[int] = field(default_factory=list)  # generated so far (EOS included)
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+@dataclass(frozen=True)
+class Admission:
+    """What every rank needs to run an admitted request."""
+
+    prompt: tuple[int, ...]
+    max_tokens: int
+    sampling: Sampling
+    stop: tuple[str, ...]
+
+    @classmethod
+    def of(cls, req: Request) -> Admission:
+        """``req``'s admission; a sampled request without a seed gets a random one here, sent
+        to every rank with the rest."""
+        sampling = req.sampling
+        if sampling.do_sample and not req.seeded:
+            sampling = Sampling(True, sampling.temperature, sampling.top_k, random.getrandbits(63))
+        return cls(tuple(req.prompt), req.max_tokens, sampling, tuple(req.stop))
+
+
+@dataclass(frozen=True)
+class Lease:
+    """The slots to free (their clients went away), the requests admitted (in order) and how
+    many iterations to run before the next message."""
+
+    cancel: tuple[int, ...]
+    admit: tuple[Admission, ...]
+    steps: int
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    """Every rank's loop ends."""
+
+
+def encode(message: Lease | Shutdown) -> bytes:
+    """``message`` as ``host_broadcast`` bytes (JSON)."""
+    if isinstance(message, Shutdown):
+        return json.dumps({"op": "shutdown"}).encode()
+    admit = [
+        {
+            "prompt": list(a.prompt),
+            "max_tokens": a.max_tokens,
+            "sampling": asdict(a.sampling),
+            "stop": list(a.stop),
+        }
+        for a in message.admit
+    ]
+    body = {"op": "lease", "cancel": list(message.cancel), "admit": admit, "steps": message.steps}
+    return json.dumps(body).encode()
+
+
+def decode(data: bytes) -> Lease | Shutdown:
+    """The message :func:`encode` wrote."""
+    body = json.loads(data)
+    if body["op"] == "shutdown":
+        return Shutdown()
+    admit = tuple(
+        Admission(tuple(a["prompt"]), a["max_tokens"], Sampling(**a["sampling"]), tuple(a["stop"]))
+        for a in body["admit"]
+    )
+    return Lease(tuple(body["cancel"]), admit, body["steps"])
