@@ -44,7 +44,7 @@ class TinyGPT(nn.Module):
     def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         x = self.embed(ids) + self.pos[: ids.shape[1]]
         if self.sp:  # the residual stream lives on sequence shards between the linears
-            x = regions.scatter_to_sequence_parallel(x, self.mesh.tp, 1)
+            x = regions.split_fwd_all_gather_bwd(x, self.mesh.tp, 1)
         for block in self.blocks:
             x = block(x)
         logits = self.head(self.norm(x))  # [b, s, vocab/tp]

@@ -32,7 +32,7 @@ from torch import nn
 from ..errors import UserError
 from ..layers import RowParallelLinear
 from ..layers.common import WRAP_FIRST, mark_lora_base
-from ..parallel import regions
+from ..parallel import gathered_linears, regions
 from ..parallel.agreement import check_agreement, tensor_checksum
 from ..parallel.mesh import Mesh, get_mesh
 from ..parallel.sharding import Sharding, gather_full, get_param_meta, mark_sharded, shard_of
@@ -261,9 +261,9 @@ def _column_lora(w: nn.Module, x: torch.Tensor, adapter: str) -> torch.Tensor:
         # x is already region-copied / sequence-gathered: each rank's dh (so dA) is partial.
         a = regions.identity_fwd_all_reduce_bwd(a, tp)
         plain = isinstance(drop, nn.Identity)
-        h = regions.shared_gathered_linear(x, a) if plain else F.linear(drop(x), a)
+        h = gathered_linears.shared_gathered_linear(x, a) if plain else F.linear(drop(x), a)
     else:
-        h = regions.copy_to_tensor_parallel(F.linear(drop(x), a), tp)
+        h = regions.identity_fwd_all_reduce_bwd(F.linear(drop(x), a), tp)
     return F.linear(h, b) * w.scaling[adapter]
 
 

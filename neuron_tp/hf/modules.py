@@ -10,7 +10,7 @@ from torch import nn
 
 from ..layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from ..layers.activation_layout import REPLICATED
-from ..parallel import regions
+from ..parallel import gathered_linears
 from ..parallel.mesh import Mesh, valid_tp_degrees
 from .attention import SyncReplicatedRows
 from .slice_map import HFSliceMap, even_pieces, set_slice_map
@@ -67,7 +67,7 @@ class HFColumnLinear(ColumnParallelLinear):
         if not self.shared_region:
             return super()._linear(x, weight, bias)
         # A sequence-gathered shared input (regather): save its shard, not ``x``.
-        return regions.shared_gathered_linear(self._input_region(x), weight, bias)
+        return gathered_linears.shared_gathered_linear(self._input_region(x), weight, bias)
 
     def _input_region(self, x: torch.Tensor) -> torch.Tensor:
         if not self.shared_region:

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ..layers.activation_layout import REPLICATED, SHARDED_SEQUENCE
-from ..parallel import regions
+from ..parallel import gathered_linears, regions
 from ..parallel.mesh import Group, Mesh
 from ..parallel.sharding import get_sharding, mark_sequence_parallel
 
@@ -97,9 +97,9 @@ class SharedInputRegion:
 
     With SP and ``regather`` (the default) the children save only the sequence shard and
     all-gather it again in backward, once for all of them
-    (:func:`neuron_tp.parallel.regions.gather_for_shared_linears`): still one all-gather forward,
-    one more in backward, and 1/tp of the gathered input's memory. ``regather=False`` lets the
-    children save the gathered input (no backward all-gather)."""
+    (:func:`neuron_tp.parallel.gathered_linears.gather_for_shared_linears`): still one
+    all-gather forward, one more in backward, and 1/tp of the gathered input's memory.
+    ``regather=False`` lets the children save the gathered input (no backward all-gather)."""
 
     output_layout = REPLICATED
 
@@ -117,7 +117,7 @@ class SharedInputRegion:
     def __call__(self, _mod: nn.Module, args, kwargs):
         x, put = _first_input(args, kwargs)
         if self.sequence_parallel and self.regather:
-            x = regions.gather_for_shared_linears(x, self.tp, dim=1)
+            x = gathered_linears.gather_for_shared_linears(x, self.tp, dim=1)
         elif self.sequence_parallel:
             x = regions.all_gather_fwd_reduce_scatter_bwd(x, self.tp, dim=1)
         else:

@@ -142,8 +142,8 @@ class VocabParallelEmbedding(FromEmbedding, nn.Module):
         tp = self.mesh.tp
         out = lookup_vocab_slice(ids, self.weight, tp, self.rows_per_rank, self.padding_idx)
         if self.sequence_parallel:
-            return regions.reduce_scatter_to_sequence_parallel(out, tp, self.sequence_dim)
-        return regions.reduce_from_tensor_parallel(out, tp)
+            return regions.reduce_scatter_fwd_all_gather_bwd(out, tp, self.sequence_dim)
+        return regions.all_reduce_fwd_identity_bwd(out, tp)
 
     def extra_repr(self) -> str:
         return (

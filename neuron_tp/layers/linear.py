@@ -1,7 +1,7 @@
 """Column- and row-parallel linear layers (1D, Megatron-style), with optional sequence parallelism.
 
-The communication uses the Megatron role names of :mod:`neuron_tp.parallel.regions` (e.g.
-``copy_to_tensor_parallel`` = ``identity_fwd_all_reduce_bwd``).
+The communication is :mod:`neuron_tp.parallel.regions`' pairs, named for what they do (Megatron's
+``copy_to_tensor_model_parallel_region`` is ``identity_fwd_all_reduce_bwd``).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..parallel import regions
+from ..parallel import gathered_linears, regions
 from ..parallel.mesh import Mesh, get_mesh
 from ..parallel.sharding import mark_sequence_parallel
 from .activation_layout import REPLICATED, SHARDED_FEATURES, SHARDED_SEQUENCE
@@ -31,7 +31,8 @@ class ColumnParallelLinear(FromLinear, nn.Module):
 
     With ``sequence_parallel`` the all-gathered input is not saved for backward: the layer
     saves its sequence shard and all-gathers it again in backward for the weight gradient
-    (:func:`neuron_tp.parallel.regions.gathered_linear`; Megatron's choice, activation memory / tp).
+    (:func:`neuron_tp.parallel.gathered_linears.gathered_linear`; Megatron's choice,
+    activation memory / tp).
     ``sequence_parallel_regather=False`` keeps the gathered input instead (tp times the
     memory of that activation, one all-gather fewer in backward).
     """
@@ -101,7 +102,7 @@ class ColumnParallelLinear(FromLinear, nn.Module):
         weight, bias = self._local_weight_and_bias(x.device)
         y = self._linear(x, weight, None if self.skip_bias_add else bias)
         if self.gather_output:
-            y = regions.gather_from_tensor_parallel(y, self.mesh.tp, -1)
+            y = regions.all_gather_fwd_split_bwd(y, self.mesh.tp, -1)
             if y.shape[-1] != self.out_features:
                 y = y[..., : self.out_features]
         return (y, self.bias) if self.skip_bias_add else y
@@ -117,15 +118,16 @@ class ColumnParallelLinear(FromLinear, nn.Module):
         """The input region and the matmul; fused (saving the sequence shard) under sequence
         parallelism with ``sequence_parallel_regather``."""
         if self.sequence_parallel and self.sequence_parallel_regather:
-            return regions.gathered_linear(x, weight, self.mesh.tp, self.sequence_dim, bias)
+            tp, dim = self.mesh.tp, self.sequence_dim
+            return gathered_linears.gathered_linear(x, weight, tp, dim, bias)
         return F.linear(self._input_region(x), weight, bias)
 
     def _input_region(self, x: torch.Tensor) -> torch.Tensor:
         """Replicated input: copy (backward all-reduce); sequence-sharded: all-gather the
         sequence (backward reduce-scatter)."""
         if self.sequence_parallel:
-            return regions.gather_from_sequence_parallel(x, self.mesh.tp, self.sequence_dim)
-        return regions.copy_to_tensor_parallel(x, self.mesh.tp)
+            return regions.all_gather_fwd_reduce_scatter_bwd(x, self.mesh.tp, self.sequence_dim)
+        return regions.identity_fwd_all_reduce_bwd(x, self.mesh.tp)
 
     def _local_weight_and_bias(
         self, device: torch.device
@@ -211,14 +213,14 @@ class RowParallelLinear(FromLinear, nn.Module):
                 f"parallelism; pad the sequence to a multiple of {tp.size}"
             )
         if not self.input_is_parallel:
-            x = regions.scatter_to_tensor_parallel(x, tp, -1)
+            x = regions.split_fwd_all_gather_bwd(x, tp, -1)
         y = F.linear(x, self.weight)
         if partial_addend is not None:
             y = y + partial_addend(x)
         if self.sequence_parallel:
-            y = regions.reduce_scatter_to_sequence_parallel(y, tp, self.sequence_dim)
+            y = regions.reduce_scatter_fwd_all_gather_bwd(y, tp, self.sequence_dim)
         else:
-            y = regions.reduce_from_tensor_parallel(y, tp)
+            y = regions.all_reduce_fwd_identity_bwd(y, tp)
         if self.skip_bias_add:
             return y, self.bias
         return y if self.bias is None else y + self.bias

@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..parallel import regions
+from ..parallel import gathered_linears, regions
 from ..parallel.mesh import Mesh, get_mesh
 from .activation_layout import LAYOUT_2D, ActivationLayout, check_layout, check_mode, tag
 from .common import FromLinear, check_dtype, make_linear_parameters, require_multiple
@@ -95,7 +95,9 @@ class Linear2D(FromLinear, nn.Module):
         check_dtype(x, self.weight, name)
         row, col = self.mesh.group("row"), self.mesh.group("col")
         # X along the row (-> X[r, :]), W along the column (-> W^T[:, c]), one GEMM
-        y = regions.gathered_operands_linear(x, self.weight, row, -1, col, 1, self.regather)
+        y = gathered_linears.gathered_operands_linear(
+            x, self.weight, row, -1, col, 1, self.regather
+        )
         if self.bias is not None:  # backward: the bias gradient is summed over the batch shards
             y = y + regions.identity_fwd_all_reduce_bwd(self.bias, col)
         return tag(y, LAYOUT_2D)

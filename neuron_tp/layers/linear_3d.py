@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..parallel import regions
+from ..parallel import gathered_linears, regions
 from ..parallel.mesh import Mesh, get_mesh
 from .activation_layout import LAYOUT_3D_A, LAYOUT_3D_B, check_layout, check_mode, tag
 from .common import FromLinear, check_dtype, make_linear_parameters, require_multiple
@@ -105,7 +105,7 @@ class Linear3D(FromLinear, nn.Module):
         scatter_y = m.group(self.input_layout.feature_axis)  # summed-over in-feature axis
         # X over the inner batch axis, W over input; the GEMM's Y is a partial sum over the
         # in-feature chunks
-        y = regions.gathered_operands_linear(
+        y = gathered_linears.gathered_operands_linear(
             x, self.weight, gather_x, 0, m.group("input"), 1, self.regather
         )
         y = regions.reduce_scatter_fwd_all_gather_bwd(y, scatter_y, dim=0)

@@ -88,7 +88,7 @@ block = ntp.blocks.TransformerBlock(32, 4, mesh=mesh, sequence_parallel=True).to
 head = ntp.ColumnParallelLinear(32, 50, bias=False, pad_output=True, sequence_parallel=True,
                                 mesh=mesh).to(dev)
 ids = torch.randint(0, 50, (2, 8)).to(dev)
-x = regions.scatter_to_sequence_parallel(emb(ids), mesh.tp, 1)
+x = regions.split_fwd_all_gather_bwd(emb(ids), mesh.tp, 1)
 loss = ntp.parallel_cross_entropy(head(block(x)), ids, mesh=mesh, vocab_size=50)
 loss.backward()
 params = (*emb.parameters(), *block.parameters(), *head.parameters())

@@ -78,10 +78,10 @@ def regions_case(c: Checks) -> None:
         c.add(f"{what} fwd", y, want_y)
         c.add(f"{what} bwd", x.grad, want_gx)
 
-    run("copy", lambda t: regions.copy_to_tensor_parallel(t, grp), xs[r], gs[r], xs[r], sum(gs))
+    run("copy", lambda t: regions.identity_fwd_all_reduce_bwd(t, grp), xs[r], gs[r], xs[r], sum(gs))
     run(
         "reduce",
-        lambda t: regions.reduce_from_tensor_parallel(t, grp),
+        lambda t: regions.all_reduce_fwd_identity_bwd(t, grp),
         xs[r],
         gs[r],
         sum(xs),
@@ -89,7 +89,7 @@ def regions_case(c: Checks) -> None:
     )
     run(
         "reduce, then in place",
-        lambda t: regions.reduce_from_tensor_parallel(t, grp).add_(1),
+        lambda t: regions.all_reduce_fwd_identity_bwd(t, grp).add_(1),
         xs[r],
         gs[r],
         sum(xs) + 1,
@@ -105,7 +105,7 @@ def regions_case(c: Checks) -> None:
     )
     run(
         "scatter seq",
-        lambda t: regions.scatter_to_sequence_parallel(t, grp, 1),
+        lambda t: regions.split_fwd_all_gather_bwd(t, grp, 1),
         full,
         gs[r],
         xs[r],
@@ -113,7 +113,7 @@ def regions_case(c: Checks) -> None:
     )
     run(
         "scatter last",
-        lambda t: regions.scatter_to_tensor_parallel(t, grp, -1),
+        lambda t: regions.split_fwd_all_gather_bwd(t, grp, -1),
         torch.cat(xs, -1),
         gs[r],
         xs[r],
@@ -121,7 +121,7 @@ def regions_case(c: Checks) -> None:
     )
     run(
         "gather",
-        lambda t: regions.gather_from_tensor_parallel(t, grp, 1),
+        lambda t: regions.all_gather_fwd_split_bwd(t, grp, 1),
         xs[r],
         cat_g,
         full,
@@ -129,7 +129,7 @@ def regions_case(c: Checks) -> None:
     )
     run(
         "sp gather",
-        lambda t: regions.gather_from_sequence_parallel(t, grp, 1),
+        lambda t: regions.all_gather_fwd_reduce_scatter_bwd(t, grp, 1),
         xs[r],
         g_full[r],
         full,
@@ -137,7 +137,7 @@ def regions_case(c: Checks) -> None:
     )
     run(
         "reduce-scatter",
-        lambda t: regions.reduce_scatter_to_sequence_parallel(t, grp, 1),
+        lambda t: regions.reduce_scatter_fwd_all_gather_bwd(t, grp, 1),
         x_full[r],
         gs[r],
         sum(x_full).chunk(tp, 1)[r],

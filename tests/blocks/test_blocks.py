@@ -43,7 +43,7 @@ def _block(tp, sp, dropout=False):
     x = x_all.detach()[rows]
     g = g_all[rows]
     if sp:
-        x = regions.scatter_to_sequence_parallel(x, mesh.tp, 1)
+        x = regions.split_fwd_all_gather_bwd(x, mesh.tp, 1)
         g = g.chunk(tp, 1)[mesh.tp_rank]
     x = x.clone().requires_grad_(True)
     torch.manual_seed(99)

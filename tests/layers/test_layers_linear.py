@@ -24,7 +24,7 @@ def _check_column(mesh, in_f, out_f, bias, sp, gather, seed):
     (y_ref * gy).sum().backward()
     tp = mesh.tp
     x = x_full.detach()
-    x = regions.scatter_to_sequence_parallel(x, tp, 1) if sp else x
+    x = regions.split_fwd_all_gather_bwd(x, tp, 1) if sp else x
     x = x.clone().requires_grad_(True)
     y = layer(x)
     expect_y = y_ref if gather else y_ref.chunk(tp.size, -1)[tp.rank]

@@ -37,7 +37,7 @@ def _linear_pair(mesh, regather: bool, dim: int) -> None:
     g = torch.randn_like(y_ref)
     (y_ref * g).sum().backward()
     tp = mesh.tp
-    x = regions.scatter_to_sequence_parallel(x_full.detach(), tp, dim).clone().requires_grad_()
+    x = regions.split_fwd_all_gather_bwd(x_full.detach(), tp, dim).clone().requires_grad_()
     y = down(F.gelu(up(x)))
     tag = f"pair tp={tp.size} regather={regather} dim={dim}"
     assert_close(y, y_ref.chunk(tp.size, dim)[tp.rank].detach(), f"{tag} out")
@@ -67,7 +67,7 @@ def _block(mesh, regather: bool) -> None:
     g = torch.randn_like(y_ref)
     (y_ref * g).sum().backward()
     tp = mesh.tp
-    x = regions.scatter_to_sequence_parallel(x_full.detach(), tp, 1).clone().requires_grad_()
+    x = regions.split_fwd_all_gather_bwd(x_full.detach(), tp, 1).clone().requires_grad_()
     y = block(x)
     tag = f"block tp={tp.size} regather={regather}"
     assert_close(y, y_ref.chunk(tp.size, 1)[tp.rank].detach(), f"{tag} out", atol=2e-5)

@@ -29,29 +29,29 @@ def _regions(tp):
         y.backward(g_out)
         return y.detach(), x.grad
 
-    y, gx = run(lambda t: regions.copy_to_tensor_parallel(t, grp), xs[r], gs[r])
+    y, gx = run(lambda t: regions.identity_fwd_all_reduce_bwd(t, grp), xs[r], gs[r])
     assert_close(y, xs[r], "copy fwd")
     assert_close(gx, sum(gs), "copy bwd = all-reduce")
-    y, gx = run(lambda t: regions.reduce_from_tensor_parallel(t, grp), xs[r], gs[r])
+    y, gx = run(lambda t: regions.all_reduce_fwd_identity_bwd(t, grp), xs[r], gs[r])
     assert_close(y, sum(xs), "reduce fwd = all-reduce")
     assert_close(gx, gs[r], "reduce bwd")
     full = torch.cat(xs, 1)  # replicated [2, 4*tp, 6]
-    y, gx = run(lambda t: regions.scatter_to_sequence_parallel(t, grp, 1), full, gs[r])
+    y, gx = run(lambda t: regions.split_fwd_all_gather_bwd(t, grp, 1), full, gs[r])
     assert_close(y, xs[r], "scatter fwd")
     assert_close(gx, cat_g, "scatter bwd = all-gather")
-    y, gx = run(lambda t: regions.gather_from_tensor_parallel(t, grp, 1), xs[r], cat_g)
+    y, gx = run(lambda t: regions.all_gather_fwd_split_bwd(t, grp, 1), xs[r], cat_g)
     assert_close(y, full, "gather fwd")
     assert_close(gx, gs[r], "gather bwd = split")
     g_full = _per_rank(mesh.world_size, (2, 4 * tp, 6), seed=9)[base : base + tp]
-    y, gx = run(lambda t: regions.gather_from_sequence_parallel(t, grp, 1), xs[r], g_full[r])
+    y, gx = run(lambda t: regions.all_gather_fwd_reduce_scatter_bwd(t, grp, 1), xs[r], g_full[r])
     assert_close(y, full, "sp gather fwd")
     assert_close(gx, sum(g_full).chunk(tp, 1)[r], "sp gather bwd = reduce-scatter")
     x_full = _per_rank(mesh.world_size, (2, 4 * tp, 6), seed=10)[base : base + tp]
-    y, gx = run(lambda t: regions.reduce_scatter_to_sequence_parallel(t, grp, 1), x_full[r], gs[r])
+    y, gx = run(lambda t: regions.reduce_scatter_fwd_all_gather_bwd(t, grp, 1), x_full[r], gs[r])
     assert_close(y, sum(x_full).chunk(tp, 1)[r], "reduce-scatter fwd")
     assert_close(gx, cat_g, "reduce-scatter bwd = all-gather")
     # the hidden (last) dim as well as the sequence dim
-    y, gx = run(lambda t: regions.scatter_to_tensor_parallel(t, grp, -1), torch.cat(xs, -1), gs[r])
+    y, gx = run(lambda t: regions.split_fwd_all_gather_bwd(t, grp, -1), torch.cat(xs, -1), gs[r])
     assert_close(y, xs[r], "scatter last-dim fwd")
     assert_close(gx, torch.cat(gs, -1), "scatter last-dim bwd")
 

@@ -3,7 +3,7 @@ resumes from the newest complete checkpoint and ends exactly where an uninterrup
 
 One torchrun job (2 gloo ranks, tp 2, c10d rendezvous: one key-value store kept across
 restarts, ``--max-restarts 4``) is killed four times, once per attempt (restart_run.py):
-rank 1 right after step 6 (rank 0 runs on into step 7), rank 0 during the start-up of the
+rank 0 right after step 6 (rank 1 runs on into step 7), rank 1 during the start-up of the
 restarted attempt (process group up, output dir claimed, restoring), rank 1 while checkpoint 8
 is being written (a partial temporary directory left), rank 0 during an evaluation. The fifth
 attempt finishes. Checked: every attempt started, every kill happened where planned, the run
@@ -34,7 +34,7 @@ from safetensors.torch import load_file
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
-KILLS = "0:1:step:6,1:0:startup,2:1:save:8,3:0:eval"
+KILLS = "0:0:step:6,1:1:startup,2:1:save:8,3:0:eval"
 STEPS = 12
 
 
@@ -84,7 +84,7 @@ def test_killed_workers_restart_and_end_with_the_uninterrupted_weights(tmp_path)
     out, events = _job(tmp_path, "killed", KILLS, 4, port + 1)
 
     kills = [(e["attempt"], e["rank"], e["where"]) for e in events if e["event"] == "kill"]
-    assert kills == [(0, 1, "step"), (1, 0, "startup"), (2, 1, "save"), (3, 0, "eval")], events
+    assert kills == [(0, 0, "step"), (1, 1, "startup"), (2, 1, "save"), (3, 0, "eval")], events
     starts = {(e["attempt"], e["rank"]) for e in events if e["event"] == "start"}
     assert starts == {(a, r) for a in range(5) for r in (0, 1)}, events
     exits = [(e["attempt"], e["code"]) for e in events if e["event"] == "exit"]
