@@ -94,14 +94,11 @@ def job_from_args(args: argparse.Namespace, ranks_per_node: int = 0):
 
 
 def pins_from_args(args: argparse.Namespace) -> dict:
-    return dict(
-        tp=args.tp,
-        tp_mode=args.tp_mode,
-        sequence_parallel=args.sequence_parallel,
-        micro_batch=args.micro_batch,
-        recompute=args.activation_checkpointing,
-        zero1=args.zero1,
-    )
+    """The layout options pinned on the command line (None: not pinned), by their
+    ``neuron-tp train`` names (:data:`~neuron_tp.plan.search.PINS`)."""
+    from ..plan.search import PINS
+
+    return {name: getattr(args, name) for name in PINS}
 
 
 def plan_command(argv: list[str]) -> int:
