@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
-from dataclasses import MISSING, field, fields, is_dataclass
+from dataclasses import field, fields
 from typing import Any, TypeVar
 
 _Record = TypeVar("_Record")
@@ -98,10 +98,10 @@ def add_options(parser, record: type) -> None:
             default = list(default)
         if meta["help"] is not None:
             kwargs["help"] = meta["help"]
-        if meta["flag"].startswith("-"):
+        if meta["flag"].startswith("-"):  # a positional's name is its dest, it has no default
             kwargs["dest"] = meta["dest"]
-        if not kwargs.get("required"):
-            kwargs["default"] = default
+            if not kwargs.get("required"):
+                kwargs["default"] = default
         parser.add_argument(meta["flag"], **kwargs)
 
 
@@ -167,13 +167,7 @@ def option_flags(record: type) -> dict[str, str]:
     return out
 
 
-def is_record(value) -> bool:
-    """Whether ``value`` is an options record (a dataclass instance)."""
-    return is_dataclass(value) and not isinstance(value, type)
-
-
 __all__ = [
-    "MISSING",
     "add_options",
     "build_parser",
     "buckets",
