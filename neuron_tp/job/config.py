@@ -115,6 +115,24 @@ class EvalConfig:
 
 
 @dataclass(frozen=True)
+class CheckpointConfig:
+    """Where the run writes (checkpoints, metrics, adapters) and what it resumes from
+    (:mod:`neuron_tp.train.checkpoint_policy`)."""
+
+    save_every: int = opt("--save-every", 0, "0 = only at the end", type=non_negative(int))
+    keep_last: int = opt(
+        "--keep-last",
+        2,
+        "keep the newest N checkpoints (and always the one resumed from)",
+        type=pos(int),
+    )
+    output_dir: str = opt("--output-dir", "runs/train")
+    resume: str = opt(
+        "--resume", "auto", "auto (newest complete checkpoint in --output-dir), none, or a path"
+    )
+
+
+@dataclass(frozen=True)
 class LoraConfig:
     """LoRA adapters (peft) trained instead of the whole model (:mod:`.train.peft_wrap`)."""
 
@@ -258,17 +276,7 @@ class TrainConfig(_CommonConfig):
     )
     log_every: int = opt("--log-every", 10, type=pos(int))
     eval: EvalConfig = group(EvalConfig)
-    save_every: int = opt("--save-every", 0, "0 = only at the end", type=non_negative(int))
-    keep_last: int = opt(
-        "--keep-last",
-        2,
-        "keep the newest N checkpoints (and always the one resumed from)",
-        type=pos(int),
-    )
-    output_dir: str = opt("--output-dir", "runs/train")
-    resume: str = opt(
-        "--resume", "auto", "auto (newest complete checkpoint in --output-dir), none, or a path"
-    )
+    checkpoint: CheckpointConfig = group(CheckpointConfig)
     tensorboard: bool = opt(
         "--tensorboard", False, "write TensorBoard scalars", action="store_true"
     )

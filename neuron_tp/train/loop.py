@@ -404,7 +404,8 @@ def _train(
     else:
         save_at_end(run, saved, finished=run.step >= steps or stopped, trained=trained)
         if config.lora.r and trained:
-            say(f"LoRA adapters (PEFT format): {lora.save(run.model, config.output_dir, run.mesh)}")
+            saved = lora.save(run.model, config.checkpoint.output_dir, run.mesh)
+            say(f"LoRA adapters (PEFT format): {saved}")
     if not trained:
         say(f"nothing to do: already at step {run.step} of {steps} (--steps, --resume)")
     summary = {
