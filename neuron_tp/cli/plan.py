@@ -13,8 +13,9 @@ from ..plan.hardware import INSTANCES
 
 
 @dataclass(frozen=True)
-class _Pins:
-    """Layout options pinned (None: the planner tries them all)."""
+class LayoutPins:
+    """Layout options pinned (None: the planner tries them all): the fields are
+    :data:`neuron_tp.plan.search.PINS`, the `neuron-tp train` options of the same names."""
 
     TITLE: ClassVar[str] = "pin a choice (default: try them all)"
 
@@ -31,7 +32,7 @@ class _Pins:
 
 
 @dataclass(frozen=True)
-class _Assumptions:
+class Assumptions:
     """What the prediction assumes of the hardware."""
 
     TITLE: ClassVar[str] = "assumptions"
@@ -74,8 +75,8 @@ class PlanOptions:
         "--global-batch", None, "sequences per optimizer step", type=positive(int), required=True
     )
     fp32: bool = opt("--fp32", False, "fp32 training (default: --bf16)", action="store_true")
-    pins: _Pins = group(_Pins)
-    assumptions: _Assumptions = group(_Assumptions)
+    pins: LayoutPins = group(LayoutPins)
+    assumptions: Assumptions = group(Assumptions)
     top: int = opt("--top", 20, "rows to print (0: all)", type=int)
     json: bool = opt("--json", False, "print the plan as JSON", action="store_true")
 

@@ -165,19 +165,3 @@ def option_flags(record: type) -> dict[str, str]:
         else:
             out[f.metadata["dest"]] = f.metadata["flag"]
     return out
-
-
-__all__ = [
-    "add_options",
-    "build_parser",
-    "buckets",
-    "flat_values",
-    "from_namespace",
-    "group",
-    "names",
-    "non_negative",
-    "opt",
-    "option_flags",
-    "option_values",
-    "positive",
-]
