@@ -173,3 +173,68 @@ def test_private_attribute_check_sees_a_second_reader(tmp_path):
         "neuron_tp.parallel.state",
         "neuron_tp.parallel.other",
     }
+
+
+GENERATOR = "neuron_tp.job.options"  # the one module that calls argparse's builders
+
+
+def parser_builders(root: Path = REPO) -> list[str]:
+    """Every call of ``ArgumentParser(``, ``add_argument(`` or ``add_argument_group(`` in the
+    package outside :data:`GENERATOR`: each is an option declared outside its record."""
+    found = []
+    for mod, path in modules(root).items():
+        if mod == GENERATOR:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Call):
+                f = node.func
+                name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
+                if name in ("ArgumentParser", "add_argument", "add_argument_group"):
+                    found.append(f"{path.relative_to(root)}:{node.lineno}: {name}(")
+    return found
+
+
+def test_every_parser_is_generated_from_an_options_record():
+    """Options are declared once, as fields of a record (neuron_tp.job.options.opt); the
+    argparse parsers are built from the records only."""
+    found = parser_builders()
+    assert not found, "\n".join(found)
+
+
+def test_each_parser_has_exactly_its_records_options():
+    """Every parser of the command line: its options are the record's fields, one to one
+    (flag and destination), nothing added beside them."""
+    from neuron_tp.cli import args, entry, plan, selftest
+    from neuron_tp.job import config, options
+
+    pairs = [
+        (args.train_parser(), config.TrainConfig),
+        (args.generate_parser(), config.GenerateConfig),
+        (args.serve_parser(), config.ServeConfig),
+        (plan.plan_parser(), plan.PlanOptions),
+        (selftest.selftest_parser(), selftest.SelftestArgs),
+        (entry.consolidate_parser(), entry.ConsolidateArgs),
+    ]
+    for parser, record in pairs:
+        actions = {
+            a.dest: (a.option_strings[0] if a.option_strings else a.dest)
+            for a in parser._actions
+            if a.dest != "help"
+        }
+        assert actions == options.option_flags(record), record.__name__
+        assert len(actions) == len(parser._actions) - 1, record.__name__  # no shared dest
+
+
+def test_the_plan_pins_are_the_layouts_train_options():
+    """``neuron-tp plan``'s pins are the layout fields ``make_plan`` takes (search.PINS), each
+    a ``neuron-tp train`` option of the same name and flag."""
+    from dataclasses import fields
+
+    from neuron_tp.cli.plan import LayoutPins
+    from neuron_tp.job.config import TrainConfig
+    from neuron_tp.job.options import option_flags
+    from neuron_tp.plan.search import PINS, TRAIN_OPTIONS, Layout
+
+    assert set(PINS) <= set(TRAIN_OPTIONS) <= {f.name for f in fields(Layout)}
+    train = option_flags(TrainConfig)
+    assert {n: train[n] for n in PINS} == option_flags(LayoutPins)

@@ -2,30 +2,47 @@
 
 from __future__ import annotations
 
-import argparse
 import difflib
 import os
 import sys
 import time
+from dataclasses import dataclass
 
 from ..errors import UserError, reporter
+from ..job.options import build_parser, opt
 
 COMMANDS = ("train", "generate", "serve", "consolidate", "plan", "selftest")
 
 
-def _consolidate(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(
-        prog="neuron-tp consolidate",
-        description="Merge a sharded checkpoint into one HF directory (a LoRA run: the base "
+@dataclass(frozen=True)
+class ConsolidateArgs:
+    """``neuron-tp consolidate`` options."""
+
+    checkpoint: str = opt(
+        "checkpoint", None, "a checkpoint directory (or an output dir: the newest)"
+    )
+    out_dir: str = opt(
+        "out_dir", None, "new (or empty) directory for config.json + model.safetensors"
+    )
+    adapter_only: bool = opt(
+        "--adapter-only",
+        False,
+        "a LoRA run (--lora-r): write its PEFT adapter directory instead of the merged model",
+        action="store_true",
+    )
+
+
+def consolidate_parser():
+    return build_parser(
+        ConsolidateArgs,
+        "neuron-tp consolidate",
+        "Merge a sharded checkpoint into one HF directory (a LoRA run: the base "
         "with its adapters merged in).",
     )
-    p.add_argument("checkpoint", help="a checkpoint directory (or an output dir: the newest)")
-    p.add_argument("out_dir", help="new (or empty) directory for config.json + model.safetensors")
-    p.add_argument(
-        "--adapter-only",
-        action="store_true",
-        help="a LoRA run (--lora-r): write its PEFT adapter directory instead of the merged model",
-    )
+
+
+def _consolidate(argv: list[str]) -> int:
+    p = consolidate_parser()
     args = p.parse_args(argv)
     from ..checkpoint import consolidate
 

@@ -88,12 +88,12 @@ def train_command(args: argparse.Namespace | TrainConfig, on_step: Callable | No
     from ..train.preempt import StopSignal
 
     config = TrainConfig.from_args(args)
-    if config.global_batch and config.plan != "auto":
+    if config.plan.global_batch and config.plan.mode != "auto":
         raise UserError(
             "--global-batch is read by --plan auto only; without it the global batch is "
             "--micro-batch x --grad-accum x dp"
         )
-    if config.plan == "auto":
+    if config.plan.mode == "auto":
         from ..plan.auto import apply_plan, rank0_printer
 
         config = apply_plan(config, rank0_printer)

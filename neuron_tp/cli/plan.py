@@ -5,59 +5,89 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import dataclass
+from typing import ClassVar
 
+from ..job.options import build_parser, group, opt, positive
 from ..plan.hardware import INSTANCES
-from .args import positive
+
+
+@dataclass(frozen=True)
+class LayoutPins:
+    """Layout options pinned (None: the planner tries them all): the fields are
+    :data:`neuron_tp.plan.search.PINS`, the `neuron-tp train` options of the same names."""
+
+    TITLE: ClassVar[str] = "pin a choice (default: try them all)"
+
+    tp: int | None = opt("--tp", type=positive(int))
+    tp_mode: str | None = opt("--tp-mode", choices=("1d", "2d", "3d"))
+    sequence_parallel: bool | None = opt(
+        "--sequence-parallel", action=argparse.BooleanOptionalAction
+    )
+    micro_batch: int | None = opt("--micro-batch", type=positive(int))
+    activation_checkpointing: str | None = opt(
+        "--activation-checkpointing", choices=("none", "selective", "full")
+    )
+    zero1: bool | None = opt("--zero1", None, "fp32 jobs", action=argparse.BooleanOptionalAction)
+
+
+@dataclass(frozen=True)
+class Assumptions:
+    """What the prediction assumes of the hardware."""
+
+    TITLE: ClassVar[str] = "assumptions"
+
+    efficiency: float | None = opt(
+        "--efficiency",
+        None,
+        "achievable fraction of peak FLOP/s (default 0.5; 1.0 of a --calibration's "
+        "measured matmul rate)",
+        type=float,
+    )
+    calibration: str = opt(
+        "--calibration",
+        "",
+        "measured figures from `neuron-tp selftest --calibrate PATH` instead of the "
+        "datasheet's (bandwidths, collective latency, achieved TFLOP/s)",
+        metavar="PATH",
+    )
+    memory_fraction: float = opt(
+        "--memory-fraction", 0.9, "of a core's HBM the job may use", type=float
+    )
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """``neuron-tp plan`` options."""
+
+    model: str = opt(
+        "--model",
+        None,
+        "llama-2-7b, llama-2-13b, llama-2-70b, llama-3-8b, llama-3.1-8b, llama-3.1-70b, "
+        "mixtral-8x7b, qwen3-30b-a3b (mixtures of experts), a "
+        "preset, a model directory or a config.json",
+        required=True,
+    )
+    instance: str = opt("--instance", "trn1.32xlarge", choices=sorted(INSTANCES))
+    nodes: int = opt("--nodes", 1, type=positive(int))
+    seq_len: int = opt("--seq-len", type=positive(int), required=True)
+    global_batch: int = opt(
+        "--global-batch", None, "sequences per optimizer step", type=positive(int), required=True
+    )
+    fp32: bool = opt("--fp32", False, "fp32 training (default: --bf16)", action="store_true")
+    pins: LayoutPins = group(LayoutPins)
+    assumptions: Assumptions = group(Assumptions)
+    top: int = opt("--top", 20, "rows to print (0: all)", type=int)
+    json: bool = opt("--json", False, "print the plan as JSON", action="store_true")
 
 
 def plan_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="neuron-tp plan",
-        description="Predict per-NeuronCore memory and step time of every tensor/data-parallel "
+    return build_parser(
+        PlanOptions,
+        "neuron-tp plan",
+        "Predict per-NeuronCore memory and step time of every tensor/data-parallel "
         "layout of a training job, from traced steps of the code that trains; rank them.",
     )
-    p.add_argument(
-        "--model",
-        required=True,
-        help="llama-2-7b, llama-2-13b, llama-2-70b, llama-3-8b, llama-3.1-8b, llama-3.1-70b, "
-        "mixtral-8x7b, qwen3-30b-a3b (mixtures of experts), a "
-        "preset, a model directory or a config.json",
-    )
-    p.add_argument("--instance", default="trn1.32xlarge", choices=sorted(INSTANCES))
-    p.add_argument("--nodes", type=positive(int), default=1)
-    p.add_argument("--seq-len", type=positive(int), required=True)
-    p.add_argument(
-        "--global-batch", type=positive(int), required=True, help="sequences per optimizer step"
-    )
-    p.add_argument("--fp32", action="store_true", help="fp32 training (default: --bf16)")
-    pins = p.add_argument_group("pin a choice (default: try them all)")
-    pins.add_argument("--tp", type=positive(int))
-    pins.add_argument("--tp-mode", choices=("1d", "2d", "3d"))
-    pins.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction)
-    pins.add_argument("--micro-batch", type=positive(int))
-    pins.add_argument("--activation-checkpointing", choices=("none", "selective", "full"))
-    pins.add_argument("--zero1", action=argparse.BooleanOptionalAction, help="fp32 jobs")
-    model = p.add_argument_group("assumptions")
-    model.add_argument(
-        "--efficiency",
-        type=float,
-        default=None,
-        help="achievable fraction of peak FLOP/s (default 0.5; 1.0 of a --calibration's "
-        "measured matmul rate)",
-    )
-    model.add_argument(
-        "--calibration",
-        default="",
-        metavar="PATH",
-        help="measured figures from `neuron-tp selftest --calibrate PATH` instead of the "
-        "datasheet's (bandwidths, collective latency, achieved TFLOP/s)",
-    )
-    model.add_argument(
-        "--memory-fraction", type=float, default=0.9, help="of a core's HBM the job may use"
-    )
-    p.add_argument("--top", type=int, default=20, help="rows to print (0: all)")
-    p.add_argument("--json", action="store_true", help="print the plan as JSON")
-    return p
 
 
 def job_from_args(args: argparse.Namespace, ranks_per_node: int = 0):
@@ -94,14 +124,11 @@ def job_from_args(args: argparse.Namespace, ranks_per_node: int = 0):
 
 
 def pins_from_args(args: argparse.Namespace) -> dict:
-    return dict(
-        tp=args.tp,
-        tp_mode=args.tp_mode,
-        sequence_parallel=args.sequence_parallel,
-        micro_batch=args.micro_batch,
-        recompute=args.activation_checkpointing,
-        zero1=args.zero1,
-    )
+    """The layout options pinned on the command line (None: not pinned), by their
+    ``neuron-tp train`` names (:data:`~neuron_tp.plan.search.PINS`)."""
+    from ..plan.search import PINS
+
+    return {name: getattr(args, name) for name in PINS}
 
 
 def plan_command(argv: list[str]) -> int:

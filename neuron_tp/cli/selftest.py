@@ -5,75 +5,79 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from dataclasses import dataclass
 
 from ..errors import UserError
+from ..job.options import build_parser, opt, positive
 from ..plan.hardware import INSTANCES
-from .args import positive
 
 CHECKS = ("environment", "collectives", "bandwidth", "layers", "model", "compile", "compute")
 
 
+@dataclass(frozen=True)
+class SelftestArgs:
+    """``neuron-tp selftest`` options (:func:`options_from_args` checks them)."""
+
+    device: str = opt(
+        "--device",
+        "xla",
+        "xla: NeuronCores (or XLA CPU devices); cpu: gloo ranks under torchrun",
+        choices=("xla", "cpu"),
+    )
+    xla_cpu_devices: int = opt(
+        "--xla-cpu-devices",
+        0,
+        "run N ranks as XLA CPU devices of this one process (no torchrun)",
+        type=int,
+        metavar="N",
+    )
+    tp: int | None = opt(
+        "--tp",
+        None,
+        "tp degree of the mesh (default: the ranks of a node, or half the world from 4 ranks)",
+        type=positive(int),
+    )
+    quick: bool = opt("--quick", False, "a one-minute subset", action="store_true")
+    json: bool = opt("--json", False, "print the report as JSON", action="store_true")
+    timeout: float = opt(
+        "--timeout",
+        300.0,
+        "seconds per check; a rank stuck longer names its collective and exits 1",
+        type=positive(float),
+    )
+    instance: str = opt(
+        "--instance",
+        "",
+        "print the instance's theoretical bandwidth and peak next to the measured ones",
+        choices=sorted(INSTANCES),
+    )
+    checks: str = opt(
+        "--checks", "", f"comma-separated subset of {','.join(CHECKS)} (environment always runs)"
+    )
+    max_bytes: int | None = opt(
+        "--max-bytes",
+        None,
+        "largest bandwidth message (default 256 MiB on Neuron, 4 MiB --quick; smaller off Neuron)",
+        type=positive(int),
+    )
+    calibrate: str = opt(
+        "--calibrate",
+        "",
+        "write the measured bandwidths, latencies and TFLOP/s as JSON for "
+        "`neuron-tp plan --calibration PATH`",
+        metavar="PATH",
+    )
+
+
 def selftest_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="neuron-tp selftest",
-        description="Check collectives (exact results, bus bandwidth), every parallel layer, a "
+    return build_parser(
+        SelftestArgs,
+        "neuron-tp selftest",
+        "Check collectives (exact results, bus bandwidth), every parallel layer, a "
         "patched tiny Llama (training and generation), compiles and matmul throughput on this "
         "job's devices; one line per check, exit 0 only when all pass. On Neuron: "
         "`torchrun --nproc_per_node=32 -m neuron_tp.cli selftest`.",
     )
-    p.add_argument(
-        "--device",
-        choices=("xla", "cpu"),
-        default="xla",
-        help="xla: NeuronCores (or XLA CPU devices); cpu: gloo ranks under torchrun",
-    )
-    p.add_argument(
-        "--xla-cpu-devices",
-        type=int,
-        default=0,
-        metavar="N",
-        help="run N ranks as XLA CPU devices of this one process (no torchrun)",
-    )
-    p.add_argument(
-        "--tp",
-        type=positive(int),
-        default=None,
-        help="tp degree of the mesh (default: the ranks of a node, or half the world from 4 ranks)",
-    )
-    p.add_argument("--quick", action="store_true", help="a one-minute subset")
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.add_argument(
-        "--timeout",
-        type=positive(float),
-        default=300.0,
-        help="seconds per check; a rank stuck longer names its collective and exits 1",
-    )
-    p.add_argument(
-        "--instance",
-        choices=sorted(INSTANCES),
-        default="",
-        help="print the instance's theoretical bandwidth and peak next to the measured ones",
-    )
-    p.add_argument(
-        "--checks",
-        default="",
-        help=f"comma-separated subset of {','.join(CHECKS)} (environment always runs)",
-    )
-    p.add_argument(
-        "--max-bytes",
-        type=positive(int),
-        default=None,
-        help="largest bandwidth message (default 256 MiB on Neuron, 4 MiB --quick; smaller "
-        "off Neuron)",
-    )
-    p.add_argument(
-        "--calibrate",
-        default="",
-        metavar="PATH",
-        help="write the measured bandwidths, latencies and TFLOP/s as JSON for "
-        "`neuron-tp plan --calibration PATH`",
-    )
-    return p
 
 
 def options_from_args(args: argparse.Namespace):

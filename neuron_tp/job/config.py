@@ -1,9 +1,9 @@
-"""The options of a training, generation or serving run as typed, frozen records.
-
-The command-line parsers (:mod:`neuron_tp.cli.args`) stay the one home of option names,
-defaults, help and validation; these records are what the rest of the code reads. Each field is
-the parser's destination of one option (``--seq-len`` -> ``seq_len``), so ``config.seq_len``
-reads like the option it came from. Built once at the entry point::
+"""The options of a training, generation or serving run, each declared ONCE as a field of a
+typed, frozen record (:func:`~neuron_tp.job.options.opt`: flag, parser, default, help, valid
+range). The command-line parsers (:mod:`neuron_tp.cli.args`) are generated from these records;
+the rest of the code reads the records. ``TrainConfig`` nests its groups of options
+(``config.lora.r`` is ``--lora-r``); the parsed namespace stays flat (``args.lora_r``) and
+``option_values`` lists every option by its command-line name. Built once at the entry point::
 
     config = TrainConfig.from_args(train_parser().parse_args(argv))
 
@@ -13,22 +13,54 @@ Imports nothing beyond the standard library.
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass, fields
-from typing import TypeVar
+from typing import ClassVar, TypeVar
+
+from .options import buckets, from_namespace, group, names, non_negative, opt, option_values
+from .options import positive as pos
 
 _Config = TypeVar("_Config", bound="_CommonConfig")
+
+REPO_DATA = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "data"
+)
 
 
 @dataclass(frozen=True)
 class _CommonConfig:
-    """Options shared by ``neuron-tp train`` and ``neuron-tp generate``."""
+    """Options shared by ``neuron-tp train``, ``generate`` and ``serve``."""
 
-    model: str  # a preset name or a local directory
-    tp: int
-    device: str  # "xla" or "cpu"
-    tokenizer: str | None  # a directory or "bytes"; None: see job.tokenizer.resolve_tokenizer
-    seed: int
-    xla_cpu_devices: int  # 0: this process is one rank
+    PROG: ClassVar[str] = ""
+    DESCRIPTION: ClassVar[str] = ""
+
+    model: str = opt(  # a preset name or a local directory
+        "--model",
+        "tiny-llama",
+        "local HF model directory or a built-in preset (tiny-llama, tiny-gpt2, tiny-qwen3)",
+    )
+    tp: int = opt("--tp", 1, "tensor-parallel degree", type=pos(int))
+    device: str = opt(
+        "--device",
+        "xla",
+        "xla: NeuronCore when present, else the XLA CPU device; cpu: eager torch",
+        choices=("xla", "cpu"),
+    )
+    tokenizer: str | None = opt(  # None: see job.tokenizer.resolve_tokenizer
+        "--tokenizer",
+        None,
+        "local HF tokenizer directory, or 'bytes' (byte-level); default: the --model "
+        "directory's tokenizer, a checkpoint's recorded one, byte-level for a preset",
+    )
+    seed: int = opt("--seed", 0, type=int)
+    xla_cpu_devices: int = opt(  # 0: this process is one rank
+        "--xla-cpu-devices",
+        0,
+        "run N ranks as XLA CPU devices of this one process (no torchrun): "
+        "the graphs and collectives of an N-NeuronCore job, on a laptop",
+        type=non_negative(int),
+        metavar="N",
+    )
 
     @classmethod
     def from_args(cls: type[_Config], args: argparse.Namespace | _Config) -> _Config:
@@ -36,60 +68,237 @@ class _CommonConfig:
         names any option the record lacks or misses, so the two cannot drift apart."""
         if isinstance(args, cls):
             return args
-        return cls(**vars(args))
+        return from_namespace(cls, args)
 
     def option_values(self) -> dict[str, object]:
         """Every option by its command-line name, sorted (``{"--seq-len": 128, ...}``): what
         the ranks of a job must agree on."""
-        return {
-            "--" + name.replace("_", "-"): getattr(self, name)
-            for name in sorted(f.name for f in fields(self))
-        }
+        return option_values(self)
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """AdamW and its schedule (warm-up, cosine decay to ``min_lr``), clipping."""
+
+    lr: float = opt("--lr", 1e-3, type=pos(float))
+    min_lr: float = opt("--min-lr", 1e-4, type=non_negative(float))
+    warmup_steps: int = opt("--warmup-steps", 10, type=non_negative(int))
+    weight_decay: float = opt("--weight-decay", 0.01, type=non_negative(float))
+    max_grad_norm: float = opt(  # 0: no clipping
+        "--max-grad-norm",
+        1.0,
+        "clip by the global norm across all shards (0 = off)",
+        type=non_negative(float),
+    )
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Evaluation during training (:mod:`neuron_tp.train.evaluate`)."""
+
+    data: str | None = opt(
+        "--eval-data",
+        None,
+        "a data file or directory (as --data) evaluated every --eval-every steps and at the "
+        "last step (eval loss and perplexity over the label tokens, fixed order, split over "
+        "the dp ranks)",
+    )
+    every: int = opt(  # 0: no evaluation
+        "--eval-every", 0, "steps between evaluations", type=non_negative(int)
+    )
+    batches: int = opt(  # 0: the whole eval set
+        "--eval-batches",
+        0,
+        "micro-batches per rank in one evaluation (0: the whole --eval-data)",
+        type=non_negative(int),
+    )
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Where the run writes (checkpoints, metrics, adapters) and what it resumes from
+    (:mod:`neuron_tp.train.checkpoint_policy`)."""
+
+    save_every: int = opt("--save-every", 0, "0 = only at the end", type=non_negative(int))
+    keep_last: int = opt(
+        "--keep-last",
+        2,
+        "keep the newest N checkpoints (and always the one resumed from)",
+        type=pos(int),
+    )
+    output_dir: str = opt("--output-dir", "runs/train")
+    resume: str = opt(
+        "--resume", "auto", "auto (newest complete checkpoint in --output-dir), none, or a path"
+    )
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """LoRA adapters (peft) trained instead of the whole model (:mod:`.train.peft_wrap`)."""
+
+    r: int = opt(  # 0: train the whole model
+        "--lora-r",
+        0,
+        "train LoRA adapters of this rank (peft) instead of the whole model; 0: off",
+        type=non_negative(int),
+    )
+    alpha: float = opt("--lora-alpha", 16.0, "LoRA scaling alpha", type=pos(float))
+    dropout: float = opt("--lora-dropout", 0.0, type=non_negative(float))
+    target_modules: list[str] = opt(  # empty: peft's default for the model type
+        "--lora-target-modules",
+        [],
+        "comma-separated module names to adapt (default: peft's for the model type)",
+        type=names,
+    )
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    """``--plan auto``: the planner chooses the layout options (:mod:`neuron_tp.plan.auto`)."""
+
+    mode: str = opt(
+        "--plan",
+        "none",
+        "auto: run the layout `neuron-tp plan` recommends for this job (sets --tp, "
+        "--tp-mode, --sequence-parallel, --micro-batch, --grad-accum, "
+        "--activation-checkpointing, --zero1; needs --global-batch)",
+        choices=("none", "auto"),
+    )
+    global_batch: int = opt(
+        "--global-batch",
+        0,
+        "--plan auto: sequences per optimizer step over all data-parallel ranks",
+        type=non_negative(int),
+    )
+    instance: str = opt(
+        "--plan-instance",
+        "trn1.32xlarge",
+        "--plan auto: the instance type whose NeuronCore figures the plan uses",
+    )
+    calibration: str = opt(
+        "--plan-calibration",
+        "",
+        "--plan auto: measured figures from `neuron-tp selftest --calibrate PATH` instead "
+        "of the instance's datasheet figures",
+        metavar="PATH",
+    )
 
 
 @dataclass(frozen=True)
 class TrainConfig(_CommonConfig):
-    """``neuron-tp train`` options (see :func:`~neuron_tp.cli.args.train_parser`)."""
+    """``neuron-tp train`` options (dp = world size / tp)."""
 
-    tp_mode: str  # "1d", "2d" (tp = q*q) or "3d" (tp = q^3)
-    sequence_parallel: bool
-    data: str  # a .txt/.jsonl/.parquet/.arrow file or a directory of them
-    seq_len: int
-    loss_on: str  # "answers" (assistant turns / completions) or "all" (instruction data)
-    packing: bool  # instruction data: several samples per row (False: padded rows)
-    overlong: str  # "truncate" or "drop" a sample longer than seq_len
-    data_cache: str | None  # a directory of tokenized rows (neuron_tp.job.data_cache); None: off
-    micro_batch: int  # sequences per rank
-    grad_accum: int
-    steps: int  # optimizer steps (global, counting resumed ones)
-    lr: float
-    min_lr: float
-    warmup_steps: int
-    weight_decay: float
-    max_grad_norm: float  # 0: no clipping
-    bf16: bool  # bf16 params/compute; fp32 masters + AdamW state (Zero1, sharded over dp)
-    reduce_dtype: str  # "param" (sums in the tensors' dtype) or "fp32"
-    activation_checkpointing: str  # "none", "full" or "selective" (neuron_tp.hf.recompute)
-    log_every: int
-    save_every: int  # 0: only at the end
-    keep_last: int
-    output_dir: str
-    resume: str  # "auto", "none" or a checkpoint directory
-    tensorboard: bool
-    skip_nonfinite: bool
-    zero1: bool  # ZeRO-1: AdamW state and fp32 masters sharded over dp (neuron_tp.optim.zero1)
-    lora_r: int  # LoRA rank (peft); 0: train the whole model
-    lora_alpha: float
-    lora_dropout: float
-    lora_target_modules: list[str]  # empty: peft's default for the model type
-    plan: str  # "none" or "auto" (neuron_tp.plan chooses the layout options)
-    global_batch: int  # --plan auto: sequences per optimizer step
-    plan_instance: str  # --plan auto: the instance table entry
-    eval_data: str | None = None  # evaluated every eval_every steps (neuron_tp.train.evaluate)
-    eval_every: int = 0  # 0: no evaluation
-    eval_batches: int = 0  # micro-batches per rank per evaluation; 0: the whole eval set
-    plan_calibration: str = ""  # --plan auto: measured figures (neuron-tp selftest --calibrate)
-    ep: int = 1  # expert-parallel degree (MoE): blocks of ep dp ranks share the experts out
+    PROG: ClassVar[str] = "neuron-tp train"
+    DESCRIPTION: ClassVar[str] = "Train a causal LM with TP (+SP) x DP."
+
+    tp_mode: str = opt(  # "1d", "2d" (tp = q*q) or "3d" (tp = q^3)
+        "--tp-mode",
+        "1d",
+        "layout of the tp ranks: 1d (Megatron), 2d (a q x q grid, --tp = q*q, Llama-"
+        "family untied models) or 3d (a q x q x q cube, --tp = q^3); 2d/3d split the "
+        "micro-batch over the grid (--micro-batch divisible by q / q*q)",
+        choices=("1d", "2d", "3d"),
+    )
+    sequence_parallel: bool = opt("--sequence-parallel", False, "1d only", action="store_true")
+    ep: int = opt(  # expert-parallel degree (MoE): blocks of ep dp ranks share the experts out
+        "--ep",
+        1,
+        "expert parallelism for mixture-of-experts models: each block of --ep data-"
+        "parallel ranks shares the experts out (E/ep each, still split over tp) and sends "
+        "tokens to them by all-to-all; divides dp (world / tp) and the expert count",
+        type=pos(int),
+    )
+    data: str = opt(
+        "--data",
+        REPO_DATA,
+        "a .txt/.jsonl/.parquet/.arrow file or a directory of them; jsonl lines (table "
+        "rows): {'text'}, {'messages'} or {'prompt', 'completion'} (one format per file; "
+        "tables need pip install neuron_tp[data])",
+    )
+    seq_len: int = opt("--seq-len", 128, type=pos(int))
+    loss_on: str = opt(  # "answers" (assistant turns / completions) or "all"
+        "--loss-on",
+        "answers",
+        "instruction data: the loss on the assistant turns / completions only (answers) "
+        "or on every token (all); raw text always trains on every token",
+        choices=("answers", "all"),
+    )
+    packing: bool = opt(  # instruction data: several samples per row (False: padded rows)
+        "--no-packing",
+        True,
+        "instruction data: one sample per row, padded (default: several samples per "
+        "row, positions restarting and no attention across them)",
+        dest="packing",
+        action="store_false",
+    )
+    overlong: str = opt(
+        "--overlong",
+        "truncate",
+        "instruction data: a sample longer than --seq-len is cut to its first --seq-len "
+        "tokens (truncate) or left out (drop); counted in the log",
+        choices=("truncate", "drop"),
+    )
+    data_cache: str | None = opt(  # tokenized rows (neuron_tp.job.data_cache); None: off
+        "--data-cache",
+        None,
+        "tokenize --data once into DIR (memory-mapped rows keyed by the files, tokenizer "
+        "and options; one writer per node, the other ranks read it); default: no cache",
+        metavar="DIR",
+    )
+    micro_batch: int = opt("--micro-batch", 4, "sequences per rank", type=pos(int))
+    grad_accum: int = opt("--grad-accum", 1, type=pos(int))
+    steps: int = opt(  # global, counting resumed ones
+        "--steps", 100, "optimizer steps", type=pos(int)
+    )
+    optim: OptimConfig = group(OptimConfig)
+    bf16: bool = opt(  # fp32 masters + AdamW state (Zero1, sharded over dp)
+        "--bf16",
+        False,
+        "bfloat16 parameters and compute, fp32 master weights and AdamW state (kept by "
+        "ZeRO-1, sharded over the data-parallel ranks: the same bytes on the wire as the "
+        "gradient all-reduce)",
+        action="store_true",
+    )
+    reduce_dtype: str = opt(
+        "--reduce-dtype",
+        "param",
+        "dtype every cross-rank sum accumulates in (row-parallel outputs, sequence-"
+        "parallel reduce-scatters, gradients): the tensors' own (param) or fp32 (more "
+        "accurate for --bf16, twice the bytes of those collectives)",
+        choices=["param", "fp32"],
+    )
+    activation_checkpointing: str = opt(  # neuron_tp.hf.recompute
+        "--activation-checkpointing",
+        "none",
+        "recompute activations in backward: every decoder layer (full) or the attention "
+        "core only (selective); saves activation memory for extra compute",
+        choices=["none", "full", "selective"],
+    )
+    log_every: int = opt("--log-every", 10, type=pos(int))
+    eval: EvalConfig = group(EvalConfig)
+    checkpoint: CheckpointConfig = group(CheckpointConfig)
+    tensorboard: bool = opt(
+        "--tensorboard", False, "write TensorBoard scalars", action="store_true"
+    )
+    skip_nonfinite: bool = opt(
+        "--skip-nonfinite",
+        False,
+        "skip (undo on the device) the update of a step whose loss or grad "
+        "norm is NaN/inf instead of stopping the run; holds a copy of params "
+        "and optimizer states during each step",
+        action="store_true",
+    )
+    zero1: bool = opt(  # AdamW state and fp32 masters sharded over dp (neuron_tp.optim.zero1)
+        "--zero1",
+        False,
+        "ZeRO-1: shard the AdamW state and fp32 master weights over the data-parallel "
+        "ranks (reduce-scatter + all-gather instead of the gradient all-reduce); at dp=1 "
+        "plain AdamW with fp32 master weights; checkpoints load with or without it "
+        "(always on with --bf16)",
+        action="store_true",
+    )
+    lora: LoraConfig = group(LoraConfig)
+    plan: PlanConfig = group(PlanConfig)
 
     @property
     def uses_zero1(self) -> bool:
@@ -113,43 +322,117 @@ class TrainConfig(_CommonConfig):
         return torch.float32 if self.reduce_dtype == "fp32" else None
 
 
+def _batch_buckets(batching: str):
+    return opt(
+        "--batch-buckets",
+        buckets("1,2,4,8"),
+        f"comma-separated batch sizes (graph shapes); {batching}",
+        type=buckets,
+    )
+
+
+_BUCKETS = dict(help="comma-separated prompt length buckets", type=buckets)
+_DTYPE = dict(choices=("float32", "bfloat16"))
+_ADAPTER = (
+    "a PEFT LoRA adapter directory, merged into --model (a HF directory or preset) "
+    "on load; a LoRA run's checkpoint needs none (its adapters are merged)"
+)
+
+
 @dataclass(frozen=True)
 class GenerateConfig(_CommonConfig):
-    """``neuron-tp generate`` options (see :func:`~neuron_tp.cli.args.generate_parser`)."""
+    """``neuron-tp generate`` options (tp ranks launched by torchrun)."""
 
-    prompt: list[str]
-    prompts_file: str | None
-    max_new_tokens: int
-    buckets: list[int]  # prompt length buckets, sorted
-    do_sample: bool
-    temperature: float
-    top_k: int  # 0: no top-k filter
-    dtype: str  # "float32" or "bfloat16"
-    batch_buckets: list[int]  # batch sizes, sorted; more prompts run in several batches
-    stop: list[str]  # stop strings (the text is cut before the first one)
-    ignore_eos: bool  # always generate --max-new-tokens (benchmarks)
-    adapter: str | None = None  # a PEFT (LoRA) adapter dir merged into --model on load
+    PROG: ClassVar[str] = "neuron-tp generate"
+    DESCRIPTION: ClassVar[str] = "Sharded generation with static shapes."
+
+    prompt: list[str] = opt("--prompt", [], "a prompt (repeatable)", action="append")
+    prompts_file: str | None = opt("--prompts-file", None, "one prompt per line")
+    max_new_tokens: int = opt("--max-new-tokens", 32, type=pos(int))
+    buckets: list[int] = opt("--buckets", buckets("32,128,512"), **_BUCKETS)  # sorted
+    batch_buckets: list[int] = _batch_buckets(  # sorted; more prompts: several batches
+        "more prompts run in several batches"
+    )
+    dtype: str = opt("--dtype", "float32", **_DTYPE)
+    adapter: str | None = opt("--adapter", None, _ADAPTER, metavar="DIR")  # merged on load
+    do_sample: bool = opt("--do-sample", False, action="store_true")
+    temperature: float = opt("--temperature", 1.0, type=pos(float))
+    top_k: int = opt("--top-k", 0, "0 = no top-k filter", type=non_negative(int))
+    stop: list[str] = opt(  # the text is cut before the first one
+        "--stop", [], "stop string (repeatable): text ends before it", action="append"
+    )
+    ignore_eos: bool = opt(  # always generate --max-new-tokens (benchmarks)
+        "--ignore-eos",
+        False,
+        "do not stop at EOS (always --max-new-tokens)",
+        action="store_true",
+    )
 
 
 @dataclass(frozen=True)
 class ServeConfig(_CommonConfig):
-    """``neuron-tp serve`` options (see :func:`~neuron_tp.cli.args.serve_parser`)."""
+    """``neuron-tp serve`` options (tp ranks launched by torchrun; rank 0 serves HTTP)."""
 
-    host: str
-    port: int
-    max_new_tokens: int  # the most a request may ask for (sets the cache length)
-    buckets: list[int]  # prompt length buckets, sorted
-    batch_buckets: list[int]  # batch sizes, sorted: concurrent requests share a batch
-    batch_wait_ms: float  # ignored (continuous batching); kept so existing commands run
-    dtype: str  # "float32" or "bfloat16"
-    served_model_name: str | None  # None: --model
-    warmup: str  # graphs captured before ready: "smallest" shapes or "all" buckets
-    adapter: str | None = None  # a PEFT (LoRA) adapter dir merged into --model on load
-    prefill_chunk: int = 256  # prompt tokens prefilled per step (longer prompts: several)
-    max_queue: int = 256  # requests that may wait; more get 429
-    request_timeout_s: float = 600.0  # admission to the last token; then 504 / a stream error
-    max_body_bytes: int = 4 * 1024 * 1024  # larger request bodies get 413
-    api_key: str | None = None  # None: $NEURON_TP_API_KEY, else no key asked
+    PROG: ClassVar[str] = "neuron-tp serve"
+    DESCRIPTION: ClassVar[str] = "An OpenAI-compatible HTTP server for sharded generation."
+
+    host: str = opt("--host", "127.0.0.1", "address to listen on (0.0.0.0: all)")
+    port: int = opt("--port", 8000, "HTTP port", type=non_negative(int))
+    max_new_tokens: int = opt(  # the most a request may ask for (sets the cache length)
+        "--max-new-tokens",
+        256,
+        "the largest max_tokens a request may ask for (sets the KV cache length)",
+        type=pos(int),
+    )
+    buckets: list[int] = opt("--buckets", buckets("32,128,512"), **_BUCKETS)  # sorted
+    batch_buckets: list[int] = _batch_buckets(  # sorted: concurrent requests share a batch
+        "the largest is the number of decode slots (requests generating at once); decode "
+        "graphs exist for each"
+    )
+    dtype: str = opt("--dtype", "float32", **_DTYPE)
+    adapter: str | None = opt("--adapter", None, _ADAPTER, metavar="DIR")  # merged on load
+    prefill_chunk: int = opt(  # longer prompts: several steps
+        "--prefill-chunk",
+        256,
+        "prompt tokens prefilled per step (capped to the largest --buckets): a longer "
+        "prompt is prefilled over several steps, between the running requests' tokens",
+        type=pos(int),
+    )
+    served_model_name: str | None = opt(  # None: --model
+        "--served-model-name", None, "the model id clients use (default: --model)"
+    )
+    warmup: str = opt(  # graphs captured before ready: "smallest" shapes or "all" buckets
+        "--warmup",
+        "smallest",
+        "graphs captured (compiled) before /ready: the smallest batch and prompt shape, "
+        "or every batch x prompt bucket (no compile while serving, except for new top_k)",
+        choices=("smallest", "all"),
+    )
+    max_queue: int = opt(  # more get 429
+        "--max-queue",
+        256,
+        "requests that may wait to run; more get 429 with Retry-After",
+        type=pos(int),
+    )
+    request_timeout_s: float = opt(  # admission to the last token; then 504 / a stream error
+        "--request-timeout-s",
+        600.0,
+        "a request not finished this long after it arrived is cancelled (504, or an "
+        "error event ending its stream)",
+        type=pos(float),
+    )
+    max_body_bytes: int = opt(  # larger request bodies get 413
+        "--max-body-bytes",
+        4 * 1024 * 1024,
+        "larger request bodies get 413 (default 4 MiB)",
+        type=pos(int),
+    )
+    api_key: str | None = opt(  # None: $NEURON_TP_API_KEY, else no key asked
+        "--api-key",
+        None,
+        "every path but /health, /ready and /metrics needs 'Authorization: Bearer KEY' "
+        "(else 401); default: $NEURON_TP_API_KEY, unset = no key",
+    )
 
     @property
     def model_name(self) -> str:
@@ -157,17 +440,9 @@ class ServeConfig(_CommonConfig):
         return self.served_model_name or self.model
 
     def generate_config(self) -> GenerateConfig:
-        """The equivalent ``neuron-tp generate`` options (for loading the model)."""
+        """The equivalent ``neuron-tp generate`` options (for loading the model): the shared
+        ones, the others at their defaults."""
         shared = {
             f.name: getattr(self, f.name) for f in fields(GenerateConfig) if hasattr(self, f.name)
         }
-        return GenerateConfig(
-            **shared,
-            prompt=[],
-            prompts_file=None,
-            do_sample=False,
-            temperature=1.0,
-            top_k=0,
-            stop=[],
-            ignore_eos=False,
-        )
+        return GenerateConfig(**shared)

@@ -15,16 +15,6 @@ import sys
 from collections.abc import Callable
 from dataclasses import asdict, replace
 
-LAYOUT_OPTIONS = (
-    "--tp",
-    "--tp-mode",
-    "--sequence-parallel",
-    "--micro-batch",
-    "--grad-accum",
-    "--activation-checkpointing",
-    "--zero1",
-)
-
 
 def job_size(config) -> tuple[int, int]:
     """(world size, ranks per node) of the job this process belongs to."""
@@ -51,20 +41,20 @@ def apply_plan(config, printer=print):
     from .report import plan_table
     from .search import Job, Layout, make_plan
 
-    if config.global_batch <= 0:
+    if config.plan.global_batch <= 0:
         raise ValueError("--plan auto needs --global-batch N (sequences per optimizer step)")
-    if config.lora_r:
+    if config.lora.r:
         raise ValueError("--plan auto does not model LoRA training; choose the layout by hand")
     if config.tp_mode != "1d" or config.tp != 1:
         printer("--plan auto: the plan chooses --tp/--tp-mode; the given values are ignored")
     world, per_node = job_size(config)
     if world % per_node:
         raise ValueError(f"world size {world} is not a multiple of {per_node} ranks per node")
-    instance, efficiency = get_instance(config.plan_instance), 0.5
-    if config.plan_calibration:
+    instance, efficiency = get_instance(config.plan.instance), 0.5
+    if config.plan.calibration:
         from .calibration import calibrated, describe, load_calibration
 
-        calibration = load_calibration(config.plan_calibration)
+        calibration = load_calibration(config.plan.calibration)
         printer(f"--plan auto: {describe(instance, calibration)}")
         instance = calibrated(instance, calibration)
         efficiency = 1.0 if calibration.has_compute else efficiency
@@ -72,7 +62,7 @@ def apply_plan(config, printer=print):
         instance,
         world // per_node,
         config.seq_len,
-        config.global_batch,
+        config.plan.global_batch,
         bf16=config.bf16,
         efficiency=efficiency,
         ranks_per_node=per_node,
@@ -94,16 +84,9 @@ def apply_plan(config, printer=print):
         raise ValueError(f"--plan auto: {result['verdict']}")
     printer(result["table"])
     lay = Layout(**result["layout"])
-    return replace(
-        config,
-        tp=lay.tp,
-        tp_mode=lay.tp_mode,
-        sequence_parallel=lay.sequence_parallel,
-        micro_batch=lay.micro_batch,
-        grad_accum=lay.grad_accum,
-        activation_checkpointing=lay.recompute,
-        zero1=lay.zero1 and not config.bf16,  # --bf16 brings ZeRO-1 itself
-    )
+    options = lay.train_options()
+    options["zero1"] = lay.zero1 and not config.bf16  # --bf16 brings ZeRO-1 itself
+    return replace(config, **options)
 
 
 def _key(model_config, job) -> str:

@@ -108,7 +108,8 @@ def plan_table(plan: Plan, limit: int = 20) -> str:
         lay = c.layout
         row = (
             f"{i:>3} {lay.tp:>3} {_mode(c):>6} {lay.dp:>4} {lay.micro_batch:>3} "
-            f"{lay.grad_accum:>4} {lay.recompute:>9} {'yes' if lay.zero1 else 'no':>5} | "
+            f"{lay.grad_accum:>4} {lay.activation_checkpointing:>9} "
+            f"{'yes' if lay.zero1 else 'no':>5} | "
         )
         if c.memory is None:  # once per tp, mode and reason (not per micro-batch etc.)
             if (lay.tp, _mode(c), c.why) not in refused:

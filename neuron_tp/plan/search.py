@@ -16,6 +16,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
+from ..job.config import TrainConfig
+from ..job.options import option_flags
 from ..parallel.mesh import divisors, grid_side
 from .hardware import Instance
 from .moe import dense_standin, flops_per_token, moe_shape, param_counts, summary, tp_refusal
@@ -62,19 +64,42 @@ class Layout:
     tp: int
     tp_mode: str
     sequence_parallel: bool
-    recompute: str
+    activation_checkpointing: str  # none | selective | full (neuron_tp.hf.recompute)
     micro_batch: int
     grad_accum: int
     zero1: bool
     dp: int
 
+    def train_options(self) -> dict[str, object]:
+        """The ``neuron-tp train`` options this layout sets, by their ``TrainConfig`` field
+        (each a field of the layout of the same name; ``dp`` follows from the world size), in
+        command-line order: THE mapping between layouts and training options (the planner's
+        pins, ``--plan auto`` and the printed commands all use it)."""
+        return {name: getattr(self, name) for name in TRAIN_OPTIONS}
+
     def train_args(self) -> list[str]:
-        """The ``neuron-tp train`` options of this layout."""
-        args = ["--tp", str(self.tp), "--tp-mode", self.tp_mode]
-        args += ["--micro-batch", str(self.micro_batch), "--grad-accum", str(self.grad_accum)]
-        args += ["--activation-checkpointing", self.recompute]
-        args += ["--sequence-parallel"] if self.sequence_parallel else []
-        return args + (["--zero1"] if self.zero1 else [])
+        """The ``neuron-tp train`` command-line options of this layout."""
+        flags, args = option_flags(TrainConfig), []
+        for name, value in self.train_options().items():
+            if isinstance(value, bool):
+                args += [flags[name]] if value else []
+            else:
+                args += [flags[name], str(value)]
+        return args
+
+
+# the Layout fields that are ``neuron-tp train`` options, in the order of the printed commands
+TRAIN_OPTIONS = (
+    "tp",
+    "tp_mode",
+    "micro_batch",
+    "grad_accum",
+    "activation_checkpointing",
+    "sequence_parallel",
+    "zero1",
+)
+# the options ``make_plan`` may pin (grad_accum follows from the global batch)
+PINS = tuple(name for name in TRAIN_OPTIONS if name != "grad_accum")
 
 
 @dataclass
@@ -158,7 +183,7 @@ def _layouts(job: Job, pins: dict) -> tuple[list[Layout], list[str]]:
                 if per_rank % b or pins.get("micro_batch") not in (None, b):
                     continue
                 for rec in RECOMPUTE:
-                    if pins.get("recompute") not in (None, rec):
+                    if pins.get("activation_checkpointing") not in (None, rec):
                         continue
                     for zero1 in (True,) if job.bf16 else (False, True):
                         if pins.get("zero1") not in (None, zero1) and not job.bf16:
@@ -168,7 +193,7 @@ def _layouts(job: Job, pins: dict) -> tuple[list[Layout], list[str]]:
 
 
 def _spec_key(lay: Layout) -> tuple:
-    return (lay.tp, lay.tp_mode, lay.sequence_parallel, lay.recompute, lay.zero1)
+    return (lay.tp, lay.tp_mode, lay.sequence_parallel, lay.activation_checkpointing, lay.zero1)
 
 
 def _b0(lay: Layout) -> int:
@@ -183,7 +208,9 @@ def _trace_all(config, job: Job, layouts: list[Layout]) -> dict[tuple, dict | st
     keys = {}
     for lay in layouts:
         keys[_spec_key(lay)] = lay
-        keys[_spec_key(replace(lay, recompute="none"))] = replace(lay, recompute="none")
+        keys[_spec_key(replace(lay, activation_checkpointing="none"))] = replace(
+            lay, activation_checkpointing="none"
+        )
     specs, owners = [], []
     for key, lay in keys.items():
         for layers in (1, 2):
@@ -193,7 +220,7 @@ def _trace_all(config, job: Job, layouts: list[Layout]) -> dict[tuple, dict | st
                         tp=lay.tp,
                         tp_mode=lay.tp_mode,
                         sequence_parallel=lay.sequence_parallel,
-                        recompute=lay.recompute,
+                        recompute=lay.activation_checkpointing,
                         micro_batch=k * _b0(lay),
                         seq_len=job.seq_len,
                         dp=lay.dp,
@@ -262,7 +289,8 @@ def _verdict(config, job: Job, candidates: list[Candidate], states) -> str:
 
 def make_plan(config, job: Job, **pins) -> Plan:
     """Rank every layout of ``config`` (a transformers config) for ``job``. ``pins`` fix
-    options: tp, tp_mode, sequence_parallel, recompute, micro_batch, zero1. A mixture of
+    options (:data:`PINS`): tp, tp_mode, sequence_parallel, activation_checkpointing,
+    micro_batch, zero1. A mixture of
     experts is traced as its dense stand-in (:mod:`.moe`: the static dense routing's
     parameters, FLOPs and collectives); its MFU counts the active parameters' FLOPs."""
     start = time.perf_counter()
@@ -296,7 +324,7 @@ def make_plan(config, job: Job, **pins) -> Plan:
             states[skey] = state_bytes(config, lay.tp, lay.tp_mode, lay.dp, 0, job.bf16, lay.zero1)
         state, k = states[skey], lay.micro_batch / _b0(lay)
         layers = config.num_hidden_layers
-        base = traced[_spec_key(replace(lay, recompute="none"))]
+        base = traced[_spec_key(replace(lay, activation_checkpointing="none"))]
         cand.memory = memory(
             state, traces, layers, k, None if base is traces else base, zero1=lay.zero1
         )

@@ -27,13 +27,13 @@ if TYPE_CHECKING:
 
 def checkpoint_root(config: TrainConfig) -> str:
     """The directory holding a run's ``step-*`` checkpoints."""
-    return os.path.join(config.output_dir, "checkpoints")
+    return os.path.join(config.checkpoint.output_dir, "checkpoints")
 
 
 def resume_source(config: TrainConfig) -> str | None:
     """The checkpoint ``--resume`` names (None: start from scratch); ValueError for ``none``
     when checkpoints exist (they are never overwritten) and for a path that is none."""
-    if config.resume == "none":
+    if config.checkpoint.resume == "none":
         existing = checkpoint.latest(checkpoint_root(config))
         if existing is not None:  # refuse now rather than at the first colliding save
             raise UserError(
@@ -41,13 +41,13 @@ def resume_source(config: TrainConfig) -> str | None:
                 "overwritten: use --resume auto or another --output-dir"
             )
         return None
-    if config.resume == "auto":
+    if config.checkpoint.resume == "auto":
         return checkpoint.latest(checkpoint_root(config))
-    if not os.path.isdir(config.resume):
+    if not os.path.isdir(config.checkpoint.resume):
         raise UserError(
-            f"--resume {config.resume!r}: not a checkpoint directory (or use auto/none)"
+            f"--resume {config.checkpoint.resume!r}: not a checkpoint directory (or use auto/none)"
         )
-    return config.resume
+    return config.checkpoint.resume
 
 
 def claim_output(run: Run, say: Printer) -> OutputLock | None:
@@ -61,18 +61,20 @@ def claim_output(run: Run, say: Printer) -> OutputLock | None:
     try:
         outdir.check_writable(root, tag=f"-rank{run.mesh.rank}")
         if run.mesh.rank == 0:
-            lock = outdir.OutputLock(config.output_dir)
+            lock = outdir.OutputLock(config.checkpoint.output_dir)
             note = lock.acquire()
             if note:
                 say(f"warning: {note}")
         if not extract_graphs_only():
             run.resumed_from = resume_source(config)
             start = check_resume_source(run, say) if run.resumed_from else 0
-            outdir.check_resume_plan(root, run.resumed_from, start, config.steps, config.save_every)
+            outdir.check_resume_plan(
+                root, run.resumed_from, start, config.steps, config.checkpoint.save_every
+            )
     except Exception as e:  # noqa: BLE001 - every rank learns about it, none trains
         error = e
     try:
-        agree(run.mesh, run.device, f"checking --output-dir {config.output_dir}", error)
+        agree(run.mesh, run.device, f"checking --output-dir {config.checkpoint.output_dir}", error)
         _check_shared(run, lock)
     except BaseException:
         if lock is not None:
@@ -102,12 +104,12 @@ def check_resume_source(run: Run, say: Printer) -> int:
 
     path, config = run.resumed_from, run.config
     meta = checkpoint.read_meta(path)
-    auto = config.resume == "auto"
+    auto = config.checkpoint.resume == "auto"
     try:
         check_model(meta, run.model, path)
     except checkpoint.CheckpointError as e:
         where = (
-            f"--output-dir {config.output_dir} holds checkpoints of another model"
+            f"--output-dir {config.checkpoint.output_dir} holds checkpoints of another model"
             if auto
             else f"--resume {path} is a checkpoint of another model"
         )
@@ -149,7 +151,7 @@ def _check_shared(run: Run, lock: OutputLock | None) -> None:
     token = host.all_gather("output-dir-token", mine, world)[0].decode()
     error = None
     if run.mesh.rank != 0:
-        path = os.path.join(run.config.output_dir, outdir.LOCK_NAME)
+        path = os.path.join(run.config.checkpoint.output_dir, outdir.LOCK_NAME)
         try:
             with open(path) as fh:
                 seen = json.load(fh).get("token")
@@ -162,7 +164,12 @@ def _check_shared(run: Run, lock: OutputLock | None) -> None:
                 "mounts, e.g. FSx for Lustre or EFS); a node-local path gives each node its "
                 "own directory and the first checkpoint would fail"
             )
-    agree(run.mesh, run.device, f"checking --output-dir {run.config.output_dir} is shared", error)
+    agree(
+        run.mesh,
+        run.device,
+        f"checking --output-dir {run.config.checkpoint.output_dir} is shared",
+        error,
+    )
 
 
 def restore(run: Run, say: Printer) -> None:
@@ -198,7 +205,7 @@ def save(run: Run) -> str:
         mesh=run.mesh,
         data_state=run.data.state_dict(),
         extra={**run.checkpoint_extra, DATA_KEY: data_fingerprint(run)},
-        keep_last=run.config.keep_last,
+        keep_last=run.config.checkpoint.keep_last,
         protect=[run.resumed_from] if run.resumed_from else (),
         files=run.checkpoint_files,  # the tokenizer's, the model's generation config
     )
@@ -206,7 +213,7 @@ def save(run: Run) -> str:
 
 def periodic_save_due(config: TrainConfig, step: int) -> bool:
     """True after each ``--save-every`` step (never with 0)."""
-    return bool(config.save_every) and step % config.save_every == 0
+    return bool(config.checkpoint.save_every) and step % config.checkpoint.save_every == 0
 
 
 def save_at_end(run: Run, saved: list[str], finished: bool, trained: bool) -> None:

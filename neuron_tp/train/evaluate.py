@@ -28,22 +28,22 @@ from ..parallel.mesh import Mesh
 def eval_data(config: TrainConfig, tokenizer, mesh: Mesh) -> RowData | None:
     """This dp rank's eval data (file order, no shuffle), None without ``--eval-data``;
     UserError for inconsistent options or missing, empty or too small eval data."""
-    if config.eval_data is None:
-        if config.eval_every or config.eval_batches:
+    if config.eval.data is None:
+        if config.eval.every or config.eval.batches:
             raise UserError("--eval-every / --eval-batches need --eval-data FILE")
         return None
-    if not config.eval_every:
+    if not config.eval.every:
         raise UserError(
-            f"--eval-data {config.eval_data!r} needs --eval-every N (steps between evaluations)"
+            f"--eval-data {config.eval.data!r} needs --eval-every N (steps between evaluations)"
         )
-    if not os.path.exists(config.eval_data):
+    if not os.path.exists(config.eval.data):
         raise UserError(
-            f"--eval-data {config.eval_data!r} does not exist; pass a .txt/.jsonl/.parquet/"
+            f"--eval-data {config.eval.data!r} does not exist; pass a .txt/.jsonl/.parquet/"
             ".arrow file or a directory of them"
         )
     try:
         data = load_data(
-            config.eval_data,
+            config.eval.data,
             tokenizer,
             config.seq_len,
             config.micro_batch,
@@ -57,9 +57,9 @@ def eval_data(config: TrainConfig, tokenizer, mesh: Mesh) -> RowData | None:
         )
     except UserError as e:
         raise UserError(f"--eval-data: {e}") from None
-    if config.eval_batches > data.batches_per_epoch:
+    if config.eval.batches > data.batches_per_epoch:
         raise UserError(
-            f"--eval-batches {config.eval_batches}: --eval-data {config.eval_data!r} has only "
+            f"--eval-batches {config.eval.batches}: --eval-data {config.eval.data!r} has only "
             f"{data.batches_per_epoch} batches of micro_batch x dp = {data.global_batch} "
             f"sequences of {config.seq_len}; pass at most {data.batches_per_epoch} (or 0: all)"
         )
@@ -109,8 +109,8 @@ class Evaluator:
     step, so the eval graph is compiled ahead of training, and nothing is read."""
 
     def __init__(self, config: TrainConfig, data: RowData, first_step: int, extract: bool):
-        self.every, self.data, self.extract = config.eval_every, data, extract
-        self.batches = config.eval_batches or data.batches_per_epoch
+        self.every, self.data, self.extract = config.eval.every, data, extract
+        self.batches = config.eval.batches or data.batches_per_epoch
         self.first_step, self.last_step = first_step, config.steps
         self.mask_dtype = config.model_dtype  # packed batches' mask: as in training
 

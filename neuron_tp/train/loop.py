@@ -156,7 +156,7 @@ def setup(args: TrainConfig | argparse.Namespace, mesh: Mesh | None = None) -> R
             # tp_mode) reads only this rank's slices / blocks of every tensor
             if is_preset(config.model):
                 model = build_model(config.model, vocab_size(tokenizer), config.seed, dtype)
-                if config.lora_r:  # adapters from --seed, then sharded
+                if config.lora.r:  # adapters from --seed, then sharded
                     model = lora.wrap(model, config)
         if is_preset(config.model):
             hf.parallelize(
@@ -172,9 +172,9 @@ def setup(args: TrainConfig | argparse.Namespace, mesh: Mesh | None = None) -> R
                 sequence_parallel=config.sequence_parallel,
                 parallel_loss=mesh.tp_size > 1,
                 torch_dtype=dtype,
-                wrap=_seeded_lora_wrap(config) if config.lora_r else None,
+                wrap=_seeded_lora_wrap(config) if config.lora.r else None,
             )
-        if config.lora_r:
+        if config.lora.r:
             lora.frozen_check(model)
     except Exception as e:  # noqa: BLE001 - re-raised on this rank by the check below
         error = e
@@ -184,12 +184,14 @@ def setup(args: TrainConfig | argparse.Namespace, mesh: Mesh | None = None) -> R
     move_to(model, device).train()  # keeps tied embeddings tied (CPU -> XLA unties them)
     optimizer = make_optimizer(
         model,
-        config.lr,
-        config.weight_decay,
+        config.optim.lr,
+        config.optim.weight_decay,
         device,
         zero1_mesh=mesh if config.uses_zero1 else None,
     )
-    schedule = WarmupCosine(optimizer, config.lr, config.min_lr, config.warmup_steps, config.steps)
+    schedule = WarmupCosine(
+        optimizer, config.optim.lr, config.optim.min_lr, config.optim.warmup_steps, config.steps
+    )
     return Run(
         config,
         mesh,
@@ -276,7 +278,9 @@ def train_step(run: Run, log_this_step: bool, on_log: Callable | None) -> None:
         loss = model(**inputs, num_items_in_batch=per_rank).loss
         loss.backward()
         loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
-    norm = reduce_gradients(model, run.optimizer, mesh, config.max_grad_norm, config.uses_zero1)
+    norm = reduce_gradients(
+        model, run.optimizer, mesh, config.optim.max_grad_norm, config.uses_zero1
+    )
     zero = run.optimizer if config.uses_zero1 else None
     # Computed at every step (so every step traces the same graph), read only at log steps,
     # after the graph ran (step closure): the dp-mean loss and the global gradient norm.
@@ -399,8 +403,9 @@ def _train(
         checkpoint.dry_run_save(run.model, run.mesh)
     else:
         save_at_end(run, saved, finished=run.step >= steps or stopped, trained=trained)
-        if config.lora_r and trained:
-            say(f"LoRA adapters (PEFT format): {lora.save(run.model, config.output_dir, run.mesh)}")
+        if config.lora.r and trained:
+            saved = lora.save(run.model, config.checkpoint.output_dir, run.mesh)
+            say(f"LoRA adapters (PEFT format): {saved}")
     if not trained:
         say(f"nothing to do: already at step {run.step} of {steps} (--steps, --resume)")
     summary = {

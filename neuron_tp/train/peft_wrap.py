@@ -20,10 +20,10 @@ def lora_config(config: TrainConfig):
     from peft import LoraConfig
 
     return LoraConfig(
-        r=config.lora_r,
-        lora_alpha=config.lora_alpha,
-        lora_dropout=config.lora_dropout,
-        target_modules=config.lora_target_modules or None,
+        r=config.lora.r,
+        lora_alpha=config.lora.alpha,
+        lora_dropout=config.lora.dropout,
+        target_modules=config.lora.target_modules or None,
         task_type="CAUSAL_LM",
     )
 
@@ -47,7 +47,7 @@ def wrap(model: nn.Module, config: TrainConfig) -> nn.Module:
         from ..hf.lora_targets import valid_targets
 
         raise UserError(
-            f"--lora-target-modules {','.join(config.lora_target_modules) or '(default)'}: "
+            f"--lora-target-modules {','.join(config.lora.target_modules) or '(default)'}: "
             f"{' '.join(str(e).split())}; LoRA targets this model supports under tensor "
             f"parallelism: {','.join(valid_targets(model, None))}"
         ) from None

@@ -32,10 +32,10 @@ class StepLogger:
         if config.tensorboard and mesh.rank == 0 and not extract:
             from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
 
-            self.writer = SummaryWriter(os.path.join(config.output_dir, "tensorboard"))
+            self.writer = SummaryWriter(os.path.join(config.checkpoint.output_dir, "tensorboard"))
         self.metrics = None
         if mesh.rank == 0 and not extract:
-            self.metrics = MetricsFile(config.output_dir, run.step)
+            self.metrics = MetricsFile(config.checkpoint.output_dir, run.step)
         self._pending: dict | None = None  # this step's entry, written once the step is done
         now = time.perf_counter()
         self._last_log = (run.step, now)  # (step, time) of the previous log line

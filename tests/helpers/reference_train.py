@@ -27,9 +27,10 @@ def reference_run(
 
     model = build_model(args.model, ByteTokenizer.vocab_size, args.seed, dtype)
     if getattr(args, "lora_r", 0):  # the unsharded peft model, adapters from the same RNG
+        from neuron_tp.job.config import TrainConfig
         from neuron_tp.train.peft_wrap import wrap
 
-        model = wrap(model, args)
+        model = wrap(model, TrainConfig.from_args(args))
     model.train()
     data = load_data(
         args.data,

@@ -64,7 +64,6 @@ def _config(port: int, tp: int = 1):
         max_new_tokens=o["max_new_tokens"],
         buckets=o["buckets"],
         batch_buckets=o["batch_buckets"],
-        batch_wait_ms=5.0,
         dtype="float32",
         served_model_name="tiny",
         warmup="smallest",

@@ -50,7 +50,14 @@ def test_json_plan_is_ranked_and_its_layouts_are_train_options(capsys):
         parts = mem["params"] + mem["grads"] + mem["optimizer"] + mem["masters"]
         assert mem["total"] >= parts + mem["activations"]
         lay = c["layout"]
-        seen.add((lay["tp"], lay["sequence_parallel"], lay["recompute"], lay["micro_batch"]))
+        seen.add(
+            (
+                lay["tp"],
+                lay["sequence_parallel"],
+                lay["activation_checkpointing"],
+                lay["micro_batch"],
+            )
+        )
         config = TrainConfig.from_args(train_parser().parse_args(c["train_args"]))
         assert config.micro_batch * config.grad_accum * (2 // config.tp) == 8
     # every lever was tried: tp 1 and 2, SP, the three recompute modes, micro-batches
@@ -259,5 +266,5 @@ def test_recommended_command_is_complete_and_the_json_agrees(capsys, monkeypatch
     assert (config.model, config.seq_len, config.bf16) == ("tiny-llama", 64, True)
     assert (config.tp, config.tp_mode, config.sequence_parallel) == (2, "1d", False)
     assert (config.micro_batch, config.grad_accum) == (lay["micro_batch"], lay["grad_accum"])
-    assert config.activation_checkpointing == lay["recompute"] and config.uses_zero1
+    assert config.activation_checkpointing == lay["activation_checkpointing"] and config.uses_zero1
     assert config.micro_batch * config.grad_accum * (64 // config.tp) == 64  # the global batch

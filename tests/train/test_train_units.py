@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from neuron_tp.backend.graphs import apply_neuron_defaults, extract_graphs_only, merged_cc_flags
-from neuron_tp.cli.args import generate_parser, train_parser
-from neuron_tp.job.config import GenerateConfig, TrainConfig
+from neuron_tp.cli.args import generate_parser, serve_parser, train_parser
+from neuron_tp.job.config import GenerateConfig, ServeConfig, TrainConfig
 from neuron_tp.job.data import ByteTokenizer, PackedData
 from neuron_tp.optim.adamw import WarmupCosine
 
@@ -139,16 +139,18 @@ def test_option_validation_and_help():
 
 @pytest.mark.parametrize(
     "parser, config_type",
-    [(train_parser, TrainConfig), (generate_parser, GenerateConfig)],
-    ids=["train", "generate"],
+    [(train_parser, TrainConfig), (generate_parser, GenerateConfig), (serve_parser, ServeConfig)],
+    ids=["train", "generate", "serve"],
 )
 def test_config_has_exactly_the_parser_options(parser, config_type):
-    """The typed config is the parsed options field for field: same names, same values, same
-    ``--option`` keys the ranks agree on; frozen; an unknown option is refused."""
+    """The typed config is the parsed options field for field (groups flattened): same names,
+    same values, same ``--option`` keys the ranks agree on; frozen; an unknown option and a
+    missing one are refused."""
+    from neuron_tp.job.options import flat_values
+
     args = parser().parse_args(["--tp", "2", "--seed", "5"])
     config = config_type.from_args(args)
-    assert {f.name for f in dataclasses.fields(config)} == set(vars(args))
-    assert dataclasses.asdict(config) == vars(args)
+    assert flat_values(config) == vars(args)
     assert config.option_values() == {
         "--" + k.replace("_", "-"): v for k, v in sorted(vars(args).items())
     }
@@ -158,6 +160,10 @@ def test_config_has_exactly_the_parser_options(parser, config_type):
         config.tp = 4
     with pytest.raises(TypeError, match="unknown"):
         config_type.from_args(argparse.Namespace(**vars(args), unknown=1))
+    with pytest.raises(TypeError, match="missing options \\['seed'\\]"):
+        config_type.from_args(
+            argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "seed"})
+        )
 
 
 def test_cli_train_bf16_one_rank_and_device_refusal(tmp_path, monkeypatch, capsys):
