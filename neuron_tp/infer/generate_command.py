@@ -17,26 +17,21 @@ from .text import Detokenizer
 def run_cli(args: GenerateConfig | argparse.Namespace) -> list[str]:
     """Print each prompt's continuation and the latency (rank 0); return the texts. The ranks
     first agree on every option, the prompts and library versions (one small all-gather)."""
-    from ..job.runtime import rank_device, refuse_xla_ranks_off_neuron
+    from ..job.runtime import rank_device, start
     from ..parallel import agreement
     from ..parallel.mesh import init_mesh
 
     config = GenerateConfig.from_args(args)
-    refuse_xla_ranks_off_neuron(config.device)
-    world = agreement.world_group()
-    error, values, prompts = None, {}, list(config.prompt)
-    try:  # local work only: a failure here is shared with every rank by the check below
+    world, prompts = start(config.device), list(config.prompt)
+    with agreement.agreed(world, "neuron-tp generate") as agree:  # local work, then the check
         if config.prompts_file:
             from ..job.data import read_text
 
             prompts += [ln for ln in read_text(config.prompts_file).split("\n") if ln.strip()]
         if not prompts:
             raise UserError("no prompts: pass --prompt TEXT (repeatable) or --prompts-file FILE")
-        values = config.option_values()
-        values.update({"prompts": prompts, "library versions": agreement.versions()})
-    except Exception as e:  # noqa: BLE001 - re-raised on this rank by check_agreement
-        error = e
-    agreement.check_agreement(values, world, error=error, what="neuron-tp generate")
+        agree.values = config.option_values()
+        agree.values.update({"prompts": prompts, "library versions": agreement.versions()})
     device = rank_device(config.device)
     mesh = init_mesh(tp=config.tp)
     model, tok = load_for_generation(config, mesh)
@@ -48,8 +43,8 @@ def run_cli(args: GenerateConfig | argparse.Namespace) -> list[str]:
     sampling = Sampling(config.do_sample, config.temperature, config.top_k, config.seed)
     stops = [] if config.ignore_eos else eos_ids(model, tok)
     texts: list[str] = []
-    for start in range(0, len(prompts), gen.batch_buckets[-1]):
-        chunk = prompts[start : start + gen.batch_buckets[-1]]
+    for first in range(0, len(prompts), gen.batch_buckets[-1]):
+        chunk = prompts[first : first + gen.batch_buckets[-1]]
         texts += _run_batch(
             gen, tok, chunk, config=config, sampling=sampling, eos=stops, show=mesh.rank == 0
         )

@@ -341,15 +341,13 @@ def serve(config, stop: threading.Event | None = None) -> None:
     batches. SIGTERM/SIGINT (on the main thread; or ``stop`` set by the caller): rank 0 stops
     accepting, finishes what runs, tells the other ranks to stop; every rank returns."""
     from ..job.config import ServeConfig
-    from ..job.runtime import refuse_xla_ranks_off_neuron
+    from ..job.runtime import start
     from ..parallel import agreement
     from ..parallel.mesh import init_mesh
 
     config = ServeConfig.from_args(config)
-    refuse_xla_ranks_off_neuron(config.device)
-    world = agreement.world_group()
-    error, values = None, {}
-    try:  # local checks; a failure here is shared with every rank by check_agreement
+    world = start(config.device)
+    with agreement.agreed(world, "neuron-tp serve") as agree:  # local checks, then the check
         if world.size != config.tp:
             raise UserError(
                 f"neuron-tp serve runs one server over its tp ranks: launch exactly --tp "
@@ -358,11 +356,8 @@ def serve(config, stop: threading.Event | None = None) -> None:
         if world.rank == 0:
             import fastapi  # noqa: F401 - fail before loading a model
             import uvicorn  # noqa: F401
-        values = {**config.option_values(), "library versions": agreement.versions()}
-        values.pop("--api-key", None)  # rank 0's alone; never shown in a mismatch report
-    except Exception as e:  # noqa: BLE001 - re-raised on this rank by check_agreement
-        error = e
-    agreement.check_agreement(values, world, error=error, what="neuron-tp serve")
+        agree.values = {**config.option_values(), "library versions": agreement.versions()}
+        agree.values.pop("--api-key", None)  # rank 0's alone; never shown in a mismatch report
     mesh = init_mesh(tp=config.tp)
     engine = Engine(mesh.group("world"), max_queue=config.max_queue)
     stop = stop or stop_on_signals()

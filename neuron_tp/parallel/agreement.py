@@ -14,12 +14,14 @@ Further exchanges happen only on a mismatch, and all ranks decide on them from t
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import re
 import sys
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -30,6 +32,8 @@ from .failures import gather_failures
 from .mesh import Group, get_mesh, init_mesh, set_default_mesh
 
 __all__ = [
+    "Agreed",
+    "agreed",
     "RankMismatchError",
     "check_agreement",
     "fingerprint",
@@ -360,3 +364,29 @@ def check_model_replicas(
         details=values,
         scopes={keys[0]: replicas, keys[1]: replicas, keys[3]: copies},
     )
+
+
+@dataclass
+class Agreed:
+    """What the ranks must hold alike, filled inside :func:`agreed` (see
+    :func:`check_agreement` for ``values`` and ``details``)."""
+
+    values: dict = field(default_factory=dict)
+    details: dict = field(default_factory=dict)
+
+
+@contextlib.contextmanager
+def agreed(group: Group, what: str) -> Iterator[Agreed]:
+    """Run the block's local work on every rank of ``group``, then :func:`check_agreement`
+    on what it put in the yielded :class:`Agreed`: an exception in the block on any rank
+    makes every rank raise (this rank its own exception), and ranks that differ raise
+    :class:`RankMismatchError` on every rank. Collective over ``group``: no rank is left
+    waiting for one that failed."""
+    box, error = Agreed(), None
+    try:
+        yield box
+    except Exception as e:  # noqa: BLE001 - re-raised on this rank by check_agreement
+        error = e
+    check_agreement(box.values, group, details=box.details, error=error, what=what)
+    if error is not None:
+        raise error

@@ -17,7 +17,6 @@ from collections.abc import Callable
 import torch
 
 from ..backend.graphs import (
-    apply_neuron_defaults,
     extract_graphs_only,
     graph_counters,
     on_step_end,
@@ -30,7 +29,7 @@ from ..hf.recompute import apply_activation_checkpointing
 from ..job.config import TrainConfig
 from ..job.data import RowData, vocab_size
 from ..job.presets import build_model, is_preset, model_config, preload
-from ..job.runtime import BUILD_LOCK, rank_device, refuse_xla_ranks_off_neuron
+from ..job.runtime import BUILD_LOCK, rank_device, start
 from ..job.sft_data import load_data
 from ..job.tokenizer import check_vocab, checkpoint_assets, config_vocab, resolve_tokenizer
 from ..optim.adamw import WarmupCosine, make_optimizer
@@ -66,13 +65,8 @@ def setup(args: TrainConfig | argparse.Namespace, mesh: Mesh | None = None) -> R
     from ..parallel import agreement
 
     config = TrainConfig.from_args(args)
-    refuse_xla_ranks_off_neuron(config.device)
-    apply_neuron_defaults()  # before the first (agreement) graph compiles on Neuron
-    world = mesh.group("world") if mesh is not None else agreement.world_group()
-    error, values, details, resolved, data, evaluation = None, {}, {}, None, None, None
-    extra: dict = {}
-    files: dict[str, bytes] = {}
-    try:  # local work only: a failure here is shared with every rank by the check below
+    world = start(config.device, mesh.group("world") if mesh is not None else None)
+    with agreement.agreed(world, "neuron-tp train") as agree:  # local work, then the check
         with BUILD_LOCK:
             preload(config.model)
         if config.seq_len % config.tp and config.sequence_parallel:
@@ -133,12 +127,8 @@ def setup(args: TrainConfig | argparse.Namespace, mesh: Mesh | None = None) -> R
         evaluation = eval_data(config, tokenizer, layout)
         if any("segment_ids" in d.rows for d in (data, evaluation) if d is not None):
             check_packable(hf_config, config.seq_len)  # packed rows: a given 4D mask
-        values, details = startup_values(config, tokenizer, data)
+        agree.values, agree.details = startup_values(config, tokenizer, data)
         record, files = checkpoint_assets(resolved, config.model)
-        extra = {"tokenizer": record}
-    except Exception as e:  # noqa: BLE001 - re-raised on this rank by check_agreement
-        error = e
-    agreement.check_agreement(values, world, details=details, error=error, what="neuron-tp train")
     device = rank_device(config.device)  # before any backward (see neuron_tp.xla_device)
     mesh = mesh or init_mesh(
         tp=config.tp, tp_mode=config.tp_mode, reduce_dtype=config.mesh_reduce_dtype, ep=config.ep
@@ -203,7 +193,7 @@ def setup(args: TrainConfig | argparse.Namespace, mesh: Mesh | None = None) -> R
         tokenizer,
         guard=NonFiniteGuard(device, skip=config.skip_nonfinite),
         tokenizer_source=resolved.describe(),
-        checkpoint_extra=extra,
+        checkpoint_extra={"tokenizer": record},
         checkpoint_files=files,
         eval_data=evaluation,
     )
