@@ -54,6 +54,7 @@ def shipped_styles(model: nn.Module) -> dict[str, str]:
         shipped.setdefault(emb, Style.VOCAB_EMBEDDING.value)
     plan = {(f"{prefix}.{k}" if has_prefix else k): v for k, v in base.items()}
     plan.update(shipped)
+    plan = _without_expert_params(plan)
     head = _name_of(model, _output_embeddings(model))
     if head is not None:
         plan = {
@@ -63,6 +64,23 @@ def shipped_styles(model: nn.Module) -> dict[str, str]:
         }
         plan[head] = Style.COLUMN_GATHER_OUTPUT.value
     return plan
+
+
+# How transformers' plans split the fused parameters of an experts module (``experts.gate_up_proj:
+# packed_colwise``, Llama-4's ``packed_rowwise``...): neuron_tp's ``moe_tp_experts`` on the
+# module decides that from the module's own layout (neuron_tp.hf.moe).
+_EXPERT_PARAM_STYLES = ("colwise", "rowwise", "packed_colwise", "packed_rowwise")
+
+
+def _without_expert_params(plan: dict[str, str]) -> dict[str, str]:
+    """``plan`` without the entries that split the parameters of a ``moe_tp_experts``
+    module (any other entry under it, e.g. an identity expert, stays and is refused)."""
+    experts = [k + "." for k, v in plan.items() if v == Style.MOE_EXPERTS.value]
+    return {
+        k: v
+        for k, v in plan.items()
+        if not (v in _EXPERT_PARAM_STYLES and any(k.startswith(e) for e in experts))
+    }
 
 
 def _output_embeddings(model: nn.Module) -> nn.Module | None:

@@ -1,0 +1,137 @@
+"""Every MoE causal-LM family of the installed transformers (found from its auto mappings,
+:mod:`moe_families`) at tp 2 on gloo ranks, in ONE launch: a tiny random model parallelized
+with the plan neuron_tp picks, compared with the unsharded transformers model in logits, loss,
+and every weight after one optimizer step (AdamW; eval mode, so training jitter and dropout
+stay out) — or refused, before anything is changed, with a message naming what is missing.
+
+When the whole model is refused for something outside its MoE layers (e.g. an attention kind),
+the same family is tried again with only its experts sharded (``plan={'...experts':
+'moe_tp_experts'}``), which proves the MoE layers on their own.
+
+The outcome table is printed; the test fails when a family of :data:`EXPECTED_PASS` (or
+:data:`EXPECTED_EXPERTS_ONLY`) does not pass, when a family is accepted and then crashes or
+differs ("fail"), or when a refusal changed the model."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "helpers"))
+import gloo_dist  # noqa: E402
+from moe_families import V, build_family, moe_families  # noqa: E402
+
+TP = 2
+ATOL = 1e-4
+
+# Families whose whole model passes at tp 2 (committed: one that stops passing fails the test).
+EXPECTED_PASS: list[str] = []
+# Families refused as a whole whose experts-only plan passes.
+EXPECTED_EXPERTS_ONLY: list[str] = []
+
+
+def _close(a, b, what):
+    torch.testing.assert_close(a, b, atol=ATOL, rtol=1e-3, msg=lambda m: f"{what}: {m}")
+
+
+def _experts_plan(model) -> dict[str, str]:
+    names = {
+        re.sub(r"\.\d+\.", ".*.", n)
+        for n, m in model.named_modules()
+        if n.endswith(".experts") and any(p.dim() == 3 for p in m.parameters(recurse=False))
+    }
+    return {n: "moe_tp_experts" for n in sorted(names)}
+
+
+def _compare(ref, plan) -> None:
+    """parallelize(copy of ref) vs ref: logits, loss, weights after one AdamW step."""
+    import neuron_tp as ntp
+    from neuron_tp.hf import gather_hf_state_dict, parallelize
+
+    ids = torch.randint(1, V, (2, 8), generator=torch.Generator().manual_seed(3))
+    m = parallelize(copy.deepcopy(ref), plan=plan)
+    with torch.no_grad():
+        _close(m(ids).logits, ref(ids).logits, "logits")
+    out, want = m(ids, labels=ids), ref(ids, labels=ids)
+    _close(out.loss, want.loss, "loss")
+    out.loss.backward()
+    want.loss.backward()
+    ntp.sync_sequence_parallel_grads(m)
+    for model in (m, ref):
+        torch.optim.AdamW(model.parameters(), lr=1e-2).step()
+    after = gather_hf_state_dict(m)
+    for n, t in ref.state_dict().items():
+        if n in after:
+            _close(after[n], t, f"{n} after a step")
+    with torch.no_grad():
+        _close(m(ids).logits, ref(ids).logits, "logits after a step")
+
+
+def _try(model_type: str, plan) -> tuple[str, str]:
+    """``(outcome, detail)``: pass / refused / fail."""
+    ref = build_family(model_type)
+    before = {n: t.clone() for n, t in ref.state_dict().items()}
+    probe = copy.deepcopy(ref)
+    from neuron_tp.hf import parallelize
+
+    try:
+        parallelize(probe, plan=plan)
+    except ValueError as e:  # UserError is a ValueError too
+        after = probe.state_dict()
+        same = set(after) == set(before) and all(torch.equal(after[n], before[n]) for n in before)
+        if not same or getattr(probe, "_ntp_parallel", False):
+            return "fail", f"refused after changing the model: {e}"
+        return "refused", str(e).splitlines()[0][:300]
+    except Exception as e:  # noqa: BLE001 - accepted then crashed while sharding
+        return "fail", f"{type(e).__name__} while sharding: {str(e)[:300]}"
+    try:
+        _compare(ref, plan)
+    except Exception as e:  # noqa: BLE001
+        return "fail", f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+    return "pass", ""
+
+
+def _sweep(out_path: str) -> None:
+    gloo_dist.shared_mesh(TP)
+    results = {}
+    for mt in moe_families():
+        try:
+            ref = build_family(mt)
+        except Exception as e:  # noqa: BLE001 - the tiny config does not build: not neuron_tp's
+            results[mt] = {"whole": ("no tiny model", f"{type(e).__name__}: {str(e)[:200]}")}
+            continue
+        entry = {"whole": _try(mt, None)}
+        if entry["whole"][0] == "refused":
+            plan = _experts_plan(ref)
+            entry["experts_only"] = _try(mt, plan) if plan else ("refused", "no experts module")
+        results[mt] = entry
+        if torch.distributed.get_rank() == 0:
+            print(f"[moe families] {mt}: {entry}", flush=True)
+    if torch.distributed.get_rank() == 0:
+        with open(out_path, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+def test_every_moe_family(tmp_path):
+    out = str(tmp_path / "families.json")
+    gloo_dist.run(_sweep, out, world_size=TP, timeout=1500)
+    with open(out) as f:
+        results = json.load(f)
+    whole = sorted(mt for mt, r in results.items() if r["whole"][0] == "pass")
+    only = sorted(mt for mt, r in results.items() if r.get("experts_only", ("",))[0] == "pass")
+    print(f"\n{len(results)} MoE families; whole model passes at tp {TP}: {len(whole)} {whole}")
+    print(f"experts-only plan passes (model refused as a whole): {len(only)} {only}")
+    for mt, r in sorted(results.items()):
+        line = f"  {mt:24s} {r['whole'][0]:14s} {r['whole'][1]}"
+        if "experts_only" in r:
+            line += f"\n  {'':24s} experts only: {r['experts_only'][0]} {r['experts_only'][1]}"
+        print(line)
+    failing = {mt: r for mt, r in results.items() if "fail" in (v[0] for v in r.values())}
+    lost = sorted(set(EXPECTED_PASS) - set(whole)) + sorted(set(EXPECTED_EXPERTS_ONLY) - set(only))
+    assert not lost, f"families that no longer pass: {lost}"
+    assert not failing, f"accepted then failed: {json.dumps(failing, indent=1)}"
