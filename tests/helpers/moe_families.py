@@ -67,7 +67,18 @@ _SIZES = dict(
     mamba_d_conv=4,
     conv_kernel_size=4,
     mlp_only_layers=[],
+    num_dense_layers=0,
+    index_head_dim=8,
+    index_n_heads=4,
+    index_topk=8,
 )
+# Families whose defaults the generic sizes do not fix (a hybrid's layer kinds).
+_OVERRIDES = {
+    "lfm2_moe": dict(layer_types=["conv", "full_attention"]),
+    "nemotron_h": dict(layer_types=["full_attention", "moe"]),
+    "zaya": dict(num_experts_per_tok=1),
+    "granitemoehybrid": dict(mamba_d_head=16),
+}
 
 
 def _text_config(cfg):
@@ -96,30 +107,57 @@ def moe_families() -> dict[str, str]:
     return found
 
 
+def _kwargs(target) -> dict:
+    """The tiny sizes ``target`` (a default config) has, as constructor arguments."""
+    kw = {k: v for k, v in _SIZES.items() if getattr(target, k, None) is not None}
+    if hasattr(target, "num_experts_per_tok"):
+        kw["num_experts_per_tok"] = 2
+    if hasattr(target, "head_dim"):
+        kw["head_dim"] = 8
+    if getattr(target, "kv_lora_rank", None):  # MLA: the rotary part is the head dim
+        kw.pop("head_dim", None)
+        kw.pop("qk_head_dim", None)
+    kw.update({k: 4 for k in EXPERT_KEYS if getattr(target, k, None)})
+    n = kw.get("num_hidden_layers", 2)
+    for k in ("layer_types", "mlp_layer_types"):
+        v = getattr(target, k, None)
+        if isinstance(getattr(type(target), k, None), property):
+            continue  # derived (Jamba): set by its periods below
+        if isinstance(v, list) and v:  # every kind once (a hybrid keeps its attention layers)
+            kinds = list(dict.fromkeys(v))
+            kw[k] = (kinds * n)[:n]
+    # Jamba-style periods: an attention and an expert layer among the 2
+    for k, v in (("attn_layer_period", 2), ("attn_layer_offset", 1)):
+        if hasattr(target, k):
+            kw[k] = v
+    for k, v in (("expert_layer_period", 1), ("expert_layer_offset", 0)):
+        if hasattr(target, k):
+            kw[k] = v
+    for k in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        if isinstance(getattr(target, k, None), int) and getattr(target, k) >= V:
+            kw[k] = 0
+    kw["tie_word_embeddings"] = False
+    kw.update(_OVERRIDES.get(getattr(target, "model_type", ""), {}))
+    return kw
+
+
 def tiny_config(model_type: str):
-    """A tiny config of ``model_type`` (its text config when it has one)."""
+    """A tiny config of ``model_type`` (its text config shrunk when it has one), built from
+    constructor arguments so that derived fields follow."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    cfg = CONFIG_MAPPING[model_type]()
-    for target in {id(cfg): cfg, id(_text_config(cfg)): _text_config(cfg)}.values():
-        for k, v in _SIZES.items():
-            if hasattr(target, k) and getattr(target, k) is not None:
-                setattr(target, k, v)
-        for k in EXPERT_KEYS:
-            if getattr(target, k, None):
-                setattr(target, k, 4)
-        n = target.num_hidden_layers if hasattr(target, "num_hidden_layers") else 2
-        for k in ("layer_types", "layers_block_type", "mlp_layer_types"):
-            v = getattr(target, k, None)
-            if isinstance(v, list) and v:
-                setattr(target, k, (v * n)[:n] if len(v) < n else v[:n])
-        if hasattr(target, "rope_parameters") and isinstance(target.rope_parameters, dict):
-            target.rope_parameters.pop("mrope_section", None)
-        target.tie_word_embeddings = False
-        for k in ("pad_token_id", "bos_token_id", "eos_token_id"):
-            if isinstance(getattr(target, k, None), int) and getattr(target, k) >= V:
-                setattr(target, k, 0)
-    cfg._attn_implementation = "sdpa"
+    cls = CONFIG_MAPPING[model_type]
+    default = cls()
+    text = _text_config(default)
+    if text is default:
+        cfg = cls(**_kwargs(default))
+    else:
+        sub = type(text)(**_kwargs(text))
+        attr = next(a for a in ("text_config", "thinker_config") if getattr(default, a, None))
+        cfg = cls(**{attr: sub.to_dict(), "tie_word_embeddings": False})
+    rope = getattr(_text_config(cfg), "rope_parameters", None)
+    if isinstance(rope, dict):
+        rope.pop("mrope_section", None)
     return cfg
 
 
@@ -131,14 +169,21 @@ def build_family(model_type: str, seed: int = 0):
 
     cfg = tiny_config(model_type)
     torch.manual_seed(seed)
-    model = tf.AutoModelForCausalLM.from_config(cfg).float().eval()
+    try:
+        model = tf.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+    except ValueError as e:  # families without an SDPA path
+        if "scaled_dot_product_attention" not in str(e):
+            raise
+        torch.manual_seed(seed)
+        model = tf.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    model = model.float().eval()
     with torch.no_grad():
         for mod in model.modules():
             bias = getattr(mod, "e_score_correction_bias", None)
             if isinstance(bias, torch.Tensor):
                 bias.copy_(torch.rand(bias.shape) * 0.2)
-        for p in model.parameters():  # some inits leave zeros or NaNs of torch.empty
-            if not torch.isfinite(p).all():
+        for p in model.parameters():  # some inits leave NaNs (torch.empty) or zero routers
+            if not torch.isfinite(p).all() or (p.dim() >= 2 and not p.any()):
                 p.copy_(torch.randn_like(p) * 0.02)
         for name, p in model.named_parameters():
             if ".experts." in name and p.dim() >= 2:
