@@ -142,9 +142,36 @@ def _validate(
     for name, style in mp.targets.items():
         if style.is_column and name != s.lm_head and _parent(name) in s.attention and heads is None:
             raise ValueError(f"{name}: attention projection but the config has no head counts")
+    _refuse_unsplit_head_params(model, mp, heads)
     for name, style in mp.targets.items():
         _check_target(model, name, style, mp, mesh, heads, sequence_parallel)
     return mp, heads
+
+
+def _refuse_unsplit_head_params(model: nn.Module, mp: ModelPlan, heads: Heads | None) -> None:
+    """ValueError when an attention module whose heads the plan splits holds a per-head
+    parameter (a dim of size num_attention_heads or num_key_value_heads, e.g. Doge's
+    dynamic-mask ``A``) that the plan does not shard: each rank would apply every head's values to
+    its own heads."""
+    if heads is None:
+        return
+    split = {
+        _parent(n)
+        for n, st in mp.targets.items()
+        if st.is_column and _parent(n) in mp.structure.attention
+    }
+    for att in sorted(split):
+        for pname, p in model.get_submodule(att).named_parameters():
+            owner = _parent(f"{att}.{pname}")
+            per_head = {n for n in (heads.q, heads.kv) if 1 < n != heads.dim}
+            if owner not in mp.targets and per_head & set(p.shape):
+                raise ValueError(
+                    f"{att}.{pname}: a per-head parameter {tuple(p.shape)} ({heads.q} heads, "
+                    f"{heads.kv} key/value heads) of "
+                    f"{type(model.get_submodule(att)).__name__} that the plan does not shard, "
+                    "while it splits the attention's heads over tp; keep this attention "
+                    "replicated (pass plan= without its projections)"
+                )
 
 
 def _check_target(

@@ -146,7 +146,8 @@ class TPInterfaceExperts(nn.Module):
     def _dense(self, x, idx, w):
         t, e = x.shape[0], self.num_experts
         y = self._per_expert(x.unsqueeze(0).expand(e, t, x.shape[1]))
-        combine = torch.zeros(t, e, dtype=w.dtype, device=w.device).scatter(1, idx, w)
+        # scatter_add: a hash router (DeepSeek-V4) may pick one expert twice for a token
+        combine = torch.zeros(t, e, dtype=w.dtype, device=w.device).scatter_add(1, idx, w)
         return torch.einsum("eth,te->th", y, combine.to(y.dtype))
 
     def _gather(self, x, idx, w):
