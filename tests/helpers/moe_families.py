@@ -107,7 +107,7 @@ def moe_families() -> dict[str, str]:
     return found
 
 
-def _kwargs(target) -> dict:
+def _kwargs(target, overrides: dict | None = None) -> dict:
     """The tiny sizes ``target`` (a default config) has, as constructor arguments."""
     kw = {k: v for k, v in _SIZES.items() if getattr(target, k, None) is not None}
     if hasattr(target, "num_experts_per_tok"):
@@ -138,21 +138,22 @@ def _kwargs(target) -> dict:
             kw[k] = 0
     kw["tie_word_embeddings"] = False
     kw.update(_OVERRIDES.get(getattr(target, "model_type", ""), {}))
+    kw.update(overrides or {})
     return kw
 
 
-def tiny_config(model_type: str):
+def tiny_config(model_type: str, **overrides):
     """A tiny config of ``model_type`` (its text config shrunk when it has one), built from
-    constructor arguments so that derived fields follow."""
+    constructor arguments so that derived fields follow; ``overrides`` last."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     cls = CONFIG_MAPPING[model_type]
     default = cls()
     text = _text_config(default)
     if text is default:
-        cfg = cls(**_kwargs(default))
+        cfg = cls(**_kwargs(default, overrides))
     else:
-        sub = type(text)(**_kwargs(text))
+        sub = type(text)(**_kwargs(text, overrides))
         attr = next(a for a in ("text_config", "thinker_config") if getattr(default, a, None))
         cfg = cls(**{attr: sub.to_dict(), "tie_word_embeddings": False})
     rope = getattr(_text_config(cfg), "rope_parameters", None)
@@ -161,13 +162,13 @@ def tiny_config(model_type: str):
     return cfg
 
 
-def build_family(model_type: str, seed: int = 0):
+def build_family(model_type: str, seed: int = 0, **overrides):
     """The tiny ``model_type`` causal LM (eval mode), fp32, random weights from ``seed``;
     correction biases random too, fused experts scaled up so the MoE layers move the
     logits."""
     import transformers as tf
 
-    cfg = tiny_config(model_type)
+    cfg = tiny_config(model_type, **overrides)
     torch.manual_seed(seed)
     try:
         model = tf.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
