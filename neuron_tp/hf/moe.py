@@ -81,6 +81,14 @@ ADAPTERS: dict[str, ExpertsLayout] = {
 }
 
 
+def is_experts_module(mod: nn.Module) -> bool:
+    """``mod`` is a transformers experts module neuron_tp can shard behind its interface
+    (it declares ``use_experts_implementation`` flags, or has an adapter)."""
+    if type(mod).__name__ in ADAPTERS:
+        return True
+    return all(hasattr(mod, f) for f in ("has_gate", "has_bias", "is_transposed"))
+
+
 def _is_generic(model: nn.Module, name: str) -> bool:
     """``name`` (an experts module) sits in a block outside :data:`BLOCKS`."""
     block = model.get_submodule(name.rpartition(".")[0]) if "." in name else model

@@ -143,9 +143,35 @@ def _validate(
         if style.is_column and name != s.lm_head and _parent(name) in s.attention and heads is None:
             raise ValueError(f"{name}: attention projection but the config has no head counts")
     _refuse_unsplit_head_params(model, mp, heads)
+    if sequence_parallel:
+        _refuse_unsharded_mixers(model, mp)
     for name, style in mp.targets.items():
         _check_target(model, name, style, mp, mesh, heads, sequence_parallel)
     return mp, heads
+
+
+# Class-name words of modules that mix tokens along the sequence (attention, SSM, convolution).
+_MIXER_WORDS = ("attention", "attn", "mamba", "mixer", "deltanet", "conv")
+
+
+def _refuse_unsharded_mixers(model: nn.Module, mp: ModelPlan) -> None:
+    """Under sequence parallelism every module of the decoder layers that mixes tokens must
+    get the whole sequence, which only the modules whose projections the plan shards do (their
+    input is all-gathered): ValueError for one the plan leaves whole (it would see only this
+    rank's part of the sequence)."""
+    s = mp.structure
+    gathered = {_parent(n) for n, st in mp.targets.items() if st.is_column} & s.prepares_input
+    for name, mod in model.named_modules():
+        if not s.in_layers(name) or any(name.startswith(g + ".") or name == g for g in gathered):
+            continue
+        cls = type(mod).__name__
+        mixes = any(w in cls.lower() for w in _MIXER_WORDS) and not isinstance(mod, nn.Linear)
+        if mixes or isinstance(mod, nn.Conv1d):
+            raise ValueError(
+                f"{name} ({cls}) mixes tokens along the sequence and the plan does not shard "
+                "it, so under sequence_parallel it would see only this rank's part of the "
+                "sequence; use sequence_parallel=False for this model"
+            )
 
 
 def _refuse_unsplit_head_params(model: nn.Module, mp: ModelPlan, heads: Heads | None) -> None:

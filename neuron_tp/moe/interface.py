@@ -130,7 +130,8 @@ class TPInterfaceExperts(nn.Module):
         down_b = self.down_proj_bias
         if self.mesh.tp_size > 1:  # added once: on tp rank 0 (a device mask, one graph)
             first = (self.mesh.tp.rank_tensor(down_b.device) == 0).to(down_b.dtype)
-            down_b = regions.identity_fwd_all_reduce_bwd(down_b * first, self.mesh.tp)
+            # mask after the region: rank 0's gradient (the whole one) reaches every rank
+            down_b = regions.identity_fwd_all_reduce_bwd(down_b, self.mesh.tp) * first
         return getattr(self, f"{self.layout.up_name}_bias"), down_b
 
     def _per_expert(self, x: torch.Tensor) -> torch.Tensor:
