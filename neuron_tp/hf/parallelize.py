@@ -162,7 +162,10 @@ def _refuse_unsharded_mixers(model: nn.Module, mp: ModelPlan) -> None:
     s = mp.structure
     gathered = {_parent(n) for n, st in mp.targets.items() if st.is_column} & s.prepares_input
     for name, mod in model.named_modules():
-        if not s.in_layers(name) or any(name.startswith(g + ".") or name == g for g in gathered):
+        covered = any(
+            name == g or name.startswith(g + ".") or g.startswith(name + ".") for g in gathered
+        )  # inside a gathered module, or a wrapper around one (GPT-Neo's attn.attention)
+        if not s.in_layers(name) or covered:
             continue
         cls = type(mod).__name__
         mixes = any(w in cls.lower() for w in _MIXER_WORDS) and not isinstance(mod, nn.Linear)
