@@ -317,13 +317,23 @@ def keep_complete_grads(model: nn.Module) -> None:
 
 @contextlib.contextmanager
 def recorded_router_logits(model: nn.Module):
-    """Inside: the router logits of every :class:`ParallelMoEBlock` of ``model``, in call
-    order, appended to the yielded list."""
+    """Inside: the router logits of every MoE block of ``model`` (a :class:`ParallelMoEBlock`'s
+    router, or the ``gate`` / ``router`` child of a block whose experts are sharded behind
+    transformers' interface), in call order, appended to the yielded list."""
     logits: list = []
+    routers = []
+    for block in model.modules():
+        if isinstance(block, ParallelMoEBlock):
+            routers.append(block._child("router"))
+        elif isinstance(getattr(block, "experts", None), TPInterfaceExperts):
+            router = getattr(block, "gate", None) or getattr(block, "router", None)
+            if isinstance(router, nn.Module):
+                routers.append(router)
     hooks = [
-        block._child("router").register_forward_hook(lambda _m, _a, out: logits.append(out[0]))
-        for block in model.modules()
-        if isinstance(block, ParallelMoEBlock)
+        r.register_forward_hook(
+            lambda _m, _a, out: logits.append(out[0] if isinstance(out, tuple) else out)
+        )
+        for r in routers
     ]
     try:
         yield logits

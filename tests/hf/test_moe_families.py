@@ -191,6 +191,34 @@ def _checkpoints(tmp: str) -> dict[str, str]:
     return out
 
 
+# Families sharded behind the experts interface whose model returns a load-balancing loss.
+AUX_FAMILIES = ("qwen3_next", "jamba", "granitemoe", "flex_olmo", "ernie4_5_moe")
+
+
+def _aux() -> dict[str, str]:
+    """The router auxiliary loss (``output_router_logits``), in the parallel loss too: equal
+    to transformers', with a plain and a packed (4-D, one sample per row) attention mask."""
+    from neuron_tp.hf import parallelize
+    from neuron_tp.hf.packing import block_causal_mask
+
+    out = {}
+    for mt in AUX_FAMILIES:
+        try:
+            ref = build_family(mt, output_router_logits=True, router_aux_loss_coef=0.05)
+            m = parallelize(copy.deepcopy(ref), parallel_loss=True)
+            ids = torch.randint(1, V, (2, 8), generator=torch.Generator().manual_seed(9))
+            want = ref(ids, labels=ids)
+            assert want.aux_loss is not None, "no aux loss"
+            for mask in (None, block_causal_mask(torch.ones_like(ids))):
+                got = m(ids, labels=ids, attention_mask=mask)
+                _close(got.aux_loss, want.aux_loss, "aux loss")
+                _close(got.loss, want.loss, "loss with aux")
+            out[mt] = "pass"
+        except Exception as e:  # noqa: BLE001
+            out[mt] = f"fail: {type(e).__name__}: {str(e)[:300]}"
+    return out
+
+
 def _sweep(out_path: str) -> None:
     gloo_dist.shared_mesh(TP)
     results = {}
@@ -212,6 +240,7 @@ def _sweep(out_path: str) -> None:
         if torch.distributed.get_rank() == 0:
             print(f"[moe families] {mt}: {entry}", flush=True)
     ckpt = _checkpoints(os.path.dirname(out_path))
+    ckpt.update({f"aux {k}": v for k, v in _aux().items()})
     if torch.distributed.get_rank() == 0:
         with open(out_path, "w") as f:
             json.dump({"families": results, "checkpoints": ckpt}, f, indent=1)
@@ -223,7 +252,7 @@ def test_every_moe_family(tmp_path):
     with open(out) as f:
         both = json.load(f)
     results, ckpt = both["families"], both["checkpoints"]
-    print(f"checkpoint round trips: {ckpt}")
+    print(f"checkpoint round trips, aux losses: {ckpt}")
     whole = sorted(mt for mt, r in results.items() if r["whole"][0] == "pass")
     only = sorted(mt for mt, r in results.items() if r.get("experts_only", ("",))[0] == "pass")
     print(f"\n{len(results)} MoE families; whole model passes at tp {TP}: {len(whole)} {whole}")
