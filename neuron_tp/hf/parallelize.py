@@ -151,7 +151,8 @@ def _validate(
 
 
 # Class-name words of modules that mix tokens along the sequence (attention, SSM, convolution).
-_MIXER_WORDS = ("attention", "attn", "mamba", "mixer", "deltanet", "conv")
+# (Convolutions are found as nn.Conv1d: transformers' GPT-2 ``Conv1D`` is a linear.)
+_MIXER_WORDS = ("attention", "attn", "mamba", "mixer", "deltanet")
 
 
 def _refuse_unsharded_mixers(model: nn.Module, mp: ModelPlan) -> None:
