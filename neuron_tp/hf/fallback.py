@@ -42,7 +42,7 @@ def shipped_styles(model: nn.Module) -> dict[str, str]:
     has_prefix = bool(prefix) and hasattr(model, prefix)
     base = dict(getattr(model.config, "base_model_tp_plan", None) or {})
     shipped = dict(getattr(model, "_tp_plan", None) or {})
-    if not base and not shipped:
+    if not base and not shipped and not _unplanned_experts(model, {}):
         model_type = getattr(model.config, "model_type", None)
         raise ValueError(
             f"{type(model).__name__}: no tensor-parallel plan (model_type {model_type!r} ships "
@@ -54,6 +54,8 @@ def shipped_styles(model: nn.Module) -> dict[str, str]:
         shipped.setdefault(emb, Style.VOCAB_EMBEDDING.value)
     plan = {(f"{prefix}.{k}" if has_prefix else k): v for k, v in base.items()}
     plan.update(shipped)
+    plan = _without_expert_params(plan)
+    plan.update(_unplanned_experts(model, plan))
     head = _name_of(model, _output_embeddings(model))
     if head is not None:
         plan = {
@@ -63,6 +65,35 @@ def shipped_styles(model: nn.Module) -> dict[str, str]:
         }
         plan[head] = Style.COLUMN_GATHER_OUTPUT.value
     return plan
+
+
+# How transformers' plans split the fused parameters of an experts module (``experts.gate_up_proj:
+# packed_colwise``, Llama-4's ``packed_rowwise``...): neuron_tp's ``moe_tp_experts`` on the
+# module decides that from the module's own layout (neuron_tp.hf.moe).
+_EXPERT_PARAM_STYLES = ("colwise", "rowwise", "packed_colwise", "packed_rowwise")
+
+
+def _without_expert_params(plan: dict[str, str]) -> dict[str, str]:
+    """``plan`` without the entries that split the parameters of a ``moe_tp_experts``
+    module (any other entry under it, e.g. an identity expert, stays and is refused)."""
+    experts = [k + "." for k, v in plan.items() if v == Style.MOE_EXPERTS.value]
+    return {
+        k: v
+        for k, v in plan.items()
+        if not (v in _EXPERT_PARAM_STYLES and any(k.startswith(e) for e in experts))
+    }
+
+
+def _unplanned_experts(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """``moe_tp_experts`` for the experts modules (transformers' experts interface) the shipped
+    plan leaves out (gpt-oss ships none): a family that follows the interface needs no entry."""
+    from .moe import is_experts_module
+
+    found = {}
+    for name, mod in model.named_modules():
+        if is_experts_module(mod) and not any(_pattern_matches(k, name) for k in plan):
+            found[re.sub(r"\.\d+(?=\.|$)", ".*", name)] = Style.MOE_EXPERTS.value
+    return found
 
 
 def _output_embeddings(model: nn.Module) -> nn.Module | None:

@@ -1,9 +1,20 @@
-"""transformers' MoE blocks to :class:`neuron_tp.moe.ParallelMoEBlock` (style
-``moe_tp_experts``, planned on the block's ``experts`` module).
+"""transformers' MoE layers under tensor parallelism (style ``moe_tp_experts``, planned on
+the block's ``experts`` module), two ways:
 
-Which transformers block and router classes are known, and where their router, shared
+* the blocks of :data:`BLOCKS` become :class:`neuron_tp.moe.ParallelMoEBlock` (routing
+  re-implemented, shared experts sharded, expert parallelism);
+* every other block keeps its own forward, router, shared experts and gates (replicated) and
+  only its ``experts`` module is replaced by :class:`neuron_tp.moe.TPInterfaceExperts`, which
+  takes the same call (transformers 5's experts interface) and reduces once: the layout comes
+  from the flags transformers declares on the experts class (``use_experts_implementation``:
+  concatenated / interleaved gate-up, transposed weights, biases, gate or not, the class's own
+  ``_apply_gate``), or from a declared adapter (:data:`ADAPTERS`, Llama-4's dense call). What
+  neither describes (a post-expert norm, extra parameters, expert parallelism) is refused
+  by name before anything is built.
+
+Which transformers block and router classes take the first way, and where their router, shared
 expert(s) and shared-expert gate sit, is written here once (:data:`BLOCKS`, :data:`ROUTERS`);
-anything else is refused by name. The block keeps transformers' own router module (replicated,
+the block keeps transformers' own router module (replicated,
 so its routing is exactly transformers' and its logits are recorded for the auxiliary loss)
 and its shared-expert gate; the fused experts and the shared expert MLP are sharded by their
 intermediate dimension, each parameter with its :class:`~neuron_tp.parallel.sharding.Sharding`
@@ -13,12 +24,14 @@ save the gathered tensor back)."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import sys
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
-from ..moe import ParallelMoEBlock, TPExperts, TPSharedMLP
+from ..moe import ExpertsLayout, ParallelMoEBlock, TPExperts, TPInterfaceExperts, TPSharedMLP
 from ..parallel.mesh import Mesh, divisors, valid_tp_degrees
 from ..parallel.sharding import get_sharding, set_param_meta
 from .slice_map import HFSliceMap, even_pieces, set_slice_map
@@ -61,6 +74,119 @@ ROUTERS: dict[str, str] = {
 }
 
 
+# Experts classes that do not declare transformers' experts-interface flags: their layout.
+# Llama-4: the block scales every token for every expert and calls experts(x [E*T, H]).
+ADAPTERS: dict[str, ExpertsLayout] = {
+    "Llama4TextExperts": ExpertsLayout(transposed=True, call="dense"),
+}
+
+
+def is_experts_module(mod: nn.Module) -> bool:
+    """``mod`` is a transformers experts module neuron_tp can shard behind its interface
+    (it declares ``use_experts_implementation`` flags, or has an adapter)."""
+    if type(mod).__name__ in ADAPTERS:
+        return True
+    return all(hasattr(mod, f) for f in ("has_gate", "has_bias", "is_transposed"))
+
+
+def _is_generic(model: nn.Module, name: str) -> bool:
+    """``name`` (an experts module) sits in a block outside :data:`BLOCKS`."""
+    block = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+    return type(block).__name__ not in BLOCKS
+
+
+def _layout(experts: nn.Module, name: str) -> ExpertsLayout:
+    """The layout of a transformers experts module; ValueError for what cannot be sharded."""
+    cls = type(experts).__name__
+    if cls in ADAPTERS:
+        return ADAPTERS[cls]
+    flags = ("has_gate", "has_bias", "is_transposed", "is_concatenated")
+    if not all(hasattr(experts, f) for f in flags):
+        raise ValueError(
+            f"{name}: {cls} follows neither transformers' experts interface (no "
+            f"use_experts_implementation flags {flags}) nor a declared adapter "
+            f"(neuron_tp.hf.moe.ADAPTERS: {sorted(ADAPTERS)})"
+        )
+    if getattr(experts, "has_post_expert_norm", False):
+        raise ValueError(
+            f"{name}: {cls} normalizes each expert's output (has_post_expert_norm): a norm of "
+            "the full output cannot be applied to tensor-parallel partial sums"
+        )
+    return ExpertsLayout(
+        gated=bool(experts.has_gate),
+        concatenated=bool(experts.is_concatenated),
+        transposed=bool(experts.is_transposed),
+        bias=bool(experts.has_bias),
+    )
+
+
+def _generic_params(experts: nn.Module, layout: ExpertsLayout, name: str) -> dict:
+    """The experts' parameters by name; ValueError when they are not the layout's."""
+    want = [layout.up_name, "down_proj"]
+    if layout.bias:
+        want += [f"{layout.up_name}_bias", "down_proj_bias"]
+    params = dict(experts.named_parameters())
+    dims = {layout.up_name: 3, "down_proj": 3, f"{layout.up_name}_bias": 2, "down_proj_bias": 2}
+    bad = [n for n in want if n not in params or params[n].dim() != dims[n]]
+    extra = sorted(set(params) - set(want))
+    if bad or extra:
+        raise ValueError(
+            f"{name}: {type(experts).__name__} does not hold the fused experts neuron_tp "
+            f"shards (expected {want} with {[dims[n] for n in want]} dims; missing or "
+            f"misshapen: {bad}, unknown: {extra})"
+        )
+    return {n: params[n] for n in want}
+
+
+def _check_generic(model: nn.Module, name: str, mesh: Mesh) -> None:
+    experts = model.get_submodule(name)
+    layout = _layout(experts, name)
+    params = _generic_params(experts, layout, name)
+    if mesh.ep_size > 1:
+        raise ValueError(
+            f"{name}: expert parallelism (ep={mesh.ep_size}) is implemented for the MoE blocks "
+            f"{sorted(BLOCKS)}; {type(model.get_submodule(name.rpartition('.')[0])).__name__} "
+            "is sharded over tp only (use ep=1)"
+        )
+    down = params["down_proj"]
+    _require(down.shape[layout.down_dim], mesh, name, "expert intermediate size")
+
+
+def _gate_fn(experts: nn.Module, layout: ExpertsLayout):
+    """The original's gating (``_apply_gate``, or ``act_fn``), on a copy holding no weights."""
+    proxy = copy.copy(experts)
+    proxy._parameters = {}
+    if layout.call == "dense":  # Llama-4: up * act(gate), halves
+
+        def gate(h: torch.Tensor) -> torch.Tensor:
+            g, u = h.chunk(2, dim=-1)
+            return u * proxy.act_fn(g)
+
+        return gate
+    return proxy._apply_gate if layout.gated else proxy.act_fn
+
+
+def _build_generic(
+    model: nn.Module, name: str, mesh: Mesh, sequence_parallel: bool
+) -> TPInterfaceExperts:
+    experts = model.get_submodule(name)
+    layout = _layout(experts, name)
+    params = _generic_params(experts, layout, name)
+    new = TPInterfaceExperts(params, layout, _gate_fn(experts, layout), mesh, sequence_parallel)
+    tp, r = mesh.tp_size, mesh.tp_rank
+    inter = params["down_proj"].shape[layout.down_dim]
+    if layout.gated and layout.concatenated:
+        up_pieces = tuple(even_pieces(inter, r, tp)) + tuple(even_pieces(inter, r, tp, inter))
+    else:
+        up_pieces = tuple(even_pieces(params[layout.up_name].shape[layout.up_dim], r, tp))
+    set_slice_map(new, layout.up_name, HFSliceMap(layout.up_dim, up_pieces))
+    if layout.bias:
+        set_slice_map(new, f"{layout.up_name}_bias", HFSliceMap(1, up_pieces))
+    set_slice_map(new, "down_proj", HFSliceMap(layout.down_dim, tuple(even_pieces(inter, r, tp))))
+    new.train(experts.training)
+    return new
+
+
 def _parts(model: nn.Module, name: str) -> tuple[str, nn.Module, BlockSpec, nn.Module]:
     """The block's name, the block, its spec and its experts module; ValueError for an unknown
     block or router class."""
@@ -93,6 +219,9 @@ def _require(size: int, mesh: Mesh, name: str, what: str) -> None:
 
 def check_moe(model: nn.Module, name: str, mesh: Mesh) -> None:
     """The refusals for sharding the MoE block whose experts module is ``name``."""
+    if _is_generic(model, name):
+        _check_generic(model, name, mesh)
+        return
     block_name, block, spec, experts = _parts(model, name)
     gu, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
     if getattr(gu, "dim", lambda: 0)() != 3 or getattr(down, "dim", lambda: 0)() != 3:
@@ -126,9 +255,12 @@ def check_moe(model: nn.Module, name: str, mesh: Mesh) -> None:
 def build_moe(
     model: nn.Module, name: str, mesh: Mesh, sequence_parallel: bool
 ) -> tuple[str, ParallelMoEBlock]:
-    """``(block name, its sharded replacement)`` for the experts module ``name`` (checked by
-    :func:`check_moe`); the model is not changed."""
+    """``(module name, its sharded replacement)`` for the experts module ``name`` (checked by
+    :func:`check_moe`): the whole block for the blocks of :data:`BLOCKS`, else the experts
+    module itself; the model is not changed."""
     check_moe(model, name, mesh)
+    if _is_generic(model, name):
+        return name, _build_generic(model, name, mesh, sequence_parallel)
     block_name, block, spec, experts = _parts(model, name)
     tp, r = mesh.tp_size, mesh.tp_rank
     new_experts = TPExperts(experts.gate_up_proj, experts.down_proj, experts.act_fn, mesh)
@@ -185,13 +317,23 @@ def keep_complete_grads(model: nn.Module) -> None:
 
 @contextlib.contextmanager
 def recorded_router_logits(model: nn.Module):
-    """Inside: the router logits of every :class:`ParallelMoEBlock` of ``model``, in call
-    order, appended to the yielded list."""
+    """Inside: the router logits of every MoE block of ``model`` (a :class:`ParallelMoEBlock`'s
+    router, or the ``gate`` / ``router`` child of a block whose experts are sharded behind
+    transformers' interface), in call order, appended to the yielded list."""
     logits: list = []
+    routers = []
+    for block in model.modules():
+        if isinstance(block, ParallelMoEBlock):
+            routers.append(block._child("router"))
+        elif isinstance(getattr(block, "experts", None), TPInterfaceExperts):
+            router = getattr(block, "gate", None) or getattr(block, "router", None)
+            if isinstance(router, nn.Module):
+                routers.append(router)
     hooks = [
-        block._child("router").register_forward_hook(lambda _m, _a, out: logits.append(out[0]))
-        for block in model.modules()
-        if isinstance(block, ParallelMoEBlock)
+        r.register_forward_hook(
+            lambda _m, _a, out: logits.append(out[0] if isinstance(out, tuple) else out)
+        )
+        for r in routers
     ]
     try:
         yield logits

@@ -143,9 +143,66 @@ def _validate(
     for name, style in mp.targets.items():
         if style.is_column and name != s.lm_head and _parent(name) in s.attention and heads is None:
             raise ValueError(f"{name}: attention projection but the config has no head counts")
+    _refuse_unsplit_head_params(model, mp, heads)
+    if sequence_parallel:
+        _refuse_unsharded_mixers(model, mp)
     for name, style in mp.targets.items():
         _check_target(model, name, style, mp, mesh, heads, sequence_parallel)
     return mp, heads
+
+
+# Class-name words of modules that mix tokens along the sequence (attention, SSM, convolution).
+# (Convolutions are found as nn.Conv1d: transformers' GPT-2 ``Conv1D`` is a linear.)
+_MIXER_WORDS = ("attention", "attn", "mamba", "mixer", "deltanet")
+
+
+def _refuse_unsharded_mixers(model: nn.Module, mp: ModelPlan) -> None:
+    """Under sequence parallelism every module of the decoder layers that mixes tokens must
+    get the whole sequence, which only the modules whose projections the plan shards do (their
+    input is all-gathered): ValueError for one the plan leaves whole (it would see only this
+    rank's part of the sequence)."""
+    s = mp.structure
+    gathered = {_parent(n) for n, st in mp.targets.items() if st.is_column} & s.prepares_input
+    for name, mod in model.named_modules():
+        covered = any(
+            name == g or name.startswith(g + ".") or g.startswith(name + ".") for g in gathered
+        )  # inside a gathered module, or a wrapper around one (GPT-Neo's attn.attention)
+        if not s.in_layers(name) or covered:
+            continue
+        cls = type(mod).__name__
+        mixes = any(w in cls.lower() for w in _MIXER_WORDS) and not isinstance(mod, nn.Linear)
+        if mixes or isinstance(mod, nn.Conv1d):
+            raise ValueError(
+                f"{name} ({cls}) mixes tokens along the sequence and the plan does not shard "
+                "it, so under sequence_parallel it would see only this rank's part of the "
+                "sequence; use sequence_parallel=False for this model"
+            )
+
+
+def _refuse_unsplit_head_params(model: nn.Module, mp: ModelPlan, heads: Heads | None) -> None:
+    """ValueError when an attention module whose heads the plan splits holds a per-head
+    parameter (a dim of size num_attention_heads or num_key_value_heads, e.g. Doge's
+    dynamic-mask ``A``) that the plan does not shard: each rank would apply every head's values to
+    its own heads."""
+    if heads is None:
+        return
+    split = {
+        _parent(n)
+        for n, st in mp.targets.items()
+        if st.is_column and _parent(n) in mp.structure.attention
+    }
+    for att in sorted(split):
+        for pname, p in model.get_submodule(att).named_parameters():
+            owner = _parent(f"{att}.{pname}")
+            per_head = {n for n in (heads.q, heads.kv) if 1 < n != heads.dim}
+            if owner not in mp.targets and per_head & set(p.shape):
+                raise ValueError(
+                    f"{att}.{pname}: a per-head parameter {tuple(p.shape)} ({heads.q} heads, "
+                    f"{heads.kv} key/value heads) of "
+                    f"{type(model.get_submodule(att)).__name__} that the plan does not shard, "
+                    "while it splits the attention's heads over tp; keep this attention "
+                    "replicated (pass plan= without its projections)"
+                )
 
 
 def _check_target(

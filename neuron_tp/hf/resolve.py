@@ -80,9 +80,49 @@ def match_modules(model: nn.Module, plan: dict[str, Style]) -> dict[str, Style]:
     return found
 
 
+# Children that mark a multi-head latent attention module (DeepSeek-V2/V3 MLA).
+_LATENT = ("kv_a_proj_with_mqa", "kv_b_proj")
+
+
+def refuse_latent_attention(model: nn.Module, plan: dict[str, str] | None) -> None:
+    """ValueError when the plan (``plan``, else the one transformers ships) shards anything
+    inside a multi-head latent attention module: its low-rank projections and norms are not
+    sharded by neuron_tp, so it must stay replicated. The message gives the plan without
+    those entries."""
+    if plan is None:
+        if arch_plan(model.config) is not None:
+            return
+        try:
+            plan = shipped_styles(model)
+        except ValueError:
+            return  # no plan at all: refused by resolve_plan
+    latent = [
+        n
+        for n, m in model.named_modules()
+        if n and any(isinstance(getattr(m, a, None), nn.Module) for a in _LATENT)
+    ]
+    if not latent:
+        return
+    within = [
+        n for n, _ in model.named_modules() if any(n == a or n.startswith(a + ".") for a in latent)
+    ]
+    inside = sorted(k for k in plan if any(_compile(k).match(n) for n in within))
+    if not inside:
+        return
+    rest = {k: v for k, v in plan.items() if k not in inside and v in STYLES}
+    cls = type(model.get_submodule(latent[0])).__name__
+    raise ValueError(
+        f"{type(model).__name__}: multi-head latent attention ({latent[0]}: {cls}, low-rank "
+        "q_a_proj/q_b_proj and kv_a_proj_with_mqa/kv_b_proj with their norms) is not sharded "
+        f"by neuron_tp, and the plan shards {inside}; keep the attention replicated: "
+        f"plan={rest}"
+    )
+
+
 def plan_model(model: nn.Module, plan: dict[str, str] | None = None) -> ModelPlan:
     """The modules to shard and the structure of ``model``. ``plan`` replaces the styles; the
     structure comes from the architecture's explicit plan, else it is guessed."""
+    refuse_latent_attention(model, plan)
     styles = resolve_plan(model, plan)
     targets = _absorb_moe(match_modules(model, styles))
     if plan is not None:

@@ -7,16 +7,19 @@ transformers glue is :mod:`neuron_tp.hf.moe`."""
 from .block import ParallelMoEBlock, set_moe_mode
 from .expert_parallel import ExpertParallelOutput, expert_capacity, expert_parallel_mlp
 from .experts import MODES, TPExperts, pick_mode
+from .interface import ExpertsLayout, TPInterfaceExperts
 from .routing import ROUTER_KINDS, Router, sigmoid_group_topk, softmax_topk
 from .shared import TPSharedMLP
 
 __all__ = [
     "ExpertParallelOutput",
+    "ExpertsLayout",
     "MODES",
     "ROUTER_KINDS",
     "ParallelMoEBlock",
     "Router",
     "TPExperts",
+    "TPInterfaceExperts",
     "TPSharedMLP",
     "expert_capacity",
     "expert_parallel_mlp",

@@ -23,6 +23,7 @@ from torch import nn
 from ..parallel import comm, regions
 from ..parallel.mesh import Mesh
 from .experts import MODES, TPExperts
+from .interface import TPInterfaceExperts
 
 
 def _same_noise(x: torch.Tensor, jitter: float, mesh: Mesh) -> torch.Tensor:
@@ -105,18 +106,20 @@ class ParallelMoEBlock(nn.Module):
 
 
 def set_moe_mode(model: nn.Module, mode: str = "auto", capacity_factor: float | None = None) -> int:
-    """Choose how every :class:`ParallelMoEBlock` of ``model`` computes its experts
-    (:mod:`neuron_tp.moe.experts`): ``auto`` (default: ``gather`` when ``tokens * k <
-    num_experts``, else ``dense``), ``dense``, ``gather`` or ``capacity`` (needs
-    ``capacity_factor``; drops the (token, expert) pairs past an expert's capacity, so results
-    then differ from transformers). Returns the number of blocks set."""
+    """Choose how every :class:`ParallelMoEBlock` (and every experts module sharded behind
+    transformers' interface, :class:`~neuron_tp.moe.interface.TPInterfaceExperts`) of
+    ``model`` computes its experts (:mod:`neuron_tp.moe.experts`): ``auto`` (default:
+    ``gather`` when ``tokens * k < num_experts``, else ``dense``), ``dense``, ``gather`` or
+    ``capacity`` (needs ``capacity_factor``; drops the (token, expert) pairs past an expert's
+    capacity, so results then differ from transformers). Returns the number of blocks set."""
     if mode not in MODES:
         raise ValueError(f"unknown MoE mode {mode!r}; valid: {MODES}")
     if mode == "capacity" and (capacity_factor is None or capacity_factor <= 0):
         raise ValueError(f"MoE mode 'capacity' needs capacity_factor > 0, got {capacity_factor}")
     n = 0
     for mod in model.modules():
-        if isinstance(mod, ParallelMoEBlock):
-            mod.experts.mode, mod.experts.capacity_factor = mode, capacity_factor
+        if isinstance(mod, (ParallelMoEBlock, TPInterfaceExperts)):
+            experts = mod.experts if isinstance(mod, ParallelMoEBlock) else mod
+            experts.mode, experts.capacity_factor = mode, capacity_factor
             n += 1
     return n

@@ -18,10 +18,20 @@ import torch
 
 import neuron_tp as ntp
 from moe_archs import V, build_moe
+from moe_families import build_family
 from neuron_tp import hf
 from neuron_tp.backend.graphs import graph_counters
 from neuron_tp.moe import ParallelMoEBlock
 from xla_dist import serial
+
+# Family configs on the XLA device: windows no longer than the 8 tokens (transformers'
+# sliding-window and chunked masks use an offset torch-xla 2.9 refuses beyond the sequence
+# length: "Value out of range").
+XLA_OVERRIDES = {
+    "gpt_oss": dict(sliding_window=8),
+    "cohere2_moe": dict(sliding_window=8),
+    "llama4_text": dict(attention_chunk_size=8),
+}
 
 _barriers: dict[int, threading.Barrier] = {}
 _lock = threading.Lock()
@@ -93,8 +103,10 @@ def run_train(tp: int, name: str, sp: bool, steps: int, cf: float | None = None)
 
     mesh = ntp.init_mesh(tp=tp)
     dev = ntp.xla_device()
-    with serial():
-        ref = build_moe(name).train()
+    with serial():  # "family:<model_type>": any MoE family (tests/helpers/moe_families.py)
+        fam = name.removeprefix("family:")
+        ref = build_family(fam, **XLA_OVERRIDES.get(fam, {})) if fam != name else build_moe(name)
+        ref = ref.train()
     m = hf.parallelize(copy.deepcopy(ref), mesh, sequence_parallel=sp, parallel_loss=True)
     m = ntp.move_to(m, dev)
     ref_dropped: list[int] = []

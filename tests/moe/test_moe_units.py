@@ -187,7 +187,8 @@ MESH4 = ntp.Mesh(world_size=4, rank=0, tp=4)
 
 def test_refusals_name_what_works():
     """Before any collective: an expert (or shared expert) intermediate size tp does not
-    divide lists the degrees that work; an unknown router or block type is named."""
+    divide lists the degrees that work; an unknown router type, or a module that is no
+    experts module, is named."""
     m = build_moe("mixtral", intermediate_size=18)
     with pytest.raises(
         ValueError, match=r"mlp\.experts: expert intermediate size 18.*tp=4.*\[1, 2\]"
@@ -210,7 +211,10 @@ def test_refusals_name_what_works():
         ValueError, match=r"layers\.1\.mlp\.gate: unknown router type OddRouter.*MixtralTopKRouter"
     ):
         parallelize(m, mesh=MESH4)
-    with pytest.raises(ValueError, match=r"not a known MoE block.*Qwen2MoeSparseMoeBlock"):
+    # moe_tp_experts on a module that is no experts module: what it lacks is named
+    with pytest.raises(
+        ValueError, match=r"self_attn: OlmoeAttention follows neither transformers' experts"
+    ):
         parallelize(
             build_moe("olmoe"), mesh=MESH4, plan={"model.layers.*.self_attn": "moe_tp_experts"}
         )

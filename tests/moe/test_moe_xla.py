@@ -4,7 +4,10 @@ its gate, a dense layer) with sequence parallelism, GLM-4-MoE (group-limited sig
 shared experts), Mixtral and OLMoE (with SP); training with different tokens every step
 compiles no graph after the first step; generation keeps its graph count. Capacity mode
 (Qwen3-MoE, SP, cf 0.5: pairs are dropped every step) equals transformers with the dropped
-pairs' weights zeroed by an independent loop, and drops the same number of pairs."""
+pairs' weights zeroed by an independent loop, and drops the same number of pairs. Families
+sharded through transformers' experts interface (only their experts module replaced): Llama-4
+text (the dense call), gpt-oss (transposed, interleaved, biased experts, its clamped gate),
+Hunyuan-MoE and Cohere2-MoE."""
 
 from __future__ import annotations
 
@@ -26,6 +29,10 @@ def test_moe_on_two_xla_devices():
         ("mixtral", False),
         ("olmoe", True),
         ("qwen3_moe", True, 0.5),
+        ("family:llama4_text", False),
+        ("family:gpt_oss", False),
+        ("family:hunyuan_v1_moe", False),
+        ("family:cohere2_moe", True),
     ]
     for ranks in xla_dist.run(run_all, 2, cases, 3, devices=2):
         gen = ranks.pop("generate")
