@@ -285,6 +285,13 @@ def _shapes(p: argparse.ArgumentParser, batching: str) -> None:
         help="a PEFT LoRA adapter directory, merged into --model (a HF directory or preset) "
         "on load; a LoRA run's checkpoint needs none (its adapters are merged)",
     )
+    p.add_argument(
+        "--quantize",
+        choices=("none", "int8"),
+        default="none",
+        help="int8: weight-only int8 linear layers (one symmetric scale per output channel, "
+        "dequantized inside the graph; the LM head and embeddings stay in --dtype)",
+    )
 
 
 def generate_parser() -> argparse.ArgumentParser:

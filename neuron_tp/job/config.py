@@ -129,6 +129,7 @@ class GenerateConfig(_CommonConfig):
     stop: list[str]  # stop strings (the text is cut before the first one)
     ignore_eos: bool  # always generate --max-new-tokens (benchmarks)
     adapter: str | None = None  # a PEFT (LoRA) adapter dir merged into --model on load
+    quantize: str = "none"  # "int8": weight-only int8 linears (neuron_tp.layers.quantized)
 
 
 @dataclass(frozen=True)
@@ -145,6 +146,7 @@ class ServeConfig(_CommonConfig):
     served_model_name: str | None  # None: --model
     warmup: str  # graphs captured before ready: "smallest" shapes or "all" buckets
     adapter: str | None = None  # a PEFT (LoRA) adapter dir merged into --model on load
+    quantize: str = "none"  # "int8": weight-only int8 linears (neuron_tp.layers.quantized)
     prefill_chunk: int = 256  # prompt tokens prefilled per step (longer prompts: several)
     max_queue: int = 256  # requests that may wait; more get 429
     request_timeout_s: float = 600.0  # admission to the last token; then 504 / a stream error
