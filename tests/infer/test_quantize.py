@@ -102,6 +102,7 @@ def _run(tmp: str, tp: int) -> None:
 def test_quantized_parallel_model_matches_reference(tmp_path, tp):
     gloo_dist.run(_run, str(tmp_path), tp, world_size=tp)
     reps = [json.loads((tmp_path / f"q-{r}.json").read_text()) for r in range(tp)]
+    print({k: reps[0][k] for k in ("err_ref", "err_unquantized")})
     for rep in reps:
         assert rep["col_int8"] and rep["col_exact"] and rep["row_exact"]
         assert rep["err_ref"] < 1e-5, rep["err_ref"]
@@ -131,6 +132,7 @@ def test_xla_two_devices_logits_and_no_recompile():
     import xla_dist
 
     reps = xla_dist.run(quantized_rank, 2, PROMPTS, devices=2)
+    print([{k: r[k] for k in ("err_ref", "err_unquantized", "compiles_after_first")} for r in reps])
     for rep in reps:
         assert rep["int8_on_device"]
         assert rep["err_ref"] < 1e-4, rep["err_ref"]
