@@ -126,14 +126,18 @@ def main() -> None:
         print(f"{name:6} {nbytes:>18,} {ms:>16.3f}")
     print(f"int8/bf16 bytes: {rows[1][1] / rows[0][1]:.3f}\n")
     print("Llama-3-8B on Inf2, batch 1 decode, HBM bound (820 GiB/s per chip, 2 cores/chip)")
-    print(f"{'tp':>4} {'chips':>6} {'bf16 GiB/tok':>13} {'bf16 ms/tok':>12} "
-          f"{'int8 GiB/tok':>13} {'int8 ms/tok':>12} {'ratio':>6}")
+    print(
+        f"{'tp':>4} {'chips':>6} {'bf16 GiB/tok':>13} {'bf16 ms/tok':>12} "
+        f"{'int8 GiB/tok':>13} {'int8 ms/tok':>12} {'ratio':>6}"
+    )
     for tp in (2, 8, 24):
         chips = tp / 2
         b16, b8 = (llama3_8b_bytes_per_token(tp, q) for q in (False, True))
         ms16, ms8 = (b / (chips * INF2_CHIP_BPS) * 1e3 for b in (b16, b8))
-        print(f"{tp:>4} {chips:>6g} {b16 / GIB:>13.3f} {ms16:>12.3f} {b8 / GIB:>13.3f} "
-              f"{ms8:>12.3f} {b8 / b16:>6.3f}")
+        print(
+            f"{tp:>4} {chips:>6g} {b16 / GIB:>13.3f} {ms16:>12.3f} {b8 / GIB:>13.3f} "
+            f"{ms8:>12.3f} {b8 / b16:>6.3f}"
+        )
 
 
 if __name__ == "__main__":
