@@ -140,3 +140,18 @@ def test_xla_two_devices_logits_and_no_recompile():
         assert rep["tokens"] == rep["ref_tokens"] and rep["tokens_prefix"]
         # 12 tokens after 4: no new graph (the decode graph compiled in the first call)
         assert rep["compiles_after_more_tokens"] == rep["compiles_after_first"]
+
+
+def test_flag_on_generate_and_serve():
+    from neuron_tp.cli.args import generate_parser, serve_parser
+    from neuron_tp.job.config import GenerateConfig, ServeConfig
+
+    gen = GenerateConfig.from_args(generate_parser().parse_args(["--model", "tiny-llama"]))
+    assert gen.quantize == "none"
+    argv = ["--model", "tiny-llama", "--quantize", "int8"]
+    assert ServeConfig.from_args(serve_parser().parse_args(argv)).generate_config().quantize == (
+        "int8"
+    )
+    with pytest.raises(SystemExit):
+        generate_parser().parse_args(["--model", "tiny-llama", "--quantize", "fp8"])
+    assert "--quantize" in serve_parser().format_help()
