@@ -25,6 +25,7 @@ from .layers import (
     VocabParallelEmbedding,
     parallel_cross_entropy,
 )
+from .layers.quantized import quantize
 from .moe import set_moe_mode
 from .optim.grads import (
     allreduce_data_parallel_grads,
@@ -72,6 +73,7 @@ __all__ = [
     "move_to",
     "mark_sequence_parallel",
     "parallelize",
+    "quantize",
     "from_pretrained",
     "save_pretrained",
     "Recompute",

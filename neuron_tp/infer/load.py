@@ -105,7 +105,9 @@ def load_for_generation(args: GenerateConfig | argparse.Namespace, mesh):
     checkpoint (at any tp; a LoRA run's: adapters merged). ``--adapter DIR``: the PEFT adapter
     in DIR merged into a preset or HF directory base on load. The tokenizer follows
     :func:`~neuron_tp.job.tokenizer.resolve_tokenizer` (its choice printed on rank 0) and is
-    checked against the model's vocabulary before any weight is read."""
+    checked against the model's vocabulary before any weight is read. ``--quantize int8``:
+    the sharded linear layers get int8 weights (:func:`neuron_tp.layers.quantized.quantize_int8`;
+    each rank converts its own shard on the host before the model moves to its device)."""
     from .. import hf
     from ..job.presets import PRESETS, build_model, is_preset, model_config
     from ..job.tokenizer import check_vocab, config_vocab, resolve_tokenizer
@@ -150,6 +152,11 @@ def load_for_generation(args: GenerateConfig | argparse.Namespace, mesh):
         model = hf.from_pretrained(config.model, mesh, torch_dtype=dtype, wrap=wrap)
     if wrap:
         model = merge_adapter_dir(model, config.adapter)
+    if config.quantize == "int8":  # after any merge: the merged weights are quantized
+        from ..job.runtime import rank_device
+        from ..layers.quantized import quantize_int8
+
+        quantize_int8(model, mesh, device=rank_device(config.device))
     use_generation_config(model, ckpt or config.model)
     return model.eval(), tok
 

@@ -339,6 +339,12 @@ _ADAPTER = (
 )
 
 
+_QUANTIZE_HELP = (
+    "int8: weight-only int8 linear layers (one symmetric scale per output channel, "
+    "dequantized inside the graph; the LM head and embeddings stay in --dtype)"
+)
+
+
 @dataclass(frozen=True)
 class GenerateConfig(_CommonConfig):
     """``neuron-tp generate`` options (tp ranks launched by torchrun)."""
@@ -355,6 +361,9 @@ class GenerateConfig(_CommonConfig):
     )
     dtype: str = opt("--dtype", "float32", **_DTYPE)
     adapter: str | None = opt("--adapter", None, _ADAPTER, metavar="DIR")  # merged on load
+    quantize: str = opt(  # "int8": weight-only int8 linears (neuron_tp.layers.quantized)
+        "--quantize", "none", _QUANTIZE_HELP, choices=("none", "int8")
+    )
     do_sample: bool = opt("--do-sample", False, action="store_true")
     temperature: float = opt("--temperature", 1.0, type=pos(float))
     top_k: int = opt("--top-k", 0, "0 = no top-k filter", type=non_negative(int))
@@ -391,6 +400,9 @@ class ServeConfig(_CommonConfig):
     )
     dtype: str = opt("--dtype", "float32", **_DTYPE)
     adapter: str | None = opt("--adapter", None, _ADAPTER, metavar="DIR")  # merged on load
+    quantize: str = opt(  # "int8": weight-only int8 linears (neuron_tp.layers.quantized)
+        "--quantize", "none", _QUANTIZE_HELP, choices=("none", "int8")
+    )
     prefill_chunk: int = opt(  # longer prompts: several steps
         "--prefill-chunk",
         256,

@@ -22,6 +22,7 @@ from .mesh import Group
 
 __all__ = [
     "all_reduce",
+    "all_reduce_max",
     "all_gather",
     "reduce_scatter",
     "all_to_all",
@@ -103,6 +104,28 @@ def _all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
 
     out = x.clone()
     dist.all_reduce(out, group=group.process_group)
+    return out
+
+
+def all_reduce_max(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Elementwise maximum of ``x`` over the group (exact in any dtype); returns a new tensor.
+    Not differentiable (e.g. int8 weight scales over a row-parallel weight's full rows)."""
+    if group.size == 1:
+        return x
+    if _check(x, group):
+        import torch_xla
+
+        xm = _xla.xm()
+        if _channel_form(group):  # 1-D operand, as in _all_reduce
+            flat = torch_xla._XLAC._xla_spmd_all_reduce(
+                xm.REDUCE_MAX, x.reshape(-1), 1.0, _replica_groups(group)
+            )
+            return flat.view(x.shape).clone()
+        return torch_xla._XLAC._xla_all_reduce(xm.REDUCE_MAX, x, 1.0, _replica_groups(group), False)
+    import torch.distributed as dist
+
+    out = x.clone()
+    dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group.process_group)
     return out
 
 
