@@ -1,0 +1,126 @@
+"""Blockwise attention (neuron_tp.layers.blockwise_attention) against sdpa on the same inputs:
+the output and the gradients of q, k and v to fp32 rounding; causal and not, GQA, padding masks
+(bool and additive), sliding window, softcap, lengths that are and are not multiples of the
+block; the backward recomputes per query block and keeps no [s, s] tensor."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from neuron_tp.layers.blockwise_attention import blockwise_attention
+
+
+def _recompute(fn, *args):
+    return checkpoint(fn, *args, use_reentrant=False)
+
+
+def _inputs(b, h, hkv, s, d=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(b, n, s, d, generator=g, requires_grad=True) for n in (h, hkv, hkv)]
+
+
+def _reference(q, k, v, mask=None, causal=False, scale=None, window=None, softcap=None):
+    """Plain softmax attention (sdpa where it has the feature, eager math otherwise)."""
+    if window is None and softcap is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True
+        )
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    scores = q @ k.transpose(-1, -2) * (scale or 1 / math.sqrt(q.shape[-1]))
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    i = torch.arange(q.shape[2]).view(-1, 1)
+    j = torch.arange(k.shape[2]).view(1, -1)
+    allowed = torch.ones_like(scores, dtype=torch.bool)
+    if causal:
+        allowed = allowed & (j <= i)
+    if window is not None:
+        allowed = allowed & (j > i - window)
+    if mask is not None:
+        allowed = allowed & mask
+    return torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1) @ v
+
+
+def _check(q, k, v, out, ref, rows=slice(None)):
+    go = torch.randn_like(ref)
+    want = torch.autograd.grad(ref[:, :, rows], (q, k, v), go[:, :, rows])
+    got = torch.autograd.grad(out[:, :, rows], (q, k, v), go[:, :, rows])
+    torch.testing.assert_close(out[:, :, rows], ref[:, :, rows], rtol=1e-5, atol=1e-5)
+    for name, a, b in zip("qkv", got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"d{n}: {m}")
+
+
+@pytest.mark.parametrize("s", [16, 40, 64, 7, 100])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (4, 1)])
+def test_matches_sdpa(s, causal, heads):
+    q, k, v = _inputs(2, *heads, s)
+    out = blockwise_attention(q, k, v, causal=causal, block=16, recompute=_recompute)
+    _check(q, k, v, out, _reference(q, k, v, causal=causal))
+
+
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+def test_padding_mask(kind):
+    """Left padding as transformers builds it (causal & key is a real token); rows that are
+    padding themselves are garbage in both, so only real rows are compared."""
+    s, b = 45, 2
+    q, k, v = _inputs(b, 4, 2, s, seed=1)
+    real = torch.ones(b, s, dtype=torch.bool)
+    real[1, :13] = False
+    causal = torch.tril(torch.ones(s, s, dtype=torch.bool))
+    mask = (causal & real[:, None, None, :]).expand(b, 1, s, s)
+    ref = _reference(q, k, v, mask=mask)
+    passed = mask if kind == "bool" else torch.zeros(mask.shape).masked_fill(~mask, -1e30)
+    out = blockwise_attention(q, k, v, passed, causal=True, block=16, recompute=_recompute)
+    out = out * real[:, None, :, None]  # drop the padding rows from outputs and gradients
+    ref = ref * real[:, None, :, None]
+    _check(q, k, v, out, ref)
+
+
+def test_scale_window_softcap():
+    q, k, v = _inputs(1, 4, 2, 70, seed=2)
+    out = blockwise_attention(
+        q,
+        k,
+        v,
+        causal=True,
+        block=16,
+        scale=0.3,
+        sliding_window=20,
+        softcap=5.0,
+        recompute=_recompute,
+    )
+    ref = _reference(q, k, v, causal=True, scale=0.3, window=20, softcap=5.0)
+    _check(q, k, v, out, ref)
+
+
+def test_no_scores_are_saved():
+    """With recompute, what the forward saves for backward is O(s * d) per head: the score
+    tiles (s*s/2 elements per head under a causal mask) are recomputed, not kept."""
+    s = 256
+    q, k, v = _inputs(1, 2, 2, s)
+    sizes = {}
+
+    def pack(t):  # elements per storage (each query block saves the same k and v)
+        sizes[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes() // 4
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = blockwise_attention(q, k, v, causal=True, block=32, recompute=_recompute)
+    out.sum().backward()
+    assert sum(sizes.values()) < 0.1 * 2 * s * s, sum(sizes.values())
+    sizes.clear()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        blockwise_attention(q, k, v, causal=True, block=32)  # no recompute: the tiles stay
+    assert sum(sizes.values()) > 2 * s * s / 2, sum(sizes.values())
+    sizes.clear()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        ref = _reference(q, k, v, causal=True, window=s)  # eager math: saves [2, s, s]
+    assert max(sizes.values()) >= 2 * s * s
+    del ref
