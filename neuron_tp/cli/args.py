@@ -173,6 +173,15 @@ def train_parser() -> argparse.ArgumentParser:
         help="recompute activations in backward: every decoder layer (full) or the attention "
         "core only (selective); saves activation memory for extra compute",
     )
+    p.add_argument(
+        "--attention",
+        choices=["sdpa", "blockwise"],
+        default="sdpa",
+        help="attention core: the model's sdpa, or blockwise (online softmax over "
+        "--attention-block key/value blocks, recomputed per query block in backward: memory "
+        "O(seq * block) per head instead of the [heads, seq, seq] scores)",
+    )
+    p.add_argument("--attention-block", type=positive(int), default=512, metavar="N")
     p.add_argument("--log-every", type=positive(int), default=10)
     p.add_argument(
         "--eval-data",

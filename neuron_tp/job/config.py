@@ -88,6 +88,8 @@ class TrainConfig(_CommonConfig):
     eval_data: str | None = None  # evaluated every eval_every steps (neuron_tp.train.evaluate)
     eval_every: int = 0  # 0: no evaluation
     eval_batches: int = 0  # micro-batches per rank per evaluation; 0: the whole eval set
+    attention: str = "sdpa"  # or "blockwise" (neuron_tp.hf.attention.use_blockwise_attention)
+    attention_block: int = 512  # the blockwise attention's block size
     plan_calibration: str = ""  # --plan auto: measured figures (neuron-tp selftest --calibrate)
     ep: int = 1  # expert-parallel degree (MoE): blocks of ep dp ranks share the experts out
 

@@ -25,6 +25,7 @@ from ..backend.graphs import (
     step_boundary,
 )
 from ..errors import UserError
+from ..hf.attention import use_blockwise_attention
 from ..hf.packing import check_packable, model_inputs
 from ..hf.recompute import apply_activation_checkpointing
 from ..job.config import TrainConfig
@@ -180,6 +181,8 @@ def setup(args: TrainConfig | argparse.Namespace, mesh: Mesh | None = None) -> R
         error = e
     # Same shard on data-parallel replicas, same replicated parameters everywhere.
     agreement.check_model_replicas(model, mesh, error=error, what="neuron-tp train")
+    if config.attention == "blockwise":
+        use_blockwise_attention(model, config.attention_block)
     apply_activation_checkpointing(model, config.activation_checkpointing)
     move_to(model, device).train()  # keeps tied embeddings tied (CPU -> XLA unties them)
     optimizer = make_optimizer(
