@@ -162,8 +162,6 @@ def _blockwise_forward(block: int):
     def attention(
         module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kw
     ):
-        from .recompute import checkpoint
-
         if dropout:
             raise UserError(
                 f"blockwise attention has no attention dropout (got {dropout}); set the "
@@ -190,7 +188,6 @@ def _blockwise_forward(block: int):
             block=block,
             sliding_window=window,
             softcap=kw.get("softcap"),
-            recompute=checkpoint if module.training else None,
         )
         return out.transpose(1, 2).contiguous(), None
 
