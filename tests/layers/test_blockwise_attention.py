@@ -152,3 +152,52 @@ def test_matches_sdpa_on_the_xla_device():
     env = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONPATH": repo}
     proc = xla_zygote.python(["-c", _ON_XLA], env, 300)
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
+
+
+_XLA_BYTES = r"""
+import sys, torch, torch.nn.functional as F, torch_xla
+import neuron_tp as ntp
+from neuron_tp.layers.blockwise_attention import blockwise_attention
+dev = ntp.xla_device()
+q, k, v = (torch.randn(1, 4, 2048, 64, device=dev, requires_grad=True) for _ in range(3))
+if sys.argv[1] == "sdpa":
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+else:
+    out = blockwise_attention(q, k, v, causal=True, block=256)
+out.sum().backward()
+torch_xla.sync()
+"""
+
+
+def _xla_buffer_bytes(attention: str) -> int:
+    """XLA's own count of the buffers of the forward+backward graph (its buffer assignment)."""
+    import glob
+    import os
+    import re
+    import tempfile
+
+    import xla_zygote
+
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with tempfile.TemporaryDirectory() as d:
+        env = {
+            **os.environ,
+            "PJRT_DEVICE": "CPU",
+            "PYTHONPATH": repo,
+            "XLA_FLAGS": f"--xla_dump_to={d}",
+        }
+        proc = xla_zygote.python(["-c", _XLA_BYTES, attention], env, 300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        text = open(max(glob.glob(f"{d}/*buffer-assignment.txt"), key=os.path.getsize)).read()
+    return int(re.search(r"Total bytes used: (\d+)", text).group(1))
+
+
+def test_xla_graph_memory_is_not_quadratic():
+    """s = 2048, 4 heads: XLA's buffers for sdpa's forward+backward hold several [4, s, s]
+    fp32 tensors (64 MiB each); blockwise (block 256) holds one query block's tiles at a time."""
+    sdpa, blockwise = _xla_buffer_bytes("sdpa"), _xla_buffer_bytes("blockwise")
+    print(
+        f"XLA buffers at s=2048: sdpa {sdpa / 2**20:.0f} MiB, blockwise {blockwise / 2**20:.0f} MiB"
+    )
+    assert sdpa > 3 * 64 * 2**20, sdpa
+    assert blockwise < 0.3 * sdpa, (blockwise, sdpa)  # measured 65 vs 278 MiB
