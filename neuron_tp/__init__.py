@@ -18,6 +18,7 @@ from .backend.xla import cpu_devices_env as xla_cpu_devices_env
 from .backend.xla import device as xla_device
 from .blocks import block_nd as blocks_nd
 from .hf import from_pretrained, parallelize, save_pretrained
+from .hf.attention import use_blockwise_attention
 from .hf.recompute import Recompute, apply_activation_checkpointing
 from .layers import (
     ColumnParallelLinear,
@@ -78,6 +79,7 @@ __all__ = [
     "save_pretrained",
     "Recompute",
     "apply_activation_checkpointing",
+    "use_blockwise_attention",
     "blocks",
     "blocks_nd",
     "checkpoint",

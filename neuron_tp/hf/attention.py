@@ -11,10 +11,18 @@ from torch import nn
 
 from ..errors import UserError
 from ..layers.activation_layout import SHARDED_FEATURES
+from ..layers.blockwise_attention import blockwise_attention
 from ..parallel import comm, regions
 from ..parallel.mesh import Mesh, divisors, valid_tp_degrees
 
 SUPPORTED_ATTN = ("eager", "sdpa", None)
+BLOCKWISE = "ntp-blockwise"  # registered as f"{BLOCKWISE}-{block}" (the block size in the name)
+DEFAULT_BLOCK = 512
+
+
+def is_supported_attention(impl: str | None) -> bool:
+    """An attention implementation that tensor parallelism can run (heads split per rank)."""
+    return impl in SUPPORTED_ATTN or (isinstance(impl, str) and impl.startswith(BLOCKWISE + "-"))
 
 
 @dataclass(frozen=True)
@@ -121,7 +129,7 @@ def patch_attention_module(attn: nn.Module, heads: Heads, tp: int, slots_per_ran
     """Set the per-rank head counts on an attention module (and on its own config copy)."""
     local_q = heads.q // tp
     impl = getattr(getattr(attn, "config", None), "_attn_implementation", None)
-    if impl not in SUPPORTED_ATTN:
+    if not is_supported_attention(impl):
         raise UserError(
             f"{type(attn).__name__}: attention implementation {impl!r} is not "
             f"supported under tensor parallelism; use 'sdpa' or 'eager'"
@@ -145,3 +153,74 @@ def patch_attention_module(attn: nn.Module, heads: Heads, tp: int, slots_per_ran
             if name in cfg.__dict__ and isinstance(cfg.__dict__[name], int):
                 cfg.__dict__[name] = updates[name]
         attn.config = cfg
+
+
+def _blockwise_forward(block: int):
+    """transformers' AttentionInterface function running :func:`blockwise_attention` with
+    ``block``; gets sdpa's masks (None for plain causal, bool otherwise)."""
+
+    def attention(
+        module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kw
+    ):
+        if dropout:
+            raise UserError(
+                f"blockwise attention has no attention dropout (got {dropout}); set the "
+                "model's attention_dropout to 0 or use attn_implementation='sdpa'"
+            )
+        if kw.get("output_attentions"):
+            raise UserError("blockwise attention cannot return attention weights")
+        q_len, kv_len = query.shape[2], key.shape[2]
+        is_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+        # sdpa's rule: a causal model gets its mask as None when causal masking is all there is
+        # (top-left aligned, as sdpa's is_causal); with a mask and as many queries as keys the
+        # mask is a subset of the causal one, so the blocks above the diagonal can be skipped.
+        causal = bool(is_causal) and q_len > 1 and (attention_mask is None or q_len == kv_len)
+        if attention_mask is None and causal and kv_len > q_len:
+            key, value = key[:, :, :q_len], value[:, :, :q_len]
+        window = kw.get("sliding_window") if causal and q_len == kv_len else None
+        out = blockwise_attention(
+            query,
+            key,
+            value,
+            attention_mask,
+            causal=causal,
+            scale=scaling,
+            block=block,
+            sliding_window=window,
+            softcap=kw.get("softcap"),
+        )
+        return out.transpose(1, 2).contiguous(), None
+
+    return attention
+
+
+def blockwise_name(block: int = DEFAULT_BLOCK) -> str:
+    """Register the blockwise attention with ``block`` in transformers and return its
+    ``attn_implementation`` name (usable in ``from_pretrained`` / ``from_config`` too)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    if block < 1:
+        raise UserError(f"attention block size must be positive, got {block}")
+    name = f"{BLOCKWISE}-{block}"
+    AttentionInterface.register(name, _blockwise_forward(block))
+    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    return name
+
+
+def use_blockwise_attention(model: nn.Module, block: int = DEFAULT_BLOCK) -> str:
+    """Switch ``model`` (a transformers model, parallelized or not) to blockwise attention with
+    ``block``, in place: the [heads, s, s] scores are never materialised. Returns the name."""
+    name = blockwise_name(block)
+    old = model.config._attn_implementation
+    if not is_supported_attention(old):
+        raise UserError(
+            f"{type(model).__name__}: blockwise attention replaces 'sdpa' or 'eager', got "
+            f"attn_implementation={old!r}"
+        )
+    for module in model.modules():  # parallelize gives attention modules their own configs
+        cfg = getattr(module, "config", None)
+        if cfg is not None and is_supported_attention(getattr(cfg, "_attn_implementation", 0)):
+            cfg._attn_implementation = name
+    model.config._attn_implementation = name
+    return name

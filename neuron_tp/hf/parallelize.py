@@ -16,10 +16,10 @@ from ..parallel.mesh import Mesh, get_mesh
 from ..parallel.sharding import copy_param_meta, get_sharding, mark_sequence_parallel
 from ..parallel.state import ParallelState, attach, is_parallel
 from .attention import (
-    SUPPORTED_ATTN,
     Heads,
     check_heads,
     is_plain_split,
+    is_supported_attention,
     kv_slots,
     model_heads,
     patch_attention_module,
@@ -126,7 +126,7 @@ def _validate(
     """The plan and head counts for ``model``; ValueError for anything that cannot be sharded
     exactly (nothing is built or changed)."""
     impl = getattr(model.config, "_attn_implementation", None)
-    if impl not in SUPPORTED_ATTN:
+    if not is_supported_attention(impl):
         raise UserError(
             f"{type(model).__name__}: attention implementation {impl!r} is not "
             "supported under tensor parallelism; load with attn_implementation="

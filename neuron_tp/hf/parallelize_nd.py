@@ -62,7 +62,7 @@ from ..layers.vocab_nd import (
 )
 from ..parallel.mesh import Mesh, valid_tp_degrees
 from ..parallel.state import ParallelState, attach
-from .attention import SUPPORTED_ATTN, model_heads, patch_attention_module
+from .attention import is_supported_attention, model_heads, patch_attention_module
 
 # Causal LMs with the Llama structure: model.embed_tokens / layers[i].{input_layernorm,
 # self_attn.{q,k,v,o}_proj, post_attention_layernorm, mlp.{gate,up,down}_proj} / norm, lm_head.
@@ -172,7 +172,7 @@ def _validate(model: nn.Module, mesh: Mesh, sequence_parallel: bool, plan) -> No
         )
     cfg = model.config
     impl = getattr(cfg, "_attn_implementation", None)
-    if impl not in SUPPORTED_ATTN:
+    if not is_supported_attention(impl):
         raise ValueError(
             f"{name}: attention implementation {impl!r} is not supported under tensor "
             "parallelism; load with attn_implementation='sdpa' or 'eager'"

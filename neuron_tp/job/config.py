@@ -274,6 +274,15 @@ class TrainConfig(_CommonConfig):
         "core only (selective); saves activation memory for extra compute",
         choices=["none", "full", "selective"],
     )
+    attention: str = opt(  # neuron_tp.hf.attention.use_blockwise_attention
+        "--attention",
+        "sdpa",
+        "attention core: the model's sdpa, or blockwise (online softmax over "
+        "--attention-block key/value blocks, recomputed per query block in backward: memory "
+        "O(seq * block) per head instead of the [heads, seq, seq] scores)",
+        choices=["sdpa", "blockwise"],
+    )
+    attention_block: int = opt("--attention-block", 512, type=pos(int), metavar="N")
     log_every: int = opt("--log-every", 10, type=pos(int))
     eval: EvalConfig = group(EvalConfig)
     checkpoint: CheckpointConfig = group(CheckpointConfig)

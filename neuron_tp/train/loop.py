@@ -24,6 +24,7 @@ from ..backend.graphs import (
     step_boundary,
 )
 from ..errors import UserError
+from ..hf.attention import use_blockwise_attention
 from ..hf.packing import check_packable, model_inputs
 from ..hf.recompute import apply_activation_checkpointing
 from ..job.config import TrainConfig
@@ -55,6 +56,47 @@ from .step_log import StepLogger
 from .tp_mode import check_tp_mode
 
 
+def _layout(config: TrainConfig, world, mesh: Mesh | None) -> Mesh:
+    """This rank's place in the job's mesh (``mesh``, or one built for the checks), after
+    refusing option combinations that cannot work and a ``mesh`` that contradicts them."""
+    if config.seq_len % config.tp and config.sequence_parallel:
+        raise UserError(
+            f"--sequence-parallel needs --seq-len divisible by --tp "
+            f"({config.seq_len} % {config.tp} != 0)"
+        )
+    if config.tp_mode != "1d" and config.sequence_parallel:
+        raise UserError(
+            f"--sequence-parallel is a --tp-mode 1d option: --tp-mode {config.tp_mode} "
+            "already splits the batch (and the features) over the grid; drop "
+            "--sequence-parallel"
+        )
+    # Valid tp (a square for 2d, a cube for 3d) and ep? This rank's dp rank.
+    layout = mesh or Mesh(
+        world.size, world.rank, tp=config.tp, tp_mode=config.tp_mode, ep=config.ep
+    )
+    if layout.ep_size != config.ep:
+        raise ValueError(f"mesh has ep={layout.ep_size} but --ep={config.ep}")
+    if layout.tp_size != config.tp:
+        raise ValueError(f"mesh has tp={layout.tp_size} but --tp={config.tp}")
+    if layout.tp_mode != config.tp_mode:
+        raise ValueError(
+            f"mesh has tp_mode={layout.tp_mode!r} but --tp-mode={config.tp_mode}: pass "
+            f"init_mesh(tp={config.tp}, tp_mode={config.tp_mode!r})"
+        )
+    if mesh is not None and mesh.reduce_dtype != config.mesh_reduce_dtype:
+        raise ValueError(
+            f"mesh has reduce_dtype={mesh.reduce_dtype} but --reduce-dtype="
+            f"{config.reduce_dtype}: pass init_mesh(..., reduce_dtype="
+            f"{config.mesh_reduce_dtype})"
+        )
+    if config.tensorboard:
+        import importlib.util
+
+        if importlib.util.find_spec("tensorboard") is None:
+            raise UserError("--tensorboard needs the tensorboard package (pip install tensorboard)")
+    return layout
+
+
 def setup(args: TrainConfig | argparse.Namespace, mesh: Mesh | None = None) -> Run:
     """Build mesh, device, data, model (sharded), optimizer and schedule from the options.
 
@@ -69,43 +111,7 @@ def setup(args: TrainConfig | argparse.Namespace, mesh: Mesh | None = None) -> R
     with agreement.agreed(world, "neuron-tp train") as agree:  # local work, then the check
         with BUILD_LOCK:
             preload(config.model)
-        if config.seq_len % config.tp and config.sequence_parallel:
-            raise UserError(
-                f"--sequence-parallel needs --seq-len divisible by --tp "
-                f"({config.seq_len} % {config.tp} != 0)"
-            )
-        if config.tp_mode != "1d" and config.sequence_parallel:
-            raise UserError(
-                f"--sequence-parallel is a --tp-mode 1d option: --tp-mode {config.tp_mode} "
-                "already splits the batch (and the features) over the grid; drop "
-                "--sequence-parallel"
-            )
-        # Valid tp (a square for 2d, a cube for 3d) and ep? This rank's dp rank.
-        layout = mesh or Mesh(
-            world.size, world.rank, tp=config.tp, tp_mode=config.tp_mode, ep=config.ep
-        )
-        if layout.ep_size != config.ep:
-            raise ValueError(f"mesh has ep={layout.ep_size} but --ep={config.ep}")
-        if layout.tp_size != config.tp:
-            raise ValueError(f"mesh has tp={layout.tp_size} but --tp={config.tp}")
-        if layout.tp_mode != config.tp_mode:
-            raise ValueError(
-                f"mesh has tp_mode={layout.tp_mode!r} but --tp-mode={config.tp_mode}: pass "
-                f"init_mesh(tp={config.tp}, tp_mode={config.tp_mode!r})"
-            )
-        if mesh is not None and mesh.reduce_dtype != config.mesh_reduce_dtype:
-            raise ValueError(
-                f"mesh has reduce_dtype={mesh.reduce_dtype} but --reduce-dtype="
-                f"{config.reduce_dtype}: pass init_mesh(..., reduce_dtype="
-                f"{config.mesh_reduce_dtype})"
-            )
-        if config.tensorboard:
-            import importlib.util
-
-            if importlib.util.find_spec("tensorboard") is None:
-                raise UserError(
-                    "--tensorboard needs the tensorboard package (pip install tensorboard)"
-                )
+        layout = _layout(config, world, mesh)  # this rank's place; option checks
         resolved = resolve_tokenizer(config.tokenizer, config.model)
         tokenizer = resolved.tokenizer
         hf_config = model_config(config.model, resolved.size)
@@ -170,6 +176,8 @@ def setup(args: TrainConfig | argparse.Namespace, mesh: Mesh | None = None) -> R
         error = e
     # Same shard on data-parallel replicas, same replicated parameters everywhere.
     agreement.check_model_replicas(model, mesh, error=error, what="neuron-tp train")
+    if config.attention == "blockwise":
+        use_blockwise_attention(model, config.attention_block)
     apply_activation_checkpointing(model, config.activation_checkpointing)
     move_to(model, device).train()  # keeps tied embeddings tied (CPU -> XLA unties them)
     optimizer = make_optimizer(

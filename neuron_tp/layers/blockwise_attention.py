@@ -1,0 +1,263 @@
+"""Blockwise (flash-style) attention in plain torch ops: the [heads, s, s] scores never exist.
+
+Queries are cut into blocks of ``block`` rows, keys/values into blocks of ``block`` columns; each
+query block runs an online softmax over the key/value blocks (running max and running sum in
+fp32, the partial output rescaled when the max grows). Every loop is a static Python loop over
+static shapes, so one XLA graph serves every step; under a causal mask the key/value blocks that
+lie wholly above the diagonal (or wholly outside a sliding window) are never visited.
+
+Backward is written out (FlashAttention-2's): the forward saves only q, k, v, the output and
+each row's log-sum-exp; backward recomputes each score tile from them and accumulates dq, dk,
+dv block by block. So the saved tensors are O(s * d) per head and backward holds one query
+block's tiles at a time.
+
+On XLA the whole step is one graph and the compiler's scheduler is free to compute the tiles of
+every query block at once (it does: measured, the peak is then the s x s scores again). Each
+query block's inputs are therefore made to depend on the previous block's results (``_after``),
+which orders the blocks: one query block's [block, s] tiles live at a time.
+
+GQA: queries are viewed as [batch, kv_heads, group, s, d] and broadcast against the kv heads;
+the kv heads are never repeated in memory.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..backend.xla import is_xla
+
+__all__ = ["blockwise_attention"]
+
+_NEG = torch.finfo(torch.float32).min
+
+
+def _after(x: torch.Tensor, done: list[torch.Tensor]) -> torch.Tensor:
+    """``x``, made to depend on the tensors ``done`` (XLA only; eager runs in program order):
+    work on the result cannot start before ``done`` is computed. XLA's CPU compiler drops
+    optimization barriers (measured: no ordering left after its passes), a data dependency
+    it must keep; x + 0 * sum is not folded for floats (0 * inf is NaN)."""
+    if not done or not is_xla(x):
+        return x
+    total = sum(d.float().sum() for d in done)
+    return x + (0.0 * total).to(x.dtype)
+
+
+def _pad_to(x: torch.Tensor, dim: int, size: int, value=0) -> torch.Tensor:
+    extra = size - x.shape[dim]
+    if extra == 0:
+        return x
+    pad = [0, 0] * (x.dim() - 1 - dim % x.dim()) + [0, extra]
+    return F.pad(x, pad, value=value)
+
+
+@dataclass(frozen=True)
+class _Tiling:
+    """The static layout: block sizes, padded lengths, which tiles to visit and mask."""
+
+    bq: int
+    bk: int
+    sq: int  # padded query length
+    sk: int  # padded key length
+    kv_len: int  # real key length
+    causal: bool
+    window: int | None
+    scale: float
+    softcap: float | None
+
+    def kv_blocks(self, q0: int) -> list[int]:
+        last_row, out = q0 + self.bq - 1, []
+        for k0 in range(0, self.sk, self.bk):
+            if self.causal and k0 > last_row:
+                break
+            if self.window is not None and k0 + self.bk - 1 <= q0 - self.window:
+                continue
+            out.append(k0)
+        return out or [0]  # only for padded rows; keeps the shapes static
+
+    def allowed(self, q0: int, k0: int, device) -> torch.Tensor | None:
+        """Bool [Bq, Bk] of the tile (True: attend), None when the whole tile is allowed."""
+        q_pos = torch.arange(q0, q0 + self.bq, device=device).view(-1, 1)
+        k_pos = torch.arange(k0, k0 + self.bk, device=device).view(1, -1)
+        allowed = None
+
+        def both(a, b):
+            return b if a is None else a & b
+
+        if self.causal and k0 + self.bk - 1 > q0:
+            allowed = both(allowed, k_pos <= q_pos)
+        if self.window is not None and k0 <= q0 + self.bq - 1 - self.window:
+            allowed = both(allowed, k_pos > q_pos - self.window)
+        if self.sk != self.kv_len and k0 + self.bk > self.kv_len:
+            allowed = both(allowed, k_pos < self.kv_len)
+        return allowed
+
+
+def _tile_scores(t: _Tiling, qf, kb, mask_i, q0, k0):
+    """Scores of one tile [b, hkv, g, Bq, Bk] (fp32, masked), the tanh of the softcap (or
+    None) and the bool mask (or None)."""
+    b, hkv, g, rows, _ = qf.shape
+    scores = torch.matmul(qf, kb.transpose(-1, -2))
+    tanh = None
+    if t.softcap is not None:
+        tanh = torch.tanh(scores / t.softcap)
+        scores = tanh * t.softcap
+    allowed = t.allowed(q0, k0, qf.device)
+    if mask_i is not None:
+        mb = mask_i[..., k0 : k0 + t.bk]  # [b, h|1, Bq, Bk]
+        shape = (b, 1, 1, rows, t.bk) if mb.shape[1] == 1 else (b, hkv, g, rows, t.bk)
+        mb = mb.reshape(shape)
+        if mb.dtype == torch.bool:
+            allowed = mb if allowed is None else allowed & mb
+        else:
+            scores = scores + mb.float()
+    if allowed is not None:
+        scores = torch.where(allowed, scores, _NEG)
+    return scores, tanh, allowed
+
+
+def _kv(x, k0, bk):
+    return x[:, :, k0 : k0 + bk].float().unsqueeze(2)  # [b, hkv, 1, Bk, d]
+
+
+def _forward(t: _Tiling, q, k, v, mask):
+    """q [b, hkv, g, Sq, d] (padded), k/v [b, hkv, Sk, d]: output (q's dtype) and the fp32
+    log-sum-exp of each row [b, hkv, g, Sq, 1]."""
+    b, hkv, g, _, _ = q.shape
+    outs, lses, prev = [], [], []
+    for q0 in range(0, t.sq, t.bq):
+        qi = q[:, :, :, q0 : q0 + t.bq]
+        qi = _after(qi, prev)  # this block starts when the previous one is done (XLA)
+        mask_i = None if mask is None else mask[:, :, q0 : q0 + t.bq]
+        qf = qi.float() * t.scale
+        m = qf.new_full((b, hkv, g, t.bq, 1), _NEG)
+        s_sum = qf.new_zeros((b, hkv, g, t.bq, 1))
+        acc = qf.new_zeros((b, hkv, g, t.bq, v.shape[-1]))
+        for k0 in t.kv_blocks(q0):
+            scores, _, allowed = _tile_scores(t, qf, _kv(k, k0, t.bk), mask_i, q0, k0)
+            m_new = torch.maximum(m, scores.amax(-1, keepdim=True))
+            p = torch.exp(scores - m_new)
+            if allowed is not None:  # rows with nothing allowed yet: no weight on masked keys
+                p = torch.where(allowed, p, 0.0)
+            alpha = torch.exp(m - m_new)
+            s_sum = s_sum * alpha + p.sum(-1, keepdim=True)
+            acc = acc * alpha + torch.matmul(p, _kv(v, k0, t.bk))
+            m = m_new
+        s_sum = torch.clamp(s_sum, min=torch.finfo(torch.float32).tiny)
+        out = (acc / s_sum).to(q.dtype)
+        outs.append(out)
+        lses.append(m + torch.log(s_sum))
+        prev = [out]
+    return torch.cat(outs, dim=3), torch.cat(lses, dim=3)
+
+
+def _backward(t: _Tiling, q, k, v, mask, out, lse, dout):
+    b, hkv, g, _, d = q.shape
+    dk = [None] * (t.sk // t.bk)
+    dv = [None] * (t.sk // t.bk)
+    dqs, prev = [], []
+    for q0 in range(0, t.sq, t.bq):
+        rows = slice(q0, q0 + t.bq)
+        qi, doi = q[:, :, :, rows], dout[:, :, :, rows]
+        qi, doi = _after(qi, prev), _after(doi, prev)  # one query block after the other (XLA)
+        mask_i = None if mask is None else mask[:, :, rows]
+        qf, dof = qi.float() * t.scale, doi.float()
+        lse_i = lse[:, :, :, rows]
+        delta = (dof * out[:, :, :, rows].float()).sum(-1, keepdim=True)
+        dq = torch.zeros_like(qf)
+        for k0 in t.kv_blocks(q0):
+            j = k0 // t.bk
+            kb, vb = _kv(k, k0, t.bk), _kv(v, k0, t.bk)
+            scores, tanh, allowed = _tile_scores(t, qf, kb, mask_i, q0, k0)
+            p = torch.exp(scores - lse_i)
+            if allowed is not None:
+                p = torch.where(allowed, p, 0.0)
+            dv_j = torch.einsum("bhgqk,bhgqd->bhkd", p, dof)
+            dp = torch.matmul(dof, vb.transpose(-1, -2))
+            ds = p * (dp - delta)
+            if tanh is not None:
+                ds = ds * (1 - tanh * tanh)
+            dq = dq + torch.matmul(ds, kb)
+            dk_j = torch.einsum("bhgqk,bhgqd->bhkd", ds, qf)
+            dk[j] = dk_j if dk[j] is None else dk[j] + dk_j
+            dv[j] = dv_j if dv[j] is None else dv[j] + dv_j
+        dqs.append(dq * t.scale)
+        # Everything of this block, dk and dv included: the compiler would otherwise put their
+        # updates off and keep this block's tiles alive for them.
+        prev = [dqs[-1], *(x for x in dk + dv if x is not None)]
+    zero = k.new_zeros((b, hkv, t.bk, k.shape[-1]), dtype=torch.float32)
+    zero_v = v.new_zeros((b, hkv, t.bk, v.shape[-1]), dtype=torch.float32)
+    dk = torch.cat([zero if x is None else x for x in dk], dim=2)
+    dv = torch.cat([zero_v if x is None else x for x in dv], dim=2)
+    return torch.cat(dqs, dim=3).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class _BlockwiseAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, mask, tiling):
+        out, lse = _forward(tiling, q, k, v, mask)
+        ctx.save_for_backward(q, k, v, mask, out, lse)
+        ctx.tiling = tiling
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, mask, out, lse = ctx.saved_tensors
+        dq, dk, dv = _backward(ctx.tiling, q, k, v, mask, out, lse, dout.contiguous())
+        return dq, dk, dv, None, None
+
+
+def blockwise_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    block: int = 512,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """softmax(q k^T * scale + mask) v without materialising the scores.
+
+    ``query`` [b, h, sq, d], ``key``/``value`` [b, hkv, sk, d] (h a multiple of hkv: GQA);
+    ``attention_mask`` None, bool [b, h|1, sq, sk] (True attends) or additive float (no
+    gradient flows into a mask); ``causal`` masks key j > query i (top-left aligned, as sdpa's
+    ``is_causal``) and skips the blocks above the diagonal; ``sliding_window`` w (with
+    ``causal``) also masks j <= i - w; ``softcap`` c: scores c * tanh(scores / c). Sequence
+    lengths that ``block`` does not divide are padded inside. Returns [b, h, sq, d_v] in
+    ``query``'s dtype.
+    """
+    b, h, sq, d = query.shape
+    hkv, sk = key.shape[1], key.shape[2]
+    if h % hkv:
+        raise ValueError(f"query heads {h} are not a multiple of key/value heads {hkv}")
+    if sliding_window is not None and not causal:
+        raise ValueError("sliding_window needs causal=True")
+    g = h // hkv
+    bq, bk = min(block, sq), min(block, sk)
+    sq_p, sk_p = math.ceil(sq / bq) * bq, math.ceil(sk / bk) * bk
+    tiling = _Tiling(
+        bq,
+        bk,
+        sq_p,
+        sk_p,
+        sk,
+        causal,
+        sliding_window,
+        1.0 / math.sqrt(d) if scale is None else scale,
+        softcap,
+    )
+    q = _pad_to(query, 2, sq_p).reshape(b, hkv, g, sq_p, d)
+    k, v = _pad_to(key, 2, sk_p), _pad_to(value, 2, sk_p)
+    mask = attention_mask
+    if mask is not None:
+        mask = mask.detach()
+        fill = False if mask.dtype == torch.bool else torch.finfo(mask.dtype).min
+        mask = _pad_to(_pad_to(mask, 3, sk_p, fill), 2, sq_p, fill)
+    out = _BlockwiseAttention.apply(q, k, v, mask, tiling)
+    return out.reshape(b, h, sq_p, -1)[:, :, :sq]
