@@ -122,3 +122,19 @@ class StepGraphs:
         if self.device.type == "xla":
             _xla.xm().mark_step()
         return outputs
+
+
+class StepGraphsOwner:
+    """Mixin of the generators: what their :class:`StepGraphs` (``self._graphs``) counts."""
+
+    _graphs: StepGraphs
+
+    @property
+    def replay(self) -> bool:
+        """True when steps are traced once and then replayed."""
+        return self._graphs.replay
+
+    @property
+    def traces(self) -> int:
+        """How many times the model's Python ran to capture a graph (replay mode)."""
+        return self._graphs.traces

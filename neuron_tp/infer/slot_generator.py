@@ -30,7 +30,7 @@ import torch
 
 from ..errors import UserError
 from .model_step import check_cache, no_aux_outputs, pick_bucket
-from .replay import StepGraphs
+from .replay import StepGraphs, StepGraphsOwner
 from .sampling import Sampling, check_per_row, choose_rows, host_generator, host_noise
 
 
@@ -76,7 +76,7 @@ def default_prefill_buckets(chunk: int) -> list[int]:
     return out + [chunk]
 
 
-class SlotGenerator:
+class SlotGenerator(StepGraphsOwner):
     """Continuous-batching generation with one model on its device (see the module doc).
 
     ``max_len``: positions per slot (prompt + new tokens must fit); ``chunk``: the most prompt
@@ -140,15 +140,6 @@ class SlotGenerator:
         self._filled: dict[int, int] = {}  # prompt positions written so far, per acquired slot
         self._host_pos: dict[int, int] = {}  # next cache index of each active slot
         self._gens: dict[int, torch.Generator] = {}  # sampled active slots
-
-    @property
-    def replay(self) -> bool:
-        return self._graphs.replay
-
-    @property
-    def traces(self) -> int:
-        """How many times the model's Python ran to capture a graph (replay mode)."""
-        return self._graphs.traces
 
     # -- requests --------------------------------------------------------------------------
     def check(

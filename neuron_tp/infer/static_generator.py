@@ -24,7 +24,7 @@ import torch
 
 from ..errors import UserError
 from .model_step import check_cache, no_aux_outputs, pick_bucket
-from .replay import StepGraphs
+from .replay import StepGraphs, StepGraphsOwner
 from .sampling import GREEDY, Sampling, choose, host_generator, host_noise
 
 CACHE_ROUND = 128  # the cache holds max(buckets) + new tokens rounded up to this
@@ -66,7 +66,7 @@ def attention_mask_4d(pad_mask: torch.Tensor, cache_pos: torch.Tensor) -> torch.
     return (allowed | (kv[None, :] == q))[:, None]
 
 
-class Generator:
+class Generator(StepGraphsOwner):
     """Generation with one model on its device. Graphs are captured once per shape and
     reused by later calls: the model's weights must not change while the Generator is used.
 
@@ -105,15 +105,6 @@ class Generator:
         )
         self._graphs = StepGraphs(self.device, replay)
         self._caches: dict[int, _CacheSlots] = {}  # batch -> the cache object the traces use
-
-    @property
-    def replay(self) -> bool:
-        return self._graphs.replay
-
-    @property
-    def traces(self) -> int:
-        """How many times the model's Python ran to capture a graph (replay mode)."""
-        return self._graphs.traces
 
     def check(
         self, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_ids: Sequence[int] = ()

@@ -54,7 +54,20 @@ def _ffn(x, gate_up, down, act):
     return torch.bmm(act(gate) * up, down.transpose(1, 2))
 
 
-class TPExperts(nn.Module):
+class ModeDispatch:
+    """Mixin of the tp experts modules: run ``_dense``, ``_gather`` or ``_capacity`` as the
+    module's ``mode`` (:func:`pick_mode`) says."""
+
+    def _run_mode(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        mode = pick_mode(self.mode, x.shape[0], idx.shape[1], self.num_experts)
+        if mode == "capacity":
+            if self.capacity_factor is None:
+                raise ValueError("MoE mode 'capacity' needs a capacity_factor")
+            return self._capacity(x, idx, w)
+        return self._gather(x, idx, w) if mode == "gather" else self._dense(x, idx, w)
+
+
+class TPExperts(ModeDispatch, nn.Module):
     """The tp-local slices of ``E`` fused experts (transformers' layout and parameter names:
     ``gate_up_proj`` and ``down_proj``); ``forward`` returns this rank's partial output."""
 
@@ -92,12 +105,7 @@ class TPExperts(nn.Module):
                 x, idx, w, self.gate_up_proj, self.down_proj, self.mesh.group("ep"), self.act_fn, cf
             )
             return out
-        mode = pick_mode(self.mode, x.shape[0], idx.shape[1], self.num_experts)
-        if mode == "capacity":
-            if self.capacity_factor is None:
-                raise ValueError("MoE mode 'capacity' needs a capacity_factor")
-            return self._capacity(x, idx, w)
-        return self._gather(x, idx, w) if mode == "gather" else self._dense(x, idx, w)
+        return self._run_mode(x, idx, w)
 
     def _dense(self, x, idx, w):
         e, t = self.num_experts, x.shape[0]

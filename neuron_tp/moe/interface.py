@@ -35,7 +35,7 @@ from torch import nn
 from ..parallel import comm, regions
 from ..parallel.mesh import Mesh
 from ..parallel.sharding import Sharding, mark_sharded, shard_of
-from .experts import pick_mode
+from .experts import ModeDispatch
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ def _up(x: torch.Tensor, w: torch.Tensor, transposed: bool, eq: str) -> torch.Te
     return torch.einsum(eq, x, w)
 
 
-class TPInterfaceExperts(nn.Module):
+class TPInterfaceExperts(ModeDispatch, nn.Module):
     """This rank's intermediate slice of ``E`` experts, parameters under the original's names;
     ``forward`` takes the original's call and returns the complete output (one reduction)."""
 
@@ -181,14 +181,6 @@ class TPInterfaceExperts(nn.Module):
         self.dropped = (~keep).sum()
         return (y[slot] * wk.unsqueeze(1)).view(t, k, -1).sum(1)
 
-    def _partial(self, x, idx, w):
-        mode = pick_mode(self.mode, x.shape[0], idx.shape[1], self.num_experts)
-        if mode == "capacity":
-            if self.capacity_factor is None:
-                raise ValueError("MoE mode 'capacity' needs a capacity_factor")
-            return self._capacity(x, idx, w)
-        return self._gather(x, idx, w) if mode == "gather" else self._dense(x, idx, w)
-
     # -- the original's call ------------------------------------------------------------------
 
     def forward(self, hidden_states, top_k_index=None, top_k_weights=None):
@@ -203,7 +195,7 @@ class TPInterfaceExperts(nn.Module):
         else:
             x = regions.identity_fwd_all_reduce_bwd(hidden_states, tp)
             idx, w = top_k_index, regions.identity_fwd_all_reduce_bwd(top_k_weights, tp)
-        out = self._partial(x, idx, w).to(dtype)
+        out = self._run_mode(x, idx, w).to(dtype)
         if self.sequence_parallel:
             return regions.reduce_scatter_fwd_all_gather_bwd(out, tp, 0)
         return regions.all_reduce_fwd_identity_bwd(out, tp)

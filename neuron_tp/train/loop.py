@@ -139,43 +139,7 @@ def setup(args: TrainConfig | argparse.Namespace, mesh: Mesh | None = None) -> R
     mesh = mesh or init_mesh(
         tp=config.tp, tp_mode=config.tp_mode, reduce_dtype=config.mesh_reduce_dtype, ep=config.ep
     )
-    dtype = torch.bfloat16 if config.bf16 else torch.float32
-    from .. import hf
-
-    model, error = None, None
-    try:
-        # Seeding and drawing the global RNG (shared by a process's threads) under one lock:
-        # a thread seeding while another draws its init would give the ranks other weights.
-        with BUILD_LOCK:
-            torch.manual_seed(config.seed)
-            # presets: built whole, then sharded; a local HF directory: from_pretrained (any
-            # tp_mode) reads only this rank's slices / blocks of every tensor
-            if is_preset(config.model):
-                model = build_model(config.model, vocab_size(tokenizer), config.seed, dtype)
-                if config.lora.r:  # adapters from --seed, then sharded
-                    model = lora.wrap(model, config)
-        if is_preset(config.model):
-            hf.parallelize(
-                model,
-                mesh,
-                sequence_parallel=config.sequence_parallel,
-                parallel_loss=mesh.tp_size > 1,
-            )
-        else:
-            model = hf.from_pretrained(
-                config.model,
-                mesh,
-                sequence_parallel=config.sequence_parallel,
-                parallel_loss=mesh.tp_size > 1,
-                torch_dtype=dtype,
-                wrap=_seeded_lora_wrap(config) if config.lora.r else None,
-            )
-        if config.lora.r:
-            lora.frozen_check(model)
-    except Exception as e:  # noqa: BLE001 - re-raised on this rank by the check below
-        error = e
-    # Same shard on data-parallel replicas, same replicated parameters everywhere.
-    agreement.check_model_replicas(model, mesh, error=error, what="neuron-tp train")
+    model = _sharded_model(config, mesh, vocab_size(tokenizer))
     if config.attention == "blockwise":
         use_blockwise_attention(model, config.attention_block)
     apply_activation_checkpointing(model, config.activation_checkpointing)
@@ -205,6 +169,51 @@ def setup(args: TrainConfig | argparse.Namespace, mesh: Mesh | None = None) -> R
         checkpoint_files=files,
         eval_data=evaluation,
     )
+
+
+def _sharded_model(config: TrainConfig, mesh: Mesh, vocab: int):
+    """The model of this rank, built (a preset, from ``--seed``) or loaded (each rank reads
+    its slices), with LoRA adapters when asked, sharded over ``mesh``; a failure on any rank,
+    or replicas that differ, raises on every rank."""
+    from .. import hf
+    from ..parallel import agreement
+
+    dtype = torch.bfloat16 if config.bf16 else torch.float32
+    model, error = None, None
+    try:
+        # Seeding and drawing the global RNG (shared by a process's threads) under one lock:
+        # a thread seeding while another draws its init would give the ranks other weights.
+        with BUILD_LOCK:
+            torch.manual_seed(config.seed)
+            # presets: built whole, then sharded; a local HF directory: from_pretrained (any
+            # tp_mode) reads only this rank's slices / blocks of every tensor
+            if is_preset(config.model):
+                model = build_model(config.model, vocab, config.seed, dtype)
+                if config.lora.r:  # adapters from --seed, then sharded
+                    model = lora.wrap(model, config)
+        if is_preset(config.model):
+            hf.parallelize(
+                model,
+                mesh,
+                sequence_parallel=config.sequence_parallel,
+                parallel_loss=mesh.tp_size > 1,
+            )
+        else:
+            model = hf.from_pretrained(
+                config.model,
+                mesh,
+                sequence_parallel=config.sequence_parallel,
+                parallel_loss=mesh.tp_size > 1,
+                torch_dtype=dtype,
+                wrap=_seeded_lora_wrap(config) if config.lora.r else None,
+            )
+        if config.lora.r:
+            lora.frozen_check(model)
+    except Exception as e:  # noqa: BLE001 - re-raised on this rank by the check below
+        error = e
+    # Same shard on data-parallel replicas, same replicated parameters everywhere.
+    agreement.check_model_replicas(model, mesh, error=error, what="neuron-tp train")
+    return model
 
 
 def _seeded_lora_wrap(config: TrainConfig):
