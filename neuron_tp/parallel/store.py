@@ -25,6 +25,7 @@ backend's own store is torch-xla's, prefixed by the agent's restart count).
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import socket
@@ -128,26 +129,38 @@ def attempt_store(rank: int, world: int):
         fresh = _serve(boot, key, timeout) if rank == 0 else _join(boot, key, run, timeout_s)
         _state.update(store=fresh, boot=boot)
         addr, port = bytes(boot.get(key)).decode().split()[:2]
-        threading.Thread(target=_beat, args=(addr, int(port), rank), daemon=True).start()
+        beat = threading.Thread(target=_beat, args=(addr, int(port), rank), daemon=True)
+        beat.start()
+        atexit.register(_stop_beat, beat)
         return fresh
 
 
 HEARTBEAT = "ntp/alive/{rank}"
 BEAT_S, SILENT_S = 1.0, 15.0  # a rank's heartbeat period; a peer silent this long is gone
+_beat_stop = threading.Event()
 
 
 def _beat(addr: str, port: int, rank: int) -> None:
     """This rank's heartbeat (a daemon thread with its own connection): a counter bumped every
-    ``BEAT_S``. Stops silently when the store goes away (the job is ending)."""
+    ``BEAT_S`` until :func:`_stop_beat`. Stops silently when the store goes away."""
     import torch.distributed as dist
 
     try:
-        client = dist.TCPStore(addr, port, None, False, datetime.timedelta(seconds=30))
-        while True:
+        client = dist.TCPStore(addr, port, None, False, datetime.timedelta(seconds=5))
+        while not _beat_stop.is_set():
             client.add(HEARTBEAT.format(rank=rank), 1)
-            time.sleep(BEAT_S)
+            _beat_stop.wait(BEAT_S)
     except Exception:  # noqa: BLE001  (the store's server is gone: nothing left to tell)
         return
+
+
+def _stop_beat(beat: threading.Thread) -> None:
+    """At interpreter exit: end the heartbeat thread before Python finalizes. A daemon thread
+    still inside the store client's C++ code when the interpreter goes away is unwound through
+    a noexcept frame, and the process aborts ("terminate called without an active exception")
+    after the job itself succeeded."""
+    _beat_stop.set()
+    beat.join(timeout=10.0)
 
 
 class Liveness:
