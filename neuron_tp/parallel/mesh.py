@@ -1,10 +1,14 @@
 """The device mesh: which ranks talk to which, computed once, as plain rank lists.
 
-World ranks are laid out ``rank = dp_rank * tp + tp_rank`` so that a tensor-parallel group is
-a block of contiguous ranks (the NeuronCores of one node). With expert parallelism (``ep > 1``,
-dividing dp) the dp ranks are also cut into blocks of ``ep`` consecutive dp ranks: an ``ep``
-group (same tp rank, one block) shares its MoE experts out, and an ``edp`` group (same tp rank,
-same place in every block) holds copies of the same experts. In 2D mode the tp group is a
+World = pp x dp x cp x tp, with ranks laid out
+``rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank``: a tensor-parallel group is
+a block of contiguous ranks (the NeuronCores of one node), the context-parallel ring next to it,
+and pipeline stages outermost (so stages can sit on different nodes). Each axis' group varies
+its own index with the others fixed; ``dp_cp`` varies dp and cp together (parameters are
+replicated over both: gradients reduce over it; it is ``dp`` when cp = 1). With expert
+parallelism (``ep > 1``, dividing dp) the dp ranks are also cut into blocks of ``ep``
+consecutive dp ranks: an ``ep`` group (one block) shares its MoE experts out, and an ``edp``
+group (the same place in every block) holds copies of the same experts. In 2D mode the tp group is a
 ``q x q`` grid (``tp_rank = row * q + col``); in 3D mode a ``q x q x q`` cube
 (``tp_rank = (i * q + j) * q + l``). Every group of every axis is listed, so the same lists give
 XLA replica groups and torch.distributed process groups.
@@ -112,13 +116,59 @@ def _launch_hint(world_size: int, tp: int) -> str:
     )
 
 
-def _check_ep(world_size: int, tp: int, ep: int) -> None:
-    dp = world_size // tp
+def _check_ep(world_size: int, tp: int, ep: int, outer: int = 1) -> None:
+    dp = world_size // (tp * outer)
     if ep < 1 or dp % ep:
+        others = f"tp {tp}" + (f" / pp x cp {outer}" if outer > 1 else "")
         raise UserError(
             f"ep={ep} does not divide the data-parallel degree {dp} (world {world_size} / "
-            f"tp {tp}); valid ep degrees: {divisors(dp)}"
+            f"{others}); valid ep degrees: {divisors(dp)}"
         )
+
+
+def _check_pp_cp(world_size: int, tp: int, pp: int, cp: int) -> None:
+    """pp x cp x tp must divide the world (tp alone is checked by ``_check_tp``)."""
+    for name, value in (("pp", pp), ("cp", cp)):
+        if not isinstance(value, int) or value < 1:
+            raise UserError(f"{name} must be a positive integer, got {value!r}")
+    if world_size % (pp * cp * tp):
+        room = world_size // tp
+        raise UserError(
+            f"pp={pp} x cp={cp} x tp={tp} = {pp * cp * tp} does not divide the world size "
+            f"{world_size}; with tp={tp}, pp x cp must divide {room}: one of {divisors(room)}"
+        )
+
+
+def _axis_lists(
+    dims: dict[str, int], ep: int, local_tp: dict[str, list[list[int]]]
+) -> dict[str, list[list[int]]]:
+    """Every group of every axis of a ``pp x dp x cp x tp`` world, as world-rank lists."""
+    pp, dp, cp, tp = dims["pp"], dims["dp"], dims["cp"], dims["tp"]
+
+    def rank(p: int, d: int, c: int, t: int) -> int:
+        return ((p * dp + d) * cp + c) * tp + t
+
+    P, D, C, T = range(pp), range(dp), range(cp), range(tp)
+    lists: dict[str, list[list[int]]] = {
+        "pp": [[rank(p, d, c, t) for p in P] for d in D for c in C for t in T],
+        "dp": [[rank(p, d, c, t) for d in D] for p in P for c in C for t in T],
+        "cp": [[rank(p, d, c, t) for c in C] for p in P for d in D for t in T],
+        "dp_cp": [[rank(p, d, c, t) for d in D for c in C] for p in P for t in T],
+        "world": [[rank(p, d, c, t) for p in P for d in D for c in C for t in T]],
+    }
+    if ep > 1:  # dp rank d = block * ep + j
+        blocks, J = range(dp // ep), range(ep)
+        lists["ep"] = [
+            [rank(p, b * ep + j, c, t) for j in J] for p in P for b in blocks for c in C for t in T
+        ]
+        lists["edp"] = [
+            [rank(p, b * ep + j, c, t) for b in blocks] for p in P for j in J for c in C for t in T
+        ]
+    for name, local_groups in local_tp.items():
+        lists[name] = [
+            [rank(p, d, c, t) for t in g] for p in P for d in D for c in C for g in local_groups
+        ]
+    return lists
 
 
 def _check_tp(world_size: int, tp: int, tp_mode: str) -> None:
@@ -138,8 +188,8 @@ def _check_tp(world_size: int, tp: int, tp_mode: str) -> None:
 
 
 class Mesh:
-    """dp x tp mesh (tp optionally a 2D grid or 3D cube) with one :class:`Group` per axis;
-    with ``ep > 1`` also the ``ep`` and ``edp`` axes over dp (module doc).
+    """pp x dp x cp x tp mesh (tp optionally a 2D grid or 3D cube) with one :class:`Group`
+    per axis; with ``ep > 1`` also the ``ep`` and ``edp`` axes over dp (module doc).
 
     Use :func:`init_mesh` in a real job and :meth:`Mesh.virtual` to trace what one rank of a
     large job would run, on a single XLA device, without executing it.
@@ -155,32 +205,23 @@ class Mesh:
         create_process_groups: bool = False,
         reduce_dtype: torch.dtype | None = None,
         ep: int = 1,
+        *,
+        pp: int = 1,
+        cp: int = 1,
     ):
         _check_tp(world_size, tp, tp_mode)
-        _check_ep(world_size, tp, ep)
+        _check_pp_cp(world_size, tp, pp, cp)
+        _check_ep(world_size, tp, ep, pp * cp)
         if reduce_dtype is not None and not reduce_dtype.is_floating_point:
             raise ValueError(f"reduce_dtype must be a floating dtype (or None), got {reduce_dtype}")
         self.reduce_dtype = reduce_dtype
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside the world of size {world_size}")
         self.world_size, self.rank, self.tp_mode, self.virtual = world_size, rank, tp_mode, virtual
-        dp = world_size // tp
-        dp_rank, tp_rank = divmod(rank, tp)
-        lists: dict[str, list[list[int]]] = {
-            "dp": [[d * tp + t for d in range(dp)] for t in range(tp)],
-            "world": [list(range(world_size))],
-        }
-        if ep > 1:  # dp rank d = block * ep + j
-            blocks = range(dp // ep)
-            lists["ep"] = [
-                [(b * ep + j) * tp + t for j in range(ep)] for b in blocks for t in range(tp)
-            ]
-            lists["edp"] = [
-                [(b * ep + j) * tp + t for b in blocks] for j in range(ep) for t in range(tp)
-            ]
-        for name, local_groups in _tp_axes(tp_mode, tp).items():
-            lists[name] = [[d * tp + t for t in g] for d in range(dp) for g in local_groups]
+        dims = {"pp": pp, "dp": world_size // (pp * cp * tp), "cp": cp, "tp": tp}
+        lists = _axis_lists(dims, ep, _tp_axes(tp_mode, tp))
         self.groups: dict[str, Group] = {}
+        made: dict[tuple[int, ...], Any] = {}  # one process group per distinct rank list
         for name, groups in lists.items():
             mine = next(g for g in groups if rank in g)
             pg = None
@@ -193,8 +234,10 @@ class Mesh:
                         created = dist.group.WORLD
                     elif len(g) == 1:
                         created = None
+                    elif tuple(g) in made:
+                        created = made[tuple(g)]
                     else:
-                        created = dist.new_group(g)
+                        created = made[tuple(g)] = dist.new_group(g)
                     if g == mine:
                         pg = created
             self.groups[name] = Group(
@@ -216,6 +259,9 @@ class Mesh:
         tp_mode: str = "1d",
         reduce_dtype: torch.dtype | None = None,
         ep: int = 1,
+        *,
+        pp: int = 1,
+        cp: int = 1,
     ) -> Mesh:
         """A trace-only mesh: layers emit XLA collectives for rank ``rank`` of ``world_size``.
 
@@ -229,6 +275,8 @@ class Mesh:
             virtual=True,
             reduce_dtype=reduce_dtype,
             ep=ep,
+            pp=pp,
+            cp=cp,
         )
 
     def group(self, name: str) -> Group:
@@ -251,6 +299,29 @@ class Mesh:
     @property
     def dp(self) -> Group:
         return self.groups["dp"]
+
+    @property
+    def pp(self) -> Group:
+        """The pipeline axis: this rank's stage is ``pp.rank`` of ``pp.size``."""
+        return self.groups["pp"]
+
+    @property
+    def cp(self) -> Group:
+        """The context-parallel ring: each rank holds 1/cp of the sequence."""
+        return self.groups["cp"]
+
+    @property
+    def replicas(self) -> Group:
+        """The ranks holding the same parameters (dp x cp): gradients are summed over it."""
+        return self.groups["dp_cp"]
+
+    @property
+    def pp_size(self) -> int:
+        return self.pp.size
+
+    @property
+    def cp_size(self) -> int:
+        return self.cp.size
 
     @property
     def ep_size(self) -> int:
@@ -278,6 +349,8 @@ class Mesh:
         return (
             f"{kind}Mesh(world={self.world_size}, rank={self.rank}, dp={self.dp_size}, "
             f"tp={self.tp_size}, tp_mode={self.tp_mode!r}"
+            + (f", pp={self.pp_size}" if self.pp_size > 1 else "")
+            + (f", cp={self.cp_size}" if self.cp_size > 1 else "")
             + (f", ep={self.ep_size})" if self.ep_size > 1 else ")")
         )
 
@@ -375,8 +448,14 @@ def init_mesh(
     backend: str | None = None,
     reduce_dtype: torch.dtype | None = None,
     ep: int = 1,
+    *,
+    pp: int = 1,
+    cp: int = 1,
 ) -> Mesh:
-    """Build the mesh of this job (world = dp x tp) and make it the default.
+    """Build the mesh of this job (world = pp x dp x cp x tp) and make it the default.
+
+    ``pp``: pipeline stages (outermost axis); ``cp``: context-parallel degree (the sequence
+    split over a ring next to tp). Both 1 by default; see the module doc for the rank layout.
 
     ``ep``: expert-parallel degree (dividing dp): MoE experts are spread over blocks of ``ep``
     dp ranks and tokens exchanged by all-to-all (:mod:`neuron_tp.moe.expert_parallel`).
@@ -401,7 +480,8 @@ def init_mesh(
         if not dist.is_initialized():
             # Validate before any rendezvous so a bad tp never leaves ranks waiting.
             _check_tp(world, tp, tp_mode)
-            _check_ep(world, tp, ep)
+            _check_pp_cp(world, tp, pp, cp)
+            _check_ep(world, tp, ep, pp * cp)
         _init_process_group(backend, world)
         if dist.is_available() and dist.is_initialized():
             if dist.get_backend() == "xla":
@@ -426,6 +506,8 @@ def init_mesh(
         create_process_groups=needs_groups,
         reduce_dtype=reduce_dtype,
         ep=ep,
+        pp=pp,
+        cp=cp,
     )
     set_default_mesh(mesh)
     return mesh
