@@ -38,9 +38,8 @@ KILLS = "0:0:step:6,1:1:startup,2:1:save:8,3:0:eval"
 STEPS = 12
 
 
-def _job(tmp, name: str, kills: str, restarts: int, port: int) -> tuple[str, list[dict]]:
-    """Run the training job under torchrun; (its output dir, its events), after checking
-    that it exited 0."""
+def _start(tmp, name: str, kills: str, restarts: int, port: int) -> subprocess.Popen:
+    """Start the training job under torchrun (its files under ``tmp / name``)."""
     result = tmp / name
     result.mkdir()
     out = str(result / "out")
@@ -55,10 +54,21 @@ def _job(tmp, name: str, kills: str, restarts: int, port: int) -> tuple[str, lis
     cmd += ["--eval-data", eval_file, "--eval-every", "4", "--eval-batches", "1"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC")}
     env.update(PYTHONPATH=REPO, OMP_NUM_THREADS="1", NTP_TEST_KILLS=kills)
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=420)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    pipe = subprocess.PIPE
+    return subprocess.Popen(cmd, env=env, stdout=pipe, stderr=pipe, text=True)
+
+
+def _finish(tmp, name: str, proc: subprocess.Popen) -> tuple[str, list[dict]]:
+    """Wait for the job; (its output dir, its events), after checking that it exited 0."""
+    try:
+        stdout, stderr = proc.communicate(timeout=420)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-5000:]
+    result = tmp / name
     events = [json.loads(line) for line in (result / "events.jsonl").read_text().splitlines()]
-    return out, events
+    return str(result / "out"), events
 
 
 def _final(out: str) -> dict[str, torch.Tensor]:
@@ -80,8 +90,15 @@ def _losses(out: str) -> dict[int, float]:
 
 def test_killed_workers_restart_and_end_with_the_uninterrupted_weights(tmp_path):
     port = 29900 + os.getpid() % 50
-    ref_out, _ = _job(tmp_path, "ref", "", 0, port)
-    out, events = _job(tmp_path, "killed", KILLS, 4, port + 1)
+    jobs = {"ref": _start(tmp_path, "ref", "", 0, port)}  # the two jobs run side by side
+    jobs["killed"] = _start(tmp_path, "killed", KILLS, 4, port + 1)
+    try:
+        ref_out, _ = _finish(tmp_path, "ref", jobs["ref"])
+        out, events = _finish(tmp_path, "killed", jobs["killed"])
+    finally:
+        for job in jobs.values():
+            if job.poll() is None:
+                job.kill()
 
     kills = [(e["attempt"], e["rank"], e["where"]) for e in events if e["event"] == "kill"]
     assert kills == [(0, 0, "step"), (1, 1, "startup"), (2, 1, "save"), (3, 0, "eval")], events
