@@ -102,6 +102,27 @@ def parse_collectives(hlo: str) -> list[Collective]:
     return found
 
 
+_PARAM = re.compile(r"=\s*(?P<dt>[a-z]+\d*)\[(?P<dims>[\d,]*)\]\S*\s+parameter\(\d+\)")
+
+
+def entry_parameters(hlo: str) -> list[tuple[str, tuple[int, ...]]]:
+    """(dtype, shape) of every parameter of the graph's ENTRY computation: what the executable
+    reads from device memory each run (weights, caches, inputs)."""
+    start = hlo.find("\nENTRY ")
+    if start < 0:
+        raise ValueError("no ENTRY computation in this HLO text")
+    end = hlo.find("\n}", start)
+    body = hlo[start : end if end > 0 else len(hlo)]
+    return [
+        (m["dt"], tuple(int(d) for d in m["dims"].split(",") if d)) for m in _PARAM.finditer(body)
+    ]
+
+
+def nbytes(dtype: str, shape: tuple[int, ...]) -> int:
+    """Bytes of an HLO array of ``dtype`` (e.g. ``bf16``, ``s8``) and ``shape``."""
+    return prod(shape) * _BYTES[dtype]
+
+
 def trace_hlo(tensors: list[torch.Tensor]) -> str:
     """HLO text of the pending XLA graph that produces ``tensors`` (nothing is executed)."""
     import torch_xla

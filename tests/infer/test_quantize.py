@@ -13,8 +13,10 @@ the tiny Llama's 2 kv heads over ranks):
 - greedy tokens equal transformers' ``generate`` on the reference, and ``neuron-tp generate
   --quantize int8`` prints the reference's text.
 
-On 2 XLA CPU devices (xla_quantize_run.py): logits vs the same reference, decode without a
-recompile after the first decode step, and the quantized layers hold int8 on the device.
+On 2 XLA CPU devices (xla_quantize_cases.py): logits vs the same reference, decode without a
+recompile after the first decode step, the quantized layers hold int8 on the device, and the
+traced HLO of a bf16 forward reads the linears' weights as int8 (bytes counted from the
+graph's parameters).
 """
 
 from __future__ import annotations
@@ -140,6 +142,12 @@ def test_xla_two_devices_logits_and_no_recompile():
         assert rep["tokens"] == rep["ref_tokens"] and rep["tokens_prefix"]
         # 12 tokens after 4: no new graph (the decode graph compiled in the first call)
         assert rep["compiles_after_more_tokens"] == rep["compiles_after_first"]
+        # the HLO of a bf16 forward reads its linears as int8 (+ a bf16 scale per row): at
+        # most 0.55x the bytes of the same graph unquantized, and no bf16 copy of them
+        assert rep["int8_dtypes"] == ["bf16", "s8"] and rep["bf16_dtypes"] == ["bf16"], rep
+        ratio = rep["linear_bytes_int8"] / rep["linear_bytes_bf16"]
+        print(f"linear weight bytes read per forward: int8 / bf16 = {ratio:.3f}")
+        assert 0.5 < ratio <= 0.55, rep
 
 
 def test_flag_on_generate_and_serve():

@@ -20,6 +20,50 @@ def _barrier(n: int) -> threading.Barrier:
         return _barriers.setdefault(n, threading.Barrier(n))
 
 
+def _graph_parameters(model, dev) -> list[tuple[str, tuple[int, ...]]]:
+    """The ENTRY parameters of a one-token forward's graph (traced, then run to clear it: the
+    collectives' ordering token would carry this graph into the next trace until a sync)."""
+    import torch_xla
+
+    from neuron_tp.backend.hlo import entry_parameters, trace_hlo
+
+    with torch.no_grad():
+        logits = model(torch.tensor([[72]]).to(dev)).logits
+        params = entry_parameters(trace_hlo([logits]))
+        torch_xla.sync()
+    return params
+
+
+def decode_weight_bytes(full, mesh, dev) -> dict:
+    """Bytes the bf16 model's graph reads for its linears, unquantized vs int8: the parameters
+    of one graph that the other does not have (what is common, the embedding, the LM head and
+    the norms, cancels), read from the traced HLO."""
+    from collections import Counter
+
+    from neuron_tp import hf
+    from neuron_tp.backend.hlo import nbytes
+    from neuron_tp.layers.quantized import quantize_int8
+    from xla_dist import serial
+
+    with serial():
+        plain, quant = (copy.deepcopy(full).to(torch.bfloat16).eval() for _ in range(2))
+    plain, quant = hf.parallelize(plain, mesh), hf.parallelize(quant, mesh)
+    quantize_int8(quant, mesh)
+    graphs = {}
+    for name, model in (("bf16", plain), ("int8", quant)):
+        ntp.move_to(model, dev)
+        graphs[name] = Counter(_graph_parameters(model, dev))
+    only_bf16 = graphs["bf16"] - graphs["int8"]
+    only_int8 = graphs["int8"] - graphs["bf16"]
+    size = lambda c: sum(nbytes(dt, shape) * n for (dt, shape), n in c.items())  # noqa: E731
+    return {
+        "linear_bytes_bf16": size(only_bf16),
+        "linear_bytes_int8": size(only_int8),
+        "int8_dtypes": sorted({dt for dt, _ in only_int8}),
+        "bf16_dtypes": sorted({dt for dt, _ in only_bf16}),
+    }
+
+
 def quantized_rank(tp: int, prompts: list[list[int]]) -> dict:
     """One rank: the tiny Llama sharded over tp, quantized on the host (the row-parallel scales'
     all-reduce(max) runs on the XLA devices), moved to the device; its logits, greedy tokens and
@@ -61,6 +105,7 @@ def quantized_rank(tp: int, prompts: list[list[int]]) -> dict:
             for p in prompts
         ]
     return {
+        **decode_weight_bytes(full, mesh, dev),
         "int8_on_device": bool(layers)
         and all(m.qweight.dtype == torch.int8 and m.qweight.device.type == "xla" for m in layers),
         "err_ref": (got - want).abs().max().item(),
