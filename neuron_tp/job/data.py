@@ -120,6 +120,7 @@ class RowData:
         rows: dict[str, torch.Tensor],
         seq_len: int,
         micro_batch: int,
+        *,
         dp_size: int = 1,
         dp_rank: int = 0,
         seed: int = 0,
@@ -208,6 +209,7 @@ class PackedData(RowData):
         tokenizer,
         seq_len: int,
         micro_batch: int,
+        *,
         dp_size: int = 1,
         dp_rank: int = 0,
         seed: int = 0,
@@ -217,7 +219,9 @@ class PackedData(RowData):
         docs = read_documents(path) if documents is None else documents
         rows, total = stream_rows(docs, tokenizer, seq_len)
         what = f"{path}: {total} tokens make "
-        super().__init__(rows, seq_len, micro_batch, dp_size, dp_rank, seed, what)
+        super().__init__(
+            rows, seq_len, micro_batch, dp_size=dp_size, dp_rank=dp_rank, seed=seed, what=what
+        )
 
 
 def stream_rows(

@@ -102,7 +102,7 @@ def resolve_tokenizer(
             f"--model {model!r} is neither a preset ({', '.join(PRESETS)}) nor a local "
             "directory (a HuggingFace model or a neuron_tp checkpoint)"
         )
-    from ..hf.loading import check_model_dir
+    from ..hf.model_files import check_model_dir
 
     check_model_dir(model)  # a directory of something else: say what it is instead
     if holds_tokenizer(model):

@@ -154,7 +154,7 @@ def _forward(t: _Tiling, q, k, v, mask):
     return torch.cat(outs, dim=3), torch.cat(lses, dim=3)
 
 
-def _backward(t: _Tiling, q, k, v, mask, out, lse, dout):
+def _backward(t: _Tiling, q, k, v, *, mask, out, lse, dout):
     b, hkv, g, _, d = q.shape
     dk = [None] * (t.sk // t.bk)
     dv = [None] * (t.sk // t.bk)
@@ -206,7 +206,9 @@ class _BlockwiseAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, mask, out, lse = ctx.saved_tensors
-        dq, dk, dv = _backward(ctx.tiling, q, k, v, mask, out, lse, dout.contiguous())
+        dq, dk, dv = _backward(
+            ctx.tiling, q, k, v, mask=mask, out=out, lse=lse, dout=dout.contiguous()
+        )
         return dq, dk, dv, None, None
 
 

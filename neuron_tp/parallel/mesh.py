@@ -151,6 +151,7 @@ class Mesh:
         rank: int,
         tp: int = 1,
         tp_mode: str = "1d",
+        *,
         virtual: bool = False,
         create_process_groups: bool = False,
         reduce_dtype: torch.dtype | None = None,

@@ -195,7 +195,7 @@ def gather_params(
     model: nn.Module, mesh: Mesh | None = None, grads: bool = False
 ) -> dict[str, torch.Tensor]:
     """Every parameter (or its gradient, when set) of ``model`` unsharded, by name, in
-    neuron_tp's layout (HF models: :func:`neuron_tp.hf.loading.gather_hf_state_dict`)."""
+    neuron_tp's layout (HF models: :func:`neuron_tp.hf.saving.gather_hf_state_dict`)."""
     out = {}
     for name, p, meta in named_parameter_meta(model):
         t = p.grad if grads else p

@@ -158,6 +158,7 @@ def timing(
     state: StateBytes,
     layers: int,
     k: float,
+    *,
     grad_accum: int,
     instance: Instance,
     ranks_per_node: int,

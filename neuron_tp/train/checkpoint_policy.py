@@ -201,7 +201,7 @@ def save(run: Run) -> str:
         run.model,
         run.optimizer,
         run.schedule,
-        run.step,
+        step=run.step,
         mesh=run.mesh,
         data_state=run.data.state_dict(),
         extra={**run.checkpoint_extra, DATA_KEY: data_fingerprint(run)},
