@@ -100,7 +100,9 @@ def _metadata(model, optimizer, scheduler, step: int, *, mesh: Mesh, data_state,
         },
         "model": {
             "class": type(model).__name__,
-            "config": config.to_dict() if hasattr(config, "to_dict") else None,
+            "config": config.to_dict()
+            if config is not None and hasattr(config, "to_dict")
+            else None,
             "sequence_parallel": bool(state and state.sequence_parallel),
             # a parallelized PeftModel: how to merge / export its LoRA adapter offline
             "lora": state.lora if state is not None else None,

@@ -196,7 +196,7 @@ def _experts_range(mod: nn.Module, name: str, mesh: Mesh) -> tuple[int, int] | N
     """The experts (a range of dim 0) parameter ``name`` of ``mod`` holds on this rank under
     expert parallelism; None when it is not split over ``ep``."""
     sharding = get_param_meta(mod, name).sharding
-    if expert_split(sharding) is None:
+    if sharding is None or expert_split(sharding) is None:
         return None
     g = mesh.group("ep")
     chunk = sharding.full_shape[0] // g.size

@@ -61,7 +61,7 @@ def files_fingerprint(files) -> dict[str, list]:
     blocks of its tensor data]}``: cheap (64 KiB read per file), and differs for a truncated,
     re-saved or different file, also one with the same header but other weights (each rank
     reads only its own slices, so nothing else would compare them)."""
-    out = {}
+    out: dict[str, list] = {}
     for file in sorted(set(files)):
         try:
             size = os.path.getsize(file)

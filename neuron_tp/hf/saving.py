@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from typing import Any
 
 import torch
 from torch import nn
@@ -62,7 +63,8 @@ def save_pretrained(model: nn.Module, out_dir: str, mesh: Mesh | None = None) ->
     try:
         if mesh.rank == 0:
             os.makedirs(out_dir, exist_ok=True)
-            model.config.save_pretrained(out_dir)
+            config: Any = model.config  # a transformers PretrainedConfig
+            config.save_pretrained(out_dir)
             gen = getattr(model, "generation_config", None)
             if gen is not None:
                 with contextlib.suppress(Exception):

@@ -127,7 +127,8 @@ class RowData:
         what: str = "",
         shuffle: bool = True,
     ):
-        self.rows, self.notes, self.shuffle = rows, [], shuffle
+        self.rows, self.shuffle = rows, shuffle
+        self.notes: list[str] = []
         self.seq_len, self.micro_batch, self.seed = seq_len, micro_batch, seed
         self.dp_size, self.dp_rank = dp_size, dp_rank
         n = len(rows["input_ids"])
@@ -140,7 +141,7 @@ class RowData:
                 "--seq-len / --micro-batch"
             )
         self.position = 0  # global batches consumed so far
-        self._perm_epoch, self._perm = -1, None
+        self._perm_epoch, self._perm = -1, torch.arange(0)
 
     @property
     def chunks(self) -> torch.Tensor:

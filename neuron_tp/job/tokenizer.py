@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import tempfile
 from dataclasses import dataclass
+from typing import Any
 
 from ..checkpoint.assets import GENERATION_CONFIG, TOKENIZER_DIR
 from ..errors import UserError
@@ -29,7 +30,7 @@ class ResolvedTokenizer:
     chosen (``"--tokenizer"``, ``"the --model directory's"``, ``"recorded in CKPT"``,
     ``"preset default"``)."""
 
-    tokenizer: object
+    tokenizer: Any  # a transformers tokenizer, or ByteTokenizer
     path: str | None
     origin: str
 

@@ -131,7 +131,7 @@ def linear_bias_init(fan_in: int) -> Callable[[torch.Tensor], object]:
 
 def check_device(x: torch.Tensor, mesh: Mesh, layer: str) -> None:
     """A virtual (trace-only) mesh only makes sense on XLA tensors."""
-    if mesh.virtual and x.device.type != "xla":
+    if mesh.virtual and x.device.type != "xla":  # type: ignore[truthy-function]
         raise RuntimeError(
             f"{layer}: {mesh} is virtual (trace-only) and needs XLA tensors, got "
             f"a {x.device} tensor; move module and input to ntp.xla_device()"

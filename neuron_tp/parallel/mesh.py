@@ -164,7 +164,8 @@ class Mesh:
         self.reduce_dtype = reduce_dtype
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside the world of size {world_size}")
-        self.world_size, self.rank, self.tp_mode, self.virtual = world_size, rank, tp_mode, virtual
+        self.world_size, self.rank, self.tp_mode = world_size, rank, tp_mode
+        self.virtual = virtual  # type: ignore[method-assign,assignment]  # shadows the classmethod
         dp = world_size // tp
         dp_rank, tp_rank = divmod(rank, tp)
         lists: dict[str, list[list[int]]] = {
@@ -275,7 +276,7 @@ class Mesh:
         return self.dp.rank
 
     def __repr__(self) -> str:
-        kind = "virtual " if self.virtual else ""
+        kind = "virtual " if self.virtual else ""  # type: ignore[truthy-function]
         return (
             f"{kind}Mesh(world={self.world_size}, rank={self.rank}, dp={self.dp_size}, "
             f"tp={self.tp_size}, tp_mode={self.tp_mode!r}"

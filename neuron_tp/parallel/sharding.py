@@ -142,7 +142,7 @@ def expert_split(sharding: Sharding | None) -> int | None:
 def without_experts(sharding: Sharding | None) -> Sharding | None:
     """``sharding`` without its ``ep`` split: the layout of the tensor holding every expert
     (what checkpoints store, so they do not depend on the expert-parallel degree)."""
-    if expert_split(sharding) is None:
+    if sharding is None or expert_split(sharding) is None:
         return sharding
     splits = tuple(s for s in sharding.splits if s[0] != "ep")
     return Sharding(splits, sharding.full_shape, sharding.segments) if splits else None
