@@ -116,7 +116,9 @@ def greedy(ctx: Context, base) -> dict:
         counted = measure(ctx, "generate (first call)", counted)
         again = gen.generate(prompts.tolist(), NEW_TOKENS)
         measure(ctx, "generate (second call)", counted)
-    shown: list[Any] = got if again == got else [got, again]  # differs from the reference: reported
+    shown: list[Any] = got
+    if again != got:
+        shown = [got, again]  # differs from the reference below: reported
     with torch.no_grad():
         full = base.generate(
             prompts,
