@@ -83,7 +83,9 @@ def _layouts(args, mesh):
     def ep(cf):
         def run():
             xx, ww = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
-            out = expert_parallel_mlp(xx, ids, ww, ep_gu, ep_dn, mesh.tp, capacity_factor=cf)
+            out = expert_parallel_mlp(
+                xx, ids, ww, gate_up=ep_gu, down=ep_dn, group=mesh.tp, capacity_factor=cf
+            )
             out.output.sum().backward()
 
         return run

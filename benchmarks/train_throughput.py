@@ -98,7 +98,7 @@ def worker_plain(opts) -> dict:
 
         device = neuron_tp.xla_device()
     model = build_model("tiny-llama", ByteTokenizer.vocab_size, 0).to(device).train()
-    data = PackedData(REPO_DATA, ByteTokenizer(), 128, 8, 1, 0, 0)
+    data = PackedData(REPO_DATA, ByteTokenizer(), 128, 8, dp_size=1, dp_rank=0, seed=0)
     opt = make_optimizer(model, 3e-3, 0.01, device)  # the same AdamW settings
     sched = WarmupCosine(opt, 3e-3, 1e-4, 3, opts.steps)
     t0 = None

@@ -23,7 +23,15 @@ from neuron_tp.parallel import regions
 
 class TinyGPT(nn.Module):
     def __init__(
-        self, vocab: int, hidden: int, heads: int, layers: int, seq: int, sp: bool, mesh: ntp.Mesh
+        self,
+        vocab: int,
+        hidden: int,
+        heads: int,
+        layers: int,
+        *,
+        seq: int,
+        sp: bool,
+        mesh: ntp.Mesh,
     ):
         super().__init__()
         self.mesh, self.sp = mesh, sp
@@ -68,7 +76,7 @@ def main() -> None:
     mesh = ntp.init_mesh(tp=args.tp)
     torch.manual_seed(0)  # same seed on every rank: TP-invariant initialisation
     model = TinyGPT(
-        256, args.hidden, 4, args.layers, args.seq_len, args.sequence_parallel, mesh
+        256, args.hidden, 4, args.layers, seq=args.seq_len, sp=args.sequence_parallel, mesh=mesh
     ).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     data = torch.tensor(

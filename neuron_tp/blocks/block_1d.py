@@ -39,6 +39,7 @@ class ParallelMLP(nn.Module):
         hidden: int,
         ffn: int,
         mesh: Mesh | None = None,
+        *,
         sequence_parallel: bool = False,
         bias: bool = True,
         dtype=None,
@@ -72,6 +73,7 @@ class ParallelSelfAttention(nn.Module):
         hidden: int,
         num_heads: int,
         mesh: Mesh | None = None,
+        *,
         sequence_parallel: bool = False,
         bias: bool = True,
         dtype=None,
@@ -131,6 +133,7 @@ class TransformerBlock(nn.Module):
         num_heads: int,
         ffn: int | None = None,
         mesh: Mesh | None = None,
+        *,
         sequence_parallel: bool = False,
         bias: bool = True,
         dropout: float = 0.0,
@@ -144,11 +147,23 @@ class TransformerBlock(nn.Module):
         self.ln1 = _norm(hidden, sequence_parallel, dtype)
         regather = sequence_parallel_regather
         self.attn = ParallelSelfAttention(
-            hidden, num_heads, mesh, sequence_parallel, bias, dtype, regather
+            hidden,
+            num_heads,
+            mesh,
+            sequence_parallel=sequence_parallel,
+            bias=bias,
+            dtype=dtype,
+            sequence_parallel_regather=regather,
         )
         self.ln2 = _norm(hidden, sequence_parallel, dtype)
         self.mlp = ParallelMLP(
-            hidden, ffn or 4 * hidden, mesh, sequence_parallel, bias, dtype, regather
+            hidden,
+            ffn or 4 * hidden,
+            mesh,
+            sequence_parallel=sequence_parallel,
+            bias=bias,
+            dtype=dtype,
+            sequence_parallel_regather=regather,
         )
 
     def _drop(self, x: torch.Tensor) -> torch.Tensor:

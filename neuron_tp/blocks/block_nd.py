@@ -38,7 +38,7 @@ def _mode(mesh: Mesh) -> str:
 
 
 def _pair(
-    mesh: Mesh, a: int, b: int, b2: int, c: int, bias: bool, dtype, regather: bool
+    mesh: Mesh, a: int, b: int, b2: int, c: int, *, bias: bool, dtype, regather: bool
 ) -> tuple[nn.Module, nn.Module]:
     """Linears ``a -> b`` and ``b2 -> c``; applied in turn they return to the block's layout."""
     kw = {"bias": bias, "mesh": mesh, "dtype": dtype, "regather": regather}
@@ -69,7 +69,9 @@ class MLPND(nn.Module):
     ):
         super().__init__()
         mesh = get_mesh(mesh)
-        self.up, self.down = _pair(mesh, hidden, ffn, ffn, hidden, bias, dtype, regather)
+        self.up, self.down = _pair(
+            mesh, hidden, ffn, ffn, hidden, bias=bias, dtype=dtype, regather=regather
+        )
         self.input_layout = self.output_layout = block_layout(mesh)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -100,7 +102,9 @@ class SelfAttentionND(nn.Module):
                 f"tp={mesh.tp_size}); use a multiple of {q} heads"
             )
         self.local_heads, self.head_dim = num_heads // q, hidden // num_heads
-        self.qkv, self.out = _pair(mesh, hidden, 3 * hidden, hidden, hidden, bias, dtype, regather)
+        self.qkv, self.out = _pair(
+            mesh, hidden, 3 * hidden, hidden, hidden, bias=bias, dtype=dtype, regather=regather
+        )
         self.input_layout = self.output_layout = block_layout(mesh)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -125,6 +129,7 @@ class TransformerBlockND(nn.Module):
         num_heads: int,
         ffn: int | None = None,
         mesh: Mesh | None = None,
+        *,
         bias: bool = True,
         dtype=None,
         regather: bool = True,

@@ -19,7 +19,7 @@ PREFIX = "buffer/"
 
 def persistent_buffers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     """``(name, buffer)`` of every buffer of ``model`` that belongs in its state dict."""
-    from ..hf.loading import persistent_buffers as found
+    from ..hf.saving import persistent_buffers as found
 
     return found(model)
 

@@ -67,7 +67,7 @@ def read_meta(path: str) -> dict:
 def checksum(t: torch.Tensor) -> str:
     """CRC-32 of the tensor's bytes (row-major), as 8 hex digits."""
     data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
-    return f"{zlib.crc32(data) & 0xFFFFFFFF:08x}"
+    return f"{zlib.crc32(data.data) & 0xFFFFFFFF:08x}"
 
 
 def fsync(path: str) -> None:

@@ -13,6 +13,7 @@ import json
 import os
 import random
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -42,7 +43,8 @@ class Shards:
         dp_shards: int | None = None,
         tp_mode: str = "1d",
     ):
-        self.path, self.tp, self.step, self.handles = path, tp, step, {}
+        self.path, self.tp, self.step = path, tp, step
+        self.handles: dict[int, Any] = {}
         self.tp_mode = tp_mode
         self.optim = DpShards(path, tp, dp_shards, step) if dp_shards else None
 
@@ -323,6 +325,7 @@ def load(
     except Exception as e:  # noqa: BLE001 - any failure takes the agreed path
         error = e
     agree(mesh, device, what, error)
+    assert staged is not None  # agree raised otherwise
     error = None
     try:
         _apply(model, optimizer, scheduler, staged)

@@ -85,7 +85,7 @@ def _optimizer_meta(optimizer) -> dict | None:
     return out
 
 
-def _metadata(model, optimizer, scheduler, step: int, mesh: Mesh, data_state, extra) -> dict:
+def _metadata(model, optimizer, scheduler, step: int, *, mesh: Mesh, data_state, extra) -> dict:
     config = getattr(model, "config", None)
     state = state_of(model)
     return {
@@ -100,7 +100,9 @@ def _metadata(model, optimizer, scheduler, step: int, mesh: Mesh, data_state, ex
         },
         "model": {
             "class": type(model).__name__,
-            "config": config.to_dict() if hasattr(config, "to_dict") else None,
+            "config": config.to_dict()
+            if config is not None and hasattr(config, "to_dict")
+            else None,
             "sequence_parallel": bool(state and state.sequence_parallel),
             # a parallelized PeftModel: how to merge / export its LoRA adapter offline
             "lora": state.lora if state is not None else None,
@@ -174,6 +176,7 @@ def _write_rank_files(
     model,
     optimizer,
     mesh: Mesh,
+    *,
     step: int,
     meta_text: str | None,
     files: dict[str, bytes] | None = None,
@@ -225,6 +228,7 @@ def save(
     model: torch.nn.Module,
     optimizer=None,
     scheduler=None,
+    *,
     step: int = 0,
     mesh: Mesh | None = None,
     data_state: dict | None = None,
@@ -251,7 +255,9 @@ def save(
         if os.path.lexists(final):
             raise CheckpointError(f"checkpoint {final} already exists; refusing to overwrite it")
         if mesh.rank == 0:
-            meta = _metadata(model, optimizer, scheduler, step, mesh, data_state, extra)
+            meta = _metadata(
+                model, optimizer, scheduler, step, mesh=mesh, data_state=data_state, extra=extra
+            )
             meta_text = json.dumps(meta, indent=1)
             if os.path.lexists(tmp):  # left over by an interrupted save of the same step
                 shutil.rmtree(tmp)
@@ -261,7 +267,7 @@ def save(
     agree(mesh, device, what, error)
     error = None
     try:
-        _write_rank_files(tmp, model, optimizer, mesh, step, meta_text, files)
+        _write_rank_files(tmp, model, optimizer, mesh, step=step, meta_text=meta_text, files=files)
     except Exception as e:  # noqa: BLE001 - e.g. disk full on one rank
         error = e
     try:

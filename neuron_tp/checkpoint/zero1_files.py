@@ -17,6 +17,7 @@ host into the per-parameter tensor a plain checkpoint holds, and the tp logic of
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 
@@ -39,7 +40,7 @@ def write_shard(tmp: str, optimizer, mesh: Mesh, step: int) -> None:
         for key, v in [*e["state"].items(), *master]:
             if isinstance(v, torch.Tensor):
                 tensors[f"optim/{name}/{key}"] = v.detach().cpu().contiguous()
-    info = {"step": int(step), "tp_rank": mesh.tp_rank, "tp": mesh.tp_size}
+    info: dict[str, Any] = {"step": int(step), "tp_rank": mesh.tp_rank, "tp": mesh.tp_size}
     info.update(dp_rank=sd["dp_rank"], dp=sd["dp_size"], ep=sd.get("ep", 1), zero1=layout)
     write_tensors(optim_file(tmp, mesh.tp_rank, mesh.dp_rank), tensors, info)
 
@@ -52,7 +53,8 @@ class DpShards:
     """Lazy, verifying readers of the per-(tp, dp) optimizer files of checkpoint ``path``."""
 
     def __init__(self, path: str, tp: int, dp: int, step: int | None = None):
-        self.path, self.tp, self.dp, self.step, self.handles = path, tp, dp, step, {}
+        self.path, self.tp, self.dp, self.step = path, tp, dp, step
+        self.handles: dict[tuple[int, int], Any] = {}
 
     def _open(self, tp_rank: int, dp_rank: int):
         from safetensors import safe_open

@@ -13,7 +13,9 @@ from ..job.options import build_parser, positive
 __all__ = ["REPO_DATA", "generate_parser", "parser_of", "positive", "serve_parser", "train_parser"]
 
 
-def parser_of(record: type) -> argparse.ArgumentParser:
+def parser_of(
+    record: type[TrainConfig] | type[GenerateConfig] | type[ServeConfig],
+) -> argparse.ArgumentParser:
     """The parser of a config record (its ``PROG``, ``DESCRIPTION`` and options)."""
     return build_parser(record, record.PROG, record.DESCRIPTION, allow_abbrev=False)
 

@@ -5,11 +5,12 @@ Plans (which module is sharded how, where the layers are) live in :mod:`neuron_t
 MoE blocks (:mod:`.moe`), inputs of packed rows (:mod:`.packing`) and activation recompute
 (:mod:`.recompute`)."""
 
-from .loading import from_pretrained, gather_hf_state_dict, save_pretrained
+from .loading import from_pretrained
 from .parallel_loss import full_logits
 from .parallelize import parallelize
 from .plans import ARCH_PLANS, STYLES, ArchPlan, Style
 from .resolve import resolve_plan
+from .saving import gather_hf_state_dict, save_pretrained
 
 __all__ = [
     "parallelize",

@@ -160,7 +160,16 @@ def _blockwise_forward(block: int):
     ``block``; gets sdpa's masks (None for plain causal, bool otherwise)."""
 
     def attention(
-        module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kw
+        module,
+        query,
+        key,
+        value,
+        attention_mask,
+        *,
+        dropout=0.0,
+        scaling=None,
+        is_causal=None,
+        **kw,
     ):
         if dropout:
             raise UserError(

@@ -1,12 +1,10 @@
-"""Load only this rank's slices of a safetensors checkpoint; save a consolidated HF one."""
+"""Load only this rank's slices of a safetensors checkpoint into a model built on the meta
+device and sharded."""
 
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 import threading
-import zlib
 
 import torch
 from torch import nn
@@ -16,80 +14,15 @@ from ..parallel.mesh import Mesh, get_mesh
 from ..parallel.sharding import (
     Sharding,
     expert_split,
-    gather_full,
     get_param_meta,
-    named_parameter_meta,
     shard_of,
 )
-from ..parallel.state import mesh_of
 from .lora_files import plain_name
+from .model_files import OpenedFiles, check_model_dir, checkpoint_files, files_fingerprint
 from .moe_files import read_per_expert, stored_name
 from .parallelize import parallelize
-from .slice_map import WHOLE, get_slice_map, read_local, to_hf
-
-
-def gather_hf_state_dict(
-    model: nn.Module, mesh: Mesh | None = None, grads: bool = False
-) -> dict[str, torch.Tensor]:
-    """Full (unsharded) parameters, or their gradients, under their HF names, on every rank;
-    without ``grads`` also the persistent buffers (replicated, e.g. an MoE router's
-    ``e_score_correction_bias``), as transformers saves them.
-
-    Collective over tp: every rank must call it. Gradients should be synced first
-    (:func:`neuron_tp.sync_sequence_parallel_grads`)."""
-    mesh = mesh_of(model, mesh)
-    out = {}
-    for name, p, meta in named_parameter_meta(model):
-        t = p.grad if grads else p
-        if t is None:
-            continue
-        full = gather_full(t, meta.sharding, mesh)
-        out[name] = to_hf(full, meta.hf_layout or WHOLE) if meta.sharding else full.clone()
-    if not grads:
-        out.update((n, b.detach().clone()) for n, b in persistent_buffers(model))
-    return out
-
-
-def persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """``(name, buffer)`` for every buffer of ``model`` that belongs in its state dict."""
-    out = []
-    for mname, mod in model.named_modules():
-        for bname, b in mod.named_buffers(recurse=False):
-            if b is not None and bname not in mod._non_persistent_buffers_set:
-                out.append((f"{mname}.{bname}" if mname else bname, b))
-    return out
-
-
-def save_pretrained(model: nn.Module, out_dir: str, mesh: Mesh | None = None) -> None:
-    """Write a consolidated transformers checkpoint (config + model.safetensors) from rank 0.
-
-    Collective over the job (every rank calls it) and returns on every rank once the files
-    are written (a failure to write raises on every rank): any rank may read them next. The
-    files load with plain ``AutoModel*.from_pretrained``."""
-    from safetensors.torch import save_file
-
-    from ..parallel.agreement import check_agreement
-
-    mesh = mesh_of(model, mesh)
-    state = gather_hf_state_dict(model, mesh)
-    error = None
-    try:
-        if mesh.rank == 0:
-            os.makedirs(out_dir, exist_ok=True)
-            model.config.save_pretrained(out_dir)
-            gen = getattr(model, "generation_config", None)
-            if gen is not None:
-                with contextlib.suppress(Exception):
-                    gen.save_pretrained(out_dir)
-            save_file(
-                {k: v.contiguous() for k, v in state.items()},
-                os.path.join(out_dir, "model.safetensors"),
-                metadata={"format": "pt"},
-            )
-    except Exception as e:  # noqa: BLE001 - re-raised on every rank by check_agreement
-        error = e
-    check_agreement({}, mesh.group("world"), error=error, what=f"save_pretrained({out_dir!r})")
-
+from .saving import persistent_buffers
+from .slice_map import get_slice_map, read_local
 
 # Held while nn.Module.register_parameter is patched: the ranks of --xla-cpu-devices are threads
 # of one process, and a second builder would save (then restore) the first one's patch.
@@ -119,93 +52,6 @@ def params_on_meta():
             yield
         finally:
             nn.Module.register_parameter = original
-
-
-def check_model_dir(path: str) -> None:
-    """ValueError saying what ``path`` is instead, unless it is a local HF model directory."""
-    if not os.path.isdir(path):
-        what = "a file" if os.path.exists(path) else "does not exist"
-        raise UserError(
-            f"model {path!r}: {what}; neuron_tp loads a local HuggingFace model "
-            "directory (config.json + *.safetensors; download it first, e.g. "
-            "`huggingface-cli download ORG/NAME --local-dir DIR`)"
-        )
-    if not os.path.exists(os.path.join(path, "config.json")):
-        if os.path.exists(os.path.join(path, "meta.json")) or os.path.isdir(
-            os.path.join(path, "checkpoints")
-        ):
-            raise UserError(
-                f"model {path!r} is a neuron_tp training checkpoint, not a "
-                "HuggingFace model directory: resume it with --resume PATH, "
-                "generate from it with `neuron-tp generate --model PATH`, or "
-                "convert it with `neuron-tp consolidate PATH OUT`"
-            )
-        raise UserError(
-            f"model {path!r}: no config.json; pass a HuggingFace model directory "
-            "(config.json + *.safetensors)"
-        )
-
-
-def _open_safetensors(file: str):
-    """``safe_open(file)``; ValueError naming the file when it is missing, truncated or not
-    safetensors."""
-    from safetensors import safe_open
-
-    try:
-        return safe_open(file, "pt")
-    except Exception as e:  # noqa: BLE001 - SafetensorError, OSError: one clear message
-        size = os.path.getsize(file) if os.path.exists(file) else None
-        raise UserError(
-            f"{file}: unreadable safetensors file ({size} bytes: {e}); it is "
-            "missing, truncated (an interrupted download or copy?) or corrupt: "
-            "copy or download it again"
-        ) from None
-
-
-SAMPLES, SAMPLE_BYTES = 16, 4096  # tensor-data blocks read per file by files_fingerprint
-
-
-def files_fingerprint(files) -> dict[str, list]:
-    """``{file name: [size, CRC32 of its safetensors header and of 16 evenly spaced 4 KiB
-    blocks of its tensor data]}``: cheap (64 KiB read per file), and differs for a truncated,
-    re-saved or different file, also one with the same header but other weights (each rank
-    reads only its own slices, so nothing else would compare them)."""
-    out = {}
-    for file in sorted(set(files)):
-        try:
-            size = os.path.getsize(file)
-            with open(file, "rb") as fh:
-                n = int.from_bytes(fh.read(8), "little")
-                crc = zlib.crc32(fh.read(min(n, 100_000_000)))
-                start = 8 + n
-                step = max(1, (size - start) // SAMPLES)
-                for offset in range(start, size, step):
-                    fh.seek(offset)
-                    crc = zlib.crc32(fh.read(SAMPLE_BYTES), crc)
-            out[os.path.basename(file)] = [size, crc]
-        except OSError as e:
-            out[os.path.basename(file)] = [None, repr(e)]
-    return out
-
-
-def checkpoint_files(path: str) -> dict[str, str]:
-    """``{tensor name: file}`` of a single-file or sharded (index.json) safetensors checkpoint."""
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.exists(index):
-        try:
-            with open(index) as f:
-                wmap = json.load(f)["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise UserError(
-                f"{index}: unreadable safetensors index ({e!r}); it needs a "
-                "'weight_map' of tensor name -> file"
-            ) from None
-        return {k: os.path.join(path, v) for k, v in wmap.items()}
-    single = os.path.join(path, "model.safetensors")
-    if not os.path.exists(single):
-        raise UserError(f"{path}: no model.safetensors or model.safetensors.index.json")
-    with _open_safetensors(single) as f:
-        return {k: single for k in f.keys()}
 
 
 def block_ranges(sharding: Sharding, mesh: Mesh) -> list[tuple[int, int]]:
@@ -264,6 +110,7 @@ def read_block(sl, shape: tuple[int, ...], sharding: Sharding | None, mesh: Mesh
 def from_pretrained(
     path: str,
     mesh: Mesh | None = None,
+    *,
     auto_class=None,
     sequence_parallel: bool = False,
     parallel_loss: bool = False,
@@ -310,7 +157,7 @@ def from_pretrained(
         model, mesh, sequence_parallel=sequence_parallel, parallel_loss=parallel_loss, plan=plan
     )
     handles: dict[str, object] = {}
-    opened = _Opened(files, handles)
+    opened = OpenedFiles(files, handles)
     try:
         for mname, mod in model.named_modules():
             for pname, p in list(mod.named_parameters(recurse=False)):
@@ -349,48 +196,11 @@ def _experts_range(mod: nn.Module, name: str, mesh: Mesh) -> tuple[int, int] | N
     """The experts (a range of dim 0) parameter ``name`` of ``mod`` holds on this rank under
     expert parallelism; None when it is not split over ``ep``."""
     sharding = get_param_meta(mod, name).sharding
-    if expert_split(sharding) is None:
+    if sharding is None or expert_split(sharding) is None:
         return None
     g = mesh.group("ep")
     chunk = sharding.full_shape[0] // g.size
     return g.rank * chunk, (g.rank + 1) * chunk
-
-
-class _Opened:
-    """The checkpoint's tensors by name, each file opened once (``handles``: file -> handle)."""
-
-    def __init__(self, files: dict[str, str], handles: dict):
-        self.files, self.handles = files, handles
-
-    def handle(self, name: str):
-        """The safetensors slice handle of tensor ``name``."""
-        file = self.files[name]
-        if file not in self.handles:
-            self.handles[file] = _open_safetensors(file)
-        return self.handles[file].get_slice(name)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self.handle(name).get_shape())
-
-    def read(
-        self,
-        name: str,
-        dim: int | None,
-        start: int,
-        stop: int,
-        rows: tuple[int, int] | None = None,
-    ) -> torch.Tensor:
-        """Tensor ``name`` (``dim`` None) or its ``[start, stop)`` range along ``dim``; only
-        the ``rows`` range of dim 0 when given (a rank's experts)."""
-        sl = self.handle(name)
-        if dim is None and rows is None:
-            return sl[:]
-        ranges = {d: slice(None) for d in range(len(sl.get_shape()))}
-        if rows is not None:
-            ranges[0] = slice(*rows)
-        if dim is not None:
-            ranges[dim] = slice(start, stop)
-        return sl[tuple(ranges[d] for d in sorted(ranges))]
 
 
 def _install(model: nn.Module, p: nn.Parameter, local: torch.Tensor, name: str = "") -> None:
@@ -408,7 +218,7 @@ def _install(model: nn.Module, p: nn.Parameter, local: torch.Tensor, name: str =
                 m2._parameters[n2] = new
 
 
-def _load_buffers(model: nn.Module, files: dict[str, str], opened: _Opened) -> None:
+def _load_buffers(model: nn.Module, files: dict[str, str], opened: OpenedFiles) -> None:
     """Persistent buffers stored in the checkpoint (whole; replicated), in place; the others
     keep their initial values (as transformers does with a missing buffer)."""
     for name, b in persistent_buffers(model):

@@ -137,6 +137,7 @@ def build_column_linear(
     mod: nn.Module,
     name: str,
     mesh: Mesh,
+    *,
     rows_of_rank: list[list[int]] | None = None,
     segments: list[int] | None = None,
     replicated_from: int | None = None,

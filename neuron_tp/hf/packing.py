@@ -118,7 +118,7 @@ def check_packable(config, seq_len: int) -> None:
     uses_window = window is not None and (types is None or any("sliding" in str(t) for t in types))
     if getattr(config, "use_sliding_window", True) is False:
         uses_window = False
-    if uses_window and window < seq_len:
+    if uses_window and window is not None and window < seq_len:
         raise UserError(
             f"{getattr(config, 'model_type', 'this model')}: sliding-window attention "
             f"(window {window}) with packed rows of --seq-len {seq_len} is not supported; use "

@@ -112,7 +112,14 @@ def parallelize(
     mp, heads = _validate(model, mesh, plan, sequence_parallel)
     built = _build(model, mp, mesh, heads, sequence_parallel, parallel_loss)
     _install(
-        model, mp, built, mesh, heads, sequence_parallel, parallel_loss, sequence_parallel_regather
+        model,
+        mp,
+        built,
+        mesh,
+        heads=heads,
+        sequence_parallel=sequence_parallel,
+        parallel_loss=parallel_loss,
+        sequence_parallel_regather=sequence_parallel_regather,
     )
     return model
 
@@ -147,7 +154,9 @@ def _validate(
     if sequence_parallel:
         _refuse_unsharded_mixers(model, mp)
     for name, style in mp.targets.items():
-        _check_target(model, name, style, mp, mesh, heads, sequence_parallel)
+        _check_target(
+            model, name, style, mp, mesh=mesh, heads=heads, sequence_parallel=sequence_parallel
+        )
     return mp, heads
 
 
@@ -210,6 +219,7 @@ def _check_target(
     name: str,
     style: Style,
     mp: ModelPlan,
+    *,
     mesh: Mesh,
     heads: Heads | None,
     sequence_parallel: bool,
@@ -218,7 +228,7 @@ def _check_target(
     mod = model.get_submodule(name)
     if style.is_column:
         role = column_role(name, style, mp)
-        args = _column_args(mod, name, style, role, heads, mesh, head_gathered=True)
+        args = _column_args(mod, name, style, role, heads=heads, mesh=mesh, head_gathered=True)
         check_column_linear(
             mod,
             name,
@@ -263,6 +273,7 @@ def _column_args(
     name: str,
     style: Style,
     role: str,
+    *,
     heads: Heads | None,
     mesh: Mesh,
     head_gathered: bool,
@@ -333,7 +344,7 @@ def _build(
                 name,
                 mesh,
                 **_column_args(
-                    mod, name, style, role, heads, mesh, head_gathered=not parallel_loss
+                    mod, name, style, role, heads=heads, mesh=mesh, head_gathered=not parallel_loss
                 ),
             )
             parent = _parent(name)
@@ -372,6 +383,7 @@ def _install(
     mp: ModelPlan,
     built: _Built,
     mesh: Mesh,
+    *,
     heads: Heads | None,
     sequence_parallel: bool,
     parallel_loss: bool,

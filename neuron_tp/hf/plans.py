@@ -311,5 +311,5 @@ ARCH_PLANS: dict[str, ArchPlan | Callable[[Any], ArchPlan]] = {
 
 def arch_plan(config: Any) -> ArchPlan | None:
     """The explicit plan for ``config.model_type``, or None (the fallback applies)."""
-    plan = ARCH_PLANS.get(getattr(config, "model_type", None))
+    plan = ARCH_PLANS.get(str(getattr(config, "model_type", "")))
     return plan(config) if callable(plan) else plan

@@ -199,7 +199,7 @@ def _explicit_structure(model: nn.Module, arch: ArchPlan) -> ModelStructure:
         final_norm = _join(base, arch.final_norm)
         if _module(model, final_norm, "final_norm", source, may_be_none=True) is None:
             final_norm = None
-    attention, prepares, units = set(), set(), set()
+    attention, prepares, units = set[str](), set[str](), set[str]()
     for i in range(len(layer_list)):
         layer = f"{layers}.{i}"
         paths = [("attention", arch.attention), ("mlp", arch.mlp)]

@@ -76,7 +76,7 @@ def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
 
 
 def _number(
-    body: dict, name: str, kind: type, default: Any, low: float, high: float, why: str = ""
+    body: dict, name: str, kind: type, default: Any, *, low: float, high: float, why: str = ""
 ):
     """``body[name]`` (``default`` when absent or null) as ``kind``: BadRequest naming it
     unless it is a finite number (an integer for ``int``) in ``low..high``."""
@@ -100,21 +100,23 @@ def parse_params(
     """Generation parameters of a request body (BadRequest naming the wrong one);
     ``max_tokens`` defaults to ``default_max`` (at most the server's ``limit``); ``top_k`` is
     at most ``vocab`` (the model's vocabulary size, when known)."""
-    if _number(body, "n", int, 1, 1, MAX_INT, " (one choice per prompt)") != 1:
+    if _number(body, "n", int, 1, low=1, high=MAX_INT, why=" (one choice per prompt)") != 1:
         raise BadRequest(f"n must be 1 (one choice per prompt), got {body['n']}", "n")
-    if _number(body, "best_of", int, 1, 1, MAX_INT, " (one choice per prompt)") != 1:
+    if _number(body, "best_of", int, 1, low=1, high=MAX_INT, why=" (one choice per prompt)") != 1:
         got = body["best_of"]
         raise BadRequest(f"best_of must be 1 (one choice per prompt), got {got}", "best_of")
     server = " (server limit: neuron-tp serve --max-new-tokens)"
     name = "max_tokens" if body.get("max_tokens") is not None else "max_completion_tokens"
-    max_tokens = _number(body, name, int, min(default_max, limit), 1, limit, server)
-    temperature = _number(body, "temperature", float, 1.0, 0.0, MAX_TEMPERATURE)
-    top_k = _number(body, "top_k", int, 0, 0, vocab or MAX_INT, " (0: off; at most the vocab)")
-    seed = _number(body, "seed", int, None, 0, MAX_SEED)
-    if _number(body, "top_p", float, 1.0, 0.0, 1.0) != 1:
+    max_tokens = _number(body, name, int, min(default_max, limit), low=1, high=limit, why=server)
+    temperature = _number(body, "temperature", float, 1.0, low=0.0, high=MAX_TEMPERATURE)
+    top_k = _number(
+        body, "top_k", int, 0, low=0, high=vocab or MAX_INT, why=" (0: off; at most the vocab)"
+    )
+    seed = _number(body, "seed", int, None, low=0, high=MAX_SEED)
+    if _number(body, "top_p", float, 1.0, low=0.0, high=1.0) != 1:
         raise BadRequest("top_p is not supported (use top_k); leave it unset or 1", "top_p")
     for penalty in ("presence_penalty", "frequency_penalty"):
-        if _number(body, penalty, float, 0.0, -2.0, 2.0) != 0:
+        if _number(body, penalty, float, 0.0, low=-2.0, high=2.0) != 0:
             raise BadRequest(f"{penalty} is not supported; leave it unset or 0", penalty)
     for flag in ("stream", "echo"):
         if body.get(flag) not in (None, False, True):

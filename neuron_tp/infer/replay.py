@@ -19,6 +19,7 @@ nothing to capture: ``fn`` is called each time.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
+from typing import Any
 
 import torch
 
@@ -32,7 +33,8 @@ class ReplayedStep:
 
     def __init__(self, fn: Callable[..., Sequence[torch.Tensor]]):
         self.fn = fn
-        self._graph = None  # (hash, input slots, n outputs, indices of updated args)
+        # (hash, input slots, n outputs, indices of updated args)
+        self._graph: tuple[Any, list, int, list[int]] | None = None
         self.traces = 0
 
     def __call__(self, *args: torch.Tensor):
@@ -42,10 +44,10 @@ class ReplayedStep:
 
         X = torch_xla._XLAC
         if self._graph is None:
-            self._graph = self._capture(args)
+            graph = self._graph = self._capture(args)
             first = self._first_inputs
             del self._first_inputs
-            res = X._run_cached_graph(self._graph[0], first)
+            res = X._run_cached_graph(graph[0], first)
         else:
             graph_hash, slots, _, _ = self._graph
             res = X._run_cached_graph(
@@ -54,6 +56,7 @@ class ReplayedStep:
         return self._split(res, len(args))
 
     def _split(self, res, n_args: int):
+        assert self._graph is not None
         _, _, n_out, updated_idx = self._graph
         outputs = list(res[:n_out])
         updated: list[torch.Tensor | None] = [None] * n_args

@@ -187,7 +187,7 @@ class Generator(StepGraphsOwner):
     def _step_fn(self, batch: int, prefill: bool, top_k: int, sampled: bool):
         model, pad = self.model, self.pad_id
 
-        def step(ids, pos, cache_pos, mask, done, eos, temperature, *rest):
+        def step(ids, pos, cache_pos, mask, done, eos, temperature, *rest):  # noqa: PLR0917
             noise, cache_values = (rest[0], rest[1:]) if sampled else (None, rest)
             slots = self._cache_slots(batch)
             cache = slots.fresh() if prefill else slots.install(cache_values)

@@ -120,13 +120,15 @@ class RowData:
         rows: dict[str, torch.Tensor],
         seq_len: int,
         micro_batch: int,
+        *,
         dp_size: int = 1,
         dp_rank: int = 0,
         seed: int = 0,
         what: str = "",
         shuffle: bool = True,
     ):
-        self.rows, self.notes, self.shuffle = rows, [], shuffle
+        self.rows, self.shuffle = rows, shuffle
+        self.notes: list[str] = []
         self.seq_len, self.micro_batch, self.seed = seq_len, micro_batch, seed
         self.dp_size, self.dp_rank = dp_size, dp_rank
         n = len(rows["input_ids"])
@@ -139,7 +141,7 @@ class RowData:
                 "--seq-len / --micro-batch"
             )
         self.position = 0  # global batches consumed so far
-        self._perm_epoch, self._perm = -1, None
+        self._perm_epoch, self._perm = -1, torch.arange(0)
 
     @property
     def chunks(self) -> torch.Tensor:
@@ -208,6 +210,7 @@ class PackedData(RowData):
         tokenizer,
         seq_len: int,
         micro_batch: int,
+        *,
         dp_size: int = 1,
         dp_rank: int = 0,
         seed: int = 0,
@@ -217,7 +220,9 @@ class PackedData(RowData):
         docs = read_documents(path) if documents is None else documents
         rows, total = stream_rows(docs, tokenizer, seq_len)
         what = f"{path}: {total} tokens make "
-        super().__init__(rows, seq_len, micro_batch, dp_size, dp_rank, seed, what)
+        super().__init__(
+            rows, seq_len, micro_batch, dp_size=dp_size, dp_rank=dp_rank, seed=seed, what=what
+        )
 
 
 def stream_rows(

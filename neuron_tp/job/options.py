@@ -127,7 +127,7 @@ def _build(record: type, values: dict, missing: list[str]):
 def from_namespace(record: type[_Record], args: argparse.Namespace) -> _Record:
     """The record of parsed options. A TypeError names any option the namespace has and the
     record does not, or lacks."""
-    values, missing = dict(vars(args)), []
+    values, missing = dict(vars(args)), list[str]()
     built = _build(record, values, missing)
     if values or missing:
         raise TypeError(

@@ -67,7 +67,7 @@ def build_model(name: str, vocab_size: int, seed: int, dtype: torch.dtype = torc
     return AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation="sdpa")
 
 
-def preload(name: str) -> None:
+def preload(name: str | None) -> None:
     """Import transformers and the modeling module of model ``name`` now. Ranks may be threads
     of one process (``--xla-cpu-devices``): two threads loading transformers' lazy modules at
     once can fail, so :func:`~neuron_tp.train.loop.setup` calls this under a lock first."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from ..errors import UserError
 from .data import data_files, read_text
@@ -30,7 +31,7 @@ class Record:
     and where it came from (``where`` = ``file:line``)."""
 
     format: str
-    value: object
+    value: Any  # str, or a JSON object (dict) of the record's format
     where: str
 
 
@@ -77,7 +78,7 @@ def line_format(obj: object, where: str) -> str:
     raise UserError(f"{where}: expected a JSON object {SHAPES}; got {keys}")
 
 
-def jsonl_rows(f: str) -> Iterator[tuple[str, object]]:
+def jsonl_rows(f: str) -> Iterator[tuple[str, Any]]:
     """``(where, value)`` of every non-empty line of jsonl file ``f`` (``where`` =
     ``f:line``); UserError for a line that is not JSON."""
     for n, line in enumerate(read_text(f).split("\n"), 1):

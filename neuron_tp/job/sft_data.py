@@ -64,6 +64,7 @@ def load_data(
     tokenizer,
     seq_len: int,
     micro_batch: int,
+    *,
     dp_size: int = 1,
     dp_rank: int = 0,
     seed: int = 0,
@@ -89,6 +90,15 @@ def load_data(
         notes = [*notes, f"data cache: {cache}/{key} ({'written' if built else 'read'})"]
     else:
         rows, notes = build()
-    data = RowData(rows, seq_len, micro_batch, dp_size, dp_rank, seed, f"{path}: ", shuffle)
+    data = RowData(
+        rows,
+        seq_len,
+        micro_batch,
+        dp_size=dp_size,
+        dp_rank=dp_rank,
+        seed=seed,
+        what=f"{path}: ",
+        shuffle=shuffle,
+    )
     data.notes = list(notes)
     return data

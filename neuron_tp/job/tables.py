@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from typing import Any
 
 from ..errors import UserError
 
@@ -30,7 +31,7 @@ def without_nulls(value: object) -> object:
     return value
 
 
-def table_rows(f: str) -> Iterator[tuple[str, object]]:
+def table_rows(f: str) -> Iterator[tuple[str, Any]]:
     """``(where, row)`` of every row of table file ``f``, ``where`` = ``f:row i`` (``i`` from 0,
     as ``dataset[i]``); UserError when ``datasets`` is missing or ``f`` cannot be read."""
     kind = next(k for suffix, k in TABLE_SUFFIXES.items() if f.endswith(suffix))

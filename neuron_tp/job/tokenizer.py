@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import tempfile
 from dataclasses import dataclass
+from typing import Any
 
 from ..checkpoint.assets import GENERATION_CONFIG, TOKENIZER_DIR
 from ..errors import UserError
@@ -29,7 +30,7 @@ class ResolvedTokenizer:
     chosen (``"--tokenizer"``, ``"the --model directory's"``, ``"recorded in CKPT"``,
     ``"preset default"``)."""
 
-    tokenizer: object
+    tokenizer: Any  # a transformers tokenizer, or ByteTokenizer
     path: str | None
     origin: str
 
@@ -102,7 +103,7 @@ def resolve_tokenizer(
             f"--model {model!r} is neither a preset ({', '.join(PRESETS)}) nor a local "
             "directory (a HuggingFace model or a neuron_tp checkpoint)"
         )
-    from ..hf.loading import check_model_dir
+    from ..hf.model_files import check_model_dir
 
     check_model_dir(model)  # a directory of something else: say what it is instead
     if holds_tokenizer(model):

@@ -43,7 +43,7 @@ def _after(x: torch.Tensor, done: list[torch.Tensor]) -> torch.Tensor:
     if not done or not is_xla(x):
         return x
     total = sum(d.float().sum() for d in done)
-    return x + (0.0 * total).to(x.dtype)
+    return x + (0.0 * total).to(x.dtype)  # type: ignore[union-attr]  # done is not empty
 
 
 def _pad_to(x: torch.Tensor, dim: int, size: int, value=0) -> torch.Tensor:
@@ -127,7 +127,7 @@ def _forward(t: _Tiling, q, k, v, mask):
     """q [b, hkv, g, Sq, d] (padded), k/v [b, hkv, Sk, d]: output (q's dtype) and the fp32
     log-sum-exp of each row [b, hkv, g, Sq, 1]."""
     b, hkv, g, _, _ = q.shape
-    outs, lses, prev = [], [], []
+    outs, lses, prev = [], [], list[torch.Tensor]()
     for q0 in range(0, t.sq, t.bq):
         qi = q[:, :, :, q0 : q0 + t.bq]
         qi = _after(qi, prev)  # this block starts when the previous one is done (XLA)
@@ -154,11 +154,12 @@ def _forward(t: _Tiling, q, k, v, mask):
     return torch.cat(outs, dim=3), torch.cat(lses, dim=3)
 
 
-def _backward(t: _Tiling, q, k, v, mask, out, lse, dout):
+def _backward(t: _Tiling, q, k, v, *, mask, out, lse, dout):
     b, hkv, g, _, d = q.shape
-    dk = [None] * (t.sk // t.bk)
-    dv = [None] * (t.sk // t.bk)
-    dqs, prev = [], []
+    dk: list[torch.Tensor | None] = [None] * (t.sk // t.bk)
+    dv: list[torch.Tensor | None] = [None] * (t.sk // t.bk)
+    dqs: list[torch.Tensor] = []
+    prev: list[torch.Tensor] = []
     for q0 in range(0, t.sq, t.bq):
         rows = slice(q0, q0 + t.bq)
         qi, doi = q[:, :, :, rows], dout[:, :, :, rows]
@@ -182,17 +183,18 @@ def _backward(t: _Tiling, q, k, v, mask, out, lse, dout):
                 ds = ds * (1 - tanh * tanh)
             dq = dq + torch.matmul(ds, kb)
             dk_j = torch.einsum("bhgqk,bhgqd->bhkd", ds, qf)
-            dk[j] = dk_j if dk[j] is None else dk[j] + dk_j
-            dv[j] = dv_j if dv[j] is None else dv[j] + dv_j
+            dk_old, dv_old = dk[j], dv[j]
+            dk[j] = dk_j if dk_old is None else dk_old + dk_j
+            dv[j] = dv_j if dv_old is None else dv_old + dv_j
         dqs.append(dq * t.scale)
         # Everything of this block, dk and dv included: the compiler would otherwise put their
         # updates off and keep this block's tiles alive for them.
         prev = [dqs[-1], *(x for x in dk + dv if x is not None)]
     zero = k.new_zeros((b, hkv, t.bk, k.shape[-1]), dtype=torch.float32)
     zero_v = v.new_zeros((b, hkv, t.bk, v.shape[-1]), dtype=torch.float32)
-    dk = torch.cat([zero if x is None else x for x in dk], dim=2)
-    dv = torch.cat([zero_v if x is None else x for x in dv], dim=2)
-    return torch.cat(dqs, dim=3).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    dk_all = torch.cat([zero if x is None else x for x in dk], dim=2)
+    dv_all = torch.cat([zero_v if x is None else x for x in dv], dim=2)
+    return torch.cat(dqs, dim=3).to(q.dtype), dk_all.to(k.dtype), dv_all.to(v.dtype)
 
 
 class _BlockwiseAttention(torch.autograd.Function):
@@ -206,7 +208,9 @@ class _BlockwiseAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, mask, out, lse = ctx.saved_tensors
-        dq, dk, dv = _backward(ctx.tiling, q, k, v, mask, out, lse, dout.contiguous())
+        dq, dk, dv = _backward(
+            ctx.tiling, q, k, v, mask=mask, out=out, lse=lse, dout=dout.contiguous()
+        )
         return dq, dk, dv, None, None
 
 

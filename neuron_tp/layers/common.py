@@ -38,6 +38,7 @@ def make_parameter(
     name: str,
     full_shape: tuple[int, ...],
     splits: tuple[tuple[str, int], ...],
+    *,
     mesh: Mesh,
     init_fn: Callable[[torch.Tensor], object] | None,
     device=None,
@@ -76,6 +77,7 @@ def make_linear_parameters(
     in_features: int,
     out_features: int,
     bias: bool,
+    *,
     weight_splits: tuple[tuple[str, int], ...],
     bias_splits: tuple[tuple[str, int], ...],
     mesh: Mesh,
@@ -93,11 +95,11 @@ def make_linear_parameters(
         "weight",
         (out_features, in_features),
         weight_splits,
-        mesh,
-        init,
-        device,
-        dtype,
-        segments,
+        mesh=mesh,
+        init_fn=init,
+        device=device,
+        dtype=dtype,
+        segments=segments,
     )
     b = (
         make_parameter(
@@ -105,11 +107,11 @@ def make_linear_parameters(
             "bias",
             (out_features,),
             bias_splits,
-            mesh,
-            linear_bias_init(in_features),
-            device,
-            dtype,
-            segments,
+            mesh=mesh,
+            init_fn=linear_bias_init(in_features),
+            device=device,
+            dtype=dtype,
+            segments=segments,
         )
         if bias
         else None
@@ -129,7 +131,7 @@ def linear_bias_init(fan_in: int) -> Callable[[torch.Tensor], object]:
 
 def check_device(x: torch.Tensor, mesh: Mesh, layer: str) -> None:
     """A virtual (trace-only) mesh only makes sense on XLA tensors."""
-    if mesh.virtual and x.device.type != "xla":
+    if mesh.virtual and x.device.type != "xla":  # type: ignore[truthy-function]
         raise RuntimeError(
             f"{layer}: {mesh} is virtual (trace-only) and needs XLA tensors, got "
             f"a {x.device} tensor; move module and input to ntp.xla_device()"

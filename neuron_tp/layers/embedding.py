@@ -104,6 +104,7 @@ class VocabParallelEmbedding(FromEmbedding, nn.Module):
         num_embeddings: int,
         embedding_dim: int,
         padding_idx: int | None = None,
+        *,
         sequence_parallel: bool = False,
         sequence_dim: int = 1,
         mesh: Mesh | None = None,
@@ -127,10 +128,10 @@ class VocabParallelEmbedding(FromEmbedding, nn.Module):
             "weight",
             (num_embeddings, embedding_dim),
             (("tp", 0),),
-            self.mesh,
-            embedding_init(init_method, padding_idx),
-            device,
-            dtype,
+            mesh=self.mesh,
+            init_fn=embedding_init(init_method, padding_idx),
+            device=device,
+            dtype=dtype,
         )
 
     @property

@@ -61,6 +61,7 @@ class Linear2D(FromLinear, nn.Module):
         in_features: int,
         out_features: int,
         bias: bool = True,
+        *,
         mesh: Mesh | None = None,
         device=None,
         dtype=None,
@@ -81,12 +82,12 @@ class Linear2D(FromLinear, nn.Module):
             in_features,
             out_features,
             bias,
-            (("row", 0), ("col", 1)),
-            (("row", 0),),
-            self.mesh,
-            init_method,
-            device,
-            dtype,
+            weight_splits=(("row", 0), ("col", 1)),
+            bias_splits=(("row", 0),),
+            mesh=self.mesh,
+            init_method=init_method,
+            device=device,
+            dtype=dtype,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -96,7 +97,7 @@ class Linear2D(FromLinear, nn.Module):
         row, col = self.mesh.group("row"), self.mesh.group("col")
         # X along the row (-> X[r, :]), W along the column (-> W^T[:, c]), one GEMM
         y = gathered_linears.gathered_operands_linear(
-            x, self.weight, row, -1, col, 1, self.regather
+            x, self.weight, x_group=row, x_dim=-1, w_group=col, w_dim=1, regather=self.regather
         )
         if self.bias is not None:  # backward: the bias gradient is summed over the batch shards
             y = y + regions.identity_fwd_all_reduce_bwd(self.bias, col)

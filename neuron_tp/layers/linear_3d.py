@@ -59,6 +59,7 @@ class Linear3D(FromLinear, nn.Module):
         in_features: int,
         out_features: int,
         bias: bool = True,
+        *,
         orientation: str = "ab",
         mesh: Mesh | None = None,
         device=None,
@@ -88,12 +89,12 @@ class Linear3D(FromLinear, nn.Module):
             in_features,
             out_features,
             bias,
-            ((f_out, 0), (f_in, 1), ("input", 1)),
-            ((f_out, 0),),
-            self.mesh,
-            init_method,
-            device,
-            dtype,
+            weight_splits=((f_out, 0), (f_in, 1), ("input", 1)),
+            bias_splits=((f_out, 0),),
+            mesh=self.mesh,
+            init_method=init_method,
+            device=device,
+            dtype=dtype,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -106,7 +107,13 @@ class Linear3D(FromLinear, nn.Module):
         # X over the inner batch axis, W over input; the GEMM's Y is a partial sum over the
         # in-feature chunks
         y = gathered_linears.gathered_operands_linear(
-            x, self.weight, gather_x, 0, m.group("input"), 1, self.regather
+            x,
+            self.weight,
+            x_group=gather_x,
+            x_dim=0,
+            w_group=m.group("input"),
+            w_dim=1,
+            regather=self.regather,
         )
         y = regions.reduce_scatter_fwd_all_gather_bwd(y, scatter_y, dim=0)
         if self.bias is not None:  # backward: the bias gradient is summed over the batch shards

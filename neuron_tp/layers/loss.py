@@ -37,7 +37,7 @@ class _VocabParallelCE(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(
+    def forward(  # noqa: PLR0917 (autograd passes by position)
         ctx, logits, labels, tp: Group, vocab_size: int, ignore_index: int, smoothing: float
     ):
         local_v = logits.shape[-1]
@@ -90,6 +90,7 @@ def parallel_cross_entropy(
     logits: torch.Tensor,
     labels: torch.Tensor,
     mesh: Mesh | None = None,
+    *,
     ignore_index: int = -100,
     label_smoothing: float = 0.0,
     vocab_size: int | None = None,

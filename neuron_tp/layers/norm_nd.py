@@ -32,6 +32,7 @@ class _NormND(nn.Module):
         eps: float = 1e-5,
         elementwise_affine: bool = True,
         bias: bool = True,
+        *,
         layout: ActivationLayout | str | None = None,
         mesh: Mesh | None = None,
         device=None,
@@ -52,13 +53,29 @@ class _NormND(nn.Module):
         split = ((self.layout.feature_axis, 0),)
         self.weight = (
             make_parameter(
-                self, "weight", (hidden,), split, self.mesh, nn.init.ones_, device, dtype
+                self,
+                "weight",
+                (hidden,),
+                split,
+                mesh=self.mesh,
+                init_fn=nn.init.ones_,
+                device=device,
+                dtype=dtype,
             )
             if elementwise_affine
             else None
         )
         self.bias = (
-            make_parameter(self, "bias", (hidden,), split, self.mesh, nn.init.zeros_, device, dtype)
+            make_parameter(
+                self,
+                "bias",
+                (hidden,),
+                split,
+                mesh=self.mesh,
+                init_fn=nn.init.zeros_,
+                device=device,
+                dtype=dtype,
+            )
             if elementwise_affine and bias and not self.rms
             else None
         )

@@ -40,6 +40,8 @@ class Int8WeightLinear:
     recomputed in the graph at each read (no float copy is stored)."""
 
     quantized = "int8"
+    qweight: torch.Tensor
+    weight_scale: torch.Tensor
 
     @property
     def weight(self) -> torch.Tensor:

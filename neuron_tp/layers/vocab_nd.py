@@ -47,6 +47,7 @@ class _EmbeddingND(FromEmbedding, nn.Module):
         num_embeddings: int,
         embedding_dim: int,
         padding_idx: int | None = None,
+        *,
         mesh: Mesh | None = None,
         device=None,
         dtype=None,
@@ -70,10 +71,10 @@ class _EmbeddingND(FromEmbedding, nn.Module):
             "weight",
             (num_embeddings, embedding_dim),
             ((self.layout.batch_group, 0), (self.layout.feature_axis, 1)),
-            self.mesh,
-            embedding_init(init_method, padding_idx),
-            device,
-            dtype,
+            mesh=self.mesh,
+            init_fn=embedding_init(init_method, padding_idx),
+            device=device,
+            dtype=dtype,
         )
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -121,7 +122,16 @@ class _PaddedVocab:
             w_splits = get_sharding(self, "weight").splits
             b_splits = get_sharding(self, "bias").splits if bias else ()
             self.weight, self.bias = make_linear_parameters(
-                self, hidden, vocab_size, bias, w_splits, b_splits, self.mesh, init, device, dtype
+                self,
+                hidden,
+                vocab_size,
+                bias,
+                weight_splits=w_splits,
+                bias_splits=b_splits,
+                mesh=self.mesh,
+                init_method=init,
+                device=device,
+                dtype=dtype,
             )
         self.out_features = self.vocab_size = vocab_size
         self.padded_vocab = padded
@@ -172,6 +182,7 @@ def cross_entropy_nd(
     labels: torch.Tensor,
     layout: ActivationLayout | str,
     mesh: Mesh | None = None,
+    *,
     ignore_index: int = -100,
     reduction: str = "mean",
     vocab_size: int | None = None,

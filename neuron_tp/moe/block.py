@@ -54,6 +54,7 @@ class ParallelMoEBlock(nn.Module):
         router: nn.Module,
         experts: TPExperts,
         mesh: Mesh,
+        *,
         shared: nn.Module | None = None,
         shared_gate: nn.Module | None = None,
         names: dict[str, str] | None = None,

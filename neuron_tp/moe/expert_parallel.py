@@ -86,6 +86,7 @@ def expert_parallel_mlp(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
+    *,
     gate_up: torch.Tensor,
     down: torch.Tensor,
     group: Group,

@@ -102,7 +102,14 @@ class TPExperts(ModeDispatch, nn.Module):
         if self.mesh.ep_size > 1:
             cf = self.capacity_factor if self.mode == "capacity" else None
             out, self.dropped = expert_parallel_mlp(
-                x, idx, w, self.gate_up_proj, self.down_proj, self.mesh.group("ep"), self.act_fn, cf
+                x,
+                idx,
+                w,
+                gate_up=self.gate_up_proj,
+                down=self.down_proj,
+                group=self.mesh.group("ep"),
+                act=self.act_fn,
+                capacity_factor=cf,
             )
             return out
         return self._run_mode(x, idx, w)

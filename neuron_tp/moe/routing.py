@@ -38,6 +38,7 @@ def sigmoid_group_topk(
     logits: torch.Tensor,
     k: int,
     correction_bias: torch.Tensor,
+    *,
     n_group: int,
     topk_group: int,
     normalize: bool,
@@ -92,9 +93,9 @@ class Router(nn.Module):
             logits,
             self.top_k,
             self.e_score_correction_bias,
-            o["n_group"],
-            o["topk_group"],
-            o["normalize"],
-            o["scaling"],
+            n_group=o["n_group"],
+            topk_group=o["topk_group"],
+            normalize=o["normalize"],
+            scaling=o["scaling"],
         )
         return logits, w, idx

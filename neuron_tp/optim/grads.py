@@ -100,13 +100,13 @@ def global_grad_norm(model: nn.Module, mesh: Mesh | None = None) -> torch.Tensor
     are copies on several ranks (replicated kv heads) 1/copies of theirs.
     """
     mesh = get_mesh(mesh)
-    entries = [(n, p, m) for n, p, m in named_parameter_meta(model) if p.grad is not None]
+    entries = [(n, p.grad, m) for n, p, m in named_parameter_meta(model) if p.grad is not None]
     if not entries:
         return torch.zeros(())
-    total = torch.zeros((), dtype=torch.float32, device=entries[0][1].grad.device)
+    total = torch.zeros((), dtype=torch.float32, device=entries[0][1].device)
     experts = torch.zeros_like(total)  # expert parallelism: this rank's experts only
-    for name, p, meta in entries:
-        sq = p.grad.detach().float().pow(2)
+    for name, grad, meta in entries:
+        sq = grad.detach().float().pow(2)
         factor, rows = norm_weights(model, name, mesh)
         if rows is not None:
             sq = sq.reshape(rows.shape[0], -1).sum(1) * rows.to(sq.device)

@@ -20,6 +20,7 @@ same on every dp rank.
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import torch
 
@@ -152,7 +153,7 @@ def full_state_dict(zero: Sharded) -> dict:
     expert's over edp: its value holds this rank's experts, the parameter's shape)."""
     params = {}
     for s in zero.slots.values():
-        entry = {"shape": tuple(s.param.shape), "state": {}, "master": None}
+        entry: dict[str, Any] = {"shape": tuple(s.param.shape), "state": {}, "master": None}
         for k, v in zero.inner.state.get(s.shard, {}).items():
             entry["state"][k] = _gather(zero, v, s) if is_sharded(v, s.chunk) else _snapshot(v)
         if s.keeps_master:

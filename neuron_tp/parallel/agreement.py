@@ -77,7 +77,7 @@ def tensor_checksum(t: torch.Tensor) -> int | str:
     if t.device.type == "meta":
         return "meta"
     data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
-    return zlib.crc32(data, zlib.crc32(f"{t.dtype}{tuple(t.shape)}".encode()))
+    return zlib.crc32(data.data, zlib.crc32(f"{t.dtype}{tuple(t.shape)}".encode()))
 
 
 def exchange_device(group: Group) -> torch.device | None:
@@ -240,7 +240,7 @@ def check_agreement(
     if not bad:
         return
     # Sub-keys of the differing keys whose sub-key lists agree everywhere: which ones differ.
-    named: dict[str, list[tuple[str, list[list[int]]]]] = {}
+    named: dict[str, list[tuple[str, list[list[list[int]]]]]] = {}
     for j, k in enumerate(sub):
         if k in bad and not _splits(table[:, 2 + len(keys) + j], everyone):
             names = sorted(details[k])
@@ -254,7 +254,7 @@ def check_agreement(
     shown = [(k, None) for k in bad if k not in details] + [
         (k, n) for k in named for n, _ in named[k][:SHOWN]
     ]
-    texts = _gather(
+    shown_rows = _gather(
         _encode([_show(values[k] if n is None else details[k][n]) for k, n in shown]), group, device
     )
     at = {kn: i for i, kn in enumerate(shown)}
@@ -262,7 +262,7 @@ def check_agreement(
     def held(groups: list[list[int]], i: int | None) -> str:
         if i is None:
             return " vs ".join(f"rank {_ranks(g)}" for g in groups)
-        return "; ".join(f"rank {_ranks(g)}: {_decode(texts[g[0]], i)}" for g in groups)
+        return "; ".join(f"rank {_ranks(g)}: {_decode(shown_rows[g[0]], i)}" for g in groups)
 
     lines = []
     for k, splits in bad.items():
@@ -281,7 +281,7 @@ def versions() -> dict[str, str | None]:
     """Versions of the libraries that shape the graph and the math."""
     from importlib import metadata
 
-    out = {}
+    out: dict[str, str | None] = {}
     for name in ("torch", "transformers", "torch-xla", "neuron_tp"):
         try:
             out[name] = metadata.version(name)
@@ -293,7 +293,7 @@ def versions() -> dict[str, str | None]:
 def config_dict(model: torch.nn.Module) -> dict[str, Any]:
     """The model's config as a dict (without the path it was read from)."""
     config = getattr(model, "config", None)
-    if not hasattr(config, "to_dict"):
+    if config is None or not hasattr(config, "to_dict"):
         return {}
     return {k: v for k, v in config.to_dict().items() if k != "_name_or_path"}
 
@@ -338,7 +338,10 @@ def check_model_replicas(
     from .sharding import expert_split, named_parameter_meta
 
     world = mesh.group("world")
-    shards, sharded, experts, replicated = {}, {}, {}, {}
+    shards: dict[str, Any] = {}
+    sharded: dict[str, Any] = {}
+    experts: dict[str, Any] = {}
+    replicated: dict[str, Any] = {}
     if error is None:
         for name, p, meta in named_parameter_meta(model):
             if meta.sharding is None:

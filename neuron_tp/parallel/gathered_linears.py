@@ -158,7 +158,7 @@ def shared_gathered_linear(
 
 class _RegatheredLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, x_group, x_dim, w_group, w_dim):
+    def forward(ctx, x, weight, x_group, x_dim, w_group, w_dim):  # noqa: PLR0917
         x, weight = x.contiguous(), weight.contiguous()
         ctx.groups = (x_group, x_dim, w_group, w_dim)
         ctx.save_for_backward(x, weight)  # the local blocks, not the gathered operands
@@ -190,6 +190,7 @@ class _RegatheredLinear(torch.autograd.Function):
 def gathered_operands_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
+    *,
     x_group: Group,
     x_dim: int,
     w_group: Group,

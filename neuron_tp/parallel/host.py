@@ -85,6 +85,7 @@ def broadcast(
     if payload is None and group.rank == src:
         raise ValueError("host broadcast: the source rank must pass a payload")
     if group.size == 1:
+        assert payload is not None  # the only rank is the source
         return payload
     store = job_store()
     counts = _rounds.__dict__.setdefault("counts", {})
@@ -97,6 +98,7 @@ def broadcast(
                 store.delete_key(old)
                 store.delete_key(f"{old}/acks")
                 pending.remove(old)
+        assert payload is not None
         store.set(prefix, payload)
         pending.append(prefix)
         return payload

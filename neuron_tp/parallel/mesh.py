@@ -201,11 +201,11 @@ class Mesh:
         rank: int,
         tp: int = 1,
         tp_mode: str = "1d",
+        *,
         virtual: bool = False,
         create_process_groups: bool = False,
         reduce_dtype: torch.dtype | None = None,
         ep: int = 1,
-        *,
         pp: int = 1,
         cp: int = 1,
     ):
@@ -217,7 +217,8 @@ class Mesh:
         self.reduce_dtype = reduce_dtype
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside the world of size {world_size}")
-        self.world_size, self.rank, self.tp_mode, self.virtual = world_size, rank, tp_mode, virtual
+        self.world_size, self.rank, self.tp_mode = world_size, rank, tp_mode
+        self.virtual = virtual  # type: ignore[method-assign,assignment]  # shadows the classmethod
         dims = {"pp": pp, "dp": world_size // (pp * cp * tp), "cp": cp, "tp": tp}
         lists = _axis_lists(dims, ep, _tp_axes(tp_mode, tp))
         self.groups: dict[str, Group] = {}
@@ -345,7 +346,7 @@ class Mesh:
         return self.dp.rank
 
     def __repr__(self) -> str:
-        kind = "virtual " if self.virtual else ""
+        kind = "virtual " if self.virtual else ""  # type: ignore[truthy-function]
         return (
             f"{kind}Mesh(world={self.world_size}, rank={self.rank}, dp={self.dp_size}, "
             f"tp={self.tp_size}, tp_mode={self.tp_mode!r}"

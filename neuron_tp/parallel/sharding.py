@@ -142,7 +142,7 @@ def expert_split(sharding: Sharding | None) -> int | None:
 def without_experts(sharding: Sharding | None) -> Sharding | None:
     """``sharding`` without its ``ep`` split: the layout of the tensor holding every expert
     (what checkpoints store, so they do not depend on the expert-parallel degree)."""
-    if expert_split(sharding) is None:
+    if sharding is None or expert_split(sharding) is None:
         return sharding
     splits = tuple(s for s in sharding.splits if s[0] != "ep")
     return Sharding(splits, sharding.full_shape, sharding.segments) if splits else None
@@ -195,7 +195,7 @@ def gather_params(
     model: nn.Module, mesh: Mesh | None = None, grads: bool = False
 ) -> dict[str, torch.Tensor]:
     """Every parameter (or its gradient, when set) of ``model`` unsharded, by name, in
-    neuron_tp's layout (HF models: :func:`neuron_tp.hf.loading.gather_hf_state_dict`)."""
+    neuron_tp's layout (HF models: :func:`neuron_tp.hf.saving.gather_hf_state_dict`)."""
     out = {}
     for name, p, meta in named_parameter_meta(model):
         t = p.grad if grads else p

@@ -66,7 +66,7 @@ def load_calibration(path: str) -> Calibration:
 
 def calibrated(instance: Instance, calibration: Calibration) -> Instance:
     """``instance`` with the measured figures in place of the datasheet's."""
-    return replace(instance, **calibration.figures)
+    return replace(instance, **calibration.figures)  # type: ignore[arg-type]  # float fields
 
 
 def describe(before: Instance, calibration: Calibration) -> str:

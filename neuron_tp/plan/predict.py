@@ -78,7 +78,8 @@ def _bilinear(f11: float, f21: float, f12: float, f22: float, layers: int, k: fl
 def extend(traces: dict[tuple[int, int], Trace], layers: int, k: float, attr) -> float:
     """``attr(trace)`` extended from the traces at (1|2 layers, 1|2 x b0) to ``layers`` deep
     and ``k`` x b0 sequences per micro-batch."""
-    return _bilinear(*(attr(traces[key]) for key in ((1, 1), (2, 1), (1, 2), (2, 2))), layers, k)
+    f11, f21, f12, f22 = (attr(traces[key]) for key in ((1, 1), (2, 1), (1, 2), (2, 2)))
+    return _bilinear(f11, f21, f12, f22, layers, k)
 
 
 def comm_seconds(comms: tuple[Comm, ...], instance: Instance, ranks_per_node: int) -> float:
@@ -158,6 +159,7 @@ def timing(
     state: StateBytes,
     layers: int,
     k: float,
+    *,
     grad_accum: int,
     instance: Instance,
     ranks_per_node: int,

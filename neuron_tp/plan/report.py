@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shlex
 from dataclasses import asdict
+from typing import Any
 
 from .search import Candidate, Plan
 
@@ -38,11 +39,12 @@ def command(plan: Plan, c: Candidate) -> list[str]:
 def candidate_dict(plan: Plan, c: Candidate) -> dict:
     """One candidate: layout, its train options and command, memory (bytes), time
     (seconds), throughput, fit."""
-    out = {"layout": asdict(c.layout), "train_args": train_args(plan, c)}
+    out: dict[str, Any] = {"layout": asdict(c.layout), "train_args": train_args(plan, c)}
     out["command"] = command(plan, c)
     out["fits"] = c.fits
     out["tight"] = c.tight
     if c.memory is not None:
+        assert c.timing is not None  # predicted together with the memory
         out["memory_bytes"] = {**asdict(c.memory), "total": c.memory.total}
         out["headroom"] = c.headroom
         out["step_seconds"] = {**asdict(c.timing), "total": c.timing.step}
@@ -117,6 +119,7 @@ def plan_table(plan: Plan, limit: int = 20) -> str:
                 lines.append(row + f"cannot run (any micro-batch, recompute): {c.why}")
             continue
         m, t = c.memory, c.timing
+        assert t is not None  # predicted together with the memory
         row += " ".join(
             f"{v / GIB:>6.2f}" for v in (m.params, m.grads, m.optimizer + m.masters, m.activations)
         )
@@ -131,6 +134,7 @@ def plan_table(plan: Plan, limit: int = 20) -> str:
     rec = plan.recommended
     if rec:
         t = rec.timing
+        assert t is not None  # a recommended candidate fits: it was predicted
         lines.append(
             f"recommended: {shlex.join(command(plan, rec))}  # predicted "
             f"{rec.seq_per_s:.1f} seq/s ({rec.seq_per_s * tokens:,.0f} tokens/s), step "

@@ -321,7 +321,15 @@ def make_plan(config, job: Job, **pins) -> Plan:
             continue
         skey = (lay.tp, lay.tp_mode, lay.dp, lay.zero1)
         if skey not in states:
-            states[skey] = state_bytes(config, lay.tp, lay.tp_mode, lay.dp, 0, job.bf16, lay.zero1)
+            states[skey] = state_bytes(
+                config,
+                lay.tp,
+                tp_mode=lay.tp_mode,
+                dp=lay.dp,
+                rank=0,
+                bf16=job.bf16,
+                zero1=lay.zero1,
+            )
         state, k = states[skey], lay.micro_batch / _b0(lay)
         layers = config.num_hidden_layers
         base = traced[_spec_key(replace(lay, activation_checkpointing="none"))]
@@ -333,14 +341,22 @@ def make_plan(config, job: Job, **pins) -> Plan:
             state,
             layers,
             k,
-            lay.grad_accum,
-            job.instance,
-            job.per_node,
-            job.bf16,
-            job.efficiency,
+            grad_accum=lay.grad_accum,
+            instance=job.instance,
+            ranks_per_node=job.per_node,
+            bf16=job.bf16,
+            efficiency=job.efficiency,
         )
         _, model_flops = timing(
-            base, state, layers, k, lay.grad_accum, job.instance, job.per_node, job.bf16, 1.0
+            base,
+            state,
+            layers,
+            k,
+            grad_accum=lay.grad_accum,
+            instance=job.instance,
+            ranks_per_node=job.per_node,
+            bf16=job.bf16,
+            efficiency=1.0,
         )
         peak = (
             job.instance.peak_flops_per_core if job.bf16 else job.instance.peak_fp32_flops_per_core

@@ -44,6 +44,7 @@ def local_parameters(config, tp: int, tp_mode: str = "1d", rank: int = 0, dtype=
 def state_bytes(
     config,
     tp: int,
+    *,
     tp_mode: str = "1d",
     dp: int = 1,
     rank: int = 0,

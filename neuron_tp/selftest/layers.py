@@ -57,7 +57,8 @@ class Compare:
     """Pairs (what, device tensor, host reference) compared after one graph."""
 
     def __init__(self, ctx: Context, check: Check, name: str):
-        self.ctx, self.check, self.name, self.pairs = ctx, check, name, []
+        self.ctx, self.check, self.name = ctx, check, name
+        self.pairs: list[tuple[str, torch.Tensor | None, torch.Tensor | None]] = []
 
     def add(self, what: str, got: torch.Tensor | None, want: torch.Tensor | None) -> None:
         self.pairs.append((what, got, want))

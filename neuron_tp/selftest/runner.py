@@ -49,7 +49,7 @@ class Shared:
         return {"options": self.options}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["options"])
+        Shared.__init__(self, state["options"])
 
 
 def _checks(instance: Instance | None) -> dict[str, Callable[[Context], Check]]:

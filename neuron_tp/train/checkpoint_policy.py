@@ -103,6 +103,7 @@ def check_resume_source(run: Run, say: Printer) -> int:
     from ..checkpoint.reader import check_model
 
     path, config = run.resumed_from, run.config
+    assert path is not None  # called on resume only
     meta = checkpoint.read_meta(path)
     auto = config.checkpoint.resume == "auto"
     try:
@@ -187,9 +188,11 @@ def restore(run: Run, say: Printer) -> None:
 def check_finite(run: Run, sync: bool = True) -> None:
     """Stop (every rank alike) when a non-finite step is known; with ``sync`` read the device
     counters first (one transfer, unless this step was logged): never save after one."""
+    guard = run.guard
+    assert guard is not None  # set up before the first step
     if sync:
-        run.guard.sync(run.step)
-    run.guard.check(lambda: checkpoint.latest(checkpoint_root(run.config)))
+        guard.sync(run.step)
+    guard.check(lambda: checkpoint.latest(checkpoint_root(run.config)))
 
 
 def save(run: Run) -> str:
@@ -201,7 +204,7 @@ def save(run: Run) -> str:
         run.model,
         run.optimizer,
         run.schedule,
-        run.step,
+        step=run.step,
         mesh=run.mesh,
         data_state=run.data.state_dict(),
         extra={**run.checkpoint_extra, DATA_KEY: data_fingerprint(run)},

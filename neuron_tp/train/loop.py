@@ -122,9 +122,9 @@ def setup(args: TrainConfig | argparse.Namespace, mesh: Mesh | None = None) -> R
             tokenizer,
             config.seq_len,
             config.micro_batch,
-            layout.dp_size,
-            layout.dp_rank,
-            config.seed,
+            dp_size=layout.dp_size,
+            dp_rank=layout.dp_rank,
+            seed=config.seed,
             loss_on=config.loss_on,
             packing=config.packing,
             overlong=config.overlong,
@@ -233,7 +233,7 @@ def startup_values(
     """What every rank must agree on before anything else (``values``, ``details``, see
     :func:`neuron_tp.parallel.agreement.check_agreement`): every option, library versions, the model
     config (and, for a local model, its files), the tokenizer and the training tokens."""
-    from ..hf.loading import check_model_dir, checkpoint_files, files_fingerprint
+    from ..hf.model_files import check_model_dir, checkpoint_files, files_fingerprint
     from ..job.presets import model_config
     from ..parallel.agreement import fingerprint, tensor_checksum, versions
 

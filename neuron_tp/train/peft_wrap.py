@@ -21,7 +21,7 @@ def lora_config(config: TrainConfig):
 
     return LoraConfig(
         r=config.lora.r,
-        lora_alpha=config.lora.alpha,
+        lora_alpha=config.lora.alpha,  # type: ignore[arg-type]  # peft says int; floats work
         lora_dropout=config.lora.dropout,
         target_modules=config.lora.target_modules or None,
         task_type="CAUSAL_LM",

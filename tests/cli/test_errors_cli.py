@@ -200,7 +200,7 @@ def _generate_tp2(tmp: str) -> None:
 
 
 def test_generate_from_neuron_tp_checkpoint_at_any_tp(tmp_path):
-    from neuron_tp.hf.loading import gather_hf_state_dict
+    from neuron_tp.hf.saving import gather_hf_state_dict
     from neuron_tp.infer.load import load_for_generation
     from neuron_tp.infer.static_generator import generate
     from neuron_tp.train.loop import setup, train

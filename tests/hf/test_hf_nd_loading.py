@@ -17,7 +17,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 import gloo_dist  # noqa: E402
 import neuron_tp as ntp  # noqa: E402
-from neuron_tp.hf import gather_hf_state_dict, loading, parallelize  # noqa: E402
+from neuron_tp.hf import gather_hf_state_dict, loading, model_files, parallelize  # noqa: E402
 from tiny_configs import nd_config  # noqa: E402
 
 V_ODD = 61  # divisible by neither q=2 (LM head) nor q^2=4 (3D embedding): padded last shard
@@ -94,12 +94,12 @@ class _FileRecorder:
 def _load_recording(path: str, mesh) -> tuple[torch.nn.Module, dict[str, int]]:
     """``ntp.from_pretrained(path, mesh)`` and ``{tensor: elements read}`` of this rank."""
     log: dict[str, int] = {}
-    original = loading._open_safetensors
-    loading._open_safetensors = lambda file: _FileRecorder(original(file), log)
+    original = model_files.open_safetensors
+    model_files.open_safetensors = lambda file: _FileRecorder(original(file), log)
     try:
         return ntp.from_pretrained(path, mesh), log
     finally:
-        loading._open_safetensors = original
+        model_files.open_safetensors = original
 
 
 def _check(dirs: dict[str, str], tp: int, mode: str) -> None:

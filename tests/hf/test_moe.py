@@ -203,7 +203,7 @@ def _checkpoints(tmp: str, tp: int) -> None:
         _close(loaded(ids).logits, ref(ids).logits, f"{name} from_pretrained logits")
     # What transformers itself writes (and the Hub holds): one tensor per expert, Mixtral's
     # under block_sparse_moe.experts.{e}.w1/w2/w3; each rank reads its slices of each.
-    from neuron_tp.hf.loading import checkpoint_files
+    from neuron_tp.hf.model_files import checkpoint_files
 
     for name, key in (
         ("mixtral", "model.layers.0.block_sparse_moe.experts.5.w3.weight"),

@@ -109,7 +109,9 @@ def checks(c: Case, ep: Group, tp_rank: int = 0, tp: int = 1, device="cpu"):
     w = w.to(device).requires_grad_(True)
     gu = gate_up[mine].contiguous().to(device).requires_grad_(True)
     dn = down[mine].contiguous().to(device).requires_grad_(True)
-    res = expert_parallel_mlp(x, ids.to(device), w, gu, dn, ep, capacity_factor=c.capacity_factor)
+    res = expert_parallel_mlp(
+        x, ids.to(device), w, gate_up=gu, down=dn, group=ep, capacity_factor=c.capacity_factor
+    )
     res.output.backward(grad.to(device))
     what = f"{c} ep{ep.size} rank {ep.rank} tp{tp} rank {tp_rank}"
     got = dict(

@@ -151,7 +151,7 @@ def _pretrained(tmp: str) -> None:
     import torch.distributed as dist
 
     from neuron_tp.hf import from_pretrained, save_pretrained
-    from neuron_tp.hf.loading import checkpoint_files
+    from neuron_tp.hf.model_files import checkpoint_files
 
     for name, key, cfg in (
         ("mixtral", "block_sparse_moe.experts.7.w3", dict(num_local_experts=8)),

@@ -53,10 +53,16 @@ def _bad_input(mesh) -> None:
         a = dict(x=x, ids=ids, w=w, gu=gu, dn=dn, cf=None) | change
         with pytest.raises(ValueError, match=msg):
             expert_parallel_mlp(
-                a["x"], a["ids"], a["w"], a["gu"], a["dn"], grp, capacity_factor=a["cf"]
+                a["x"],
+                a["ids"],
+                a["w"],
+                gate_up=a["gu"],
+                down=a["dn"],
+                group=grp,
+                capacity_factor=a["cf"],
             )
     # nobody communicated: the group still works, in step
-    out = expert_parallel_mlp(x, ids, w, gu, dn, grp).output
+    out = expert_parallel_mlp(x, ids, w, gate_up=gu, down=dn, group=grp).output
     assert out.shape == (6, 10)
     assert expert_capacity(7, 2, 8, None) == 7 and expert_capacity(7, 2, 8, 0.5) == 1
     assert expert_capacity(256, 2, 8, 1.25) == 80 and expert_capacity(7, 2, 8, 100.0) == 7

@@ -137,7 +137,15 @@ def _reference(args, skip_step: int | None) -> list[float]:
     from reference_train import lr_factor
 
     model = build_model(args.model, ByteTokenizer.vocab_size, args.seed).train()
-    data = PackedData(args.data, ByteTokenizer(), args.seq_len, args.micro_batch, 1, 0, args.seed)
+    data = PackedData(
+        args.data,
+        ByteTokenizer(),
+        args.seq_len,
+        args.micro_batch,
+        dp_size=1,
+        dp_rank=0,
+        seed=args.seed,
+    )
     opt = torch.optim.AdamW(
         [
             {

@@ -45,7 +45,7 @@ def _norm_and_clip(tp_mode: str, tp: int) -> dict:
     """One backward of the sharded model vs the unsharded one: the global norm, clipping, and
     the dp / sequence-parallel gradient syncs (no-ops for 2D/3D parameters at dp=1)."""
     from neuron_tp.hf import parallelize
-    from neuron_tp.hf.loading import gather_hf_state_dict
+    from neuron_tp.hf.saving import gather_hf_state_dict
     from neuron_tp.job.presets import build_model
 
     mesh = ntp.init_mesh(tp=tp, tp_mode=tp_mode)

@@ -36,8 +36,8 @@ def _corpus(tmp_path, n_docs=40):
 def test_packing_dp_split_and_resume_position(tmp_path):
     path = _corpus(tmp_path)
     tok = ByteTokenizer()
-    whole = PackedData(path, tok, 13, 4, 1, 0, seed=3)
-    ranks = [PackedData(path, tok, 13, 2, 2, r, seed=3) for r in range(2)]
+    whole = PackedData(path, tok, 13, 4, dp_size=1, dp_rank=0, seed=3)
+    ranks = [PackedData(path, tok, 13, 2, dp_size=2, dp_rank=r, seed=3) for r in range(2)]
     assert whole.batches_per_epoch == len(whole.chunks) // 4  # incomplete batch dropped
     for _ in range(2 * whole.batches_per_epoch + 1):  # across two epoch boundaries
         b = whole.next_batch()["input_ids"]
@@ -49,11 +49,11 @@ def test_packing_dp_split_and_resume_position(tmp_path):
     stream = [t for d in docs for t in [*d.encode(), 256]]
     assert whole.chunks.flatten().tolist() == stream[: whole.chunks.numel()]
     state = whole.state_dict()
-    again = PackedData(path, tok, 13, 4, 1, 0, seed=3)
+    again = PackedData(path, tok, 13, 4, dp_size=1, dp_rank=0, seed=3)
     again.load_state_dict(state)
     assert torch.equal(again.next_batch()["input_ids"], whole.next_batch()["input_ids"])
     with pytest.raises(ValueError, match="seq_len"):
-        PackedData(path, tok, 14, 4, 1, 0, seed=3).load_state_dict(state)
+        PackedData(path, tok, 14, 4, dp_size=1, dp_rank=0, seed=3).load_state_dict(state)
 
 
 def test_data_errors(tmp_path):

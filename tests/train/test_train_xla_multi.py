@@ -143,7 +143,9 @@ def test_tp2_qwen3_on_two_xla_devices_resume_and_reshard(two, four, base):
     ckpt4 = next(c for c in res[0]["checkpoints"] if c.endswith("step-00000004"))
     plain = build_model("tiny-qwen3", 257, seed=123)
     checkpoint.load(ckpt4, plain, mesh=ntp.Mesh(1, 0), restore_rng=False)
-    data = PackedData(args.data, ByteTokenizer(), args.seq_len, 2, 1, 0, args.seed)
+    data = PackedData(
+        args.data, ByteTokenizer(), args.seq_len, 2, dp_size=1, dp_rank=0, seed=args.seed
+    )
     for _ in range(5):
         ids = data.next_batch()["input_ids"]
     with torch.no_grad():

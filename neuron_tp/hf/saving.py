@@ -1,0 +1,79 @@
+"""Save a consolidated transformers checkpoint of a parallelized model; its full state dict."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..parallel.mesh import Mesh
+from ..parallel.sharding import gather_full, named_parameter_meta
+from ..parallel.state import mesh_of
+from .slice_map import WHOLE, to_hf
+
+
+def gather_hf_state_dict(
+    model: nn.Module, mesh: Mesh | None = None, grads: bool = False
+) -> dict[str, torch.Tensor]:
+    """Full (unsharded) parameters, or their gradients, under their HF names, on every rank;
+    without ``grads`` also the persistent buffers (replicated, e.g. an MoE router's
+    ``e_score_correction_bias``), as transformers saves them.
+
+    Collective over tp: every rank must call it. Gradients should be synced first
+    (:func:`neuron_tp.sync_sequence_parallel_grads`)."""
+    mesh = mesh_of(model, mesh)
+    out = {}
+    for name, p, meta in named_parameter_meta(model):
+        t = p.grad if grads else p
+        if t is None:
+            continue
+        full = gather_full(t, meta.sharding, mesh)
+        out[name] = to_hf(full, meta.hf_layout or WHOLE) if meta.sharding else full.clone()
+    if not grads:
+        out.update((n, b.detach().clone()) for n, b in persistent_buffers(model))
+    return out
+
+
+def persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``(name, buffer)`` for every buffer of ``model`` that belongs in its state dict."""
+    out = []
+    for mname, mod in model.named_modules():
+        for bname, b in mod.named_buffers(recurse=False):
+            if b is not None and bname not in mod._non_persistent_buffers_set:
+                out.append((f"{mname}.{bname}" if mname else bname, b))
+    return out
+
+
+def save_pretrained(model: nn.Module, out_dir: str, mesh: Mesh | None = None) -> None:
+    """Write a consolidated transformers checkpoint (config + model.safetensors) from rank 0.
+
+    Collective over the job (every rank calls it) and returns on every rank once the files
+    are written (a failure to write raises on every rank): any rank may read them next. The
+    files load with plain ``AutoModel*.from_pretrained``."""
+    from safetensors.torch import save_file
+
+    from ..parallel.agreement import check_agreement
+
+    mesh = mesh_of(model, mesh)
+    state = gather_hf_state_dict(model, mesh)
+    error = None
+    try:
+        if mesh.rank == 0:
+            os.makedirs(out_dir, exist_ok=True)
+            config: Any = model.config  # a transformers PretrainedConfig
+            config.save_pretrained(out_dir)
+            gen = getattr(model, "generation_config", None)
+            if gen is not None:
+                with contextlib.suppress(Exception):
+                    gen.save_pretrained(out_dir)
+            save_file(
+                {k: v.contiguous() for k, v in state.items()},
+                os.path.join(out_dir, "model.safetensors"),
+                metadata={"format": "pt"},
+            )
+    except Exception as e:  # noqa: BLE001 - re-raised on every rank by check_agreement
+        error = e
+    check_agreement({}, mesh.group("world"), error=error, what=f"save_pretrained({out_dir!r})")
