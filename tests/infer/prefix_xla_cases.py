@@ -1,9 +1,9 @@
-"""Run on 2 XLA CPU devices by tests/infer/test_prefix_cache.py (one launch, see
-tests/helpers/xla_dist.py ``run_cases``): the engine with a prefix cache over a shared-prefix
+"""Run on XLA CPU devices by tests/infer/test_prefix_cache.py (see tests/helpers/xla_dist.py):
+the engine with a prefix cache over a shared-prefix
 trace, graphs replayed and all captured at ``--warmup all``; every request equal to
 transformers alone, no graph compiled or traced while serving.
 
-- ``tp1``: rank 0's device alone (the other rank idles), a pool large enough for the trace;
+- ``tp1``: one device, a pool large enough for the trace;
 - ``tp2_int8``: tp=2 with int8 weights, a pool smaller than the working set (evictions); the
   reference is transformers on the dequantized-int8 weights (tests/helpers/int8_reference.py).
 """
@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import copy
 import threading
+import time
 
 import engine_cases as ec
 import prefix_cases as pc
 import torch_xla
-import torch_xla.runtime as xr
 import transformers  # noqa: F401  (imported before the device threads start)
 
 import neuron_tp as ntp
@@ -24,7 +24,6 @@ from int8_reference import reference_model
 from neuron_tp import hf
 from neuron_tp.backend.graphs import graph_counters
 from neuron_tp.job.presets import build_model
-from neuron_tp.parallel.mesh import Mesh
 from neuron_tp.parallel.sharding import move_to
 from xla_dist import serial
 
@@ -34,13 +33,10 @@ BARRIER = threading.Barrier(2)
 def job(case: str) -> dict:
     dev = torch_xla.device()
     if case == "tp1":
-        mesh = Mesh(1, 0, tp=1, create_process_groups=False)
-        rank = xr.global_ordinal()
-        if rank != 0:
-            return {}
-        with serial():
-            full = build_model("tiny-llama", ec.VOCAB, ec.SEED).eval()
-            model = hf.parallelize(copy.deepcopy(full), mesh).eval()
+        mesh = ntp.init_mesh(tp=1)
+        rank = mesh.rank
+        full = build_model("tiny-llama", ec.VOCAB, ec.SEED).eval()
+        model = hf.parallelize(copy.deepcopy(full), mesh).eval()
         ref, blocks, group = full, 40, None
     else:
         mesh = ntp.init_mesh(tp=2)
@@ -64,9 +60,11 @@ def job(case: str) -> dict:
         eng.follow()
         sync()
         return {"traces": [traces, eng.gen.traces]}
-    items, out = pc.make_trace(13, 40), {}
+    items, out = pc.make_trace(13, 24), {}
 
     def driver() -> None:
+        while not eng.ready:  # start() below makes it ready on this rank's thread
+            time.sleep(0.01)
         try:
             out["results"] = ec.drive(eng, items)
         finally:
