@@ -9,11 +9,12 @@ continuous-batching Engine (prefill chunk 256, blocks of 32 tokens). Side by sid
 - ``50 % hits``: the first 512 tokens of the system prompt seen before, the rest new;
 - ``100 % hits``: the whole system prompt seen before (a different question).
 
-TTFT is submit -> the request's one token (``max_tokens`` 1), median of ``--requests``; the
+TTFT is submit -> the request's one token (``max_tokens`` 1), median of ``--requests`` (with
+and without caching alternating, request by request); the
 first tokens with and without caching are compared, and the graph count after warm-up and after
 the timed requests printed.
 
-Usage: ``PJRT_DEVICE=CPU python benchmarks/prefix_cache.py [--layers 4] [--requests 5]``.
+Usage: ``PJRT_DEVICE=CPU python benchmarks/prefix_cache.py [--layers 4] [--requests 7]``.
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ def prompts(rng: random.Random, hits: float, n: int) -> tuple[list[int], list[li
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--requests", type=int, default=5)
+    p.add_argument("--requests", type=int, default=7)
     args = p.parse_args()
     import neuron_tp as ntp
     from neuron_tp import hf
@@ -115,10 +116,12 @@ def main() -> None:
     for hits in (0.0, 0.5, 1.0):
         rng = random.Random(int(hits * 100))
         prime, timed = prompts(rng, hits, args.requests)
-        got = {}
-        for name, engine in engines.items():
+        got = {name: [] for name in engines}
+        for engine in engines.values():
             ttft(engine, prime)
-            got[name] = [ttft(engine, q) for q in timed]
+        for q in timed:  # alternating: the machine's load changes both sides alike
+            for name, engine in engines.items():
+                got[name].append(ttft(engine, q))
         off = statistics.median(t for t, _ in got["off"]) * 1e3
         on = statistics.median(t for t, _ in got["on"]) * 1e3
         same = [t for _, t in got["off"]] == [t for _, t in got["on"]]

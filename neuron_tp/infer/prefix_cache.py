@@ -245,12 +245,14 @@ class PrefixCache:
         return self.index.stats() if self.index is not None else None
 
     # -- every rank ----------------------------------------------------------------------------
-    def admit(self, gen, slot: int, plan: PrefixPlan) -> int:
+    def admit(self, gen, slot: int, plan: PrefixPlan, prompt_len: int) -> int:
         """Copy ``plan``'s hits into ``slot`` (acquired, nothing prefilled); the prompt tokens
-        it now holds."""
+        it now holds (ValueError if that would leave none to prefill)."""
         self._plans[slot], self._stored[slot] = plan, len(plan.hit)
         if self.index is not None:
-            self._held[slot] = [*plan.hit, *plan.store]
+            self._held[slot] = [*plan.hit, *plan.store]  # released by end() whatever happens
+        if len(plan.hit) * self.block >= prompt_len:
+            raise ValueError(f"{len(plan.hit)} cached blocks leave no prompt token to prefill")
         for i in range(0, len(plan.hit), self.per_call):
             ids = plan.hit[i : i + self.per_call]
             self._copy(gen, "load", ids, slot, i * self.block)
