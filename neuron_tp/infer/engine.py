@@ -19,12 +19,14 @@ never the engine: the slots are freed and serving goes on.
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 
 from ..parallel import host
+from .prefix_cache import PrefixCache, PrefixStats
 from .sampling import Sampling
 from .schedule import Admission, Event, Failed, Lease, Request, Shutdown, decode, encode
 from .slot_generator import SlotGenerator
@@ -89,13 +91,18 @@ class Engine:
 
     # -- setup ---------------------------------------------------------------------------
     def attach(
-        self, gen: SlotGenerator, tokenizer, eos_ids: Sequence[int], max_new_tokens: int
+        self,
+        gen: SlotGenerator,
+        tokenizer,
+        eos_ids: Sequence[int],
+        max_new_tokens: int,
+        prefix: PrefixCache | None = None,
     ) -> None:
-        """Give the engine its model (a slot generator on this rank's device) and the most
-        tokens a request may ask for."""
+        """Give the engine its model (a slot generator on this rank's device), the most
+        tokens a request may ask for and this rank's prefix cache (None: no caching)."""
         self.gen, self.tokenizer, self.eos_ids = gen, tokenizer, list(eos_ids)
         self.max_new_tokens = max_new_tokens
-        self.rows = SlotRows(gen, tokenizer, eos_ids, self.prefill_budget, self.stats)
+        self.rows = SlotRows(gen, tokenizer, eos_ids, self.prefill_budget, self.stats, prefix)
 
     def warmup(self, every_shape: bool = False) -> None:
         """Capture the graphs before serving (every rank, in the same order): all of them
@@ -104,6 +111,8 @@ class Engine:
         gen = self._model()
         if every_shape:
             gen.warmup()
+            if self.rows.prefix is not None:
+                self.rows.prefix.warmup(gen)
             return
         slot = gen.acquire()
         gen.prefill(slot, [gen.pad_id], 0, Sampling())
@@ -159,6 +168,11 @@ class Engine:
     def slots_in_use(self) -> int:
         """Requests holding a slot (prefilling or decoding)."""
         return len(self._rows)
+
+    def prefix_stats(self) -> PrefixStats | None:
+        """Rank 0's prefix-cache counters (None: no prefix caching)."""
+        prefix = self.rows.prefix if self.rows is not None else None
+        return prefix.stats() if prefix is not None else None
 
     def check(
         self,
@@ -271,8 +285,15 @@ class Engine:
         if not (cancel or admit or self._rows):
             return None, []
         self._admitting = admit  # known to _fail_all until the lease has placed them
-        lease = Lease(tuple(cancel), tuple(Admission.of(r) for r in admit), self.lease_steps)
+        lease = Lease(tuple(cancel), tuple(self._admission(r) for r in admit), self.lease_steps)
         return lease, admit
+
+    def _admission(self, req: Request) -> Admission:
+        """``req``'s admission, with its prefix-cache plan when caching."""
+        admission, prefix = Admission.of(req), self.rows.prefix
+        if prefix is None:
+            return admission
+        return dataclasses.replace(admission, prefix=prefix.plan(req.prompt))
 
     def follow(self, should_stop: Callable[[], bool] = lambda: False) -> None:
         """Ranks > 0: run rank 0's leases until its shutdown message (or, once

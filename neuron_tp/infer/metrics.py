@@ -11,7 +11,12 @@ Metrics (each app has its own registry: nothing is module-global):
 - ``neuron_tp_time_per_output_token_seconds``: per choice, (last - first output) / (tokens - 1);
 - ``neuron_tp_request_duration_seconds``: admission to the end of a generation request;
 - ``neuron_tp_prompt_tokens_total``, ``neuron_tp_generation_tokens_total``: tokens of the
-  choices that finished.
+  choices that finished;
+- with prefix caching (read from rank 0's index at scrape time):
+  ``neuron_tp_prefix_cache_hit_rate`` (hit tokens / prompt tokens of the requests admitted),
+  ``neuron_tp_prefix_cache_hit_tokens_total``, ``neuron_tp_prefix_cache_prompt_tokens_total``,
+  ``neuron_tp_prefix_cache_blocks`` (cached now), ``neuron_tp_prefix_cache_capacity_blocks``,
+  ``neuron_tp_prefix_cache_evictions_total``.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import logging
 import time
 from collections.abc import Callable
 
+from .prefix_cache import PrefixStats
 from .schedule import Done, Event
 
 LOG = logging.getLogger("neuron_tp.serve")
@@ -31,7 +37,12 @@ TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5
 class ServerMetrics:
     """The Prometheus metrics of one server app, in a registry of its own."""
 
-    def __init__(self, queue_depth: Callable[[], int], slots_in_use: Callable[[], int]):
+    def __init__(
+        self,
+        queue_depth: Callable[[], int],
+        slots_in_use: Callable[[], int],
+        prefix: Callable[[], PrefixStats | None] = lambda: None,
+    ):
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         self.registry = r = CollectorRegistry()
@@ -69,6 +80,7 @@ class ServerMetrics:
         self.generation_tokens = Counter(
             "neuron_tp_generation_tokens", "Generated tokens of finished choices", registry=r
         )
+        r.register(_PrefixCollector(prefix))
 
     def render(self, accept: str | None) -> tuple[bytes, str]:
         """The exposition (body, content type) in the format the ``Accept`` header asks for
@@ -77,6 +89,33 @@ class ServerMetrics:
 
         encode, content_type = choose_encoder(accept or "")
         return encode(self.registry), content_type
+
+
+class _PrefixCollector:
+    """The prefix-cache metrics, from ``stats()`` at each scrape (none without caching)."""
+
+    def __init__(self, stats: Callable[[], PrefixStats | None]):
+        self.stats = stats
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        s = self.stats()
+        if s is None:
+            return
+        name = "neuron_tp_prefix_cache_"
+        yield GaugeMetricFamily(
+            name + "hit_rate", "Prompt tokens copied from the cache / prompt tokens", s.hit_rate
+        )
+        yield CounterMetricFamily(
+            name + "hit_tokens", "Prompt tokens copied from the cache", s.hit_tokens
+        )
+        yield CounterMetricFamily(
+            name + "prompt_tokens", "Prompt tokens of the requests admitted", s.prompt_tokens
+        )
+        yield GaugeMetricFamily(name + "blocks", "Cached prompt blocks", s.cached_blocks)
+        yield GaugeMetricFamily(name + "capacity_blocks", "Blocks of the pool", s.capacity)
+        yield CounterMetricFamily(name + "evictions", "Cached blocks evicted (LRU)", s.evictions)
 
 
 class RequestTrace:

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
+from .prefix_cache import PrefixPlan
 from .sampling import Sampling
 
 
@@ -62,12 +63,14 @@ class Request:
 
 @dataclass(frozen=True)
 class Admission:
-    """What every rank needs to run an admitted request."""
+    """What every rank needs to run an admitted request (``prefix``: the prefix-cache copies
+    rank 0 planned for it, None without prefix caching)."""
 
     prompt: tuple[int, ...]
     max_tokens: int
     sampling: Sampling
     stop: tuple[str, ...]
+    prefix: PrefixPlan | None = None
 
     @classmethod
     def of(cls, req: Request) -> Admission:
@@ -104,6 +107,7 @@ def encode(message: Lease | Shutdown) -> bytes:
             "max_tokens": a.max_tokens,
             "sampling": asdict(a.sampling),
             "stop": list(a.stop),
+            "prefix": a.prefix.to_json() if a.prefix is not None else None,
         }
         for a in message.admit
     ]
@@ -117,7 +121,13 @@ def decode(data: bytes) -> Lease | Shutdown:
     if body["op"] == "shutdown":
         return Shutdown()
     admit = tuple(
-        Admission(tuple(a["prompt"]), a["max_tokens"], Sampling(**a["sampling"]), tuple(a["stop"]))
+        Admission(
+            tuple(a["prompt"]),
+            a["max_tokens"],
+            Sampling(**a["sampling"]),
+            tuple(a["stop"]),
+            PrefixPlan.from_json(a["prefix"]) if a["prefix"] is not None else None,
+        )
         for a in body["admit"]
     )
     return Lease(tuple(body["cancel"]), admit, body["steps"])

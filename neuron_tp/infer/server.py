@@ -27,6 +27,7 @@ from .completion_request import BadRequest, CompletionRequest, prepare
 from .engine import Engine, NotReady, QueueFull
 from .limits import API_KEY_ENV, Guard, RequestError, ServeLimits, parse_json, read_body
 from .metrics import LOG, RequestTrace, ServerMetrics
+from .prefix_cache import PrefixCache, pool_blocks, resolve_block
 from .schedule import Delta, Done, Failed
 
 PARSE_INLINE = 64 * 1024  # bytes: larger bodies are parsed on a worker thread
@@ -56,7 +57,7 @@ def create_app(engine: Engine, model_name: str, limits: ServeLimits | None = Non
     from fastapi.responses import JSONResponse, Response
 
     limits = limits or ServeLimits()
-    metrics = ServerMetrics(engine.queue_depth, engine.slots_in_use)
+    metrics = ServerMetrics(engine.queue_depth, engine.slots_in_use, engine.prefix_stats)
     app = FastAPI(title="neuron-tp serve")
     paths: set[str] = set()
 
@@ -356,6 +357,8 @@ def serve(config, stop: threading.Event | None = None) -> None:
         if world.rank == 0:
             import fastapi  # noqa: F401 - fail before loading a model
             import uvicorn  # noqa: F401
+        if config.prefix_caching:
+            resolve_block(config.prefix_block, _chunk(config))
         agree.values = {**config.option_values(), "library versions": agreement.versions()}
         agree.values.pop("--api-key", None)  # rank 0's alone; never shown in a mismatch report
     mesh = init_mesh(tp=config.tp)
@@ -433,7 +436,7 @@ def _load(engine: Engine, config, mesh) -> None:
     model, tok = load_for_generation(config.generate_config(), mesh)
     move_to(model, rank_device(config.device))
     pad = getattr(tok, "pad_token_id", None) or 0
-    chunk = min(config.prefill_chunk, max(config.buckets))
+    chunk = _chunk(config)
     gen = SlotGenerator(
         model,
         slots=max(config.batch_buckets),
@@ -443,5 +446,33 @@ def _load(engine: Engine, config, mesh) -> None:
         decode_buckets=config.batch_buckets,
         pad_id=pad,
     )
-    engine.attach(gen, tok, eos_ids(model, tok), config.max_new_tokens)
+    prefix = _prefix_cache(config, gen, rank0=mesh.rank == 0)
+    engine.attach(gen, tok, eos_ids(model, tok), config.max_new_tokens, prefix)
     engine.warmup(every_shape=config.warmup == "all")
+
+
+def _chunk(config) -> int:
+    """Prompt tokens prefilled per step: ``--prefill-chunk`` capped to the largest bucket."""
+    return min(config.prefill_chunk, max(config.buckets))
+
+
+def _prefix_cache(config, gen, rank0: bool) -> PrefixCache | None:
+    """This rank's prefix cache (None: ``--no-prefix-caching``); rank 0 prints its size."""
+    if not config.prefix_caching:
+        return None
+    block = resolve_block(config.prefix_block, gen.chunk)
+    blocks = pool_blocks(
+        gen.model,
+        block=block,
+        blocks=config.prefix_cache_blocks,
+        budget_mib=config.prefix_cache_mib,
+        default=gen.slots * gen.max_len // block,
+    )
+    prefix = PrefixCache(gen, blocks=blocks, block=block, index=rank0)
+    if rank0:
+        print(
+            f"neuron-tp serve: prefix cache of {blocks} blocks x {block} tokens, "
+            f"{prefix.nbytes / 2**20:.1f} MiB per rank",
+            flush=True,
+        )
+    return prefix

@@ -226,6 +226,26 @@ class SlotGenerator(StepGraphsOwner):
         if start + n > self.max_len:
             raise ValueError(f"{n} tokens at {start} exceed the {self.max_len} positions")
 
+    def mark_filled(self, slot: int, n: int) -> None:
+        """``slot`` (acquired, nothing prefilled) holds its prompt's first ``n`` tokens already
+        (copied into its rows by :meth:`run_on_cache`): its next chunk starts at ``n``."""
+        busy = slot not in self.in_use or slot in self.active or self._filled[slot]
+        if busy or n >= self.max_len:
+            raise ValueError(f"slot {slot} must be acquired and empty, and {n} < {self.max_len}")
+        self._filled[slot] = n
+
+    def run_on_cache(self, key: tuple, build, args: Sequence[torch.Tensor], *, writes: bool):
+        """Run the step ``build()`` (captured once under ``key`` and replayed, like the model's)
+        on ``args`` and then the KV cache tensors (``[k0, v0, ...]``, each ``[slots, local kv
+        heads, max_len + 1, head dim]``); its results, without the new cache (its last ones
+        when it ``writes``)."""
+        out = self._run(key, build, list(args))
+        if not writes:
+            return out
+        n = len(self._kv)
+        self._kv = out[len(out) - n :]
+        return out[: len(out) - n]
+
     def decode(self) -> dict[int, int]:
         """One step of every active slot: ``{slot: new token}``."""
         if not self.active:

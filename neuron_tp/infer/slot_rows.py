@@ -13,8 +13,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .prefix_cache import PrefixCache
 from .sampling import Sampling
-from .schedule import Delta, Done, Event, Failed, Lease, Request
+from .schedule import Admission, Delta, Done, Event, Failed, Lease, Request
 from .slot_generator import SlotGenerator
 from .text import Detokenizer
 
@@ -40,7 +41,9 @@ class Row:
 
 class SlotRows:
     """The rows of ``gen``'s slots (``by_slot``); ``stats`` (the engine's counters) gets steps,
-    the largest batch, cancelled, dropped and failed requests."""
+    the largest batch, cancelled, dropped and failed requests; ``prefix``: this rank's prefix
+    cache (an admission's plan is copied in before its first chunk, its blocks stored after
+    their chunk)."""
 
     def __init__(
         self,
@@ -49,9 +52,10 @@ class SlotRows:
         eos_ids: Sequence[int],
         prefill_budget: int | None,
         stats: dict,
+        prefix: PrefixCache | None = None,
     ):
         self.gen, self.tokenizer, self.eos_ids = gen, tokenizer, list(eos_ids)
-        self.prefill_budget, self.stats = prefill_budget, stats
+        self.prefill_budget, self.stats, self.prefix = prefill_budget, stats, prefix
         self.by_slot: dict[int, Row] = {}
         self.admitted = 0  # requests admitted so far (every rank)
 
@@ -74,6 +78,8 @@ class SlotRows:
                 order=self.admitted,
             )
             self.admitted += 1
+            if self.prefix is not None and admission.prefix is not None:
+                self._load(self.by_slot[slot], admission)
         for _ in range(lease.steps):
             if not self.by_slot:
                 return
@@ -110,6 +116,15 @@ class SlotRows:
         """Free ``slot`` (nothing when it holds no row)."""
         if self.by_slot.pop(slot, None) is not None:
             self.gen.release(slot)
+            if self.prefix is not None:
+                self.prefix.end(slot)
+
+    def _load(self, row: Row, admission: Admission) -> None:
+        """Copy the row's cached prompt blocks into its slot (a failure fails this request)."""
+        try:
+            row.filled = self.prefix.admit(self.gen, row.slot, admission.prefix, len(row.prompt))
+        except Exception as e:  # noqa: BLE001 - fails this request only
+            self._fail(row, e)
 
     def _prefill(self, row: Row) -> None:
         """Prefill the row's next chunk (its first new token comes with the last chunk)."""
@@ -121,6 +136,12 @@ class SlotRows:
             self._fail(row, e)
             return
         row.filled += len(chunk)
+        if self.prefix is not None:
+            try:
+                self.prefix.prefilled(self.gen, row.slot, row.filled)
+            except Exception as e:  # noqa: BLE001 - fails this request only
+                self._fail(row, e)
+                return
         if last:
             self._token(row, token)
 

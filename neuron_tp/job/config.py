@@ -419,6 +419,33 @@ class ServeConfig(_CommonConfig):
         "prompt is prefilled over several steps, between the running requests' tokens",
         type=pos(int),
     )
+    prefix_caching: bool = opt(  # neuron_tp.infer.prefix_cache
+        "--prefix-caching",
+        True,
+        "copy the KV of prompt blocks computed before (same tokens from the start) into a "
+        "new request's slot instead of prefilling them again (tokens unchanged)",
+        action=argparse.BooleanOptionalAction,
+    )
+    prefix_block: int = opt(  # 0: the largest divisor of the chunk <= 32
+        "--prefix-block",
+        0,
+        "tokens per cached block; must divide the prefill chunk (default: its largest "
+        "divisor <= 32)",
+        type=non_negative(int),
+    )
+    prefix_cache_blocks: int = opt(  # 0: --prefix-cache-mib, else as many as the slot cache
+        "--prefix-cache-blocks",
+        0,
+        "cached blocks on each rank (default: --prefix-cache-mib, else the positions of "
+        "all slots: the KV cache's memory again)",
+        type=non_negative(int),
+    )
+    prefix_cache_mib: float = opt(  # a bound on the pool's device memory per rank
+        "--prefix-cache-mib",
+        0.0,
+        "device memory per rank the cached blocks may take (MiB; instead of --prefix-cache-blocks)",
+        type=non_negative(float),
+    )
     served_model_name: str | None = opt(  # None: --model
         "--served-model-name", None, "the model id clients use (default: --model)"
     )

@@ -1,9 +1,10 @@
-"""The engine's records (:mod:`neuron_tp.infer.schedule`): a lease and the shutdown message
-come back from their ``host_broadcast`` bytes unchanged; an unseeded sampled request is admitted
-with a seed of its own, a seeded or greedy one keeps its sampling."""
+"""The engine's records (:mod:`neuron_tp.infer.schedule`): a lease (prefix-cache plans too) and
+the shutdown message come back from their ``host_broadcast`` bytes unchanged; an unseeded
+sampled request is admitted with a seed of its own, a seeded or greedy one keeps its sampling."""
 
 from __future__ import annotations
 
+from neuron_tp.infer.prefix_cache import PrefixPlan
 from neuron_tp.infer.sampling import MAX_SEED, Sampling
 from neuron_tp.infer.schedule import Admission, Lease, Request, Shutdown, decode, encode
 
@@ -18,6 +19,7 @@ def test_messages_round_trip():
         admit=(
             Admission((5, 6), 4, Sampling(), ()),
             Admission((7,), 1, Sampling(True, 0.7, 20, MAX_SEED), ("a", "bc")),
+            Admission((1, 2, 3), 2, Sampling(), (), PrefixPlan((4, 0), (7,))),
         ),
         steps=3,
     )

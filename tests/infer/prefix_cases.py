@@ -1,0 +1,94 @@
+"""Shared-prefix request traces for the prefix-cache tests (tests/infer/test_prefix_cache.py):
+system prompts with different questions, next turns that extend an earlier prompt, repeated
+prompts; greedy and seeded sampling; some clients cancel. The engine shapes and the reference
+(transformers' ``generate`` per request on the unsharded model) are engine_cases'."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import engine_cases as ec
+
+BLOCK = 4  # tokens per cached block: divides ec.CHUNK (8), two blocks per copy call
+
+
+def make_trace(seed: int, n: int, cancel: float = 0.1) -> list[dict]:
+    rng = random.Random(seed)
+
+    def words(k: int) -> list[int]:
+        return [rng.randrange(1, 256) for _ in range(k)]
+
+    systems = [words(12), words(9), words(5)]
+    history: list[list[int]] = []
+    items = []
+    for _ in range(n):
+        r = rng.random()
+        if history and r < 0.25:  # the same prompt again
+            prompt = list(rng.choice(history))
+        elif history and r < 0.5:  # a next turn: an earlier prompt and more
+            prompt = (rng.choice(history) + words(rng.randint(1, 6)))[: ec.MAX_PROMPT]
+        else:  # a system prompt and a question
+            prompt = rng.choice(systems) + words(rng.randint(1, 7))
+        history.append(prompt)
+        sampled = rng.random() < 1 / 3
+        items.append(
+            {
+                "gap": rng.choice([0.0, 0.0, 0.002, 0.01]),
+                "prompt": prompt,
+                "max_tokens": rng.randint(1, ec.MAX_NEW),
+                "sampling": (rng.choice([0.7, 1.3]), rng.choice([0, 5]), rng.randrange(10**6))
+                if sampled
+                else None,
+                "cancel": rng.random() < cancel,
+            }
+        )
+    return items
+
+
+def engine(model, group=None, *, blocks: int | None, rank0: bool = True, **kw):
+    """An Engine over ``model`` with ec.SHAPES slots and a prefix cache of ``blocks`` blocks
+    (None: no prefix caching)."""
+    from neuron_tp.infer.engine import Engine
+    from neuron_tp.infer.prefix_cache import PrefixCache
+    from neuron_tp.infer.slot_generator import SlotGenerator
+    from neuron_tp.job.data import ByteTokenizer
+
+    replay = kw.pop("replay", True)
+    eng = Engine(group, **kw)
+    gen = SlotGenerator(model, **ec.SHAPES, replay=replay)
+    prefix = None
+    if blocks is not None:
+        prefix = PrefixCache(gen, blocks=blocks, block=BLOCK, index=rank0)
+    eng.attach(gen, ByteTokenizer(), ec.EOS, ec.MAX_NEW, prefix)
+    return eng
+
+
+def serve_trace(eng, items: list[dict]) -> list[dict]:
+    """Rank 0: run ``items`` through ``eng`` (started on a worker thread) and shut it down."""
+    eng.start()
+    try:
+        return ec.drive(eng, items)
+    finally:
+        eng.shutdown(60)
+
+
+def tp2_gloo(case: str) -> None:
+    """tp=2 on gloo ranks: a shared-prefix trace through a small pool equals transformers per
+    request, with hits and evictions."""
+    from neuron_tp import hf, init_mesh
+    from neuron_tp.job.presets import build_model
+
+    mesh = init_mesh(tp=2)
+    full = build_model("tiny-llama", ec.VOCAB, ec.SEED).eval()
+    model = hf.parallelize(copy.deepcopy(full), mesh).eval()
+    eng = engine(model, mesh.group("world"), blocks=6, rank0=mesh.rank == 0, lease_steps=3)
+    eng.warmup()
+    if mesh.rank != 0:
+        eng.follow()
+        return
+    items = make_trace(11, 30)
+    results = serve_trace(eng, items)
+    ec.check(results, items, [ec.reference(full, it) for it in items])
+    stats = eng.prefix_stats()
+    assert stats.hit_tokens > 0 and stats.evictions > 0, stats

@@ -1,0 +1,86 @@
+"""Run on XLA CPU devices by tests/infer/test_prefix_cache.py (see tests/helpers/xla_dist.py):
+the engine with a prefix cache over a shared-prefix
+trace, graphs replayed and all captured at ``--warmup all``; every request equal to
+transformers alone, no graph compiled or traced while serving.
+
+- ``tp1``: one device, a pool large enough for the trace;
+- ``tp2_int8``: tp=2 with int8 weights, a pool smaller than the working set (evictions); the
+  reference is transformers on the dequantized-int8 weights (tests/helpers/int8_reference.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+
+import engine_cases as ec
+import prefix_cases as pc
+import torch_xla
+import transformers  # noqa: F401  (imported before the device threads start)
+
+import neuron_tp as ntp
+from int8_reference import reference_model
+from neuron_tp import hf
+from neuron_tp.backend.graphs import graph_counters
+from neuron_tp.job.presets import build_model
+from neuron_tp.parallel.sharding import move_to
+from xla_dist import serial
+
+BARRIER = threading.Barrier(2)
+
+
+def job(case: str) -> dict:
+    dev = torch_xla.device()
+    if case == "tp1":
+        mesh = ntp.init_mesh(tp=1)
+        rank = mesh.rank
+        full = build_model("tiny-llama", ec.VOCAB, ec.SEED).eval()
+        model = hf.parallelize(copy.deepcopy(full), mesh).eval()
+        ref, blocks, group = full, 40, None
+    else:
+        mesh = ntp.init_mesh(tp=2)
+        rank = mesh.rank
+        with serial():
+            full = build_model("tiny-llama", ec.VOCAB, ec.SEED).eval()
+            ref = reference_model(full).eval()
+        model = hf.parallelize(copy.deepcopy(full), mesh).eval()  # collective: not under serial
+        from neuron_tp.layers.quantized import quantize_int8
+
+        quantize_int8(model, mesh)
+        blocks, group = 6, mesh.group("world")
+    move_to(model, dev)
+    eng = pc.engine(model, group, blocks=blocks, rank0=rank == 0, lease_steps=3)
+    eng.warmup(every_shape=True)
+    traces = eng.gen.traces
+    sync = BARRIER.wait if group is not None else (lambda: None)
+    sync()
+    compiles = graph_counters()["compiles"]
+    if rank != 0:
+        eng.follow()
+        sync()
+        return {"traces": [traces, eng.gen.traces]}
+    items, out = pc.make_trace(13, 24), {}
+
+    def driver() -> None:
+        while not eng.ready:  # start() below makes it ready on this rank's thread
+            time.sleep(0.01)
+        try:
+            out["results"] = ec.drive(eng, items)
+        finally:
+            eng.shutdown()
+
+    thread = threading.Thread(target=driver)
+    thread.start()
+    eng.start(thread=False)  # the device work on this rank's own thread
+    thread.join()
+    sync()
+    after = graph_counters()["compiles"]
+    with serial():
+        refs = [ec.reference(ref, it) for it in items]
+    ec.check(out["results"], items, refs)
+    return {
+        "traces": [traces, eng.gen.traces],
+        "compiles": [compiles, after],
+        "stats": eng.prefix_stats()._asdict(),
+    }
