@@ -134,6 +134,11 @@ class Engine:
     def ready(self) -> bool:
         return self._ready.is_set() and not self._closed
 
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Block until :meth:`start` has made the engine ready (another thread may be about
+        to call it); False after ``timeout`` seconds or once shut down."""
+        return self._ready.wait(timeout) and not self._closed
+
     @property
     def gen(self) -> SlotGenerator | None:
         """The slot generator (None before :meth:`attach`); set, it replaces the rows' one."""

@@ -95,6 +95,8 @@ def drive(engine, items: list[dict], timeout: float = 300) -> list[dict]:
 
         return take
 
+    # start() may run on another thread right after this one was started
+    assert engine.wait_ready(timeout), "the engine did not become ready"
     for i, it in enumerate(items):
         time.sleep(it["gap"])
         s = sampling(it)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import threading
-import time
 
 import engine_cases as ec
 import prefix_cases as pc
@@ -63,8 +62,6 @@ def job(case: str) -> dict:
     items, out = pc.make_trace(13, 24), {}
 
     def driver() -> None:
-        while not eng.ready:  # start() below makes it ready on this rank's thread
-            time.sleep(0.01)
         try:
             out["results"] = ec.drive(eng, items)
         finally:
