@@ -11,7 +11,11 @@ Metrics (each app has its own registry: nothing is module-global):
 - ``neuron_tp_time_per_output_token_seconds``: per choice, (last - first output) / (tokens - 1);
 - ``neuron_tp_request_duration_seconds``: admission to the end of a generation request;
 - ``neuron_tp_prompt_tokens_total``, ``neuron_tp_generation_tokens_total``: tokens of the
-  choices that finished.
+  choices that finished;
+- with ``--draft-model`` (speculative decoding; 0 without): ``neuron_tp_speculation_proposed_
+  tokens`` and ``..._accepted_tokens`` (draft tokens proposed, accepted by the model),
+  ``..._acceptance_ratio`` (accepted / proposed), ``..._tokens_per_step`` (tokens a slot gets
+  per forward of the model: 1..K+1), read from the engine at scrape time.
 """
 
 from __future__ import annotations
@@ -25,13 +29,25 @@ from .schedule import Done, Event
 LOG = logging.getLogger("neuron_tp.serve")
 # seconds; a NeuronCore's token is ~ms, a CPU's or a long queue's far more
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+# (name, help, attribute of infer.speculative.SpeculationStats)
+SPECULATION_GAUGES = (
+    ("proposed_tokens", "Draft tokens proposed (speculative decoding)", "proposed"),
+    ("accepted_tokens", "Draft tokens the model accepted", "accepted"),
+    ("acceptance_ratio", "Accepted / proposed draft tokens", "acceptance"),
+    ("tokens_per_step", "Tokens a slot gets per forward of the model", "tokens_per_step"),
+)
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 
 
 class ServerMetrics:
     """The Prometheus metrics of one server app, in a registry of its own."""
 
-    def __init__(self, queue_depth: Callable[[], int], slots_in_use: Callable[[], int]):
+    def __init__(
+        self,
+        queue_depth: Callable[[], int],
+        slots_in_use: Callable[[], int],
+        speculation: Callable[[], object] = lambda: None,
+    ):
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         self.registry = r = CollectorRegistry()
@@ -63,6 +79,9 @@ class ServerMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        for name, what, attr in SPECULATION_GAUGES:
+            gauge = Gauge(f"neuron_tp_speculation_{name}", what, registry=r)
+            gauge.set_function(lambda a=attr: float(getattr(speculation(), a, 0)))
         self.prompt_tokens = Counter(
             "neuron_tp_prompt_tokens", "Prompt tokens of finished choices", registry=r
         )

@@ -56,7 +56,7 @@ def create_app(engine: Engine, model_name: str, limits: ServeLimits | None = Non
     from fastapi.responses import JSONResponse, Response
 
     limits = limits or ServeLimits()
-    metrics = ServerMetrics(engine.queue_depth, engine.slots_in_use)
+    metrics = ServerMetrics(engine.queue_depth, engine.slots_in_use, engine.speculation)
     app = FastAPI(title="neuron-tp serve")
     paths: set[str] = set()
 
@@ -353,6 +353,10 @@ def serve(config, stop: threading.Event | None = None) -> None:
                 f"neuron-tp serve runs one server over its tp ranks: launch exactly --tp "
                 f"{config.tp} processes, got {world.size}"
             )
+        if config.draft_model:
+            from .load import check_draft
+
+            check_draft(config.generate_config(), max(config.buckets) + config.max_new_tokens)
         if world.rank == 0:
             import fastapi  # noqa: F401 - fail before loading a model
             import uvicorn  # noqa: F401
@@ -434,8 +438,17 @@ def _load(engine: Engine, config, mesh) -> None:
     move_to(model, rank_device(config.device))
     pad = getattr(tok, "pad_token_id", None) or 0
     chunk = min(config.prefill_chunk, max(config.buckets))
-    gen = SlotGenerator(
+    make, extra = SlotGenerator, {}
+    if config.draft_model:  # speculative decoding: the draft loaded and placed like the model
+        from .load import draft_config
+        from .speculative import SpeculativeGenerator
+
+        draft, _ = load_for_generation(draft_config(config.generate_config()), mesh)
+        move_to(draft, rank_device(config.device))
+        make, extra = SpeculativeGenerator, {"draft": draft, "k": config.speculation_length}
+    gen = make(
         model,
+        **extra,
         slots=max(config.batch_buckets),
         max_len=max(config.buckets) + config.max_new_tokens,
         chunk=chunk,

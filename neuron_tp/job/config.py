@@ -354,6 +354,23 @@ _QUANTIZE_HELP = (
 )
 
 
+_DRAFT_HELP = (
+    "speculative decoding: a smaller causal LM with the same tokenizer and vocabulary (a "
+    "preset, HF directory or neuron_tp checkpoint, sharded at --tp like --model) proposes "
+    "--speculation-length tokens per slot and step; the model verifies them all in one "
+    "forward (greedy: the same tokens as without a draft; sampled: the same distribution)"
+)
+_SPECULATION_HELP = "with --draft-model: draft tokens proposed per slot and step (K)"
+
+
+def _draft_model():  # None: no speculation (neuron_tp.infer.speculative)
+    return opt("--draft-model", None, _DRAFT_HELP, metavar="DIR")
+
+
+def _speculation_length():
+    return opt("--speculation-length", 4, _SPECULATION_HELP, type=pos(int), metavar="K")
+
+
 @dataclass(frozen=True)
 class GenerateConfig(_CommonConfig):
     """``neuron-tp generate`` options (tp ranks launched by torchrun)."""
@@ -373,6 +390,8 @@ class GenerateConfig(_CommonConfig):
     quantize: str = opt(  # "int8": weight-only int8 linears (neuron_tp.layers.quantized)
         "--quantize", "none", _QUANTIZE_HELP, choices=("none", "int8")
     )
+    draft_model: str | None = _draft_model()
+    speculation_length: int = _speculation_length()
     do_sample: bool = opt("--do-sample", False, action="store_true")
     temperature: float = opt("--temperature", 1.0, type=pos(float))
     top_k: int = opt("--top-k", 0, "0 = no top-k filter", type=non_negative(int))
@@ -412,6 +431,8 @@ class ServeConfig(_CommonConfig):
     quantize: str = opt(  # "int8": weight-only int8 linears (neuron_tp.layers.quantized)
         "--quantize", "none", _QUANTIZE_HELP, choices=("none", "int8")
     )
+    draft_model: str | None = _draft_model()
+    speculation_length: int = _speculation_length()
     prefill_chunk: int = opt(  # longer prompts: several steps
         "--prefill-chunk",
         256,
