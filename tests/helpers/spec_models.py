@@ -41,6 +41,8 @@ def chi_square(counts: dict, probs: dict, total: int, pool: float = 5.0) -> tupl
 def critical(df: int) -> float:
     """The chi-square quantile of significance 1e-3 at ``df`` degrees of freedom (Wilson-
     Hilferty: within 1% for df >= 3)."""
+    if df < 1:
+        return 0.0  # nothing to test (an impossible cell was drawn: the statistic is inf)
     z = 3.0902  # the standard normal's 1 - 1e-3 quantile
     return df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
 

@@ -279,20 +279,21 @@ def test_greedy_equals_plain_decoding_tp2_gloo(tmp_path):
 @pytest.mark.parametrize("tp", [1, 2])
 def test_xla_devices_replayed_graphs(tp):
     """tp on tp XLA CPU devices, replayed graphs: greedy requests of a random schedule equal
-    transformers, sampled ones agree between the ranks; warm-up captured all 7 graphs (target
-    prefill greedy + sampled, draft prefill, speculative step of decode buckets 2 and 4 greedy
-    + sampled) and the schedule compiles nothing more."""
+    transformers, sampled ones agree between the ranks; warm-up captured all 5 graphs (target
+    prefill greedy + sampled, draft prefill, speculative step greedy + sampled) and the
+    schedule compiles nothing more."""
     import xla_speculative_cases
 
     import xla_dist
 
-    res = xla_dist.run(xla_speculative_cases.job, tp, 30, 6, devices=tp)
-    reqs = xla_speculative_cases.requests(30, 6)
+    res = xla_dist.run(xla_speculative_cases.job, tp, 16, 6, devices=tp)
+    print(res[0]["seconds"])
+    reqs = xla_speculative_cases.requests(16, 6)
     full = _target()
     for i, r in enumerate(reqs):
         if not r.sampling.do_sample:
             assert res[0]["tokens"][i] == reference(full, r), i
     assert all(r["tokens"] == res[0]["tokens"] for r in res)
     (traces, compiles), (traces_after, compiles_after) = res[0]["counts"]
-    assert traces == traces_after == 7 and compiles == compiles_after, res[0]["counts"]
+    assert traces == traces_after == 5 and compiles == compiles_after, res[0]["counts"]
     assert 0 < res[0]["accepted"] < res[0]["proposed"], res[0]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import time
 
 import neuron_tp as ntp
 from neuron_tp.backend.graphs import graph_counters
@@ -20,7 +21,7 @@ def requests(n: int, seed: int) -> list:
 
 def job(tp: int, n: int, seed: int) -> dict:
     """One rank: a SpeculativeGenerator (tiny-llama target, its first layer + head as the
-    draft, K=3) warmed up, then ``requests(n, seed)`` under a random schedule; the tokens,
+    draft, K=2) warmed up, then ``requests(n, seed)`` under a random schedule; the tokens,
     acceptance and (traces, process-wide compiles) after warm-up and after the schedule."""
     from hf_sampling import peaked
     from neuron_tp import hf
@@ -37,10 +38,12 @@ def job(tp: int, n: int, seed: int) -> dict:
     model = ntp.move_to(hf.parallelize(copy.deepcopy(full), mesh).eval(), dev)
     draft = ntp.move_to(hf.parallelize(draft, mesh).eval(), dev)
     gen = SpeculativeGenerator(
-        model, draft, 4, max_len=40, k=3, chunk=8, prefill_buckets=[8], decode_buckets=[2, 4]
+        model, draft, 4, max_len=40, k=2, chunk=8, prefill_buckets=[8], decode_buckets=[4]
     )
     barrier, counts = BARRIERS[mesh.world_size], []
+    t0 = time.time()
     gen.warmup()
+    t1 = time.time()
     barrier.wait()
     counts.append((gen.traces, graph_counters()["compiles"]))
     barrier.wait()
@@ -48,4 +51,11 @@ def job(tp: int, n: int, seed: int) -> dict:
     barrier.wait()
     counts.append((gen.traces, graph_counters()["compiles"]))
     s = gen.stats
-    return {"tokens": tokens, "counts": counts, "accepted": s.accepted, "proposed": s.proposed}
+    seconds = {"warmup": t1 - t0, "schedule": time.time() - t1}
+    return {
+        "tokens": tokens,
+        "counts": counts,
+        "accepted": s.accepted,
+        "proposed": s.proposed,
+        "seconds": seconds,
+    }

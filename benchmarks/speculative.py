@@ -1,0 +1,106 @@
+"""Speculative decoding vs plain decoding on the XLA CPU device, replayed graphs both.
+
+A random tiny Llama target (hidden 64, ``--layers`` 8) and drafts made of its first 1 and 2
+layers + its head (no training: they agree with the target only as far as its first layers
+decide), and the target itself as its own draft (every proposal accepted: the upper bound of
+K + 1 tokens per target step). Per number of running slots (1, 4, 8): greedy requests, each
+decoding ``--tokens`` tokens; tokens per target step (per slot) and wall ms per token of one
+request (wall time / tokens per slot), plain SlotGenerator vs SpeculativeGenerator, after an
+untimed run of each size captured its graphs (no compile is timed).
+
+Usage: ``PJRT_DEVICE=CPU python benchmarks/speculative.py [--layers 8] [--k 4]
+[--active 1,4,8] [--tokens 48]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import sys
+import time
+
+os.environ.setdefault("PJRT_DEVICE", "CPU")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from generate_latency import tiny_llama  # noqa: E402
+
+
+def first_layers(full, n: int):
+    """``full`` with its first ``n`` decoder layers only (embeddings, final norm, head kept)."""
+    draft = copy.deepcopy(full)
+    draft.model.layers = draft.model.layers[:n]
+    draft.config.num_hidden_layers = n
+    return draft.eval()
+
+
+def run(gen, n: int, tokens: int) -> dict:
+    """``n`` slots prefilled with short prompts, then decode steps until each has ``tokens``
+    new tokens; the wall ms per token of one slot and the steps taken."""
+    for s in list(gen.in_use):
+        gen.release(s)
+    got = {}
+    for i in range(n):
+        slot = gen.acquire()
+        gen.prefill(slot, [(7 * i + j) % 250 + 1 for j in range(5 + i % 4)], 0, _greedy())
+        got[slot] = 1
+    steps, t0 = 0, time.perf_counter()
+    while min(got.values()) < tokens:
+        for slot, new in gen.decode().items():
+            got[slot] += len(new) if isinstance(new, list) else 1
+        steps += 1
+    wall = (time.perf_counter() - t0) * 1e3
+    per_slot = sum(got.values()) / n - 1
+    return {"ms_per_token": wall / per_slot, "per_step": per_slot / steps}
+
+
+def _greedy():
+    from neuron_tp.infer.sampling import Sampling
+
+    return Sampling()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--k", type=int, default=4)
+    p.add_argument("--active", default="1,4,8")
+    p.add_argument("--tokens", type=int, default=48)
+    args = p.parse_args()
+    import neuron_tp as ntp
+    from neuron_tp.infer.slot_generator import SlotGenerator
+    from neuron_tp.infer.speculative import SpeculativeGenerator
+
+    sizes = sorted(map(int, args.active.split(",")))
+    dev = ntp.xla_device()
+    full = tiny_llama(args.layers)
+    target = copy.deepcopy(full).to(dev)
+    shape = dict(max_len=args.tokens + 16 + 2 * args.k, chunk=16, decode_buckets=sizes)
+    gens = {"plain": SlotGenerator(target, max(sizes), **shape)}
+    for name, draft in (
+        ("draft 1 layer", first_layers(full, 1).to(dev)),
+        ("draft 2 layers", first_layers(full, 2).to(dev)),
+        ("self-draft (bound)", target),
+    ):
+        gens[name] = SpeculativeGenerator(target, draft, max(sizes), k=args.k, **shape)
+    for gen in gens.values():  # capture the greedy graphs of every size: none is timed
+        for n in sizes:
+            run(gen, n, 2 * args.k)
+    traces = {name: gen.traces for name, gen in gens.items()}
+    print(f"target L={args.layers}, K={args.k}; greedy graphs captured: {traces}")
+    print(f"{'slots':>5} {'path':<20} {'tokens/target step':>18} {'ms/token':>9} {'accepted':>9}")
+    for n in sizes:
+        for name, gen in gens.items():
+            before = getattr(gen, "stats", None)
+            acc = (before.accepted, before.proposed) if before else (0, 0)
+            r = run(gen, n, args.tokens)
+            rate = "-"
+            if before is not None:
+                a, q = gen.stats.accepted - acc[0], gen.stats.proposed - acc[1]
+                rate = f"{a / q:.0%}"
+            print(f"{n:>5} {name:<20} {r['per_step']:>18.2f} {r['ms_per_token']:>9.2f} {rate:>9}")
+    after = {name: gen.traces for name, gen in gens.items()}
+    print(f"graphs after the timed steps: {after}")
+
+
+if __name__ == "__main__":
+    main()
