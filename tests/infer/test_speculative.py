@@ -297,3 +297,22 @@ def test_xla_devices_replayed_graphs(tp):
     (traces, compiles), (traces_after, compiles_after) = res[0]["counts"]
     assert traces == traces_after == 5 and compiles == compiles_after, res[0]["counts"]
     assert 0 < res[0]["accepted"] < res[0]["proposed"], res[0]
+
+
+def test_metrics_report_the_acceptance():
+    from neuron_tp.infer.metrics import ServerMetrics
+    from neuron_tp.infer.speculative import SpeculationStats
+
+    stats = SpeculationStats(4, steps=3, row_steps=5, proposed=20, accepted=15, tokens=20)
+    found = {}
+    for source in (lambda: stats, lambda: None):
+        body, _ = ServerMetrics(lambda: 0, lambda: 0, source).render(None)
+        lines = [ln.split() for ln in body.decode().splitlines() if ln.startswith("neuron_tp_spec")]
+        found[source() is None] = {name: float(v) for name, v in lines}
+    assert found[False] == {
+        "neuron_tp_speculation_proposed_tokens": 20.0,
+        "neuron_tp_speculation_accepted_tokens": 15.0,
+        "neuron_tp_speculation_acceptance_ratio": 0.75,
+        "neuron_tp_speculation_tokens_per_step": 4.0,
+    }
+    assert set(found[True].values()) == {0.0}
