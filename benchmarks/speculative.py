@@ -1,15 +1,16 @@
 """Speculative decoding vs plain decoding on the XLA CPU device, replayed graphs both.
 
-A random tiny Llama target (hidden 64, ``--layers`` 8) and drafts made of its first 1 and 2
-layers + its head (no training: they agree with the target only as far as its first layers
-decide), and the target itself as its own draft (every proposal accepted: the upper bound of
+A random tiny Llama target (hidden 64, ``--layers`` 8) and drafts made of its first layer (and
+2 layers: ``--two-layers``) + its head (no training: they agree with the target only as far as
+its first layers decide), and the target itself as its own draft (every proposal accepted: the upper bound of
 K + 1 tokens per target step). Per number of running slots (1, 4, 8): greedy requests, each
 decoding ``--tokens`` tokens; tokens per target step (per slot) and wall ms per token of one
 request (wall time / tokens per slot), plain SlotGenerator vs SpeculativeGenerator, after an
 untimed run of each size captured its graphs (no compile is timed).
 
 Usage: ``PJRT_DEVICE=CPU python benchmarks/speculative.py [--layers 8] [--k 4]
-[--active 1,4,8] [--tokens 48]``.
+[--active 1,4,8] [--tokens 48] [--two-layers] [--optimized]``; unoptimised XLA:CPU compiles
+unless ``--optimized`` (both paths alike).
 """
 
 from __future__ import annotations
@@ -21,6 +22,11 @@ import sys
 import time
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
+if "--optimized" not in sys.argv:  # unoptimised LLVM: compiles ~40% cheaper (as the tests)
+    os.environ.setdefault(
+        "XLA_FLAGS",
+        "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true",
+    )
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from generate_latency import tiny_llama  # noqa: E402
 
@@ -65,6 +71,8 @@ def main() -> None:
     p.add_argument("--k", type=int, default=4)
     p.add_argument("--active", default="1,4,8")
     p.add_argument("--tokens", type=int, default=48)
+    p.add_argument("--optimized", action="store_true", help="optimised XLA:CPU compiles")
+    p.add_argument("--two-layers", action="store_true", help="also a draft of 2 layers")
     args = p.parse_args()
     import neuron_tp as ntp
     from neuron_tp.infer.slot_generator import SlotGenerator
@@ -78,28 +86,25 @@ def main() -> None:
     gens = {"plain": SlotGenerator(target, max(sizes), **shape)}
     for name, draft in (
         ("draft 1 layer", first_layers(full, 1).to(dev)),
-        ("draft 2 layers", first_layers(full, 2).to(dev)),
+        *([("draft 2 layers", first_layers(full, 2).to(dev))] if args.two_layers else []),
         ("self-draft (bound)", target),
     ):
         gens[name] = SpeculativeGenerator(target, draft, max(sizes), k=args.k, **shape)
-    for gen in gens.values():  # capture the greedy graphs of every size: none is timed
-        for n in sizes:
-            run(gen, n, 2 * args.k)
-    traces = {name: gen.traces for name, gen in gens.items()}
-    print(f"target L={args.layers}, K={args.k}; greedy graphs captured: {traces}")
+    print(f"target L={args.layers}, K={args.k}, greedy, {args.tokens} tokens per request")
     print(f"{'slots':>5} {'path':<20} {'tokens/target step':>18} {'ms/token':>9} {'accepted':>9}")
     for n in sizes:
         for name, gen in gens.items():
-            before = getattr(gen, "stats", None)
-            acc = (before.accepted, before.proposed) if before else (0, 0)
+            run(gen, n, 2 * args.k)  # captures this size's graphs: no compile is timed
+            stats = getattr(gen, "stats", None)
+            before = (stats.accepted, stats.proposed) if stats else (0, 0)
             r = run(gen, n, args.tokens)
             rate = "-"
-            if before is not None:
-                a, q = gen.stats.accepted - acc[0], gen.stats.proposed - acc[1]
-                rate = f"{a / q:.0%}"
-            print(f"{n:>5} {name:<20} {r['per_step']:>18.2f} {r['ms_per_token']:>9.2f} {rate:>9}")
-    after = {name: gen.traces for name, gen in gens.items()}
-    print(f"graphs after the timed steps: {after}")
+            if stats is not None:
+                rate = f"{(stats.accepted - before[0]) / (stats.proposed - before[1]):.0%}"
+            row = f"{r['per_step']:>18.2f} {r['ms_per_token']:>9.2f} {rate:>9}"
+            print(f"{n:>5} {name:<20} {row}", flush=True)
+    traces = {name: gen.traces for name, gen in gens.items()}
+    print(f"graphs captured: {traces}")
 
 
 if __name__ == "__main__":
