@@ -1,12 +1,13 @@
 """Speculative decoding vs plain decoding on the XLA CPU device, replayed graphs both.
 
 A random tiny Llama target (hidden 64, ``--layers`` 8) and drafts made of its first layer (and
-2 layers: ``--two-layers``) + its head (no training: they agree with the target only as far as
-its first layers decide), and the target itself as its own draft (every proposal accepted:
-the upper bound of K + 1 tokens per target step). Per number of running slots (1, 4, 8): greedy requests, each
-decoding ``--tokens`` tokens; tokens per target step (per slot) and wall ms per token of one
-request (wall time / tokens per slot), plain SlotGenerator vs SpeculativeGenerator, after an
-untimed run of each size captured its graphs (no compile is timed).
+2 layers: ``--two-layers``) + its head (no training: they agree with the target only as far
+as its first layers decide), and the target itself as its own draft (every proposal
+accepted: the upper bound of K + 1 tokens per target step). Per number of running slots
+(1, 4, 8): greedy requests, each decoding ``--tokens`` tokens; tokens per target step (per
+slot) and wall ms per token of one request (wall time / tokens per slot), plain
+SlotGenerator vs SpeculativeGenerator, after an untimed run of each size captured its graphs
+(no compile is timed).
 
 Usage: ``PJRT_DEVICE=CPU python benchmarks/speculative.py [--layers 8] [--k 4]
 [--active 1,4,8] [--tokens 48] [--two-layers] [--optimized]``; unoptimised XLA:CPU compiles
