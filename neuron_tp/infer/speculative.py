@@ -106,6 +106,13 @@ class SpeculationStats:
     accepted: int = 0  # of them accepted by the target
     tokens: int = 0  # tokens produced (accepted + one per row step)
 
+    def add_row(self, accepted: int) -> None:
+        """One row verified, ``accepted`` of its K proposals kept."""
+        self.row_steps += 1
+        self.proposed += self.k
+        self.accepted += accepted
+        self.tokens += accepted + 1
+
     @property
     def acceptance(self) -> float:
         """Accepted / proposed draft tokens (0 before any step)."""
@@ -187,12 +194,7 @@ class SpeculativeGenerator(SlotGenerator):
             n = packed[s][0]
             out[s] = packed[s][1 : n + 2]
             self._host_pos[s] += n + 1
-            st.row_steps, st.proposed, st.accepted = (
-                st.row_steps + 1,
-                st.proposed + self.k,
-                st.accepted + n,
-            )
-            st.tokens += n + 1
+            st.add_row(n)
         st.steps += 1
         return out
 
