@@ -1,11 +1,13 @@
 """Speculative decoding vs plain decoding on the XLA CPU device, replayed graphs both.
 
-A random tiny Llama target (hidden 64, ``--layers`` 8) and drafts made of its first layer (and
+A random tiny Llama target (hidden 64, ``--layers`` 8; the residual branches of its layers past
+the first scaled by ``--damp`` 0.07, so that, as in a trained model, its first layer decides
+much of the prediction) and drafts made of its first layer (and
 2 layers: ``--two-layers``) + its head (no training: they agree with the target only as far
 as its first layers decide), and the target itself as its own draft (every proposal
 accepted: the upper bound of K + 1 tokens per target step). Per number of running slots
 (1, 4, 8): greedy requests, each decoding ``--tokens`` tokens; tokens per target step (per
-slot) and wall ms per token of one request (wall time / tokens per slot), plain
+slot) and wall ms per token of one request (wall time / tokens per slot, best of 3), plain
 SlotGenerator vs SpeculativeGenerator, after an untimed run of each size captured its graphs
 (no compile is timed).
 
@@ -40,6 +42,19 @@ def first_layers(full, n: int):
     return draft.eval()
 
 
+def damped(model, factor: float):
+    """``model`` with the residual branches (attention and MLP outputs) of every layer past
+    the first scaled by ``factor``: a random model whose first layer decides most of the
+    prediction, as in a trained one, so a 1-layer draft agrees often but not always."""
+    import torch
+
+    with torch.no_grad():
+        for layer in model.model.layers[1:]:
+            layer.self_attn.o_proj.weight.mul_(factor)
+            layer.mlp.down_proj.weight.mul_(factor)
+    return model
+
+
 def run(gen, n: int, tokens: int) -> dict:
     """``n`` slots prefilled with short prompts, then decode steps until each has ``tokens``
     new tokens; the wall ms per token of one slot and the steps taken."""
@@ -72,6 +87,9 @@ def main() -> None:
     p.add_argument("--k", type=int, default=4)
     p.add_argument("--active", default="1,4,8")
     p.add_argument("--tokens", type=int, default=48)
+    p.add_argument(
+        "--damp", type=float, default=0.07, help="residual scale of the target's layers 2.."
+    )
     p.add_argument("--optimized", action="store_true", help="optimised XLA:CPU compiles")
     p.add_argument("--two-layers", action="store_true", help="also a draft of 2 layers")
     args = p.parse_args()
@@ -81,7 +99,7 @@ def main() -> None:
 
     sizes = sorted(map(int, args.active.split(",")))
     dev = ntp.xla_device()
-    full = tiny_llama(args.layers)
+    full = damped(tiny_llama(args.layers), args.damp)
     target = copy.deepcopy(full).to(dev)
     shape = dict(max_len=args.tokens + 16 + 2 * args.k, chunk=16, decode_buckets=sizes)
     gens = {"plain": SlotGenerator(target, max(sizes), **shape)}
@@ -98,7 +116,7 @@ def main() -> None:
             run(gen, n, 2 * args.k)  # captures this size's graphs: no compile is timed
             stats = getattr(gen, "stats", None)
             before = (stats.accepted, stats.proposed) if stats else (0, 0)
-            r = run(gen, n, args.tokens)
+            r = min((run(gen, n, args.tokens) for _ in range(3)), key=lambda x: x["ms_per_token"])
             rate = "-"
             if stats is not None:
                 rate = f"{(stats.accepted - before[0]) / (stats.proposed - before[1]):.0%}"

@@ -316,3 +316,35 @@ def test_metrics_report_the_acceptance():
         "neuron_tp_speculation_tokens_per_step": 4.0,
     }
     assert set(found[True].values()) == {0.0}
+
+
+def test_server_with_a_draft_answers_as_without_and_reports_acceptance():
+    """``serve --draft-model``'s loading (server._load) and HTTP: greedy completions equal
+    the model's own greedy tokens (static Generator), /metrics counts the proposals."""
+    from starlette.testclient import TestClient
+
+    from neuron_tp import init_mesh
+    from neuron_tp.cli.args import serve_parser
+    from neuron_tp.infer.engine import Engine
+    from neuron_tp.infer.server import _load, create_app
+    from neuron_tp.infer.static_generator import generate
+    from neuron_tp.job.config import ServeConfig
+
+    argv = ["--device", "cpu", "--buckets", "8", "--max-new-tokens", "12"]
+    argv += ["--batch-buckets", "1,2", "--draft-model", "tiny-gpt2", "--speculation-length", "3"]
+    engine = Engine()
+    _load(engine, ServeConfig.from_args(serve_parser().parse_args(argv)), init_mesh(tp=1))
+    assert isinstance(engine.gen, SpeculativeGenerator) and engine.gen.k == 3
+    engine.start()
+    want = generate(engine.gen.model, [[72, 105, 32]], 12, [8])[0]
+    with TestClient(create_app(engine, "x")) as c:
+        r = c.post(
+            "/v1/completions", json={"prompt": [72, 105, 32], "max_tokens": 12, "temperature": 0}
+        )
+        assert r.status_code == 200, r.text
+        text = r.json()["choices"][0]["text"]
+        metrics = c.get("/metrics").text
+    engine.shutdown(5)
+    assert text == engine.tokenizer.decode([t for t in want if t not in engine.eos_ids])
+    proposed = [ln for ln in metrics.splitlines() if ln.startswith("neuron_tp_speculation_prop")]
+    assert proposed and float(proposed[0].split()[1]) > 0, metrics
