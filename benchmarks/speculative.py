@@ -101,7 +101,8 @@ def main() -> None:
     dev = ntp.xla_device()
     full = damped(tiny_llama(args.layers), args.damp)
     target = copy.deepcopy(full).to(dev)
-    shape = dict(max_len=args.tokens + 16 + 2 * args.k, chunk=16, decode_buckets=sizes)
+    # a slot may run ahead of the slowest one by K + 1 tokens a step: room for that
+    shape = dict(max_len=(args.k + 1) * args.tokens + 16, chunk=16, decode_buckets=sizes)
     gens = {"plain": SlotGenerator(target, max(sizes), **shape)}
     for name, draft in (
         ("draft 1 layer", first_layers(full, 1).to(dev)),
