@@ -170,6 +170,13 @@ class Engine:
         """Requests waiting for a slot."""
         return self._queue.qsize() + len(self._waiting)
 
+    def speculation(self):
+        """The :class:`~.speculative.SpeculationStats` of a speculative generator (None: no
+        draft model, or none attached yet)."""
+        from .speculative import SpeculativeGenerator
+
+        return self.gen.stats if isinstance(self.gen, SpeculativeGenerator) else None
+
     def slots_in_use(self) -> int:
         """Requests holding a slot (prefilling or decoding)."""
         return len(self._rows)

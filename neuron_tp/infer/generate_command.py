@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import replace
 
 from ..errors import UserError
 from ..job.config import GenerateConfig
@@ -30,6 +31,10 @@ def run_cli(args: GenerateConfig | argparse.Namespace) -> list[str]:
             prompts += [ln for ln in read_text(config.prompts_file).split("\n") if ln.strip()]
         if not prompts:
             raise UserError("no prompts: pass --prompt TEXT (repeatable) or --prompts-file FILE")
+        if config.draft_model:
+            from .load import check_draft
+
+            check_draft(config, max(config.buckets) + config.max_new_tokens)
         agree.values = config.option_values()
         agree.values.update({"prompts": prompts, "library versions": agreement.versions()})
     device = rank_device(config.device)
@@ -37,11 +42,13 @@ def run_cli(args: GenerateConfig | argparse.Namespace) -> list[str]:
     model, tok = load_for_generation(config, mesh)
     move_to(model, device)  # keeps tied embeddings tied
     pad = getattr(tok, "pad_token_id", None) or 0
+    sampling = Sampling(config.do_sample, config.temperature, config.top_k, config.seed)
+    stops = [] if config.ignore_eos else eos_ids(model, tok)
+    if config.draft_model:
+        return _speculate(config, model, tok, mesh, prompts, sampling=sampling, eos=stops)
     gen = Generator(
         model, config.buckets, config.max_new_tokens, batch_buckets=config.batch_buckets, pad_id=pad
     )
-    sampling = Sampling(config.do_sample, config.temperature, config.top_k, config.seed)
-    stops = [] if config.ignore_eos else eos_ids(model, tok)
     texts: list[str] = []
     for first in range(0, len(prompts), gen.batch_buckets[-1]):
         chunk = prompts[first : first + gen.batch_buckets[-1]]
@@ -81,5 +88,72 @@ def _run_batch(gen, tok, prompts, *, config, sampling, eos, show: bool) -> list[
             f"{elapsed * 1e3:.0f} ms, decode {rate:.1f} tokens/s "
             f"({decode / max(steps - 1, 1) * 1e3:.2f} ms/step); "
             f"graph compiles so far: {graph_counters()['compiles']}"
+        )
+    return texts
+
+
+def _speculate(config, model, tok, mesh, prompts, *, sampling, eos) -> list[str]:
+    """``--draft-model``: the prompts on the slots of a
+    :class:`~.speculative.SpeculativeGenerator` (``max(--batch-buckets)`` at once; a sampled
+    prompt ``i`` seeded ``--seed + i``); prints as :func:`_run_batch` plus the acceptance."""
+    from ..job.runtime import rank_device
+    from .load import draft_config
+    from .schedule import Admission, Delta, Failed, Lease, Request
+    from .slot_rows import SlotRows
+    from .speculative import SpeculativeGenerator
+
+    draft, _ = load_for_generation(draft_config(config), mesh)
+    move_to(draft, rank_device(config.device))
+    max_len, chunk = max(config.buckets) + config.max_new_tokens, max(config.buckets)
+    gen = SpeculativeGenerator(
+        model,
+        draft,
+        config.batch_buckets[-1],
+        max_len,
+        k=config.speculation_length,
+        chunk=chunk,
+        prefill_buckets=config.buckets,
+        decode_buckets=config.batch_buckets,
+        pad_id=getattr(tok, "pad_token_id", None) or 0,
+    )
+    texts, t0 = [""] * len(prompts), time.perf_counter()
+
+    def sink(i: int):
+        def take(event) -> None:
+            if isinstance(event, Failed):
+                raise RuntimeError(event.message)
+            if isinstance(event, Delta):
+                texts[i] += event.text
+
+        return take
+
+    reqs = []
+    for i, p in enumerate(prompts):
+        s = sampling if not sampling.do_sample else replace(sampling, seed=sampling.seed + i)
+        ids = tok.encode(p)
+        try:
+            gen.check(len(ids), config.max_new_tokens, s)
+        except ValueError as e:
+            raise UserError(f"prompt {i}: {e}") from None
+        reqs.append(Request(ids, config.max_new_tokens, s, list(config.stop), True, sink(i)))
+    rows = SlotRows(
+        gen,
+        tok,
+        eos,
+        None,
+        dict.fromkeys(("steps", "max_batch", "cancelled", "dropped", "failed"), 0),
+    )
+    for first in range(0, len(reqs), gen.slots):
+        batch = reqs[first : first + gen.slots]
+        lease = Lease((), tuple(Admission.of(r) for r in batch), steps=2**31)
+        rows.run(lease, batch)  # every rank collects the texts
+    st, elapsed = gen.stats, time.perf_counter() - t0
+    if mesh.rank == 0:
+        for p, t in zip(prompts, texts):
+            print(f"{p!r} -> {t!r}")
+        print(
+            f"speculative decoding (k={st.k}): {st.accepted}/{st.proposed} draft tokens "
+            f"accepted ({st.acceptance:.0%}), {st.tokens_per_step:.2f} tokens per slot and "
+            f"model step, {st.tokens} tokens in {elapsed * 1e3:.0f} ms"
         )
     return texts

@@ -180,3 +180,64 @@ def eos_ids(model, tokenizer) -> list[int]:
     if ids is None:
         return []
     return [int(i) for i in (ids if isinstance(ids, (list, tuple)) else [ids])]
+
+
+def draft_config(config: GenerateConfig) -> GenerateConfig:
+    """The options that load ``--draft-model``: as ``--model``, without adapter, quantization
+    or a draft of its own (same --tp, --dtype, --seed, --tokenizer)."""
+    import dataclasses
+
+    return dataclasses.replace(
+        config, model=config.draft_model, adapter=None, quantize="none", draft_model=None
+    )
+
+
+def check_draft(config: GenerateConfig, max_len: int) -> None:
+    """UserError, before any weight is read, unless ``--draft-model`` can speculate for
+    ``--model``: the same vocabulary size and tokenizer (both named otherwise) and
+    ``--speculation-length`` fitting a slot of ``max_len`` positions."""
+    from .speculative import check_speculation
+
+    check_speculation(config.speculation_length, max_len)
+    target, draft = _vocabulary(config), _vocabulary(draft_config(config))
+    if target[0] != draft[0]:
+        raise UserError(
+            f"--draft-model {config.draft_model} has a vocabulary of {draft[0]} tokens but "
+            f"--model {config.model} has {target[0]}: speculative decoding needs a draft with "
+            "the same vocabulary and tokenizer"
+        )
+    if not _same_tokenizer(target[1].tokenizer, draft[1].tokenizer):
+        raise UserError(
+            f"--draft-model {config.draft_model} has another tokenizer than --model "
+            f"{config.model}: draft {draft[1].describe()}; model {target[1].describe()}. "
+            "Speculative decoding needs the same tokenizer (pass --tokenizer DIR to use one "
+            "for both when they are the same)"
+        )
+
+
+def _vocabulary(config: GenerateConfig):
+    """``(embedding rows, resolved tokenizer)`` of ``--model`` (a preset: the tokenizer's
+    size), read from configs only."""
+    from ..checkpoint import read_meta
+    from ..job.presets import PRESETS, is_preset, model_config
+    from ..job.tokenizer import config_vocab, resolve_tokenizer
+
+    if not is_preset(config.model) and not os.path.exists(config.model):
+        raise UserError(
+            f"--model {config.model!r} is neither a preset ({', '.join(PRESETS)}) "
+            "nor a local directory (a HuggingFace model or a neuron_tp checkpoint)"
+        )
+    ckpt = None if is_preset(config.model) else checkpoint_path(config.model)
+    resolved = resolve_tokenizer(config.tokenizer, config.model, ckpt)
+    if is_preset(config.model):
+        return resolved.size, resolved
+    if ckpt is not None:
+        return config_vocab(read_meta(ckpt)["model"]["config"]), resolved
+    return config_vocab(model_config(config.model, 0)), resolved
+
+
+def _same_tokenizer(a, b) -> bool:
+    """Whether two tokenizers map the same tokens to the same ids (byte-level: equal)."""
+    if not (hasattr(a, "get_vocab") and hasattr(b, "get_vocab")):
+        return type(a) is type(b)
+    return a.get_vocab() == b.get_vocab()

@@ -17,6 +17,10 @@ Metrics (each app has its own registry: nothing is module-global):
   ``neuron_tp_prefix_cache_hit_tokens_total``, ``neuron_tp_prefix_cache_prompt_tokens_total``,
   ``neuron_tp_prefix_cache_blocks`` (cached now), ``neuron_tp_prefix_cache_capacity_blocks``,
   ``neuron_tp_prefix_cache_evictions_total``.
+- with ``--draft-model`` (speculative decoding; 0 without): ``neuron_tp_speculation_proposed_
+  tokens`` and ``..._accepted_tokens`` (draft tokens proposed, accepted by the model),
+  ``..._acceptance_ratio`` (accepted / proposed), ``..._tokens_per_step`` (tokens a slot gets
+  per forward of the model: 1..K+1), read from the engine at scrape time.
 """
 
 from __future__ import annotations
@@ -33,6 +37,14 @@ LOG = logging.getLogger("neuron_tp.serve")
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 
+# (name, help, attribute of infer.speculative.SpeculationStats)
+SPECULATION_GAUGES = (
+    ("proposed_tokens", "Draft tokens proposed (speculative decoding)", "proposed"),
+    ("accepted_tokens", "Draft tokens the model accepted", "accepted"),
+    ("acceptance_ratio", "Accepted / proposed draft tokens", "acceptance"),
+    ("tokens_per_step", "Tokens a slot gets per forward of the model", "tokens_per_step"),
+)
+
 
 class ServerMetrics:
     """The Prometheus metrics of one server app, in a registry of its own."""
@@ -42,6 +54,7 @@ class ServerMetrics:
         queue_depth: Callable[[], int],
         slots_in_use: Callable[[], int],
         prefix: Callable[[], PrefixStats | None] = lambda: None,
+        speculation: Callable[[], object] = lambda: None,
     ):
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -74,6 +87,9 @@ class ServerMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        for name, what, attr in SPECULATION_GAUGES:
+            gauge = Gauge(f"neuron_tp_speculation_{name}", what, registry=r)
+            gauge.set_function(lambda a=attr: float(getattr(speculation(), a, 0)))
         self.prompt_tokens = Counter(
             "neuron_tp_prompt_tokens", "Prompt tokens of finished choices", registry=r
         )

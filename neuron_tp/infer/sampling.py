@@ -79,6 +79,18 @@ def choose(logits: torch.Tensor, top_k: int, temperature, noise) -> torch.Tensor
     return (logits.softmax(-1) / noise).argmax(-1)
 
 
+def row_probs(logits, temperature, top_k) -> torch.Tensor:
+    """``softmax(logits / T)`` of each row over its top ``k`` (0: all, at most
+    :data:`MAX_TOP_K`): the distribution a sampled row of :func:`choose_rows` draws from;
+    ``temperature`` [B], ``top_k`` [B] (data)."""
+    logits = logits.float() / temperature[:, None]
+    k = min(MAX_TOP_K, logits.shape[-1])
+    top = logits.topk(k, -1).values
+    kth = top.gather(-1, (top_k.clamp(1, k) - 1)[:, None])
+    kth = torch.where(top_k[:, None] > 0, kth, torch.full_like(kth, float("-inf")))
+    return logits.masked_fill(logits < kth, float("-inf")).softmax(-1)
+
+
 def choose_rows(logits, temperature, top_k, sample, noise) -> torch.Tensor:
     """:func:`choose` with per-row parameters as data: ``temperature`` [B], ``top_k`` [B]
     (0: no filter, at most :data:`MAX_TOP_K`), ``sample`` [B] (False: greedy row); ``noise``
@@ -86,10 +98,4 @@ def choose_rows(logits, temperature, top_k, sample, noise) -> torch.Tensor:
     greedy = logits.argmax(-1)
     if noise is None:
         return greedy
-    logits = logits.float() / temperature[:, None]
-    k = min(MAX_TOP_K, logits.shape[-1])
-    top = logits.topk(k, -1).values
-    kth = top.gather(-1, (top_k.clamp(1, k) - 1)[:, None])
-    kth = torch.where(top_k[:, None] > 0, kth, torch.full_like(kth, float("-inf")))
-    logits = logits.masked_fill(logits < kth, float("-inf"))
-    return torch.where(sample, (logits.softmax(-1) / noise).argmax(-1), greedy)
+    return torch.where(sample, (row_probs(logits, temperature, top_k) / noise).argmax(-1), greedy)

@@ -57,7 +57,9 @@ def create_app(engine: Engine, model_name: str, limits: ServeLimits | None = Non
     from fastapi.responses import JSONResponse, Response
 
     limits = limits or ServeLimits()
-    metrics = ServerMetrics(engine.queue_depth, engine.slots_in_use, engine.prefix_stats)
+    metrics = ServerMetrics(
+        engine.queue_depth, engine.slots_in_use, engine.prefix_stats, engine.speculation
+    )
     app = FastAPI(title="neuron-tp serve")
     paths: set[str] = set()
 
@@ -354,10 +356,20 @@ def serve(config, stop: threading.Event | None = None) -> None:
                 f"neuron-tp serve runs one server over its tp ranks: launch exactly --tp "
                 f"{config.tp} processes, got {world.size}"
             )
+        if config.draft_model:
+            from .load import check_draft
+
+            check_draft(config.generate_config(), max(config.buckets) + config.max_new_tokens)
         if world.rank == 0:
             import fastapi  # noqa: F401 - fail before loading a model
             import uvicorn  # noqa: F401
-        if config.prefix_caching:
+        if config.prefix_caching and config.draft_model:
+            raise UserError(
+                "--prefix-caching with --draft-model: the prefix cache pools the model's KV "
+                "but not the draft's, so they do not compose yet; drop --prefix-caching "
+                "(speculation then runs without it) or --draft-model"
+            )
+        if config.prefix_cache_on:
             resolve_block(config.prefix_block, _chunk(config))
         agree.values = {**config.option_values(), "library versions": agreement.versions()}
         agree.values.pop("--api-key", None)  # rank 0's alone; never shown in a mismatch report
@@ -437,8 +449,17 @@ def _load(engine: Engine, config, mesh) -> None:
     move_to(model, rank_device(config.device))
     pad = getattr(tok, "pad_token_id", None) or 0
     chunk = _chunk(config)
-    gen = SlotGenerator(
+    make, extra = SlotGenerator, {}
+    if config.draft_model:  # speculative decoding: the draft loaded and placed like the model
+        from .load import draft_config
+        from .speculative import SpeculativeGenerator
+
+        draft, _ = load_for_generation(draft_config(config.generate_config()), mesh)
+        move_to(draft, rank_device(config.device))
+        make, extra = SpeculativeGenerator, {"draft": draft, "k": config.speculation_length}
+    gen = make(
         model,
+        **extra,
         slots=max(config.batch_buckets),
         max_len=max(config.buckets) + config.max_new_tokens,
         chunk=chunk,
@@ -458,7 +479,7 @@ def _chunk(config) -> int:
 
 def _prefix_cache(config, gen, rank0: bool) -> PrefixCache | None:
     """This rank's prefix cache (None: ``--no-prefix-caching``); rank 0 prints its size."""
-    if not config.prefix_caching:
+    if not config.prefix_cache_on:
         return None
     block = resolve_block(config.prefix_block, gen.chunk)
     blocks = pool_blocks(

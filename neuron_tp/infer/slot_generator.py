@@ -270,19 +270,34 @@ class SlotGenerator(StepGraphsOwner):
     def warmup(self) -> None:
         """Capture every graph (each prefill and decode bucket, greedy and sampled) with steps
         that change nothing a request can see (all positions scratch, every row inactive)."""
+        self.warmup_prefill()
         dev, none = self.device, torch.zeros(self.slots, dtype=torch.bool).to(self.device)
-        for bucket in self.prefill_buckets:
-            for sampled in (False, True):
-                ids = torch.full((1, bucket), self.pad_id, dtype=torch.long).to(dev)
-                meta = ChunkMeta(0, 0, 0, False, 0, sampled)  # no token written
-                args = [ids, meta.tensor().to(dev), torch.ones(1).to(dev)]
-                args += [torch.ones(1, self.vocab).to(dev)] if sampled else []
-                self._run_prefill(bucket, sampled, args)
         for bucket in self.decode_buckets:
             for sampled in (False, True):
                 noise = torch.ones(bucket, self.vocab).to(dev) if sampled else None
                 self._run_decode(bucket, none, noise)
         self._active_dirty = True
+
+    def warmup_prefill(self, variants: Sequence[bool] = (False, True)) -> None:
+        """Capture the prefill graph of every bucket, greedy and/or sampled (``variants``),
+        with chunks that write only the scratch position."""
+        dev = self.device
+        for bucket in self.prefill_buckets:
+            for sampled in variants:
+                ids = torch.full((1, bucket), self.pad_id, dtype=torch.long).to(dev)
+                meta = ChunkMeta(0, 0, 0, False, 0, sampled)  # no token written
+                args = [ids, meta.tensor().to(dev), torch.ones(1).to(dev)]
+                args += [torch.ones(1, self.vocab).to(dev)] if sampled else []
+                self._run_prefill(bucket, sampled, args)
+
+    @property
+    def kv(self) -> list[torch.Tensor]:
+        """The cache tensors ``[k0, v0, k1, v1, ...]`` (every step takes and returns them)."""
+        return self._kv
+
+    @kv.setter
+    def kv(self, tensors: list[torch.Tensor]) -> None:
+        self._kv = list(tensors)
 
     # -- device side ------------------------------------------------------------------------
     def _active(self) -> torch.Tensor:

@@ -108,9 +108,12 @@ class SlotRows:
             for r in running:
                 self._fail(r, e)
             return
-        for slot, t in tokens.items():
-            if slot in self.by_slot and not self.by_slot[slot].prefilling:
-                self._token(self.by_slot[slot], t)
+        for slot, new in tokens.items():  # one token, or several (speculative decoding)
+            for t in new if isinstance(new, list) else [new]:
+                row = self.by_slot.get(slot)
+                if row is None or row.prefilling:
+                    break  # the row ended: the rest of its tokens are dropped
+                self._token(row, t)
 
     def end(self, slot: int) -> None:
         """Free ``slot`` (nothing when it holds no row)."""

@@ -354,6 +354,23 @@ _QUANTIZE_HELP = (
 )
 
 
+_DRAFT_HELP = (
+    "speculative decoding: a smaller causal LM with the same tokenizer and vocabulary (a "
+    "preset, HF directory or neuron_tp checkpoint, sharded at --tp like --model) proposes "
+    "--speculation-length tokens per slot and step; the model verifies them all in one "
+    "forward (greedy: the same tokens as without a draft; sampled: the same distribution)"
+)
+_SPECULATION_HELP = "with --draft-model: draft tokens proposed per slot and step (K)"
+
+
+def _draft_model():  # None: no speculation (neuron_tp.infer.speculative)
+    return opt("--draft-model", None, _DRAFT_HELP, metavar="DIR")
+
+
+def _speculation_length():
+    return opt("--speculation-length", 4, _SPECULATION_HELP, type=pos(int), metavar="K")
+
+
 @dataclass(frozen=True)
 class GenerateConfig(_CommonConfig):
     """``neuron-tp generate`` options (tp ranks launched by torchrun)."""
@@ -373,6 +390,8 @@ class GenerateConfig(_CommonConfig):
     quantize: str = opt(  # "int8": weight-only int8 linears (neuron_tp.layers.quantized)
         "--quantize", "none", _QUANTIZE_HELP, choices=("none", "int8")
     )
+    draft_model: str | None = _draft_model()
+    speculation_length: int = _speculation_length()
     do_sample: bool = opt("--do-sample", False, action="store_true")
     temperature: float = opt("--temperature", 1.0, type=pos(float))
     top_k: int = opt("--top-k", 0, "0 = no top-k filter", type=non_negative(int))
@@ -412,6 +431,8 @@ class ServeConfig(_CommonConfig):
     quantize: str = opt(  # "int8": weight-only int8 linears (neuron_tp.layers.quantized)
         "--quantize", "none", _QUANTIZE_HELP, choices=("none", "int8")
     )
+    draft_model: str | None = _draft_model()
+    speculation_length: int = _speculation_length()
     prefill_chunk: int = opt(  # longer prompts: several steps
         "--prefill-chunk",
         256,
@@ -419,11 +440,12 @@ class ServeConfig(_CommonConfig):
         "prompt is prefilled over several steps, between the running requests' tokens",
         type=pos(int),
     )
-    prefix_caching: bool = opt(  # neuron_tp.infer.prefix_cache
+    prefix_caching: bool | None = opt(  # neuron_tp.infer.prefix_cache; None: prefix_cache_on
         "--prefix-caching",
-        True,
+        None,
         "copy the KV of prompt blocks computed before (same tokens from the start) into a "
-        "new request's slot instead of prefilling them again (tokens unchanged)",
+        "new request's slot instead of prefilling them again (tokens unchanged); default: "
+        "on, off with --draft-model (the draft's cache is not pooled)",
         action=argparse.BooleanOptionalAction,
     )
     prefix_block: int = opt(  # 0: the largest divisor of the chunk <= 32
@@ -486,6 +508,14 @@ class ServeConfig(_CommonConfig):
     def model_name(self) -> str:
         """The model id clients see (``/v1/models``, responses)."""
         return self.served_model_name or self.model
+
+    @property
+    def prefix_cache_on(self) -> bool:
+        """Whether the server caches prompt blocks (``--prefix-caching``, by default unless a
+        draft model speculates: its cache is not pooled)."""
+        if self.prefix_caching is not None:
+            return self.prefix_caching
+        return not self.draft_model
 
     def generate_config(self) -> GenerateConfig:
         """The equivalent ``neuron-tp generate`` options (for loading the model): the shared

@@ -97,6 +97,9 @@ def run_schedule(
                     prefilling[slot] = (i, end)
             got = gen.decode()
             assert set(got) == set(decoding), (sorted(got), sorted(decoding))
-            for slot, t in got.items():
-                take(slot, decoding[slot], t)
+            for slot, new in got.items():  # speculative decoding: several tokens
+                for t in new if isinstance(new, list) else [new]:
+                    if slot not in decoding:
+                        break
+                    take(slot, decoding[slot], t)
     return out

@@ -101,9 +101,12 @@ def test_refusals_name_what_is_valid():
     from neuron_tp.cli.args import serve_parser
     from neuron_tp.job.config import ServeConfig
 
-    on = ServeConfig.from_args(serve_parser().parse_args([]))
-    off = ServeConfig.from_args(serve_parser().parse_args(["--no-prefix-caching"]))
-    assert on.prefix_caching and not off.prefix_caching
+    def config(*argv: str) -> ServeConfig:
+        return ServeConfig.from_args(serve_parser().parse_args(list(argv)))
+
+    assert config().prefix_cache_on and not config("--no-prefix-caching").prefix_cache_on
+    assert not config("--draft-model", "d").prefix_cache_on  # the draft's cache is not pooled
+    assert config("--draft-model", "d", "--prefix-caching").prefix_caching  # refused by serve
 
 
 # -- the engine -------------------------------------------------------------------------------
