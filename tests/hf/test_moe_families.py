@@ -233,7 +233,35 @@ def _checkpoints(tmp: str) -> dict[str, str]:
             out[mt] = "pass"
         except Exception as e:  # noqa: BLE001
             out[mt] = f"fail: {type(e).__name__}: {str(e)[:300]}"
+    for mt in TF_SAVED_FAMILIES:
+        out[f"transformers-saved {mt}"] = _tf_saved(mt, os.path.join(tmp, f"tf-{mt}"))
     return out
+
+
+# transformers' own save_pretrained writes these one tensor per expert (Hunyuan, Cohere2-MoE:
+# gate/up/down_proj; MiniMax-M2: block_sparse_moe w1/w3/w2; Jamba: feed_forward) or fused
+# with biases (gpt-oss).
+TF_SAVED_FAMILIES = ("hunyuan_v1_moe", "cohere2_moe", "minimax_m2", "jamba", "gpt_oss")
+
+
+def _tf_saved(mt: str, path: str) -> str:
+    """from_pretrained of transformers' own files (each rank reads its experts' slices):
+    the logits of transformers' model."""
+    import torch.distributed as dist
+
+    from neuron_tp.hf import from_pretrained
+
+    try:
+        ref = build_family(mt)
+        if dist.get_rank() == 0:
+            copy.deepcopy(ref).save_pretrained(path)
+        dist.barrier()
+        ids = torch.randint(1, V, (2, 8), generator=torch.Generator().manual_seed(6))
+        with torch.no_grad():
+            _close(from_pretrained(path)(ids).logits, ref(ids).logits, "logits")
+        return "pass"
+    except Exception as e:  # noqa: BLE001
+        return f"fail: {type(e).__name__}: {str(e)[:300]}"
 
 
 # Families sharded behind the experts interface whose model returns a load-balancing loss.
