@@ -16,18 +16,17 @@ from .attention import SyncReplicatedRows
 from .slice_map import HFSliceMap, even_pieces, set_slice_map
 
 
-class HFColumnLinear(ColumnParallelLinear):
-    """Column-parallel linear whose input region (copy / sequence all-gather) may be applied
-    once by its parent module for all its sibling projections (``shared_region``: its input is
-    then already replicated), and whose rows may hold kv heads replicated over ranks (gradients
-    of copies summed in backward). Its forward is :class:`ColumnParallelLinear`'s."""
+class ReplicaRows:
+    """Mixin of a module whose parameter rows (dim 0 of ``weight`` / ``bias``) hold kv heads
+    replicated over tp ranks: in backward every copy gets the sum of all copies' gradients (the
+    gradient of the one unsharded row), and the global grad norm counts each row once. Needs
+    ``self.weight`` and ``self.mesh``."""
 
-    hf_name = ""
-    shared_region = False
-    region_input = None  # weakref to the parent's region output (not kept after forward)
-    replicas = None  # (rows, uid_table, n_unique)
+    replicas = None  # the number of distinct rows once set
 
     def set_replicas(self, rows: list[int], uid_table: list[list[int]], n_unique: int) -> None:
+        """``rows``: this rank's local rows that are copies; ``uid_table[r]``: the distinct
+        row each of rank ``r``'s copies holds (in ``rows`` order); ``n_unique`` of them."""
         self.register_buffer("_rows", torch.tensor(rows, dtype=torch.long), persistent=False)
         self.register_buffer("_uid", torch.tensor(uid_table, dtype=torch.long), persistent=False)
         self.replicas = n_unique
@@ -53,6 +52,17 @@ class HFColumnLinear(ColumnParallelLinear):
             else uid.index_select(0, tp.rank_tensor(device).view(1)).squeeze(0)
         )
         return SyncReplicatedRows.apply(t, self._rows.to(device), uid, self.replicas, tp)
+
+
+class HFColumnLinear(ReplicaRows, ColumnParallelLinear):
+    """Column-parallel linear whose input region (copy / sequence all-gather) may be applied
+    once by its parent module for all its sibling projections (``shared_region``: its input is
+    then already replicated), and whose rows may hold kv heads replicated over ranks (gradients
+    of copies summed in backward). Its forward is :class:`ColumnParallelLinear`'s."""
+
+    hf_name = ""
+    shared_region = False
+    region_input = None  # weakref to the parent's region output (not kept after forward)
 
     @property
     def input_layout(self) -> str:
@@ -98,7 +108,7 @@ def linear_view(mod: nn.Module, name: str):
     )
 
 
-def _runs(rows: list[int]) -> list[tuple[int, int]]:
+def runs(rows: list[int]) -> list[tuple[int, int]]:
     out: list[list[int]] = []
     for r in rows:
         if out and out[-1][1] == r:
@@ -177,7 +187,7 @@ def build_column_linear(
         for pos, j in enumerate(index):  # the first copy of every original row
             first.setdefault(j, pos)
         keep = tuple(first[j] for j in range(out))
-        pieces = _runs(rows_of_rank[r])
+        pieces = runs(rows_of_rank[r])
     src.in_features, src.out_features = src.weight.shape[1], src.weight.shape[0]
     layer = HFColumnLinear.from_linear(
         src,

@@ -9,8 +9,9 @@ the block's ``experts`` module), two ways:
   from the flags transformers declares on the experts class (``use_experts_implementation``:
   concatenated / interleaved gate-up, transposed weights, biases, gate or not, the class's own
   ``_apply_gate``), or from a declared adapter (:data:`ADAPTERS`, Llama-4's dense call). What
-  neither describes (a post-expert norm, extra parameters, expert parallelism) is refused
-  by name before anything is built.
+  neither describes (a post-expert norm, extra parameters) is refused by name before
+  anything is built. Under expert parallelism each rank holds ``E/ep`` of those experts and
+  tokens reach them by all-to-all (:mod:`neuron_tp.moe.expert_parallel`), either way.
 
 Which transformers block and router classes take the first way, and where their router, shared
 expert(s) and shared-expert gate sit, is written here once (:data:`BLOCKS`, :data:`ROUTERS`);
@@ -142,14 +143,9 @@ def _check_generic(model: nn.Module, name: str, mesh: Mesh) -> None:
     experts = model.get_submodule(name)
     layout = _layout(experts, name)
     params = _generic_params(experts, layout, name)
-    if mesh.ep_size > 1:
-        raise ValueError(
-            f"{name}: expert parallelism (ep={mesh.ep_size}) is implemented for the MoE blocks "
-            f"{sorted(BLOCKS)}; {type(model.get_submodule(name.rpartition('.')[0])).__name__} "
-            "is sharded over tp only (use ep=1)"
-        )
     down = params["down_proj"]
     _require(down.shape[layout.down_dim], mesh, name, "expert intermediate size")
+    _require_ep(down.shape[0], mesh, name)
 
 
 def _gate_fn(experts: nn.Module, layout: ExpertsLayout):
@@ -217,6 +213,15 @@ def _require(size: int, mesh: Mesh, name: str, what: str) -> None:
         )
 
 
+def _require_ep(experts: int, mesh: Mesh, name: str) -> None:
+    if experts % mesh.ep_size:
+        ok = [d for d in divisors(mesh.dp_size) if experts % d == 0]
+        raise ValueError(
+            f"{name}: {experts} experts cannot be spread over ep={mesh.ep_size}; ep "
+            f"degrees that work with dp={mesh.dp_size}: {ok}"
+        )
+
+
 def check_moe(model: nn.Module, name: str, mesh: Mesh) -> None:
     """The refusals for sharding the MoE block whose experts module is ``name``."""
     if _is_generic(model, name):
@@ -230,12 +235,7 @@ def check_moe(model: nn.Module, name: str, mesh: Mesh) -> None:
             "down_proj [E, H, I] (transformers >= 5 layout)"
         )
     _require(down.shape[2], mesh, name, "expert intermediate size")
-    if down.shape[0] % mesh.ep_size:
-        ok = [d for d in divisors(mesh.dp_size) if down.shape[0] % d == 0]
-        raise ValueError(
-            f"{name}: {down.shape[0]} experts cannot be spread over ep={mesh.ep_size}; ep "
-            f"degrees that work with dp={mesh.dp_size}: {ok}"
-        )
+    _require_ep(down.shape[0], mesh, name)
     if spec.shared is not None:
         shared = getattr(block, spec.shared)
         for proj in ("gate_proj", "up_proj", "down_proj"):

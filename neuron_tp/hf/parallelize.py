@@ -253,6 +253,12 @@ def _check_target(
             )
     elif style in (Style.ROW, Style.ROW_SPLIT_INPUT):
         check_row_linear(mod, name, mesh)
+        if style is Style.ROW_SPLIT_INPUT and sequence_parallel and mp.structure.in_layers(name):
+            raise ValueError(
+                f"{name}: 'rowwise_split_input' (an input gathered over tp, e.g. after a norm "
+                "over all heads that the plan runs replicated) has no sequence-parallel form; "
+                "use sequence_parallel=False for this model"
+            )
     elif style is Style.VOCAB_EMBEDDING:
         check_vocab_embedding(mod, name)
     elif style is Style.SHARDED_NORM:
@@ -370,7 +376,7 @@ def _build(
             built.replacements[block] = new
             continue
         else:
-            new = build_sharded_norm(mod, mesh)
+            new = build_sharded_norm(mod, mesh, heads)
         built.replacements[name] = new
     return built
 

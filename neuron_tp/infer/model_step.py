@@ -1,9 +1,12 @@
 """What the static and the slot generator share about one step of the model: the bucket a
-length runs in, the model kwargs that turn off outputs generation never reads, and the check
-that every layer's static cache holds the whole sequence."""
+length runs in, the model kwargs that turn off outputs generation never reads, the name the
+model takes its cache under, and the check that every layer's static cache holds the whole
+sequence."""
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Sequence
 
 
@@ -24,6 +27,21 @@ def no_aux_outputs(config) -> dict:
     for router logits (its training auxiliary loss) would compute that loss from the 4D
     attention mask, which transformers' load-balancing loss cannot read."""
     return {"output_router_logits": False} if hasattr(config, "output_router_logits") else {}
+
+
+def cache_kwargs(model, cache) -> dict:
+    """``{name: cache}`` for the model's forward: ``cache`` where it takes that argument
+    (transformers >= 5.24, which deprecates ``past_key_values=`` for removal in 5.40), else
+    ``past_key_values``. A peft wrapper is looked through to its base model."""
+    base = getattr(model, "get_base_model", None)
+    cls = type(base() if callable(base) else model)
+    return {_cache_name(cls): cache}
+
+
+@functools.cache
+def _cache_name(cls: type) -> str:
+    params = inspect.signature(cls.forward).parameters  # follows functools.wraps wrappers
+    return "cache" if "cache" in params else "past_key_values"
 
 
 def check_cache(config, total: int, what: str) -> None:

@@ -29,7 +29,7 @@ from typing import NamedTuple
 import torch
 
 from ..errors import UserError
-from .model_step import check_cache, no_aux_outputs, pick_bucket
+from .model_step import cache_kwargs, check_cache, no_aux_outputs, pick_bucket
 from .replay import StepGraphs, StepGraphsOwner
 from .sampling import Sampling, check_per_row, choose_rows, host_generator, host_noise
 
@@ -347,7 +347,7 @@ class SlotGenerator(StepGraphsOwner):
                 input_ids=ids,
                 attention_mask=visible(qpos, scratch + 1),
                 position_ids=torch.where(valid, m.start + idx, torch.zeros_like(idx))[None],
-                past_key_values=cache,
+                **cache_kwargs(model, cache),
                 use_cache=True,
                 logits_to_keep=(m.length - 1).clamp(min=0),
                 **no_aux_outputs(model.config),
@@ -386,7 +386,7 @@ class SlotGenerator(StepGraphsOwner):
                 input_ids=last[:, None],
                 attention_mask=visible(qpos, scratch + 1),
                 position_ids=torch.where(a, pos, torch.zeros_like(pos))[:, None],
-                past_key_values=cache,
+                **cache_kwargs(model, cache),
                 use_cache=True,
                 logits_to_keep=1,
                 **no_aux_outputs(model.config),

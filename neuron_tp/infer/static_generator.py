@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import UserError
-from .model_step import check_cache, no_aux_outputs, pick_bucket
+from .model_step import cache_kwargs, check_cache, no_aux_outputs, pick_bucket
 from .replay import StepGraphs, StepGraphsOwner
 from .sampling import GREEDY, Sampling, choose, host_generator, host_noise
 
@@ -196,7 +196,7 @@ class Generator(StepGraphsOwner):
                 attention_mask=attention_mask_4d(mask, cache_pos),
                 position_ids=pos,
                 cache_position=cache_pos,
-                past_key_values=cache,
+                **cache_kwargs(model, cache),
                 use_cache=True,
                 logits_to_keep=1,
                 **no_aux_outputs(model.config),

@@ -27,7 +27,13 @@ import torch.nn.functional as F
 from ..parallel.mesh import Group
 from ..parallel.regions import all_to_all_fwd_all_to_all_bwd
 
-__all__ = ["ExpertParallelOutput", "expert_capacity", "expert_parallel_mlp"]
+__all__ = [
+    "ExpertParallelOutput",
+    "dispatch_to_experts",
+    "exchange_with_experts",
+    "expert_capacity",
+    "expert_parallel_mlp",
+]
 
 
 class ExpertParallelOutput(NamedTuple):
@@ -106,18 +112,50 @@ def expert_parallel_mlp(
     them over ``group`` with the data-parallel gradients). See the module doc for capacity.
     """
     _check(x, topk_ids, topk_weights, gate_up, down, group)
+
+    def experts(tokens: torch.Tensor) -> torch.Tensor:
+        gate, up = torch.bmm(tokens, gate_up.transpose(1, 2)).chunk(2, dim=-1)
+        return torch.bmm(act(gate) * up, down.transpose(1, 2))
+
+    return dispatch_to_experts(
+        x, topk_ids, topk_weights, experts, gate_up.shape[0], group, capacity_factor
+    )
+
+
+def dispatch_to_experts(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    experts: Callable[[torch.Tensor], torch.Tensor],
+    local_experts: int,
+    group: Group,
+    capacity_factor: float | None = None,
+) -> ExpertParallelOutput:
+    """:func:`expert_parallel_mlp` for any experts: ``experts`` maps the tokens of this rank's
+    ``local_experts`` experts ``[E/ep, N, H]`` to their outputs ``[E/ep, N, H]`` (expert ``e``
+    applied to row block ``e``; rows that hold no token are zeros and never read back, so an
+    expert may add biases to them). Same routing, buffers, capacity and gradients."""
     t, h = x.shape
     k = topk_ids.shape[1]
-    e_local = gate_up.shape[0]
-    n_exp, ep = e_local * group.size, group.size
+    e_local, ep = local_experts, group.size
+    n_exp = e_local * ep
     cap = expert_capacity(t, k, n_exp, capacity_factor)
     dev = x.device
 
+    # A router may pick one expert twice for a token (DeepSeek-V4's hash routing): the later
+    # copies' weights join the first one's and they are sent nowhere, so an expert still gets
+    # at most one pair per token (dropless at C = T).
+    same = topk_ids.unsqueeze(2) == topk_ids.unsqueeze(1)  # [T, k, k]
+    repeat = torch.tril(same, diagonal=-1).any(-1)  # an earlier slot has this expert
+    weights = torch.where(
+        repeat, 0.0, (same.to(topk_weights.dtype) * topk_weights.unsqueeze(1)).sum(-1)
+    )
+    first = ~repeat.reshape(-1)
     # Position of each (token, slot) pair in its expert's queue, token-major: lowest token first.
     ids = topk_ids.reshape(-1).long()
-    onehot = F.one_hot(ids, n_exp)  # [T*k, E]
+    onehot = F.one_hot(ids, n_exp) * first.unsqueeze(1)  # [T*k, E]
     pos = (onehot.cumsum(0) * onehot).sum(1) - 1
-    keep = pos < cap
+    keep = (pos < cap) & first
     trash = n_exp * cap  # one extra slot: dropped pairs go there and read zeros back
     slot = torch.where(keep, ids * cap + pos, torch.full_like(ids, trash))
     token = torch.arange(t * k, device=dev) // k
@@ -127,14 +165,29 @@ def expert_parallel_mlp(
     x_pad = torch.cat([x, x.new_zeros(1, h)])
     send = x_pad.index_select(0, slot_token[:trash])  # [E*C, H], expert-major = rank-major
 
-    recv = all_to_all_fwd_all_to_all_bwd(send, group, 0, 0)  # [ep sources * E/ep * C, H]
-    tokens_in = recv.view(ep, e_local, cap, h).transpose(0, 1).reshape(e_local, ep * cap, h)
-    hidden = torch.bmm(tokens_in, gate_up.transpose(1, 2))
-    gate, up = hidden.chunk(2, dim=-1)
-    out = torch.bmm(act(gate) * up, down.transpose(1, 2))  # [E/ep, ep*C, H]
-    out = out.view(e_local, ep, cap, h).transpose(0, 1).reshape(ep * e_local * cap, h)
-    back = all_to_all_fwd_all_to_all_bwd(out, group, 0, 0)  # [E*C, H] in slot order
+    out = exchange_with_experts(send.view(n_exp, cap, h), experts, group)
+    back = out.reshape(n_exp * cap, -1)  # [E*C, H] in slot order
 
-    back_pad = torch.cat([back, back.new_zeros(1, h)])
-    pairs = back_pad.index_select(0, slot) * topk_weights.reshape(-1, 1).to(back.dtype)
-    return ExpertParallelOutput(pairs.view(t, k, h).sum(1), (~keep).sum())
+    back_pad = torch.cat([back, back.new_zeros(1, back.shape[1])])
+    pairs = back_pad.index_select(0, slot) * weights.reshape(-1, 1).to(back.dtype)
+    return ExpertParallelOutput(pairs.view(t, k, -1).sum(1), (first & ~keep).sum())
+
+
+def exchange_with_experts(
+    rows: torch.Tensor, experts: Callable[[torch.Tensor], torch.Tensor], group: Group
+) -> torch.Tensor:
+    """``rows [E, N, H]`` (row block ``e`` for global expert ``e``, from this rank) travel to
+    the ranks holding their experts (``E/ep`` consecutive experts per rank of ``group``), go
+    through ``experts`` there (``[E/ep, ep*N, H] -> [E/ep, ep*N, H]``, every source rank's rows
+    of an expert together) and come back: ``[E, N, H]``, each block through its expert. Two
+    all-to-alls forward, two backward."""
+    n_exp, n, h = rows.shape
+    ep = group.size
+    e_local = n_exp // ep
+    recv = all_to_all_fwd_all_to_all_bwd(rows.reshape(n_exp * n, h), group, 0, 0)
+    tokens_in = recv.view(ep, e_local, n, h).transpose(0, 1).reshape(e_local, ep * n, h)
+    out = experts(tokens_in)
+    h_out = out.shape[-1]
+    out = out.reshape(e_local, ep, n, h_out).transpose(0, 1).reshape(ep * e_local * n, h_out)
+    back = all_to_all_fwd_all_to_all_bwd(out, group, 0, 0)
+    return back.view(n_exp, n, h_out)

@@ -35,6 +35,7 @@ from torch import nn
 from ..parallel import comm, regions
 from ..parallel.mesh import Mesh
 from ..parallel.sharding import Sharding, mark_sharded, shard_of
+from .expert_parallel import dispatch_to_experts, exchange_with_experts
 from .experts import ModeDispatch
 
 
@@ -88,8 +89,6 @@ class TPInterfaceExperts(ModeDispatch, nn.Module):
         ``down_proj``, with ``layout.bias`` their ``_bias``); ``gate_fn``: maps the up output
         ``[..., 2I']`` (``[..., I']`` without a gate) to the activation ``[..., I']``."""
         super().__init__()
-        if mesh.ep_size > 1:
-            raise ValueError("experts behind transformers' interface: expert parallelism (ep>1)")
         self.layout, self.gate_fn, self.mesh = layout, gate_fn, mesh
         self.sequence_parallel = sequence_parallel
         up, down = params[layout.up_name], params["down_proj"]
@@ -101,20 +100,28 @@ class TPInterfaceExperts(ModeDispatch, nn.Module):
                 f"experts: {layout.up_name} {tuple(up.shape)} does not match down_proj "
                 f"{tuple(down.shape)} (intermediate size {inter})"
             )
-        tp = mesh.tp_size
+        tp, ep = mesh.tp_size, mesh.ep_size
         if inter % tp:
             raise ValueError(f"experts: intermediate size {inter} not divisible by tp={tp}")
+        if e % ep:
+            raise ValueError(f"experts: {e} experts cannot be split over ep={ep}")
         halves = (inter, inter) if layout.gated and layout.concatenated else None
         self.num_experts, self.inter = e, inter
+        outer = (("ep", 0),) if ep > 1 else ()
         specs = {
-            layout.up_name: Sharding((("tp", layout.up_dim),), tuple(up.shape), segments=halves),
-            "down_proj": Sharding((("tp", layout.down_dim),), tuple(down.shape)),
+            layout.up_name: Sharding(
+                (*outer, ("tp", layout.up_dim)), tuple(up.shape), segments=halves
+            ),
+            "down_proj": Sharding((*outer, ("tp", layout.down_dim)), tuple(down.shape)),
         }
         if layout.bias:
             b = f"{layout.up_name}_bias"
-            specs[b] = Sharding((("tp", 1),), tuple(params[b].shape), segments=halves)
+            specs[b] = Sharding((*outer, ("tp", 1)), tuple(params[b].shape), segments=halves)
+            specs["down_proj_bias"] = Sharding(outer, tuple(params["down_proj_bias"].shape))
         for name, full in params.items():
             spec = specs.get(name)
+            if spec is not None and not spec.splits:
+                spec = None
             local = full.detach() if spec is None else shard_of(full.detach(), spec, mesh)
             setattr(self, name, nn.Parameter(local.clone(), full.requires_grad))
             if spec is not None:
@@ -195,10 +202,24 @@ class TPInterfaceExperts(ModeDispatch, nn.Module):
         else:
             x = regions.identity_fwd_all_reduce_bwd(hidden_states, tp)
             idx, w = top_k_index, regions.identity_fwd_all_reduce_bwd(top_k_weights, tp)
-        out = self._run_mode(x, idx, w).to(dtype)
+        out = self._local_experts(x, idx, w).to(dtype)
         if self.sequence_parallel:
             return regions.reduce_scatter_fwd_all_gather_bwd(out, tp, 0)
         return regions.all_reduce_fwd_identity_bwd(out, tp)
+
+    def _local_experts(self, x, idx, w):
+        """The partial output (over tp) of every token: the local experts' modes at ep 1, the
+        all-to-all to the experts' ranks under expert parallelism."""
+        if self.mesh.ep_size == 1:
+            return self._run_mode(x, idx, w)
+        cf = self.capacity_factor if self.mode == "capacity" else None
+        if self.mode == "capacity" and cf is None:
+            raise ValueError("MoE mode 'capacity' needs a capacity_factor")
+        e_local = self.num_experts // self.mesh.ep_size
+        out, self.dropped = dispatch_to_experts(
+            x, idx, w, self._per_expert, e_local, self.mesh.group("ep"), cf
+        )
+        return out
 
     def _forward_dense(self, hidden_states):
         """Llama-4: ``[E*T, H]``, row block ``e`` the tokens scaled for expert ``e``."""
@@ -208,7 +229,11 @@ class TPInterfaceExperts(ModeDispatch, nn.Module):
             x = regions.all_gather_fwd_reduce_scatter_bwd(x, tp, 1)
         else:
             x = regions.identity_fwd_all_reduce_bwd(x, tp)
-        out = self._per_expert(x).to(hidden_states.dtype)
+        if self.mesh.ep_size > 1:  # every expert's rows to its rank and back
+            out = exchange_with_experts(x, self._per_expert, self.mesh.group("ep"))
+        else:
+            out = self._per_expert(x)
+        out = out.to(hidden_states.dtype)
         if self.sequence_parallel:
             out = regions.reduce_scatter_fwd_all_gather_bwd(out, tp, 1)
         else:

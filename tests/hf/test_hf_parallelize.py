@@ -31,7 +31,7 @@ def _close(a, b, what):
 
 def _check_arch(name: str, sp: bool, ids: torch.Tensor) -> None:
     torch.manual_seed(0)
-    ref = build(name).eval()
+    ref = (KV2[name]() if name in KV2 else build(name)).eval()
     tag = f"{name} tp={ntp.get_mesh().tp_size} sp={sp}"
     m = parallelize(copy.deepcopy(ref), sequence_parallel=sp)
     _close(m(ids).logits, ref(ids).logits, f"{tag} logits")
@@ -82,10 +82,36 @@ def _gqa_uneven(tp: int) -> None:
     _close(parallelize(copy.deepcopy(ref))(ids).logits, ref(ids).logits, "gqa 12/3 logits")
 
 
+def _olmo2_kv2():
+    import transformers as tf
+
+    cfg = tf.Olmo2Config(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=40,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        pad_token_id=0,
+    )
+    return tf.AutoModelForCausalLM.from_config(cfg)
+
+
+def _olmoe_kv2():
+    from moe_archs import build_moe
+
+    return build_moe("olmoe", num_key_value_heads=2)
+
+
+# Full-width k norms (over all kv heads) with 2 kv heads: at tp 4 each kv head is copied on 2
+# ranks and the norm's statistics span the ranks (tp 2: the plain split).
+KV2 = {"olmo2_kv2": _olmo2_kv2, "olmoe_kv2": _olmoe_kv2}
+
 # Every architecture without and (where supported) with sequence parallelism, then uneven GQA.
 ARCH_CASES = [
     name + sp for name, (_, _, sp_ok) in ARCHS.items() for sp in (("", "-sp") if sp_ok else ("",))
-] + ["gqa_12_3_uneven"]
+] + ["gqa_12_3_uneven", "olmo2_kv2", "olmo2_kv2-sp", "olmoe_kv2"]
 
 
 def _arch_case(case: str, tp: int) -> None:

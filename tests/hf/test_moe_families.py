@@ -24,7 +24,13 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "helpers"))
 import gloo_dist  # noqa: E402
-from moe_families import V, build_family, moe_families  # noqa: E402
+from moe_families import (  # noqa: E402
+    V,
+    build_family,
+    docs_table,
+    family_table,
+    moe_families,
+)
 
 TP = 2
 ATOL = 1e-4
@@ -45,6 +51,7 @@ EXPECTED_PASS: list[str] = [
     "glm4_moe",
     "gpt_oss",
     "granitemoe",
+    "granitemoehybrid",
     "granitemoeshared",
     "hunyuan_v1_moe",
     "hy_v3",
@@ -73,14 +80,19 @@ EXPECTED_PASS: list[str] = [
 ]
 # Families refused as a whole whose experts-only plan passes.
 EXPECTED_EXPERTS_ONLY: list[str] = [
+    "axk2",
     "beam",
     "deepseek_v2",
+    "deepseek_v32",
     "glm4_moe_lite",
+    "glm_moe_dsa",
     "granitemoe_swa",
     "hy_v4",
     "inkling2_text",
     "inkling_text",
     "mimo_v2_flash",
+    "qwen4_exp",
+    "qwen4_exp_text",
 ]
 
 
@@ -121,6 +133,39 @@ def _compare(ref, plan, sequence_parallel: bool = False) -> None:
             _close(after[n], t, f"{n} after a step")
     with torch.no_grad():
         _close(m(ids).logits, ref(ids).logits, "logits after a step")
+
+
+def _compare_ep(model_type: str, plan, mesh) -> tuple[str, str]:
+    """Expert parallelism over the launch's 2 ranks (tp 1, ep 2: 2 of the 4 experts each),
+    each rank its own rows: its logits and loss vs the unsharded model's on those rows, every
+    gradient after the data-parallel reduction vs the unsharded model's on both ranks' rows."""
+    import neuron_tp as ntp
+    from neuron_tp.hf import gather_hf_state_dict, parallelize
+
+    try:
+        ref = build_family(model_type)
+        ids = torch.randint(1, V, (2 * mesh.dp_size, 8), generator=torch.Generator().manual_seed(4))
+        mine = ids.chunk(mesh.dp_size)[mesh.dp_rank]
+        m = parallelize(copy.deepcopy(ref), mesh, plan=plan)
+        local = [p for n, p in m.named_parameters() if n.endswith("experts.down_proj")]
+        full = ref.get_parameter(
+            next(n for n, _ in ref.named_parameters() if n.endswith("experts.down_proj"))
+        )
+        assert local and local[0].shape[0] * mesh.ep_size == full.shape[0], "not spread over ep"
+        out = m(mine, labels=mine)
+        want = [ref(r, labels=r) for r in ids.chunk(mesh.dp_size)]
+        _close(out.logits, want[mesh.dp_rank].logits, "ep logits")
+        _close(out.loss, want[mesh.dp_rank].loss, "ep loss")
+        out.loss.backward()
+        (sum(w.loss for w in want) / mesh.dp_size).backward()
+        ntp.allreduce_data_parallel_grads(m, mesh)
+        grads = gather_hf_state_dict(m, grads=True)
+        for n, p in ref.named_parameters():
+            if p.grad is not None:
+                _close(grads[n], p.grad, f"ep grad {n}")
+    except Exception as e:  # noqa: BLE001
+        return "fail", f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+    return "pass", ""
 
 
 def _shards_experts(model) -> bool:
@@ -188,7 +233,35 @@ def _checkpoints(tmp: str) -> dict[str, str]:
             out[mt] = "pass"
         except Exception as e:  # noqa: BLE001
             out[mt] = f"fail: {type(e).__name__}: {str(e)[:300]}"
+    for mt in TF_SAVED_FAMILIES:
+        out[f"transformers-saved {mt}"] = _tf_saved(mt, os.path.join(tmp, f"tf-{mt}"))
     return out
+
+
+# transformers' own save_pretrained writes these one tensor per expert (Hunyuan, Cohere2-MoE:
+# gate/up/down_proj; MiniMax-M2: block_sparse_moe w1/w3/w2; Jamba: feed_forward) or fused
+# with biases (gpt-oss).
+TF_SAVED_FAMILIES = ("hunyuan_v1_moe", "cohere2_moe", "minimax_m2", "jamba", "gpt_oss")
+
+
+def _tf_saved(mt: str, path: str) -> str:
+    """from_pretrained of transformers' own files (each rank reads its experts' slices):
+    the logits of transformers' model."""
+    import torch.distributed as dist
+
+    from neuron_tp.hf import from_pretrained
+
+    try:
+        ref = build_family(mt)
+        if dist.get_rank() == 0:
+            copy.deepcopy(ref).save_pretrained(path)
+        dist.barrier()
+        ids = torch.randint(1, V, (2, 8), generator=torch.Generator().manual_seed(6))
+        with torch.no_grad():
+            _close(from_pretrained(path)(ids).logits, ref(ids).logits, "logits")
+        return "pass"
+    except Exception as e:  # noqa: BLE001
+        return f"fail: {type(e).__name__}: {str(e)[:300]}"
 
 
 # Families sharded behind the experts interface whose model returns a load-balancing loss.
@@ -220,7 +293,10 @@ def _aux() -> dict[str, str]:
 
 
 def _sweep(out_path: str) -> None:
-    gloo_dist.shared_mesh(TP)
+    import neuron_tp as ntp
+
+    ep_mesh = ntp.init_mesh(tp=1, ep=TP)
+    mesh = gloo_dist.shared_mesh(TP)  # the default
     results = {}
     for mt in moe_families():
         try:
@@ -233,9 +309,13 @@ def _sweep(out_path: str) -> None:
         entry = {"whole": _try(mt, None)}
         if entry["whole"][0] == "pass" and not _shards_experts(ref):
             entry["whole"] = ("pass (experts replicated)", "")
+        plan = None
         if entry["whole"][0] != "pass":
             plan = _experts_plan(ref)
             entry["experts_only"] = _try(mt, plan) if plan else ("refused", "no experts module")
+        if "pass" in (entry["whole"][0], entry.get("experts_only", ("",))[0]):
+            entry["ep"] = _compare_ep(mt, plan, ep_mesh)
+        ntp.set_default_mesh(mesh)
         results[mt] = entry
         if torch.distributed.get_rank() == 0:
             print(f"[moe families] {mt}: {entry}", flush=True)
@@ -257,13 +337,42 @@ def test_every_moe_family(tmp_path):
     only = sorted(mt for mt, r in results.items() if r.get("experts_only", ("",))[0] == "pass")
     print(f"\n{len(results)} MoE families; whole model passes at tp {TP}: {len(whole)} {whole}")
     print(f"experts-only plan passes (model refused as a whole): {len(only)} {only}")
+    ep = sorted(mt for mt, r in results.items() if r.get("ep", ("",))[0] == "pass")
+    print(f"expert parallelism (tp 1 x ep 2) passes: {len(ep)} {ep}")
     for mt, r in sorted(results.items()):
         line = f"  {mt:24s} {r['whole'][0]:14s} {r['whole'][1]}"
         if "experts_only" in r:
             line += f"\n  {'':24s} experts only: {r['experts_only'][0]} {r['experts_only'][1]}"
+        if "ep" in r:
+            line += f"\n  {'':24s} ep 2: {r['ep'][0]} {r['ep'][1]}"
         print(line)
     failing = {mt: r for mt, r in results.items() if "fail" in (v[0] for v in r.values())}
     lost = sorted(set(EXPECTED_PASS) - set(whole)) + sorted(set(EXPECTED_EXPERTS_ONLY) - set(only))
     assert not lost, f"families that no longer pass: {lost}"
+    assert ep == sorted(whole + only), f"passing at tp, not under ep: {set(whole + only) - set(ep)}"
     assert not failing, f"accepted then failed: {json.dumps(failing, indent=1)}"
     assert all(v == "pass" for v in ckpt.values()), ckpt
+    _check_docs_table(results)
+
+
+DOCS = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "moe.md")
+
+
+def _check_docs_table(results: dict) -> None:
+    """docs/moe.md's family table is what this sweep proves; ``NTP_WRITE_MOE_TABLE=1``
+    rewrites it from the results instead."""
+    want = family_table(results)
+    with open(DOCS) as f:
+        text = f.read()
+    have = docs_table(text)
+    if os.environ.get("NTP_WRITE_MOE_TABLE") == "1":
+        assert have is not None, "docs/moe.md has no generated family table to replace"
+        with open(DOCS, "w") as f:
+            f.write(text.replace(have, want))
+        return
+    stale = sorted(set((have or "").splitlines()) ^ set(want.splitlines()))
+    assert have == want, (
+        "docs/moe.md's MoE family table differs from what the sweep proves (rewrite it with "
+        "NTP_WRITE_MOE_TABLE=1 pytest tests/hf/test_moe_families.py); lines that differ:\n"
+        + "\n".join(stale)
+    )

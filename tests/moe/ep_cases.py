@@ -32,6 +32,7 @@ class Case:
     capacity_factor: float | None = None
     skew: float = 0.0  # added to expert 0's router logit: makes it overflow
     seed: int = 0
+    repeat: bool = False  # every token's last slot repeats its first expert (hash routers)
 
 
 def weights(c: Case) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,6 +51,8 @@ def rank_data(c: Case, ep_rank: int):
     logits = torch.randn(c.tokens, c.experts, generator=g)
     logits[:, 0] += c.skew
     vals, ids = logits.softmax(-1).topk(c.k, dim=-1)
+    if c.repeat:
+        ids[:, -1] = ids[:, 0]
     w = vals / vals.sum(-1, keepdim=True)
     grad = torch.randn(c.tokens, c.hidden, generator=g)
     return x, ids, w, grad
@@ -133,6 +136,10 @@ def compare(pending, atol=1e-5, rtol=1e-5) -> int:
 
 
 XLA_CASES = [Case(), Case(tokens=12, capacity_factor=1.0, skew=1.5, seed=4)]
+# Families sharded behind transformers' experts interface, under ep on the devices: softmax
+# over the top-k logits with biased, transposed, interleaved experts (gpt-oss); sigmoid scores
+# and the dense call (Llama-4); sigmoid with a correction bias (MiniMax-M2).
+XLA_FAMILIES = ("gpt_oss", "llama4_text", "minimax_m2")
 
 
 def xla_job() -> dict:
@@ -175,10 +182,12 @@ def xla_job() -> dict:
     import ep_model_xla
 
     model, zero1 = ep_model_xla.run(), ep_model_xla.run_zero1()
+    families = {f: ep_model_xla.run(f"family:{f}", steps=2) for f in XLA_FAMILIES}
     return {
         "rank": mesh.rank,
         "checks": n,
         "new_compiles": new_compiles,
         "model": model,
         "zero1": zero1,
+        "families": families,
     }

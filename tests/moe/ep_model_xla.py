@@ -11,9 +11,11 @@ import copy
 import threading
 
 import torch
+from moe_xla_cases import XLA_OVERRIDES
 
 import neuron_tp as ntp
 from moe_archs import V, build_moe
+from moe_families import build_family
 from neuron_tp import hf
 from neuron_tp.backend.graphs import graph_counters
 from neuron_tp.optim.grads import reduce_gradients
@@ -43,8 +45,12 @@ def _models(name: str):
     world = ntp.get_mesh().world_size
     mesh = ntp.init_mesh(tp=1, ep=world)
     dev = ntp.xla_device()
-    with serial():
-        ref = build_moe(name, num_experts=2 * world).train()
+    with serial():  # "family:<model_type>": any MoE family (4 experts), its XLA-sized windows
+        fam = name.removeprefix("family:")
+        if fam != name:
+            ref = build_family(fam, **XLA_OVERRIDES.get(fam, {})).train()
+        else:
+            ref = build_moe(name, num_experts=2 * world).train()
     m = ntp.move_to(hf.parallelize(copy.deepcopy(ref), mesh, parallel_loss=True), dev)
     return mesh, dev, ref, m
 

@@ -19,15 +19,17 @@ import torch
 
 import gloo_dist
 from moe_archs import V, build_moe
+from moe_families import build_family
 from neuron_tp import checkpoint
 from neuron_tp.errors import UserError
 from neuron_tp.hf import gather_hf_state_dict, parallelize
-from neuron_tp.moe import ParallelMoEBlock, set_moe_mode
+from neuron_tp.moe import TPExperts, TPInterfaceExperts, set_moe_mode
 from neuron_tp.optim.grads import reduce_gradients
 from neuron_tp.optim.zero1 import Zero1
 from neuron_tp.parallel.mesh import Mesh, init_mesh
 
 ROWS = 2  # sequences per rank
+EXPERTS = (TPExperts, TPInterfaceExperts)
 MAX_NORM = 0.05  # small enough to clip
 
 
@@ -38,6 +40,21 @@ def _mesh(tp: int, ep: int) -> Mesh:
 
 def _close(a, b, what, atol=2e-5):
     torch.testing.assert_close(a, b, atol=atol, rtol=1e-4, msg=lambda m: f"{what}: {m}")
+
+
+def _build(name: str, **cfg):
+    """A tiny model: ``family:<model_type>`` any MoE family (tests/helpers/moe_families.py),
+    else one of tests/helpers/moe_archs.py."""
+    fam = name.removeprefix("family:")
+    return build_family(fam, **cfg) if fam != name else build_moe(name, **cfg)
+
+
+def _moe_layers(model) -> int:
+    """The number of routed-experts modules (fused 3-D weights) of a transformers model."""
+    return sum(
+        n.endswith(".experts") and any(p.dim() == 3 for p in m.parameters(recurse=False))
+        for n, m in model.named_modules()
+    )
 
 
 def _batch(step: int, dp: int) -> torch.Tensor:
@@ -53,18 +70,21 @@ def _train(
     reference; checks every step."""
     mesh = _mesh(tp, ep)
     tag = f"{name} tp={tp} ep={ep} sp={sp} zero1={zero1}"
-    ref = build_moe(name, **cfg).train()
+    ref = _build(name, **cfg).train()
     m = parallelize(copy.deepcopy(ref), mesh, sequence_parallel=sp, parallel_loss=True)
     if cf is not None:
-        assert set_moe_mode(m, "capacity", capacity_factor=cf) == len(ref.model.layers)
+        assert set_moe_mode(m, "capacity", capacity_factor=cf) == _moe_layers(ref)
     local = {n: p.shape for n, p in m.named_parameters() if n.endswith("experts.down_proj")}
     full = ref.get_parameter(next(iter(local))).shape
     assert next(iter(local.values()))[0] == full[0] // ep, f"{tag}: experts not spread over ep"
-    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    # families (random inits with near-zero gradients): an eps above the gradients' rounding
+    # noise, or AdamW's first step (g / |g|) turns that noise into whole-step differences
+    adam = dict(lr=1e-2, eps=1e-6 if name.startswith("family:") else 1e-8)
+    opt_ref = torch.optim.AdamW(ref.parameters(), **adam)
     if zero1:
-        opt = Zero1(m, mesh=mesh, lr=1e-2)
+        opt = Zero1(m, mesh=mesh, **adam)
     else:
-        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        opt = torch.optim.AdamW(m.parameters(), **adam)
     dp, d = mesh.dp_size, mesh.dp_rank
     for step in range(steps):
         ids = _batch(step, dp)
@@ -74,7 +94,7 @@ def _train(
         want_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
         out = m(rows[d], labels=rows[d])
         if cf is not None:  # capacity = every token: the all-to-all buffers drop nothing
-            drops = [int(b.experts.dropped) for b in m.modules() if isinstance(b, ParallelMoEBlock)]
+            drops = [int(x.dropped) for x in m.modules() if isinstance(x, EXPERTS)]
             assert drops and not any(drops), f"{tag}: dropped {drops}"
         _close(out.loss, losses[d], f"{tag} step {step} loss")
         out.loss.backward()
@@ -112,6 +132,28 @@ def _checkpoint(tmp: str) -> None:
         for n, p in other.named_parameters():
             if n.endswith("experts.gate_up_proj") and ep == 2:
                 _close(o_opt.state[p]["exp_avg"], opt.state[pm[n]]["exp_avg"], n, atol=0)
+
+
+def _family_checkpoint(tmp: str) -> None:
+    """Families behind transformers' experts interface: a checkpoint saved at tp 2 x ep 2
+    after an AdamW step loads at tp 1 (dp 4), tp 4 and tp 2 x ep 2: the weights are the saved
+    ones, and the eval logits equal transformers' model holding those weights."""
+    for fam in ("gpt_oss", "llama4_text"):
+        m, opt = _train(f"family:{fam}", 2, 2, steps=1)
+        path = checkpoint.save(os.path.join(tmp, f"fam-{fam}"), m, opt, step=1, mesh=_mesh(2, 2))
+        want = gather_hf_state_dict(m)
+        ref = _build(f"family:{fam}", seed=7)
+        ref.load_state_dict(want)
+        ids = _batch(9, 1)
+        for tp, ep in ((1, 1), (4, 1), (2, 2)):
+            other = parallelize(_build(f"family:{fam}", seed=7), _mesh(tp, ep))
+            checkpoint.load(path, other, mesh=_mesh(tp, ep))
+            got = gather_hf_state_dict(other)
+            for n, t in want.items():
+                _close(got[n], t, f"{fam} at tp={tp} ep={ep}: {n}", atol=0)
+            with torch.no_grad():
+                logits, expect = other.eval()(ids).logits, ref.eval()(ids).logits
+            _close(logits, expect, f"{fam} logits at tp={tp} ep={ep}")
 
 
 def _zero1_resume(tmp: str) -> None:
@@ -258,6 +300,18 @@ CASES = {
     "zero1_ep2_of_dp4": lambda tmp: _train("glm4_moe", 1, 2, zero1=True),
     "zero1_resume_and_refusal": _zero1_resume,
     "cli_train_ep2_equals_ep1": _cli,
+    # Families sharded behind transformers' experts interface (only the experts replaced):
+    # softmax over the top-k logits with transposed, interleaved, biased experts (gpt-oss);
+    # sigmoid scores and the dense [E*T, H] call (Llama-4); sigmoid with a correction bias
+    # (MiniMax-M2); softmax or sigmoid selection (Cohere2-MoE, with SP); softmax top-k at one
+    # expert per rank in capacity mode (Hunyuan).
+    "gpt_oss_tp2_ep2": lambda tmp: _train("family:gpt_oss", 2, 2),
+    "llama4_text_tp2_ep2": lambda tmp: _train("family:llama4_text", 2, 2),
+    "minimax_m2_tp2_ep2": lambda tmp: _train("family:minimax_m2", 2, 2),
+    "cohere2_moe_tp2_ep2_sp": lambda tmp: _train("family:cohere2_moe", 2, 2, sp=True),
+    "hunyuan_capacity_ep4": lambda tmp: _train("family:hunyuan_v1_moe", 1, 4, cf=4.0),
+    "zero1_gpt_oss_ep2_tp2": lambda tmp: _train("family:gpt_oss", 2, 2, zero1=True),
+    "family_checkpoint_across_tp_and_ep": _family_checkpoint,
 }
 
 

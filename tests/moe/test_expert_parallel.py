@@ -1,9 +1,9 @@
 """Expert parallelism on gloo ranks, ONE 4-rank launch: ep 2 (two groups), ep 3 and ep 4,
 ep 2 x tp 2 (experts over the dp pairs, each a tp slice of its intermediate dim), 1 expert per
-rank with k=3, dropless by default and with capacity factors (large: exact; small: the
-documented drops, counted), against the loop over experts on the unsharded weights
-(ep_cases.py): outputs and gradients of x, the routing weights and the local experts. Bad
-shapes are refused before any collective."""
+rank with k=3, dropless by default (also when a token picks one expert twice) and with capacity
+factors (large: exact; small: the documented drops, counted), against the loop over experts on
+the unsharded weights (ep_cases.py): outputs and gradients of x, the routing weights and the
+local experts. Bad shapes are refused before any collective."""
 
 from __future__ import annotations
 
@@ -28,6 +28,8 @@ CASES = {
     "ep4_capacity_large_exact": ("world", Case(capacity_factor=4.0, skew=2.0, seed=3)),
     "ep4_capacity_small_drops": ("world", Case(capacity_factor=0.5, skew=2.0, seed=3)),
     "ep2_capacity_drops": ("tp", Case(tokens=12, capacity_factor=1.0, skew=1.5, seed=4)),
+    # every token picks expert 0 twice: 2T pairs for a T-row buffer unless repeats fold
+    "ep4_repeated_expert_dropless": ("world", Case(skew=6.0, repeat=True, seed=6)),
     "bad_input": (None, None),
 }
 
