@@ -53,6 +53,7 @@ class ServerMetrics:
         self,
         queue_depth: Callable[[], int],
         slots_in_use: Callable[[], int],
+        *,
         prefix: Callable[[], PrefixStats | None] = lambda: None,
         speculation: Callable[[], object] = lambda: None,
     ):

@@ -58,7 +58,10 @@ def create_app(engine: Engine, model_name: str, limits: ServeLimits | None = Non
 
     limits = limits or ServeLimits()
     metrics = ServerMetrics(
-        engine.queue_depth, engine.slots_in_use, engine.prefix_stats, engine.speculation
+        engine.queue_depth,
+        engine.slots_in_use,
+        prefix=engine.prefix_stats,
+        speculation=engine.speculation,
     )
     app = FastAPI(title="neuron-tp serve")
     paths: set[str] = set()

@@ -118,7 +118,13 @@ def expert_parallel_mlp(
         return torch.bmm(act(gate) * up, down.transpose(1, 2))
 
     return dispatch_to_experts(
-        x, topk_ids, topk_weights, experts, gate_up.shape[0], group, capacity_factor
+        x,
+        topk_ids,
+        topk_weights,
+        experts,
+        local_experts=gate_up.shape[0],
+        group=group,
+        capacity_factor=capacity_factor,
     )
 
 
@@ -127,6 +133,7 @@ def dispatch_to_experts(
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
     experts: Callable[[torch.Tensor], torch.Tensor],
+    *,
     local_experts: int,
     group: Group,
     capacity_factor: float | None = None,

@@ -217,7 +217,13 @@ class TPInterfaceExperts(ModeDispatch, nn.Module):
             raise ValueError("MoE mode 'capacity' needs a capacity_factor")
         e_local = self.num_experts // self.mesh.ep_size
         out, self.dropped = dispatch_to_experts(
-            x, idx, w, self._per_expert, e_local, self.mesh.group("ep"), cf
+            x,
+            idx,
+            w,
+            self._per_expert,
+            local_experts=e_local,
+            group=self.mesh.group("ep"),
+            capacity_factor=cf,
         )
         return out
 

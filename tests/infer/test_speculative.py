@@ -130,14 +130,14 @@ def test_greedy_equals_plain_decoding_tp1():
 
 def test_sampled_end_to_end_follows_the_target():
     """Prompt [1, 2] of a 4-token-vocabulary model, 3 new tokens at temperature 1.3, a draft
-    of random weights, K=2: 1200 seeded requests on 24 slots vs the exact distribution of the
-    64 continuations."""
+    of random weights, K=2: 480 seeded requests on 24 slots vs the exact distribution of the
+    64 continuations (the rule itself is tested with 30,000 streams on tables above)."""
     from neuron_tp.job.presets import build_model
 
     full = peaked(build_model("tiny-llama", 4, 4), 4.0).eval()
     draft = peaked(build_model("tiny-llama", 4, 11), 4.0).eval()
     gen = SpeculativeGenerator(full, draft, 24, max_len=8, k=2, chunk=4)
-    prompt, total, temperature = [1, 2], 1200, 1.3
+    prompt, total, temperature = [1, 2], 480, 1.3
     counts: dict = {}
     with torch.no_grad():
         for first in range(0, total, gen.slots):
@@ -276,9 +276,8 @@ def test_greedy_equals_plain_decoding_tp2_gloo(tmp_path):
     assert engine["max_batch"] == 3 and 0 < engine["accepted"] < engine["proposed"], engine
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_xla_devices_replayed_graphs(tp):
-    """tp on tp XLA CPU devices, replayed graphs: greedy requests of a random schedule equal
+def test_xla_devices_replayed_graphs():
+    """tp 2 on 2 XLA CPU devices, replayed graphs: greedy requests of a random schedule equal
     transformers, sampled ones agree between the ranks; warm-up captured all 5 graphs (target
     prefill greedy + sampled, draft prefill, speculative step greedy + sampled) and the
     schedule compiles nothing more."""
@@ -286,6 +285,7 @@ def test_xla_devices_replayed_graphs(tp):
 
     import xla_dist
 
+    tp = 2
     res = xla_dist.run(xla_speculative_cases.job, tp, 16, 6, devices=tp)
     print(res[0]["seconds"])
     reqs = xla_speculative_cases.requests(16, 6)
@@ -306,7 +306,7 @@ def test_metrics_report_the_acceptance():
     stats = SpeculationStats(4, steps=3, row_steps=5, proposed=20, accepted=15, tokens=20)
     found = {}
     for source in (lambda: stats, lambda: None):
-        body, _ = ServerMetrics(lambda: 0, lambda: 0, source).render(None)
+        body, _ = ServerMetrics(lambda: 0, lambda: 0, speculation=source).render(None)
         lines = [ln.split() for ln in body.decode().splitlines() if ln.startswith("neuron_tp_spec")]
         found[source() is None] = {name: float(v) for name, v in lines}
     assert found[False] == {
