@@ -238,3 +238,33 @@ def test_the_plan_pins_are_the_layouts_train_options():
     assert set(PINS) <= set(TRAIN_OPTIONS) <= {f.name for f in fields(Layout)}
     train = option_flags(TrainConfig)
     assert {n: train[n] for n in PINS} == option_flags(LayoutPins)
+
+
+def listed_modules(doc: Path = REPO / "docs" / "architecture.md") -> dict[str, set[str]]:
+    """``{room: modules}`` from the bracketed lists of docs/architecture.md's "rooms and their
+    modules" block (a room's list may wrap over several lines)."""
+    text = doc.read_text()
+    block = re.search(r"## The rooms and their modules\n\n```\n(.*?)```", text, re.S)
+    assert block, f"{doc}: no rooms-and-modules block"
+    out: dict[str, set[str]] = {}
+    for m in re.finditer(r"neuron_tp/(\w+)/\s.*?\[([^\]]*)\]", block.group(1), re.S):
+        out[m.group(1)] = {n.strip() for n in m.group(2).replace("\n", " ").split(",")}
+    return out
+
+
+def test_the_docs_list_every_module_of_every_room():
+    listed = listed_modules()
+    actual: dict[str, set[str]] = {}
+    for f in (REPO / PKG).glob("*/*.py"):
+        if f.stem != "__init__":
+            actual.setdefault(f.parent.name, set()).add(f.stem)
+    assert set(listed) == set(actual), (sorted(listed), sorted(actual))
+    wrong = {
+        room: {
+            "missing": sorted(actual[room] - listed[room]),
+            "gone": sorted(listed[room] - actual[room]),
+        }
+        for room in actual
+        if listed[room] != actual[room]
+    }
+    assert not wrong, f"docs/architecture.md's module lists differ from the package: {wrong}"
