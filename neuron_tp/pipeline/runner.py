@@ -1,0 +1,156 @@
+"""Running one optimizer step's micro-batches through the stages, tick by tick.
+
+Every rank walks the same :class:`~neuron_tp.pipeline.schedule.Schedule`: in a tick it runs its
+stage's task (forward of a micro-batch piece, keeping the piece's input and output; or its
+backward, from the loss on the last piece or from the gradient the next stage sent), then every
+rank takes part in the tick's :class:`~neuron_tp.pipeline.exchange.Exchange`. On XLA each task
+and each exchange is its own graph, so a stage compiles a fixed set (a forward and a backward
+per piece, the exchange) whatever the number of micro-batches; gradients are accumulated into
+buffers that exist from the start (the backward graph is the same for every micro-batch).
+
+The loss is the sum of the last stage's token losses times ``scale`` (1 / the step's loss
+tokens: the mean over every loss token of the global batch, as at pp 1); :meth:`step` returns
+it summed over the pp group, so every rank holds the step's loss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..backend.graphs import step_boundary
+from ..parallel import comm
+from .exchange import Exchange, Sent
+from .schedule import Schedule, Task
+from .stages import PipelineStage
+
+
+class PipelineRunner:
+    """Runs :meth:`step` for ``stage`` under ``schedule``; micro-batches are ``[batch, seq]``.
+
+    ``sequence_parallel``: the boundary carries this rank's sequence shard (``seq / tp``)."""
+
+    def __init__(
+        self,
+        stage: PipelineStage,
+        schedule: Schedule,
+        *,
+        batch: int,
+        seq: int,
+        device: torch.device,
+        sequence_parallel: bool = False,
+        method: str | None = None,
+    ):
+        if schedule.stages != stage.plan.stages or schedule.virtual != stage.plan.virtual:
+            raise ValueError(
+                f"schedule of {schedule.stages} x {schedule.virtual} pieces for a stage plan of "
+                f"{stage.plan.stages} x {stage.plan.virtual}"
+            )
+        self.stage, self.schedule, self.device = stage, schedule, device
+        mesh = stage.mesh
+        local_seq = seq // mesh.tp_size if sequence_parallel else seq
+        hidden = stage.model.config.hidden_size
+        dtype = next(stage.model.parameters()).dtype
+        self.exchange = Exchange(mesh.pp, (batch, local_seq, hidden), dtype, device, method)
+        self.positions = torch.arange(seq, device=device).unsqueeze(0)
+        self.tasks_run = 0  # graphs cut for tasks and exchanges (XLA), for reports
+
+    def _cut(self) -> None:
+        step_boundary(self.device)
+
+    def _grads_ready(self) -> None:
+        """Gradient buffers exist before the first backward (one backward graph)."""
+        for p in self.stage.model.parameters():
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
+
+    def step(self, micro_batches: Sequence[dict], scale: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of every micro-batch (dicts with ``input_ids`` and ``labels``,
+        the same on every stage); gradients accumulate in the parameters' ``.grad``. Returns
+        the step's loss (device tensor, equal on every rank of the pp group)."""
+        sched, st = self.schedule, self.stage
+        if len(micro_batches) != sched.micro_batches:
+            raise ValueError(
+                f"the schedule takes {sched.micro_batches} micro-batches, got {len(micro_batches)}"
+            )
+        self._grads_ready()
+        loss = torch.zeros(1, dtype=torch.float32, device=self.device)
+        scale = scale.to(self.device).reshape(1).float()
+        self._cut()
+        inbox_f: dict[tuple[int, int], torch.Tensor] = {}
+        inbox_b: dict[tuple[int, int], torch.Tensor] = {}
+        saved: dict[tuple[int, int], tuple] = {}
+        me = st.stage
+        for tick in sched.ticks:
+            task = tick[me]
+            sent = Sent()
+            if task is not None:
+                out, loss = self._run(task, micro_batches, scale, loss, inbox_f, inbox_b, saved)
+                if task.kind == "F":
+                    sent.forward = out
+                else:
+                    sent.backward = out
+                self._cut()
+            self._exchange_tick(tick, sent, inbox_f, inbox_b)
+        assert not saved and not inbox_f and not inbox_b, "schedule left work behind"
+        self.exchange.meet()  # the caller's next graph holds pp collectives (loss, norm)
+        return comm.all_reduce(loss, st.mesh.pp)
+
+    def _exchange_tick(self, tick, sent: Sent, inbox_f: dict, inbox_b: dict) -> None:
+        """The tick's exchange (skipped by every rank when no stage sends anything)."""
+        p, me = self.schedule.stages, self.stage.stage
+        if not any(
+            self._sends_forward(x, s) or self._sends_backward(x, s) for s, x in enumerate(tick)
+        ):
+            return
+        f_from = self._sends_forward(tick[(me - 1) % p], (me - 1) % p)
+        b_from = self._sends_backward(tick[(me + 1) % p], (me + 1) % p)
+        self.exchange.meet()
+        got_f, got_b = self.exchange(sent, f_from is not None, b_from is not None)
+        if f_from is not None:
+            inbox_f[f_from] = got_f
+        if b_from is not None:
+            inbox_b[b_from] = got_b
+        self._cut()
+
+    def _sends_forward(self, task: Task | None, stage: int) -> tuple[int, int] | None:
+        """(micro-batch, receiving virtual stage) when ``stage`` sends an activation now."""
+        if task is None or task.kind != "F":
+            return None
+        j = self.schedule.virtual_stage(stage, task.chunk)
+        return (task.micro, j + 1) if j < self.schedule.last_virtual else None
+
+    def _sends_backward(self, task: Task | None, stage: int) -> tuple[int, int] | None:
+        if task is None or task.kind != "B":
+            return None
+        j = self.schedule.virtual_stage(stage, task.chunk)
+        return (task.micro, j - 1) if j > 0 else None
+
+    def _run(self, task, micro_batches, scale, loss, inbox_f, inbox_b, saved):
+        """One task; returns (what it sends or None, the loss accumulator)."""
+        st = self.stage
+        j = self.schedule.virtual_stage(st.stage, task.chunk)
+        key = (task.micro, j)
+        batch = micro_batches[task.micro]
+        if task.kind == "F":
+            if st.is_first_piece(task.chunk):
+                x = batch["input_ids"].to(self.device)
+            else:
+                x = inbox_f.pop(key).requires_grad_(True)
+            out = st.forward(task.chunk, x, self.positions)
+            if st.is_last_piece(task.chunk):
+                out = st.loss_sum(out, batch["labels"]).float().reshape(1) * scale
+                loss = loss + out.detach()
+                saved[key] = (x, out)
+                return None, loss
+            saved[key] = (x, out)
+            return out.detach(), loss
+        x, out = saved.pop(key)
+        if st.is_last_piece(task.chunk):
+            out.backward()
+        else:
+            out.backward(inbox_b.pop(key))
+        if st.is_first_piece(task.chunk):
+            return None, loss
+        return x.grad, loss
