@@ -15,6 +15,7 @@ it summed over the pp group, so every rank holds the step's loss.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
@@ -54,7 +55,7 @@ class PipelineRunner:
         dtype = next(stage.model.parameters()).dtype
         self.exchange = Exchange(mesh.pp, (batch, local_seq, hidden), dtype, device, method)
         self.positions = torch.arange(seq, device=device).unsqueeze(0)
-        self.tasks_run = 0  # graphs cut for tasks and exchanges (XLA), for reports
+        self.busy_seconds = 0.0  # host time in tasks (eager devices: compute), for reports
 
     def _cut(self) -> None:
         step_boundary(self.device)
@@ -86,7 +87,9 @@ class PipelineRunner:
             task = tick[me]
             sent = Sent()
             if task is not None:
+                began = time.perf_counter()
                 out, loss = self._run(task, micro_batches, scale, loss, inbox_f, inbox_b, saved)
+                self.busy_seconds += time.perf_counter() - began
                 if task.kind == "F":
                     sent.forward = out
                 else:

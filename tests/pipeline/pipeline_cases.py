@@ -119,10 +119,10 @@ def _hf_name(name: str, tied: bool) -> str:
     return "model.embed_tokens.weight" if tied and name == "lm_head.weight" else name
 
 
-def run(case: str, device: str = "cpu", steps: int = 2, more_m: int = 0) -> dict:
+def run(case: str, device: str = "cpu", steps: int = 2, more_m: tuple = ()) -> dict:
     """Train the case's pipeline for ``steps`` steps and compare with :func:`reference`; returns
-    what was compared (names) and the numbers the tests report. With ``more_m`` (XLA), two
-    more steps at ``more_m`` micro-batches: ``compiles`` after every step."""
+    what was compared (names) and the numbers the tests report. ``more_m`` (XLA): one more
+    step at each of these numbers of micro-batches; ``compiles`` after every step."""
     if device != "cpu":
         global torch_xla
         import torch_xla
@@ -176,12 +176,12 @@ def run(case: str, device: str = "cpu", steps: int = 2, more_m: int = 0) -> dict
         want = ref["weights"][_hf_name(k, cfg["tied"])]
         torch.testing.assert_close(w.cpu(), want, **TOL, msg=lambda m, k=k: f"weight {k}: {m}")
         checked.append(f"weight {k}")
-    for _ in range(2 if more_m else 0):  # more micro-batches: the same graphs
-        more = schedules.build(name, cfg["pp"], more_m, cfg["v"])
+    for m in more_m:  # the same step at other numbers of micro-batches: the same graphs
+        more = schedules.build(name, cfg["pp"], m, cfg["v"])
         runner = PipelineRunner(
             stage, more, batch=BATCH, seq=SEQ, device=dev, sequence_parallel=cfg["sp"]
         )
-        batches = micro_batches(more_m, cfg["dp"])
+        batches = micro_batches(m, cfg["dp"])
         opt.zero_grad(set_to_none=True)
         runner.step(batches[mesh.dp_rank], torch.tensor([mesh.dp_size / _tokens(batches)]))
         sum_tied_grads(stage)
