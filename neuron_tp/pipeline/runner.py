@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -70,37 +71,36 @@ class PipelineRunner:
         """Forward and backward of every micro-batch (dicts with ``input_ids`` and ``labels``,
         the same on every stage); gradients accumulate in the parameters' ``.grad``. Returns
         the step's loss (device tensor, equal on every rank of the pp group)."""
-        sched, st = self.schedule, self.stage
-        if len(micro_batches) != sched.micro_batches:
+        if len(micro_batches) != self.schedule.micro_batches:
             raise ValueError(
-                f"the schedule takes {sched.micro_batches} micro-batches, got {len(micro_batches)}"
+                f"the schedule takes {self.schedule.micro_batches} micro-batches, got "
+                f"{len(micro_batches)}"
             )
         self._grads_ready()
-        loss = torch.zeros(1, dtype=torch.float32, device=self.device)
-        scale = scale.to(self.device).reshape(1).float()
+        state = _StepState(
+            micro_batches,
+            scale.to(self.device).reshape(1).float(),
+            torch.zeros(1, dtype=torch.float32, device=self.device),
+        )
         self._cut()
-        inbox_f: dict[tuple[int, int], torch.Tensor] = {}
-        inbox_b: dict[tuple[int, int], torch.Tensor] = {}
-        saved: dict[tuple[int, int], tuple] = {}
-        me = st.stage
-        for tick in sched.ticks:
-            task = tick[me]
+        for tick in self.schedule.ticks:
+            task = tick[self.stage.stage]
             sent = Sent()
             if task is not None:
                 began = time.perf_counter()
-                out, loss = self._run(task, micro_batches, scale, loss, inbox_f, inbox_b, saved)
+                out = self._run(task, state)
                 self.busy_seconds += time.perf_counter() - began
                 if task.kind == "F":
                     sent.forward = out
                 else:
                     sent.backward = out
                 self._cut()
-            self._exchange_tick(tick, sent, inbox_f, inbox_b)
-        assert not saved and not inbox_f and not inbox_b, "schedule left work behind"
+            self._exchange_tick(tick, sent, state)
+        assert not (state.saved or state.inbox_f or state.inbox_b), "schedule left work behind"
         self.exchange.meet()  # the caller's next graph holds pp collectives (loss, norm)
-        return comm.all_reduce(loss, st.mesh.pp)
+        return comm.all_reduce(state.loss, self.stage.mesh.pp)
 
-    def _exchange_tick(self, tick, sent: Sent, inbox_f: dict, inbox_b: dict) -> None:
+    def _exchange_tick(self, tick, sent: Sent, state: _StepState) -> None:
         """The tick's exchange (skipped by every rank when no stage sends anything)."""
         p, me = self.schedule.stages, self.stage.stage
         if not any(
@@ -112,9 +112,9 @@ class PipelineRunner:
         self.exchange.meet()
         got_f, got_b = self.exchange(sent, f_from is not None, b_from is not None)
         if f_from is not None:
-            inbox_f[f_from] = got_f
+            state.inbox_f[f_from] = got_f
         if b_from is not None:
-            inbox_b[b_from] = got_b
+            state.inbox_b[b_from] = got_b
         self._cut()
 
     def _sends_forward(self, task: Task | None, stage: int) -> tuple[int, int] | None:
@@ -130,30 +130,40 @@ class PipelineRunner:
         j = self.schedule.virtual_stage(stage, task.chunk)
         return (task.micro, j - 1) if j > 0 else None
 
-    def _run(self, task, micro_batches, scale, loss, inbox_f, inbox_b, saved):
-        """One task; returns (what it sends or None, the loss accumulator)."""
+    def _run(self, task: Task, state: _StepState) -> torch.Tensor | None:
+        """One task; returns what it sends (None: nothing)."""
         st = self.stage
-        j = self.schedule.virtual_stage(st.stage, task.chunk)
-        key = (task.micro, j)
-        batch = micro_batches[task.micro]
+        key = (task.micro, self.schedule.virtual_stage(st.stage, task.chunk))
+        batch = state.micro_batches[task.micro]
         if task.kind == "F":
             if st.is_first_piece(task.chunk):
                 x = batch["input_ids"].to(self.device)
             else:
-                x = inbox_f.pop(key).requires_grad_(True)
+                x = state.inbox_f.pop(key).requires_grad_(True)
             out = st.forward(task.chunk, x, self.positions)
-            if st.is_last_piece(task.chunk):
-                out = st.loss_sum(out, batch["labels"]).float().reshape(1) * scale
-                loss = loss + out.detach()
-                saved[key] = (x, out)
-                return None, loss
-            saved[key] = (x, out)
-            return out.detach(), loss
-        x, out = saved.pop(key)
+            state.saved[key] = (x, out)
+            if not st.is_last_piece(task.chunk):
+                return out.detach()
+            loss = st.loss_sum(out, batch["labels"]).float().reshape(1) * state.scale
+            state.saved[key] = (x, loss)
+            state.loss = state.loss + loss.detach()
+            return None
+        x, out = state.saved.pop(key)
         if st.is_last_piece(task.chunk):
             out.backward()
         else:
-            out.backward(inbox_b.pop(key))
-        if st.is_first_piece(task.chunk):
-            return None, loss
-        return x.grad, loss
+            out.backward(state.inbox_b.pop(key))
+        return None if st.is_first_piece(task.chunk) else x.grad
+
+
+@dataclass
+class _StepState:
+    """What one step's tasks share: the micro-batches, the loss scale and accumulator, the
+    buffers received (by (micro-batch, virtual stage)) and the pieces kept for backward."""
+
+    micro_batches: Sequence[dict]
+    scale: torch.Tensor
+    loss: torch.Tensor
+    inbox_f: dict = field(default_factory=dict)
+    inbox_b: dict = field(default_factory=dict)
+    saved: dict = field(default_factory=dict)
