@@ -49,7 +49,7 @@ class PipelineRunner:
                 f"schedule of {schedule.stages} x {schedule.virtual} pieces for a stage plan of "
                 f"{stage.plan.stages} x {stage.plan.virtual}"
             )
-        self.stage, self.schedule, self.device = stage, schedule, device
+        self.stage, self.schedule, self.device = stage, schedule, torch.device(device)
         mesh = stage.mesh
         local_seq = seq // mesh.tp_size if sequence_parallel else seq
         hidden = stage.model.config.hidden_size
