@@ -54,8 +54,8 @@ class PipelineRunner:
         local_seq = seq // mesh.tp_size if sequence_parallel else seq
         hidden = stage.model.config.hidden_size
         dtype = next(stage.model.parameters()).dtype
-        self.exchange = Exchange(mesh.pp, (batch, local_seq, hidden), dtype, device, method)
-        self.positions = torch.arange(seq, device=device).unsqueeze(0)
+        self.exchange = Exchange(mesh.pp, (batch, local_seq, hidden), dtype, self.device, method)
+        self.positions = torch.arange(seq, device=self.device).unsqueeze(0)
         self.busy_seconds = 0.0  # host time in tasks (eager devices: compute), for reports
 
     def _cut(self) -> None:
