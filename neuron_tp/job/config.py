@@ -185,6 +185,29 @@ class PlanConfig:
 
 
 @dataclass(frozen=True)
+class PipelineConfig:
+    """Pipeline parallelism (:mod:`neuron_tp.pipeline`): world = pp x dp x tp."""
+
+    pp: int = opt(
+        "--pp",
+        1,
+        "pipeline stages: the decoder layers cut evenly into pp stages (Llama / Mistral / "
+        "Qwen2 / Qwen3); a step's --grad-accum micro-batches flow through them",
+        type=pos(int),
+    )
+    schedule: str = opt(
+        "--pp-schedule",
+        "1f1b",
+        "1f1b (bubble (pp-1)/(M+pp-1)) or interleaved (--virtual-stages chunks per stage, "
+        "bubble (pp-1)/(V*M+pp-1)); M = --grad-accum",
+        choices=("1f1b", "interleaved"),
+    )
+    virtual_stages: int = opt(
+        "--virtual-stages", 1, "--pp-schedule interleaved: model chunks per stage", type=pos(int)
+    )
+
+
+@dataclass(frozen=True)
 class TrainConfig(_CommonConfig):
     """``neuron-tp train`` options (dp = world size / tp)."""
 
@@ -308,6 +331,7 @@ class TrainConfig(_CommonConfig):
     )
     lora: LoraConfig = group(LoraConfig)
     plan: PlanConfig = group(PlanConfig)
+    pipeline: PipelineConfig = group(PipelineConfig)
 
     @property
     def uses_zero1(self) -> bool:

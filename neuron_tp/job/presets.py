@@ -19,6 +19,17 @@ PRESETS = {
         max_position_embeddings=1024,
         tie_word_embeddings=False,
     ),
+    # 4 layers, tied embeddings: room for pipeline stages (--pp 2/4, interleaved chunks)
+    "tiny-llama-4l": dict(
+        model_type="llama",
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+    ),
     "tiny-gpt2": dict(model_type="gpt2", n_embd=64, n_layer=2, n_head=4, n_positions=1024),
     # per-head q/k norms: replicated parameters whose gradients are partial on each tp rank
     "tiny-qwen3": dict(

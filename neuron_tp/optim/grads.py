@@ -1,5 +1,5 @@
 """Gradient synchronisation after backward: data parallelism, sequence-parallel replicated
-parameters, and clipping by the true global norm across tp and dp."""
+parameters, and clipping by the true global norm across tp, dp and pipeline stages."""
 
 from __future__ import annotations
 
@@ -116,7 +116,8 @@ def global_grad_norm(model: nn.Module, mesh: Mesh | None = None) -> torch.Tensor
             experts = experts + sq.sum() * factor
     if mesh.ep_size > 1:
         total = total + comm.all_reduce(experts, mesh.group("ep"))
-    return comm.all_reduce(total, mesh.tp).sqrt()
+    # pipeline stages hold disjoint parameters: their square sums add up
+    return comm.all_reduce(comm.all_reduce(total, mesh.tp), mesh.pp).sqrt()
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float, mesh: Mesh | None = None) -> torch.Tensor:

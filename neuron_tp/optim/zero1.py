@@ -213,7 +213,8 @@ class Zero1:
             edp = self.mesh.group("edp")
             experts = comm.all_reduce(experts, edp) if edp.size > 1 else experts
             total = total + comm.all_reduce(experts, self.mesh.group("ep"))
-        return comm.all_reduce(total, self.mesh.tp).reshape(()).sqrt()
+        total = comm.all_reduce(total, self.mesh.tp)
+        return comm.all_reduce(total, self.mesh.pp).reshape(()).sqrt()  # stages add up
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Scale the shard gradients so the global norm is at most ``max_norm`` (same formula as

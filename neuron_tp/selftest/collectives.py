@@ -12,6 +12,7 @@ import torch
 
 from ..parallel import comm
 from ..parallel.mesh import Group
+from ..pipeline.exchange import Exchange, Sent
 from .context import Context, describe_group
 from .report import Check
 
@@ -119,15 +120,51 @@ def check_collectives(ctx: Context) -> Check:
                         why = diagnose(op, got, group, shape, dim, salt)
                         c.fail(f"rank {ctx.rank}: {what}: {why}")
                         failed_dtypes.setdefault(f"{op} {group.name}", set()).add(dname)
+    done += check_stage_exchange(ctx, c)
     c.numbers = {"collectives": done}
     wrong = len(c.failures)
     c.summary = (
         f"{wrong} of {done} results wrong on rank {ctx.rank}"
         if wrong
-        else f"{done} collectives exact (all_reduce, all_gather, reduce_scatter; fp32, bf16)"
+        else f"{done} collectives exact (all_reduce, all_gather, reduce_scatter, the pipeline "
+        "stage exchange; fp32, bf16)"
     )
     c.hint = hint(ctx, c, failed_dtypes)
     return c
+
+
+def check_stage_exchange(ctx: Context, c: Check) -> int:
+    """The pipeline stage exchange (:mod:`neuron_tp.pipeline.exchange`) with the world as a
+    ring of stages: every rank sends its input forward and another backward in one exchange
+    and must receive exactly its previous rank's and its next rank's (every pair, both
+    directions). Returns the number of results checked."""
+    world = ctx.mesh.group("world")
+    if world.size == 1:
+        return 0
+    done = 0
+    for dname, dtype in DTYPES.items():
+        shape = (2, 3, 4)
+        ex = Exchange(world, shape, dtype, ctx.device)
+        what = f"stage exchange ({ex.method}) over the {describe_group(world)}, {dname}"
+        with ctx.watchdog.doing(what, ctx.stage_limit):
+            sent = Sent(
+                *(rank_input(ctx.rank, shape, salt).to(dtype).to(ctx.device) for salt in (11, 12))
+            )
+            ctx.sync()
+            ex.meet()
+            got = ex(sent, True, True)
+            ctx.sync()
+            got = [g.cpu().float() for g in got]
+        p, r = world.size, world.rank
+        sources = (
+            (world.ranks[(r - 1) % p], 11, "forward"),
+            (world.ranks[(r + 1) % p], 12, "backward"),
+        )
+        for g, (src, salt, direction) in zip(got, sources):
+            done += 1
+            if not torch.equal(g, rank_input(src, shape, salt)):
+                c.fail(f"rank {ctx.rank}: {what}: the {direction} buffer is not rank {src}'s")
+    return done
 
 
 def hint(ctx: Context, c: Check, failed_dtypes: dict[str, set[str]]) -> str:

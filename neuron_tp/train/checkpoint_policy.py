@@ -224,5 +224,7 @@ def save_at_end(run: Run, saved: list[str], finished: bool, trained: bool) -> No
     a finished run's last step unless the periodic save just did (appended to ``saved``)."""
     if trained and run.guard is not None:
         check_finite(run)
+    if run.mesh.pp_size > 1:  # stage checkpoints: not written yet (train.pipelined)
+        return
     if finished and trained and not (saved and saved[-1].endswith(f"{run.step:08d}")):
         saved.append(save(run))

@@ -39,6 +39,7 @@ from ..parallel import comm
 from ..parallel.mesh import Mesh, init_mesh
 from ..parallel.sharding import move_to
 from . import peft_wrap as lora
+from . import pipelined
 from .checkpoint_policy import (
     check_finite,
     claim_output,
@@ -71,9 +72,12 @@ def _layout(config: TrainConfig, world, mesh: Mesh | None) -> Mesh:
             "--sequence-parallel"
         )
     # Valid tp (a square for 2d, a cube for 3d) and ep? This rank's dp rank.
+    pp = config.pipeline.pp
     layout = mesh or Mesh(
-        world.size, world.rank, tp=config.tp, tp_mode=config.tp_mode, ep=config.ep
+        world.size, world.rank, tp=config.tp, tp_mode=config.tp_mode, ep=config.ep, pp=pp
     )
+    if layout.pp_size != pp:
+        raise ValueError(f"mesh has pp={layout.pp_size} but --pp={pp}")
     if layout.ep_size != config.ep:
         raise ValueError(f"mesh has ep={layout.ep_size} but --ep={config.ep}")
     if layout.tp_size != config.tp:
@@ -131,15 +135,21 @@ def setup(args: TrainConfig | argparse.Namespace, mesh: Mesh | None = None) -> R
             cache=config.data_cache,
         )
         evaluation = eval_data(config, tokenizer, layout)
+        pipelined.check_options(config, hf_config, data)
         if any("segment_ids" in d.rows for d in (data, evaluation) if d is not None):
             check_packable(hf_config, config.seq_len)  # packed rows: a given 4D mask
         agree.values, agree.details = startup_values(config, tokenizer, data)
         record, files = checkpoint_assets(resolved, config.model)
     device = rank_device(config.device)  # before any backward (see neuron_tp.xla_device)
     mesh = mesh or init_mesh(
-        tp=config.tp, tp_mode=config.tp_mode, reduce_dtype=config.mesh_reduce_dtype, ep=config.ep
+        tp=config.tp,
+        tp_mode=config.tp_mode,
+        reduce_dtype=config.mesh_reduce_dtype,
+        ep=config.ep,
+        pp=config.pipeline.pp,
     )
     model = _sharded_model(config, mesh, vocab_size(tokenizer))
+    pipeline = pipelined.build(config, mesh, model, device) if mesh.pp_size > 1 else None
     if config.attention == "blockwise":
         use_blockwise_attention(model, config.attention_block)
     apply_activation_checkpointing(model, config.activation_checkpointing)
@@ -168,6 +178,7 @@ def setup(args: TrainConfig | argparse.Namespace, mesh: Mesh | None = None) -> R
         checkpoint_extra={"tokenizer": record},
         checkpoint_files=files,
         eval_data=evaluation,
+        pipeline=pipeline,
     )
 
 
@@ -278,7 +289,9 @@ def train_step(run: Run, log_this_step: bool, on_log: Callable | None) -> None:
     # since the dp gradient reduction averages. A device tensor: the graph stays the same.
     tokens = max(1, run.data.loss_tokens(config.grad_accum))
     per_rank = torch.tensor(tokens / mesh.dp_size, dtype=torch.float32).to(dev)
-    for _ in range(config.grad_accum):
+    if run.pipeline is not None:
+        loss_sum = pipelined.forward_backward(run.pipeline, run.data, per_rank)
+    for _ in range(config.grad_accum if run.pipeline is None else 0):
         batch = {k: t.to(dev) for k, t in run.data.next_batch().items()}
         # a packed batch's 4D mask in the model's dtype (half the bytes of fp32 under --bf16)
         inputs = model_inputs(batch, dtype=config.model_dtype)
@@ -314,7 +327,8 @@ def train_step(run: Run, log_this_step: bool, on_log: Callable | None) -> None:
             for t in st.values()
             if isinstance(t, torch.Tensor)
         ]
-        check_same_graph([*model.parameters(), *state, mean_loss, norm], mesh.group("world"))
+        tensors = [*model.parameters(), *state, mean_loss, norm]
+        check_same_graph(tensors, pipelined.guard_group(mesh))
         run.graph_checked = True
     step_boundary(dev)
 
@@ -345,6 +359,8 @@ def train(
     run = setup(args, mesh)
     say = printer if run.mesh.rank == 0 else _silent
     say(run.tokenizer_source)
+    if run.pipeline is not None:
+        say(pipelined.describe(run.pipeline))
     for note in run.data.notes:
         say(note)
     lock = claim_output(run, say)

@@ -12,6 +12,7 @@ from ..job.config import TrainConfig
 from ..job.data import RowData
 from ..optim.adamw import WarmupCosine
 from ..parallel.mesh import Mesh
+from ..pipeline.runner import PipelineRunner
 from .nonfinite import NonFiniteGuard
 
 Printer = Callable[..., None]  # print-like: rank 0's printer, a no-op on the other ranks
@@ -40,3 +41,4 @@ class Run:
     checkpoint_extra: dict = field(default_factory=dict)
     checkpoint_files: dict = field(default_factory=dict)
     eval_data: RowData | None = None  # --eval-data of this dp rank (train.evaluate)
+    pipeline: PipelineRunner | None = None  # --pp > 1: this rank's stage and schedule

@@ -1,0 +1,169 @@
+"""Running one optimizer step's micro-batches through the stages, tick by tick.
+
+Every rank walks the same :class:`~neuron_tp.pipeline.schedule.Schedule`: in a tick it runs its
+stage's task (forward of a micro-batch piece, keeping the piece's input and output; or its
+backward, from the loss on the last piece or from the gradient the next stage sent), then every
+rank takes part in the tick's :class:`~neuron_tp.pipeline.exchange.Exchange`. On XLA each task
+and each exchange is its own graph, so a stage compiles a fixed set (a forward and a backward
+per piece, the exchange) whatever the number of micro-batches; gradients are accumulated into
+buffers that exist from the start (the backward graph is the same for every micro-batch).
+
+The loss is the sum of the last stage's token losses times ``scale`` (1 / the step's loss
+tokens: the mean over every loss token of the global batch, as at pp 1); :meth:`step` returns
+it summed over the pp group, so every rank holds the step's loss.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ..backend.graphs import step_boundary
+from ..parallel import comm
+from .exchange import Exchange, Sent
+from .schedule import Schedule, Task
+from .stages import PipelineStage
+
+
+class PipelineRunner:
+    """Runs :meth:`step` for ``stage`` under ``schedule``; micro-batches are ``[batch, seq]``.
+
+    ``sequence_parallel``: the boundary carries this rank's sequence shard (``seq / tp``)."""
+
+    def __init__(
+        self,
+        stage: PipelineStage,
+        schedule: Schedule,
+        *,
+        batch: int,
+        seq: int,
+        device: torch.device,
+        sequence_parallel: bool = False,
+        method: str | None = None,
+    ):
+        if schedule.stages != stage.plan.stages or schedule.virtual != stage.plan.virtual:
+            raise ValueError(
+                f"schedule of {schedule.stages} x {schedule.virtual} pieces for a stage plan of "
+                f"{stage.plan.stages} x {stage.plan.virtual}"
+            )
+        self.stage, self.schedule, self.device = stage, schedule, torch.device(device)
+        mesh = stage.mesh
+        local_seq = seq // mesh.tp_size if sequence_parallel else seq
+        hidden = stage.model.config.hidden_size
+        dtype = next(stage.model.parameters()).dtype
+        self.exchange = Exchange(mesh.pp, (batch, local_seq, hidden), dtype, self.device, method)
+        self.positions = torch.arange(seq, device=self.device).unsqueeze(0)
+        self.busy_seconds = 0.0  # host time in tasks (eager devices: compute), for reports
+
+    def _cut(self) -> None:
+        step_boundary(self.device)
+
+    def _grads_ready(self) -> None:
+        """Gradient buffers exist before the first backward (one backward graph)."""
+        for p in self.stage.model.parameters():
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
+
+    def step(self, micro_batches: Sequence[dict], scale: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of every micro-batch (dicts with ``input_ids`` and ``labels``,
+        the same on every stage); gradients accumulate in the parameters' ``.grad``. Returns
+        the step's loss (device tensor, equal on every rank of the pp group)."""
+        if len(micro_batches) != self.schedule.micro_batches:
+            raise ValueError(
+                f"the schedule takes {self.schedule.micro_batches} micro-batches, got "
+                f"{len(micro_batches)}"
+            )
+        self._grads_ready()
+        state = _StepState(
+            micro_batches,
+            scale.to(self.device).reshape(1).float(),
+            torch.zeros(1, dtype=torch.float32, device=self.device),
+        )
+        self._cut()
+        for tick in self.schedule.ticks:
+            task = tick[self.stage.stage]
+            sent = Sent()
+            if task is not None:
+                began = time.perf_counter()
+                out = self._run(task, state)
+                self.busy_seconds += time.perf_counter() - began
+                if task.kind == "F":
+                    sent.forward = out
+                else:
+                    sent.backward = out
+                self._cut()
+            self._exchange_tick(tick, sent, state)
+        assert not (state.saved or state.inbox_f or state.inbox_b), "schedule left work behind"
+        self.exchange.meet()  # the caller's next graph holds pp collectives (loss, norm)
+        return comm.all_reduce(state.loss, self.stage.mesh.pp)
+
+    def _exchange_tick(self, tick, sent: Sent, state: _StepState) -> None:
+        """The tick's exchange (skipped by every rank when no stage sends anything)."""
+        p, me = self.schedule.stages, self.stage.stage
+        if not any(
+            self._sends_forward(x, s) or self._sends_backward(x, s) for s, x in enumerate(tick)
+        ):
+            return
+        f_from = self._sends_forward(tick[(me - 1) % p], (me - 1) % p)
+        b_from = self._sends_backward(tick[(me + 1) % p], (me + 1) % p)
+        self.exchange.meet()
+        got_f, got_b = self.exchange(sent, f_from is not None, b_from is not None)
+        if f_from is not None:
+            state.inbox_f[f_from] = got_f
+        if b_from is not None:
+            state.inbox_b[b_from] = got_b
+        self._cut()
+
+    def _sends_forward(self, task: Task | None, stage: int) -> tuple[int, int] | None:
+        """(micro-batch, receiving virtual stage) when ``stage`` sends an activation now."""
+        if task is None or task.kind != "F":
+            return None
+        j = self.schedule.virtual_stage(stage, task.chunk)
+        return (task.micro, j + 1) if j < self.schedule.last_virtual else None
+
+    def _sends_backward(self, task: Task | None, stage: int) -> tuple[int, int] | None:
+        if task is None or task.kind != "B":
+            return None
+        j = self.schedule.virtual_stage(stage, task.chunk)
+        return (task.micro, j - 1) if j > 0 else None
+
+    def _run(self, task: Task, state: _StepState) -> torch.Tensor | None:
+        """One task; returns what it sends (None: nothing)."""
+        st = self.stage
+        key = (task.micro, self.schedule.virtual_stage(st.stage, task.chunk))
+        batch = state.micro_batches[task.micro]
+        if task.kind == "F":
+            if st.is_first_piece(task.chunk):
+                x = batch["input_ids"].to(self.device)
+            else:
+                x = state.inbox_f.pop(key).requires_grad_(True)
+            out = st.forward(task.chunk, x, self.positions)
+            state.saved[key] = (x, out)
+            if not st.is_last_piece(task.chunk):
+                return out.detach()
+            loss = st.loss_sum(out, batch["labels"]).float().reshape(1) * state.scale
+            state.saved[key] = (x, loss)
+            state.loss = state.loss + loss.detach()
+            return None
+        x, out = state.saved.pop(key)
+        if st.is_last_piece(task.chunk):
+            out.backward()
+        else:
+            out.backward(state.inbox_b.pop(key))
+        return None if st.is_first_piece(task.chunk) else x.grad
+
+
+@dataclass
+class _StepState:
+    """What one step's tasks share: the micro-batches, the loss scale and accumulator, the
+    buffers received (by (micro-batch, virtual stage)) and the pieces kept for backward."""
+
+    micro_batches: Sequence[dict]
+    scale: torch.Tensor
+    loss: torch.Tensor
+    inbox_f: dict = field(default_factory=dict)
+    inbox_b: dict = field(default_factory=dict)
+    saved: dict = field(default_factory=dict)

@@ -1,0 +1,87 @@
+"""Training with pipeline parallelism (``--pp``): the options it refuses (before any
+collective), the cut of the sharded model into this rank's stage, and a step's forward and
+backward through the schedule (:mod:`neuron_tp.pipeline`). A step's micro-batches are its
+``--grad-accum`` batches of ``--micro-batch`` sequences, so the same flags give the same global
+batch with and without pipeline parallelism."""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import UserError
+from ..job.config import TrainConfig
+from ..job.data import RowData
+from ..parallel.mesh import Group, Mesh
+from ..pipeline import schedule as schedules
+from ..pipeline.runner import PipelineRunner
+from ..pipeline.stages import SUPPORTED, plan_stages, split_model, sum_tied_grads
+
+_CONFIGS = {name.replace("ForCausalLM", "Config"): name for name in SUPPORTED}
+
+
+def check_options(config: TrainConfig, hf_config, data: RowData) -> None:
+    """UserError for what ``--pp`` cannot run, naming what works."""
+    pipe = config.pipeline
+    if pipe.pp == 1:
+        if pipe.virtual_stages != 1 or pipe.schedule != "1f1b":
+            raise UserError("--pp-schedule interleaved / --virtual-stages need --pp > 1")
+        return
+    unsupported = [
+        (config.tp_mode != "1d", f"--tp-mode {config.tp_mode}", "--tp-mode 1d"),
+        (config.ep > 1, "--ep", "--ep 1"),
+        (config.lora.r > 0, "--lora-r", "full fine-tuning"),
+        (config.eval.data is not None, "--eval-data", "no --eval-data"),
+        ("segment_ids" in data.rows, "packed rows (--packing)", "--no-packing"),
+        (config.checkpoint.save_every > 0, "--save-every (checkpoints)", "--save-every 0"),
+        (config.checkpoint.resume not in ("auto", "none"), "--resume PATH", "--resume none"),
+    ]
+    for bad, what, works in unsupported:
+        if bad:
+            raise UserError(f"--pp {pipe.pp} does not run with {what} yet; use {works}")
+    if type(hf_config).__name__ not in _CONFIGS:
+        raise UserError(
+            f"--pp cuts {', '.join(SUPPORTED)} models by their decoder layers; "
+            f"{type(hf_config).__name__.replace('Config', '')} is not one of them (use --pp 1)"
+        )
+    plan_stages(hf_config.num_hidden_layers, pipe.pp, pipe.virtual_stages)
+    schedules.check_schedule_options(pipe.schedule, pipe.pp, config.grad_accum, pipe.virtual_stages)
+
+
+def build(config: TrainConfig, mesh: Mesh, model: torch.nn.Module, device) -> PipelineRunner:
+    """Cut ``model`` (sharded, still whole) into this rank's stage, in place, and the runner
+    of its schedule."""
+    pipe = config.pipeline
+    plan = plan_stages(model.config.num_hidden_layers, pipe.pp, pipe.virtual_stages)
+    stage = split_model(model, mesh, plan)
+    sched = schedules.build(pipe.schedule, pipe.pp, config.grad_accum, pipe.virtual_stages)
+    return PipelineRunner(
+        stage,
+        sched,
+        batch=config.micro_batch,
+        seq=config.seq_len,
+        device=device,
+        sequence_parallel=config.sequence_parallel,
+    )
+
+
+def describe(runner: PipelineRunner) -> str:
+    """The startup lines: where the layers went, the schedule and its bubble."""
+    return (
+        f"pipeline: {runner.stage.plan.describe()} (no checkpoints are written at --pp > 1 "
+        f"yet)\n{runner.schedule.summary()}"
+    )
+
+
+def forward_backward(runner: PipelineRunner, data: RowData, per_rank: torch.Tensor):
+    """The step's micro-batches through the stages; returns the step's loss (this dp rank's
+    share, as the loop's own accumulation) with the tied table's gradients summed."""
+    batches = [data.next_batch() for _ in range(runner.schedule.micro_batches)]
+    loss = runner.step(batches, 1.0 / per_rank)
+    sum_tied_grads(runner.stage)
+    return loss
+
+
+def guard_group(mesh: Mesh) -> Group:
+    """The ranks whose step graphs must be the same: all of them at pp 1; else the ranks of
+    one stage and replica (stages trace different graphs)."""
+    return mesh.group("world") if mesh.pp_size == 1 else mesh.tp

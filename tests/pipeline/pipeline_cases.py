@@ -1,0 +1,207 @@
+"""Pipeline training cases run on gloo ranks (test_pipeline_gloo.py) and on XLA CPU devices
+(test_pipeline_xla.py), each against the unsharded transformers model trained with stock torch
+(AdamW, clip_grad_norm_) on the same global batch: the step's loss on every rank, every
+gradient after clipping (gathered over tp, in HF names, for the layers this stage holds), the
+global norm, and the weights after the AdamW steps.
+
+A case name reads ``pp<p>[_tp<t>][_dp<d>][_sp][_tied][_v<v>][_zero1]``."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import re
+import threading
+
+import torch
+import transformers  # noqa: F401  (imported before XLA device threads start)
+
+import neuron_tp as ntp
+from neuron_tp.hf import gather_hf_state_dict, parallelize
+from neuron_tp.optim.adamw import make_optimizer
+from neuron_tp.optim.grads import reduce_gradients
+from neuron_tp.parallel import comm
+from neuron_tp.parallel.sharding import move_to
+from neuron_tp.pipeline import schedule as schedules
+from neuron_tp.pipeline.runner import PipelineRunner
+from neuron_tp.pipeline.stages import plan_stages, split_model, sum_tied_grads
+from tiny_configs import nd_config
+
+LAYERS, BATCH, SEQ, LR, WD, MAX_NORM = 4, 2, 8, 1e-2, 0.1, 0.05
+TOL = dict(atol=2e-5, rtol=2e-4)
+_lock = threading.Lock()
+
+
+@functools.cache
+def _barrier(world: int) -> threading.Barrier:
+    return threading.Barrier(world)
+
+
+def parse(case: str) -> dict:
+    def get(key: str, default: int) -> int:
+        found = re.search(rf"{key}(\d+)", case)
+        return int(found.group(1)) if found else default
+
+    return dict(
+        pp=get("pp", 1),
+        tp=get("tp", 1),
+        v=get("_v", 1),
+        sp="_sp" in case,
+        tied="_tied" in case,
+        zero1="_zero1" in case,
+        m=get("_m", 4),
+    )
+
+
+_local = threading.local()  # XLA devices are threads of one process: one mesh per thread
+
+
+def _mesh(tp: int, pp: int):
+    meshes = _local.__dict__.setdefault("meshes", {})
+    if (tp, pp) not in meshes:
+        meshes[(tp, pp)] = ntp.init_mesh(tp=tp, pp=pp)
+    ntp.set_default_mesh(meshes[(tp, pp)])
+    return meshes[(tp, pp)]
+
+
+def micro_batches(m: int, dp: int, seed: int = 0) -> list[list[dict]]:
+    """``m`` micro-batches for each of ``dp`` replicas (``[dp][m]``), some labels ignored."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(dp):
+        mine = []
+        for _ in range(m):
+            ids = torch.randint(0, 64, (BATCH, SEQ), generator=gen)
+            labels = ids.clone()
+            labels[torch.rand(BATCH, SEQ, generator=gen) < 0.25] = -100
+            mine.append({"input_ids": ids, "labels": labels})
+        out.append(mine)
+    return out
+
+
+def _tokens(batches: list[list[dict]]) -> int:
+    return int(sum((b["labels"][:, 1:] != -100).sum() for rep in batches for b in rep))
+
+
+def reference(cfg: dict, steps: int) -> dict:
+    """The unsharded model trained on the global batch: losses, norms, clipped grads and
+    weights after ``steps`` AdamW steps (same batches every step)."""
+    torch.manual_seed(0)
+    config = nd_config("llama", num_hidden_layers=LAYERS, tie_word_embeddings=cfg["tied"])
+    model = transformers.LlamaForCausalLM(config).float()
+    model.train()
+    start = copy.deepcopy(model)
+    batches = micro_batches(cfg["m"], cfg["dp"])
+    n = _tokens(batches)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": WD}, {"params": rest, "weight_decay": 0.0}], lr=LR
+    )
+    out = {"loss": [], "norm": [], "grads": []}
+    for _ in range(steps):
+        opt.zero_grad()
+        total = 0.0
+        for rep in batches:
+            for b in rep:
+                loss = model(**b, num_items_in_batch=n).loss
+                loss.backward()
+                total += float(loss)
+        out["norm"].append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
+        out["grads"].append({k: p.grad.clone() for k, p in model.named_parameters()})
+        out["loss"].append(total)
+        opt.step()
+    out["weights"] = {k: p.detach().clone() for k, p in model.named_parameters()}
+    return start, out
+
+
+def _hf_name(name: str, tied: bool) -> str:
+    return "model.embed_tokens.weight" if tied and name == "lm_head.weight" else name
+
+
+def run(case: str, device: str = "cpu", steps: int = 2, more_m: tuple = ()) -> dict:
+    """Train the case's pipeline for ``steps`` steps and compare with :func:`reference`; returns
+    what was compared (names) and the numbers the tests report. ``more_m`` (XLA): one more
+    step at each of these numbers of micro-batches; ``compiles`` after every step."""
+    if device != "cpu":
+        global torch_xla
+        import torch_xla
+    cfg = parse(case)
+    mesh = _mesh(cfg["tp"], cfg["pp"])
+    cfg["dp"] = mesh.dp_size
+    with _lock:
+        start, ref = reference(cfg, steps)
+    model = copy.deepcopy(start)
+    dev = torch.device(device) if device == "cpu" else ntp.xla_device()
+    parallelize(model, mesh, sequence_parallel=cfg["sp"], parallel_loss=cfg["tp"] > 1)
+    stage = split_model(model, mesh, plan_stages(LAYERS, cfg["pp"], cfg["v"]))
+    move_to(stage.model, dev).train()
+    opt = make_optimizer(stage.model, LR, WD, dev, zero1_mesh=mesh if cfg["zero1"] else None)
+    name = "interleaved" if cfg["v"] > 1 else "1f1b"
+    sched = schedules.build(name, cfg["pp"], cfg["m"], cfg["v"])
+    runner = PipelineRunner(
+        stage, sched, batch=BATCH, seq=SEQ, device=dev, sequence_parallel=cfg["sp"]
+    )
+    batches = micro_batches(cfg["m"], cfg["dp"])
+    scale = torch.tensor([mesh.dp_size / _tokens(batches)])
+    checked, counts = [], []
+    for i in range(steps):
+        opt.zero_grad(set_to_none=True)
+        loss = runner.step(batches[mesh.dp_rank], scale)
+        sum_tied_grads(stage)
+        norm = reduce_gradients(stage.model, opt, mesh, MAX_NORM, cfg["zero1"])
+        if not cfg["zero1"]:
+            grads = gather_hf_state_dict(stage.model, mesh, grads=True)
+            grads = {k: v.detach().clone() for k, v in grads.items()}
+        opt.step()
+        if device != "cpu":
+            torch_xla.sync()
+        loss = comm.all_reduce(loss, mesh.dp) / mesh.dp_size
+        if device != "cpu":
+            torch_xla.sync()
+        torch.testing.assert_close(float(loss), ref["loss"][i], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(float(norm), ref["norm"][i], atol=1e-5, rtol=1e-4)
+        if not cfg["zero1"]:
+            for k, g in grads.items():
+                want = ref["grads"][i][_hf_name(k, cfg["tied"])]
+                torch.testing.assert_close(
+                    g.cpu(), want, **TOL, msg=lambda m, k=k: f"grad {k}: {m}"
+                )
+                checked.append(f"grad {k}")
+        counts.append(_compiles(device))
+    weights = gather_hf_state_dict(stage.model, mesh)
+    for k, w in weights.items():
+        if k in ("model.rotary_emb.inv_freq",) or "rotary" in k:
+            continue
+        want = ref["weights"][_hf_name(k, cfg["tied"])]
+        torch.testing.assert_close(w.cpu(), want, **TOL, msg=lambda m, k=k: f"weight {k}: {m}")
+        checked.append(f"weight {k}")
+    for m in more_m:  # the same step at other numbers of micro-batches: the same graphs
+        more = schedules.build(name, cfg["pp"], m, cfg["v"])
+        runner = PipelineRunner(
+            stage, more, batch=BATCH, seq=SEQ, device=dev, sequence_parallel=cfg["sp"]
+        )
+        batches = micro_batches(m, cfg["dp"])
+        opt.zero_grad(set_to_none=True)
+        runner.step(batches[mesh.dp_rank], torch.tensor([mesh.dp_size / _tokens(batches)]))
+        sum_tied_grads(stage)
+        reduce_gradients(stage.model, opt, mesh, MAX_NORM, cfg["zero1"])
+        opt.step()
+        torch_xla.sync()
+        counts.append(_compiles(device))
+    return {"checked": checked, "loss": ref["loss"], "ticks": len(sched.ticks), "compiles": counts}
+
+
+def _compiles(device: str) -> int:
+    """Compiles so far in this process, read when every rank got here (XLA device threads)."""
+    if device == "cpu":
+        return 0
+    import torch_xla.runtime as xr
+
+    from neuron_tp.backend.graphs import graph_counters
+
+    barrier = _barrier(xr.world_size())
+    barrier.wait(timeout=600)
+    count = graph_counters()["compiles"]
+    barrier.wait(timeout=600)
+    return count

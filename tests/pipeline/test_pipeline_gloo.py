@@ -1,0 +1,24 @@
+"""Pipeline training on 4 gloo ranks, one launch for every case (pipeline_cases.py): pp 2 x
+tp 2 (with and without sequence parallelism), pp 4, interleaved (v 2) with tied embeddings,
+and pp 2 x dp 2 with ZeRO-1 and tied embeddings, against the unsharded model."""
+
+from __future__ import annotations
+
+import pipeline_cases
+import pytest
+
+import gloo_dist
+
+CASES = ("pp2_tp2", "pp2_tp2_sp", "pp4", "pp2_tp2_tied_v2", "pp2_tied_zero1")
+
+
+def check(case: str) -> None:
+    out = pipeline_cases.run(case)
+    if "zero1" not in case:
+        assert any(c.startswith("grad ") for c in out["checked"]), out
+    assert any(c.startswith("weight ") for c in out["checked"]), out
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_pipeline_gloo(case):
+    gloo_dist.run_case(check, case, cases=CASES, world_size=4)

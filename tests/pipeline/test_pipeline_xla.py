@@ -1,0 +1,37 @@
+"""Pipeline training EXECUTED on 4 XLA CPU devices (one launch, pipeline_cases.py): pp 2 x tp 2
+with sequence parallelism and pp 4 against the unsharded model; and the graphs: from the
+second step on nothing compiles, at M = 4 or M = 8 micro-batches."""
+
+from __future__ import annotations
+
+import pipeline_cases
+import pytest
+
+import xla_dist
+
+CASES = ("pp2_tp2_sp", "pp4")
+
+
+def job(case: str):
+    more = (4, 8, 8) if case == CASES[0] else ()
+    return pipeline_cases.run(case, device="xla", more_m=more)
+
+
+@pytest.fixture(scope="module")
+def outcome():
+    return xla_dist.run_cases(job, CASES, devices=4)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_pipeline_xla(outcome, case):
+    for out in outcome.get(case):
+        assert any(c.startswith("grad ") for c in out["checked"]), out
+        assert any(c.startswith("weight ") for c in out["checked"]), out
+
+
+def test_graphs_fixed_whatever_the_micro_batches(outcome):
+    """Compiles after each step: 2 compared steps at M = 4 (host reads of the gradients in
+    between), then the plain step at M = 4 (its own graph cuts: new graphs), then twice at
+    M = 8: nothing new (the same task, exchange and optimizer graphs)."""
+    counts = outcome.get(CASES[0])[0]["compiles"]
+    assert len(counts) == 5 and counts[2] == counts[3] == counts[4], counts
