@@ -42,7 +42,14 @@ def resume_source(config: TrainConfig) -> str | None:
             )
         return None
     if config.checkpoint.resume == "auto":
-        return checkpoint.latest(checkpoint_root(config))
+        found = checkpoint.latest(checkpoint_root(config))
+        if found is not None and config.pipeline.pp > 1:
+            raise UserError(
+                f"--resume auto found {found}, but --pp {config.pipeline.pp} cannot resume "
+                "from a checkpoint yet (stage checkpoints are not written): use another "
+                "--output-dir, or --pp 1 to resume it"
+            )
+        return found
     if not os.path.isdir(config.checkpoint.resume):
         raise UserError(
             f"--resume {config.checkpoint.resume!r}: not a checkpoint directory (or use auto/none)"

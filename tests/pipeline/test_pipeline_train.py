@@ -56,3 +56,22 @@ def test_train_pp_equals_reference(case, out):
             got = json.load(f)
         assert got["loss"] == pytest.approx(want_loss, rel=1e-4, abs=1e-5), (rank, got)
         assert got["norm"] == pytest.approx(want_norm, rel=1e-4, abs=1e-5), (rank, got)
+
+
+def test_pp_refuses_to_resume_a_checkpoint_it_cannot_read(tmp_path):
+    """Stage checkpoints are not written yet: ``--resume auto`` that finds one (of a pp 1 run in
+    the same --output-dir) is refused before any work instead of loading a stage from it."""
+    from neuron_tp.cli.args import train_parser
+    from neuron_tp.errors import UserError
+    from neuron_tp.job.config import TrainConfig
+    from neuron_tp.train.checkpoint_policy import resume_source
+
+    step = tmp_path / "checkpoints" / "step-00000004"
+    step.mkdir(parents=True)
+    (step / "meta.json").write_text("{}")
+    argv = ["--model", "tiny-llama-4l", "--output-dir", str(tmp_path), "--resume", "auto"]
+    plain = TrainConfig.from_args(train_parser().parse_args(argv))
+    assert resume_source(plain) == str(step)
+    piped = TrainConfig.from_args(train_parser().parse_args([*argv, "--pp", "2"]))
+    with pytest.raises(UserError, match="--pp 2 cannot resume from a checkpoint yet"):
+        resume_source(piped)
