@@ -24,11 +24,11 @@ def test_ring_attention_gloo(case, cp):
 
 @functools.cache
 def _xla(cp: int):
-    return xla_dist.run_cases(rc.xla_job, rc.NAMES, devices=cp)
+    return xla_dist.run_cases(rc.xla_job, rc.XLA_NAMES, devices=cp)
 
 
 @pytest.mark.parametrize("cp", [2, 4])
-@pytest.mark.parametrize("case", rc.NAMES)
+@pytest.mark.parametrize("case", rc.XLA_NAMES)
 def test_ring_attention_xla(case, cp):
     per_rank = _xla(cp).get(case)
     if case in rc.CASES:
