@@ -129,7 +129,7 @@ def gloo(cp: int, seq: int, block: int) -> dict:
     }
 
 
-def _xla_rank(cp: int, seq: int, block: int, out: str) -> None:
+def _xla_rank(_index: int, cp: int, seq: int, block: int, out: str) -> None:
     import torch_xla
     import torch_xla.runtime as xr
 
