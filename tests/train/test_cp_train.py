@@ -71,6 +71,18 @@ def test_cp2_trains_like_one_rank_on_xla(on_xla, ref):
     assert compiles[1:] == [compiles[1]] * (len(compiles) - 1), compiles
 
 
+@pytest.fixture(scope="module")
+def on_xla4(base) -> xla_dist.Cases:
+    return xla_dist.run_cases(cases.on_devices, ["cp2-tp2-sp"], base, devices=4)
+
+
+def test_cp2_tp2_sp_trains_like_one_rank_on_xla(on_xla4, ref):
+    got = on_xla4.get("cp2-tp2-sp")
+    _check(got[0]["log"], ref)
+    compiles = [p["compiles"] // 4 for p in got[0]["per_step"]]  # process-wide / 4 ranks
+    assert compiles[1:] == [compiles[1]] * (len(compiles) - 1), compiles
+
+
 def _save_cp2(out: str) -> None:
     from neuron_tp.train.loop import train
 
