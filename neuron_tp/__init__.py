@@ -19,6 +19,7 @@ from .backend.xla import device as xla_device
 from .blocks import block_nd as blocks_nd
 from .hf import from_pretrained, parallelize, save_pretrained
 from .hf.attention import use_blockwise_attention
+from .hf.context_parallel import context_parallel
 from .hf.recompute import Recompute, apply_activation_checkpointing
 from .layers import (
     ColumnParallelLinear,
@@ -80,6 +81,7 @@ __all__ = [
     "Recompute",
     "apply_activation_checkpointing",
     "use_blockwise_attention",
+    "context_parallel",
     "blocks",
     "blocks_nd",
     "checkpoint",

@@ -184,7 +184,7 @@ def _write_rank_files(
     if is_zero1(optimizer):  # every rank its own ZeRO-1 shard, no dp gather
         zero1_files.write_shard(tmp, optimizer, mesh, step)
     experts = _expert_tensors(model, optimizer, mesh)
-    if mesh.dp_rank == 0:  # one copy of each tp shard: the ranks of dp replica 0
+    if mesh.replicas.rank == 0:  # one copy of each tp shard: dp replica 0, cp rank 0
         tensors = _model_tensors(model)
         if mesh.tp_rank == 0:
             tensors.update(buffer_tensors(model))

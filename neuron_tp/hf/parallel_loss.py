@@ -34,7 +34,8 @@ def is_causal(model: nn.Module) -> bool:
 
 
 def wrap_loss(model: nn.Module, mesh: Mesh) -> None:
-    """With ``labels``: loss from the vocab-sharded logits (HF's shift for causal LMs), plus
+    """With ``labels``: loss from the vocab-sharded logits (HF's shift for causal LMs, or
+    ``shift_labels`` as given, already shifted, as transformers' loss functions take it), plus
     an MoE model's router auxiliary loss times ``router_aux_loss_coef`` when it returns one
     (with a 4-D packed attention mask, computed over every position)."""
     forward = model.forward
@@ -42,7 +43,7 @@ def wrap_loss(model: nn.Module, mesh: Mesh) -> None:
     causal = is_causal(model)
 
     @functools.wraps(forward)
-    def wrapped(*args, labels=None, **kwargs):
+    def wrapped(*args, labels=None, shift_labels=None, **kwargs):
         mask = kwargs.get("attention_mask")
         router = kwargs.get("output_router_logits")
         router = getattr(model.config, "output_router_logits", False) if router is None else router
@@ -56,7 +57,9 @@ def wrap_loss(model: nn.Module, mesh: Mesh) -> None:
             out = forward(*args, **kwargs)
         if labels is not None:
             logits = out.logits
-            if causal:
+            if shift_labels is not None:  # already shifted (transformers' loss argument)
+                labels = shift_labels
+            elif causal:
                 labels = nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
             # HF gradient accumulation (causal LMs' loss_function): sum / num_items_in_batch
             n_items = kwargs.get("num_items_in_batch") if causal else None

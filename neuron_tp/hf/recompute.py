@@ -99,8 +99,8 @@ def apply_activation_checkpointing(model, mode: str | Recompute) -> None:
         model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=checkpoint)
         return
     original = model.config._attn_implementation or "eager"
-    if original.startswith(("ntp-recompute-", "ntp-blockwise-")):
-        return  # blockwise attention recomputes its query blocks already
+    if original.startswith(("ntp-recompute-", "ntp-blockwise-", "ntp-ring-")):
+        return  # blockwise and ring attention recompute their tiles already
     if original.startswith("flash") or original.startswith("paged"):
         raise ValueError(
             f"selective recompute wraps the eager/sdpa attention core, got "

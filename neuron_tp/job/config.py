@@ -231,6 +231,14 @@ class TrainConfig(_CommonConfig):
         "tokens to them by all-to-all; divides dp (world / tp) and the expert count",
         type=pos(int),
     )
+    cp: int = opt(  # context-parallel degree: the cp ring next to tp (world = dp x cp x tp)
+        "--cp",
+        1,
+        "context parallelism: each sequence split over a ring of --cp ranks (ring "
+        "attention, Llama-family models; --seq-len a multiple of 2 x cp); parameters "
+        "replicated over dp x cp",
+        type=pos(int),
+    )
     data: str = opt(
         "--data",
         REPO_DATA,

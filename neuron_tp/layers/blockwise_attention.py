@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from ..backend.xla import is_xla
 
-__all__ = ["blockwise_attention"]
+__all__ = ["blockwise_attention", "tile_forward", "tile_backward"]
 
 _NEG = torch.finfo(torch.float32).min
 
@@ -124,7 +124,7 @@ def _kv(x, k0, bk):
 
 
 def _forward(t: _Tiling, q, k, v, mask):
-    """q [b, hkv, g, Sq, d] (padded), k/v [b, hkv, Sk, d]: output (q's dtype) and the fp32
+    """q [b, hkv, g, Sq, d] (padded), k/v [b, hkv, Sk, d]: the fp32 output and the fp32
     log-sum-exp of each row [b, hkv, g, Sq, 1]."""
     b, hkv, g, _, _ = q.shape
     outs, lses, prev = [], [], list[torch.Tensor]()
@@ -147,7 +147,7 @@ def _forward(t: _Tiling, q, k, v, mask):
             acc = acc * alpha + torch.matmul(p, _kv(v, k0, t.bk))
             m = m_new
         s_sum = torch.clamp(s_sum, min=torch.finfo(torch.float32).tiny)
-        out = (acc / s_sum).to(q.dtype)
+        out = acc / s_sum
         outs.append(out)
         lses.append(m + torch.log(s_sum))
         prev = [out]
@@ -194,13 +194,14 @@ def _backward(t: _Tiling, q, k, v, *, mask, out, lse, dout):
     zero_v = v.new_zeros((b, hkv, t.bk, v.shape[-1]), dtype=torch.float32)
     dk_all = torch.cat([zero if x is None else x for x in dk], dim=2)
     dv_all = torch.cat([zero_v if x is None else x for x in dv], dim=2)
-    return torch.cat(dqs, dim=3).to(q.dtype), dk_all.to(k.dtype), dv_all.to(v.dtype)
+    return torch.cat(dqs, dim=3), dk_all, dv_all  # fp32
 
 
 class _BlockwiseAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, mask, tiling):
         out, lse = _forward(tiling, q, k, v, mask)
+        out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, mask, out, lse)
         ctx.tiling = tiling
         return out
@@ -211,7 +212,7 @@ class _BlockwiseAttention(torch.autograd.Function):
         dq, dk, dv = _backward(
             ctx.tiling, q, k, v, mask=mask, out=out, lse=lse, dout=dout.contiguous()
         )
-        return dq, dk, dv, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
 def blockwise_attention(
@@ -265,3 +266,34 @@ def blockwise_attention(
         mask = _pad_to(_pad_to(mask, 3, sk_p, fill), 2, sq_p, fill)
     out = _BlockwiseAttention.apply(q, k, v, mask, tiling)
     return out.reshape(b, h, sq_p, -1)[:, :, :sq]
+
+
+def _tiling(q: torch.Tensor, k: torch.Tensor, *, causal: bool, scale: float, block: int) -> _Tiling:
+    sq, sk = q.shape[3], k.shape[2]
+    bq, bk = min(block, sq), min(block, sk)
+    sq_p, sk_p = math.ceil(sq / bq) * bq, math.ceil(sk / bk) * bk
+    return _Tiling(bq, bk, sq_p, sk_p, sk, causal, None, scale, None)
+
+
+def tile_forward(q, k, v, *, causal: bool, scale: float, block: int):
+    """One (queries, keys) tile pair for an outer merge (ring attention): ``q`` [b, hkv, g, sq,
+    d] (GQA groups in dim 2), ``k``/``v`` [b, hkv, sk, d]; ``causal`` top-left aligned.
+    Returns the fp32 output [b, hkv, g, sq, dv] and the fp32 log-sum-exp [b, hkv, g, sq, 1]
+    of each row over these keys (outputs of two key sets combine by their log-sum-exps)."""
+    t = _tiling(q, k, causal=causal, scale=scale, block=block)
+    sq = q.shape[3]
+    out, lse = _forward(t, _pad_to(q, 3, t.sq), _pad_to(k, 2, t.sk), _pad_to(v, 2, t.sk), None)
+    return out[:, :, :, :sq], lse[:, :, :, :sq]
+
+
+def tile_backward(q, k, v, out, lse, dout, *, causal: bool, scale: float, block: int):
+    """The gradients (fp32) of q, k, v through one tile pair of :func:`tile_forward`, given the
+    rows' FINAL output ``out`` and log-sum-exp ``lse`` over every key (FlashAttention-2: the
+    tile's probabilities are exp(scores - lse), so the tiles' gradients simply add up)."""
+    t = _tiling(q, k, causal=causal, scale=scale, block=block)
+    sq, sk = q.shape[3], k.shape[2]
+    q, out, lse, dout = (_pad_to(x, 3, t.sq) for x in (q, out, lse, dout))
+    dq, dk, dv = _backward(
+        t, q, _pad_to(k, 2, t.sk), _pad_to(v, 2, t.sk), mask=None, out=out, lse=lse, dout=dout
+    )
+    return dq[:, :, :, :sq], dk[:, :, :sk], dv[:, :, :sk]

@@ -47,19 +47,24 @@ def allreduce_data_parallel_grads(
     model: nn.Module, mesh: Mesh | None = None, bucket_mb: float = 25.0
 ) -> None:
     """Average every gradient over the dp group (bucketed all-reduce). Call after backward.
+    With context parallelism the sum runs over dp x cp (``mesh.replicas``: every rank of a cp
+    ring holds the gradient of its own tokens), still divided by dp.
 
     Under expert parallelism an expert's gradient already holds the contributions of every
     rank of its ``ep`` group (they came back through the all-to-all): it is summed over the
     ``edp`` group (the ranks holding the same experts) and divided by dp, the same mean."""
     mesh = get_mesh(mesh)
-    if mesh.dp_size == 1:
+    if mesh.replicas.size == 1:
         return
     bucket, scale = int(bucket_mb * 2**20), 1.0 / mesh.dp_size
     experts = {
         id(p) for _, p, m in named_parameter_meta(model) if expert_split(m.sharding) is not None
     }
     _bucketed_all_reduce(
-        _grads(p for p in model.parameters() if id(p) not in experts), mesh.dp, bucket, scale
+        _grads(p for p in model.parameters() if id(p) not in experts),
+        mesh.replicas,
+        bucket,
+        scale,
     )
     if experts:
         grads = _grads(p for p in model.parameters() if id(p) in experts)

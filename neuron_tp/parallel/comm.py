@@ -9,8 +9,9 @@ XLA collectives come in two forms, chosen in one place (:func:`_channel_form`): 
 for virtual (trace-only) meshes, exactly what neuronx-distributed emits (no channel ids); on a
 multi-device CPU runtime (``xmp.spawn`` with ``CPU_NUM_DEVICES=N``) the channel-id form with
 global device ids, the only one XLA:CPU can execute across its device threads. torch-xla 2.9
-has no channel-id all-to-all, so on that runtime :func:`all_to_all` is carried by a channel-id
-all-gather (same values, ``group.size`` times the bytes; Neuron gets the real all-to-all).
+has no channel-id all-to-all or collective-permute, so on that runtime :func:`all_to_all` and
+:func:`ring_shift` are carried by a channel-id all-gather (same values, ``group.size`` times the
+bytes; Neuron gets the real all-to-all and collective-permute).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ __all__ = [
     "reduce_scatter",
     "all_to_all",
     "local_chunk",
+    "ring_shift",
     "all_reduce_coalesced",
     "accumulation_dtype",
 ]
@@ -284,3 +286,32 @@ def local_chunk(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
         return x.narrow(dim, group.rank * (n // group.size), n // group.size)
     parts = x.unflatten(dim, (group.size, n // group.size))
     return parts.index_select(dim, group.rank_tensor(x.device).view(1)).squeeze(dim)
+
+
+def ring_shift(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Send ``x`` to the next rank of the group's ring (group rank ``r`` to ``r + 1 mod n``)
+    and return what the previous rank sent: one collective every rank of the group runs.
+    XLA: collective-permute (on XLA:CPU devices a channel-id all-gather and a device-side pick
+    of the previous rank's part); gloo: a send and a receive."""
+    n = group.size
+    if n == 1:
+        return x
+    if _check(x, group):
+        if _channel_form(group):
+            full = all_gather(x.unsqueeze(0), group, 0)  # [n, *x.shape]
+            prev = (group.rank_tensor(x.device) + (n - 1)) % n
+            return full.index_select(0, prev).squeeze(0)
+        pairs = [[g[i], g[(i + 1) % n]] for g in group.all_groups for i in range(n)]
+        return _xla.xm().collective_permute(x.contiguous(), pairs)
+    import torch.distributed as dist
+
+    src = x.contiguous()
+    out = torch.empty_like(src)
+    nxt, prv = group.ranks[(group.rank + 1) % n], group.ranks[(group.rank - 1) % n]
+    ops = [
+        dist.P2POp(dist.isend, src, nxt, group=group.process_group),
+        dist.P2POp(dist.irecv, out, prv, group=group.process_group),
+    ]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    return out

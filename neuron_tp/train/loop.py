@@ -25,6 +25,7 @@ from ..backend.graphs import (
 )
 from ..errors import UserError
 from ..hf.attention import use_blockwise_attention
+from ..hf.context_parallel import context_parallel
 from ..hf.packing import check_packable, model_inputs
 from ..hf.recompute import apply_activation_checkpointing
 from ..job.config import TrainConfig
@@ -33,6 +34,7 @@ from ..job.presets import build_model, is_preset, model_config, preload
 from ..job.runtime import BUILD_LOCK, rank_device, start
 from ..job.sft_data import load_data
 from ..job.tokenizer import check_vocab, checkpoint_assets, config_vocab, resolve_tokenizer
+from ..layers.ring_attention import check_length
 from ..optim.adamw import WarmupCosine, make_optimizer
 from ..optim.grads import reduce_gradients
 from ..parallel import comm
@@ -71,13 +73,23 @@ def _layout(config: TrainConfig, world, mesh: Mesh | None) -> Mesh:
             "already splits the batch (and the features) over the grid; drop "
             "--sequence-parallel"
         )
-    # Valid tp (a square for 2d, a cube for 3d) and ep? This rank's dp rank.
-    pp = config.pipeline.pp
+    if config.cp > 1:
+        _check_cp(config)
+    # Valid tp (a square for 2d, a cube for 3d), pp, cp and ep? This rank's dp rank.
+    pp, cp = config.pipeline.pp, config.cp
     layout = mesh or Mesh(
-        world.size, world.rank, tp=config.tp, tp_mode=config.tp_mode, ep=config.ep, pp=pp
+        world.size,
+        world.rank,
+        tp=config.tp,
+        tp_mode=config.tp_mode,
+        ep=config.ep,
+        pp=pp,
+        cp=cp,
     )
-    if layout.pp_size != pp:
-        raise ValueError(f"mesh has pp={layout.pp_size} but --pp={pp}")
+    if (layout.pp_size, layout.cp_size) != (pp, cp):
+        raise ValueError(
+            f"mesh has pp={layout.pp_size}, cp={layout.cp_size} but --pp={pp}, --cp={cp}"
+        )
     if layout.ep_size != config.ep:
         raise ValueError(f"mesh has ep={layout.ep_size} but --ep={config.ep}")
     if layout.tp_size != config.tp:
@@ -99,6 +111,34 @@ def _layout(config: TrainConfig, world, mesh: Mesh | None) -> Mesh:
         if importlib.util.find_spec("tensorboard") is None:
             raise UserError("--tensorboard needs the tensorboard package (pip install tensorboard)")
     return layout
+
+
+def _check_cp(config: TrainConfig) -> None:
+    """Refuse what context parallelism does not run (yet), naming what works."""
+    cp, unsupported = config.cp, []
+    if config.seq_len % (2 * cp):
+        check_length(config.seq_len, cp, "--seq-len")
+    if config.sequence_parallel and (config.seq_len // cp) % config.tp:
+        raise UserError(
+            f"--sequence-parallel with --cp {cp}: each rank's {config.seq_len // cp} tokens "
+            f"must split over --tp {config.tp}; use a --seq-len multiple of {2 * cp * config.tp}"
+        )
+    for bad, what in (
+        (config.tp_mode != "1d", f"--tp-mode {config.tp_mode}"),
+        (config.ep > 1, "--ep"),
+        (config.uses_zero1, "--zero1 / --bf16 (ZeRO-1)"),
+        (config.eval.data is not None, "--eval-data"),
+        (config.lora.r > 0, "--lora-r"),
+        (config.pipeline.pp > 1, "--pp (pipeline stages)"),
+    ):
+        if bad:
+            unsupported.append(what)
+    if unsupported:
+        raise UserError(
+            f"--cp {cp} does not combine with {', '.join(unsupported)} yet; it works with "
+            "--tp (1d, with or without --sequence-parallel), data parallelism, fp32 AdamW, "
+            "activation checkpointing and text data"
+        )
 
 
 def setup(args: TrainConfig | argparse.Namespace, mesh: Mesh | None = None) -> Run:
@@ -147,11 +187,13 @@ def setup(args: TrainConfig | argparse.Namespace, mesh: Mesh | None = None) -> R
         reduce_dtype=config.mesh_reduce_dtype,
         ep=config.ep,
         pp=config.pipeline.pp,
+        cp=config.cp,
     )
     model = _sharded_model(config, mesh, vocab_size(tokenizer))
     pipeline = pipelined.build(config, mesh, model, device) if mesh.pp_size > 1 else None
     if config.attention == "blockwise":
         use_blockwise_attention(model, config.attention_block)
+    context_parallel(model, mesh, config.attention_block)  # cp 1: unchanged
     apply_activation_checkpointing(model, config.activation_checkpointing)
     move_to(model, device).train()  # keeps tied embeddings tied (CPU -> XLA unties them)
     optimizer = make_optimizer(
