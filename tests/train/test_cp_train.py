@@ -1,7 +1,7 @@
 """``neuron-tp train --cp 2`` (context parallelism, ring attention) on gloo ranks and XLA CPU
 devices: step by step the losses and grad norms of the independent unsharded reference
 (transformers' sdpa on the full sequence, one process), alone and with --tp 2 and sequence
-parallelism; on XLA no compile after the second step; a --cp 2 checkpoint resumes at --cp 1;
+parallelism (on 4 XLA CPU devices: cp 2 x tp 2 with SP, no compile after the second step); a --cp 2 checkpoint resumes at --cp 1;
 refusals naming what works."""
 
 from __future__ import annotations
@@ -57,18 +57,6 @@ def test_cp2_trains_like_one_rank_on_gloo(base, ref, tp):
     extra = ("--sequence-parallel",) if tp > 1 else ()
     gloo_dist.run(_gloo, base, tp, extra, world_size=2 * tp)
     _check(torch.load(f"{base}/gloo-{tp}.pt"), ref)
-
-
-@pytest.fixture(scope="module")
-def on_xla(base) -> xla_dist.Cases:
-    return xla_dist.run_cases(cases.on_devices, ["cp2"], base, devices=2)
-
-
-def test_cp2_trains_like_one_rank_on_xla(on_xla, ref):
-    got = on_xla.get("cp2")
-    _check(got[0]["log"], ref)
-    compiles = [p["compiles"] // 2 for p in got[0]["per_step"]]  # process-wide / 2 ranks
-    assert compiles[1:] == [compiles[1]] * (len(compiles) - 1), compiles
 
 
 @pytest.fixture(scope="module")
