@@ -1,8 +1,8 @@
 """``neuron-tp train --cp 2`` (context parallelism, ring attention) on gloo ranks and XLA CPU
 devices: step by step the losses and grad norms of the independent unsharded reference
 (transformers' sdpa on the full sequence, one process), alone and with --tp 2 and sequence
-parallelism (on 4 XLA CPU devices: cp 2 x tp 2 with SP, no compile after the second step); a --cp 2 checkpoint resumes at --cp 1;
-refusals naming what works."""
+parallelism (on 4 XLA CPU devices: cp 2 x tp 2 with SP, no compile after the second step);
+a --cp 2 checkpoint resumes at --cp 1; refusals naming what works."""
 
 from __future__ import annotations
 
