@@ -184,6 +184,63 @@ class PlanConfig:
     )
 
 
+# The parallel axes beyond tp x dp whose training runtime this build has: ``neuron-tp train``
+# refuses the others above 1 (neuron_tp.train.loop), and ``--plan auto`` keeps them at 1.
+RUNTIME_AXES: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """Pipeline parallelism: the decoder layers cut into ``pp`` stages (pp outermost in the
+    mesh: world = pp x dp x cp x tp); a step's micro-batches (--micro-batch x --grad-accum)
+    flow through them."""
+
+    TITLE: ClassVar[str] = "pipeline parallelism"
+
+    pp: int = opt(
+        "--pp",
+        1,
+        "pipeline stages: the decoder layers split into --pp consecutive stages (the "
+        "embedding on the first, the final norm, LM head and loss on the last); must "
+        "divide the layers and the world size / (tp x cp), and --grad-accum >= --pp",
+        type=pos(int),
+    )
+    pp_schedule: str = opt(
+        "--pp-schedule",
+        "1f1b",
+        "1f1b (bubble (pp-1)/(m+pp-1) of a step of m micro-batches, up to pp micro-batches "
+        "of activations held on the first stage) or interleaved (--virtual-stages chunks "
+        "per rank: bubble (pp-1)/(v*m+pp-1), a little more activation memory)",
+        choices=("1f1b", "interleaved"),
+    )
+    virtual_stages: int = opt(
+        "--virtual-stages",
+        1,
+        "--pp-schedule interleaved: model chunks per pipeline rank (layers divisible by "
+        "pp x virtual-stages)",
+        type=pos(int),
+        metavar="V",
+    )
+
+
+@dataclass(frozen=True)
+class ContextConfig:
+    """Context parallelism: each rank of a ``cp`` ring holds 1/cp of every sequence; keys and
+    values travel around the ring (blockwise attention)."""
+
+    TITLE: ClassVar[str] = "context parallelism"
+
+    cp: int = opt(
+        "--cp",
+        1,
+        "context-parallel degree: every sequence split over --cp ranks (2 x cp load-"
+        "balanced chunks: --seq-len divisible by 2 x cp), K/V passed around the ring; "
+        "parameters replicated over cp (gradients reduce over dp x cp); needs --attention "
+        "blockwise",
+        type=pos(int),
+    )
+
+
 @dataclass(frozen=True)
 class TrainConfig(_CommonConfig):
     """``neuron-tp train`` options (dp = world size / tp)."""
@@ -307,6 +364,8 @@ class TrainConfig(_CommonConfig):
         action="store_true",
     )
     lora: LoraConfig = group(LoraConfig)
+    pipeline: PipelineConfig = group(PipelineConfig)
+    context: ContextConfig = group(ContextConfig)
     plan: PlanConfig = group(PlanConfig)
 
     @property

@@ -27,7 +27,7 @@ from ..errors import UserError
 from ..hf.attention import use_blockwise_attention
 from ..hf.packing import check_packable, model_inputs
 from ..hf.recompute import apply_activation_checkpointing
-from ..job.config import TrainConfig
+from ..job.config import RUNTIME_AXES, TrainConfig
 from ..job.data import RowData, vocab_size
 from ..job.presets import build_model, is_preset, model_config, preload
 from ..job.runtime import BUILD_LOCK, rank_device, start
@@ -59,6 +59,16 @@ from .tp_mode import check_tp_mode
 def _layout(config: TrainConfig, world, mesh: Mesh | None) -> Mesh:
     """This rank's place in the job's mesh (``mesh``, or one built for the checks), after
     refusing option combinations that cannot work and a ``mesh`` that contradicts them."""
+    for axis, value, what in (
+        ("pp", config.pipeline.pp, "pipeline parallelism"),
+        ("cp", config.context.cp, "context parallelism"),
+    ):
+        if value > 1 and axis not in RUNTIME_AXES:
+            raise UserError(
+                f"--{axis} {value}: {what} is not available in this build (its training "
+                f"runtime has not landed); run with --{axis} 1 (`neuron-tp plan` already "
+                "predicts these layouts)"
+            )
     if config.seq_len % config.tp and config.sequence_parallel:
         raise UserError(
             f"--sequence-parallel needs --seq-len divisible by --tp "

@@ -73,7 +73,8 @@ def test_a_model_that_needs_pipeline_parallelism(capsys):
         *("--global-batch", "1", "--tp", "2", "--activation-checkpointing", "full"),
     )
     assert code == 1
-    assert "does not fit without pipeline parallelism" in out, out
+    assert "does not fit on 2 ranks: even at tp=2" in out, out
+    assert "more pipeline stages (more nodes)" in out, out
 
 
 def test_more_nodes_verdict_is_a_plan_that_fits(capsys):
