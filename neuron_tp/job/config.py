@@ -161,7 +161,8 @@ class PlanConfig:
         "none",
         "auto: run the layout `neuron-tp plan` recommends for this job (sets --tp, "
         "--tp-mode, --sequence-parallel, --micro-batch, --grad-accum, "
-        "--activation-checkpointing, --zero1; needs --global-batch)",
+        "--activation-checkpointing, --zero1, --attention, and --pp / --cp where this build "
+        "trains them; needs --global-batch)",
         choices=("none", "auto"),
     )
     global_batch: int = opt(

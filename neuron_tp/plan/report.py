@@ -52,7 +52,7 @@ def candidate_dict(plan: Plan, c: Candidate) -> dict:
     out["command"] = command(plan, c)
     out["fits"] = c.fits
     out["tight"] = c.tight
-    if c.memory is not None:
+    if c.timing is not None:
         out["memory_bytes"] = {**asdict(c.memory), "total": c.memory.total}
         out["headroom"] = c.headroom
         out["peak_stage"] = c.stage
@@ -124,7 +124,7 @@ def plan_table(plan: Plan, limit: int = 20) -> str:
             f"{lay.activation_checkpointing:>9} "
             f"{'yes' if lay.zero1 else 'no':>5} | "
         )
-        if c.memory is None:  # once per tp, mode and reason (not per micro-batch etc.)
+        if c.memory is None or c.timing is None:  # once per tp, mode and reason
             if (lay.tp, _mode(c), c.why) not in refused:
                 refused.add((lay.tp, _mode(c), c.why))
                 lines.append(row + f"cannot run (any micro-batch, recompute): {c.why}")

@@ -32,6 +32,7 @@ RECOMPUTE = ("none", "selective", "full")
 CP_STEPS = (1, 2, 4, 8)  # context-parallel degrees searched (the ring inside a node)
 CP_MIN_SEQ = 16384  # shorter sequences are planned without context parallelism
 MAX_PP = 16  # pipeline degrees searched (unless pinned)
+BLOCKWISE_MIN_SEQ = 8192  # shorter sequences are planned with sdpa (unless pinned)
 MICRO_BATCH_STEPS = (1, 2, 4, 8, 16)
 TIGHT = 0.05  # headroom below which a fit is "tight"
 
@@ -202,9 +203,11 @@ def _schedules(pp: int, layers: int, pins: dict) -> list[tuple[str, int]]:
     return [o for o in out if pins.get("pp_schedule") in (None, o[0])]
 
 
-def _attentions(mode: str, cp: int, pins: dict) -> list[str]:
-    """sdpa and blockwise; context parallelism needs blockwise, which is searched in 1d."""
-    out = ["sdpa", "blockwise"] if mode == "1d" else ["sdpa"]
+def _attentions(mode: str, cp: int, pins: dict, seq_len: int) -> list[str]:
+    """sdpa, and blockwise in 1d from :data:`BLOCKWISE_MIN_SEQ` (or pinned); context
+    parallelism needs blockwise."""
+    long = seq_len >= BLOCKWISE_MIN_SEQ or pins.get("attention") == "blockwise"
+    out = ["sdpa", "blockwise"] if mode == "1d" and long else ["sdpa"]
     out = ["blockwise"] if cp > 1 else out
     return [a for a in out if pins.get("attention") in (None, a)]
 
@@ -268,7 +271,7 @@ def _at(job: Job, pins: dict, layers: int, *, tp: int, cp: int, pp: int, dp: int
             continue
         if pins.get("sequence_parallel") is not None and pins["sequence_parallel"] != sp:
             continue
-        for attention in _attentions(mode, cp, pins):
+        for attention in _attentions(mode, cp, pins, job.seq_len):
             for m in MICRO_BATCH_STEPS:
                 b = split * m
                 if per_rank % b or pins.get("micro_batch") not in (None, b):
@@ -446,30 +449,25 @@ def make_plan(config, job: Job, **pins) -> Plan:
         config = dense_standin(config)
     else:
         refused = {}
-    runnable = [lay for lay in layouts if not refused.get(lay.tp)]
+    states = {lay: _states(config, job, lay) for lay in layouts if not refused.get(lay.tp)}
+    heavy = {lay: max(st, key=lambda x: x.total) for lay, st in states.items() if _over(st, job)}
+    runnable = [lay for lay in states if lay not in heavy]
     traced = _trace_all(config, job, runnable) if runnable else {}
-    states: dict[tuple, list[StateBytes]] = {}
     candidates = []
     for lay in layouts:
         cand = Candidate(lay)
         candidates.append(cand)
+        if lay in heavy:  # the model state alone is over the budget: not traced
+            st = heavy[lay]
+            cand.memory = Memory(st.params, st.grads, st.optimizer, st.masters, 0, 0, 0)
+            cand.why = _why_not(cand.memory, job.usable_bytes) + " (model state alone)"
+            continue
         traces = refused.get(lay.tp) or traced[_spec_key(lay)]
         if isinstance(traces, str):
             cand.why = traces
             continue
-        skey = (lay.tp, lay.tp_mode, lay.dp * lay.cp, lay.zero1, lay.pp)
-        if skey not in states:
-            states[skey] = stage_state_bytes(
-                config,
-                lay.tp,
-                lay.tp_mode,
-                lay.dp * lay.cp,
-                bf16=job.bf16,
-                zero1=lay.zero1,
-                pp=lay.pp,
-            )
         base = traced[_spec_key(replace(lay, activation_checkpointing="none"))]
-        _predict(cand, job, config, traces, base, states[skey], useful)
+        _predict(cand, job, config, traces, base, states[lay], useful)
     candidates.sort(
         key=lambda c: (
             not c.fits,
@@ -484,6 +482,29 @@ def make_plan(config, job: Job, **pins) -> Plan:
     plan = Plan(job, candidates, verdict, time.perf_counter() - start, n_traces, notes)
     plan.summary, plan.params = lines, (counts.total, counts.active)
     return plan
+
+
+_STATES: dict[tuple, list[StateBytes]] = {}
+
+
+def _states(config, job: Job, lay: Layout) -> list[StateBytes]:
+    """Each pipeline stage's model state under ``lay`` (cached per distinct sharding)."""
+    key = (id(config), lay.tp, lay.tp_mode, lay.dp * lay.cp, lay.zero1, lay.pp, job.bf16)
+    if key not in _STATES:
+        _STATES[key] = stage_state_bytes(
+            config,
+            lay.tp,
+            lay.tp_mode,
+            lay.dp * lay.cp,
+            bf16=job.bf16,
+            zero1=lay.zero1,
+            pp=lay.pp,
+        )
+    return _STATES[key]
+
+
+def _over(states: list[StateBytes], job: Job) -> bool:
+    return max(st.total for st in states) > job.usable_bytes
 
 
 def _predict(cand: Candidate, job: Job, config, traces, base, states, useful: float) -> None:

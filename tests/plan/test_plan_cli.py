@@ -118,7 +118,7 @@ def test_published_llama2_7b_tp8_fits_and_tp2_does_not(capsys):
         (["--instance", "inf2.48xlarge", "--nodes", "2"], "inf2.48xlarge has no EFA"),
         (["--tp", "3"], "--tp 3 does not divide the 2 ranks"),
         (["--model", "/nonexistent"], "is not a known architecture"),
-        (["--global-batch", "3"], "global batch 3 is not a multiple of dp=2"),
+        (["--global-batch", "3", "--pp", "1"], "global batch 3 is not a multiple of dp=2"),
     ],
 )
 def test_bad_input_is_refused_before_tracing(capsys, argv, message):

@@ -255,3 +255,32 @@ def test_layout_to_train_flags_and_back():
         assert set(values) == set(TRAIN_OPTIONS)
         assert Layout(**values, dp=lay.dp) == lay
         assert lay.train_options() == values
+
+
+def test_sdpa_scores_vs_blockwise_in_traced_steps():
+    """Real traces of one tiny-Llama layer (tp 2, fp32): sdpa saves the [b, heads/tp, s, s]
+    probabilities, blockwise attention saves O(s) per head; the difference is the
+    hand-computed score bytes up to O(s d) terms, at two lengths. And
+    blockwise's causal block skipping: a block of s/2 visits 3 of 4 tiles, a quarter of the
+    score-tile FLOPs (``blockwise_dots`` products of 2 b h s s d) fewer than one s x s tile."""
+    from neuron_tp.job.presets import model_config
+    from neuron_tp.plan.trace import Spec, trace_in_subprocess
+
+    config = model_config("tiny-llama", 257)
+    heads, d = 4 // 2, 64 // 4
+    specs = []
+    for s in (128, 256):
+        base = Spec(tp=2, seq_len=s, bf16=False, layers=1)
+        specs += [base, Spec(**{**base.__dict__, "attn": "blockwise"})]
+    specs.append(
+        Spec(tp=2, seq_len=128, bf16=False, layers=1, attn="blockwise", attention_block=64)
+    )
+    sdpa1, block1, sdpa2, block2, halves = trace_in_subprocess(config, specs)
+    for s, sdpa, block in ((128, sdpa1, block1), (256, sdpa2, block2)):
+        # measured: the scores, plus one [heads, s, d] tensor sdpa keeps, minus blockwise's
+        # log-sum-exp [heads, s] (fp32)
+        scores = pl.sdpa_score_bytes(1, heads, s, 4)
+        assert sdpa.saved_bytes - block.saved_bytes == scores + heads * s * (d - 1) * 4
+    assert block2.saved_bytes < 2.2 * block1.saved_bytes  # linear in s
+    skipped = (1 - pl.causal_fraction(128, 64)) * pl.blockwise_dots("none") * 2 * heads * d
+    assert block1.flops - halves.flops == skipped * 128 * 128
