@@ -39,7 +39,7 @@ def test_llama2_70b_on_4_nodes_gets_a_pipeline_layout(capsys):
     args = rec["train_args"]
     assert args[args.index("--pp") + 1] == str(lay["pp"])
     # every pp = 1 layout is out of memory: that is why pp is recommended
-    flat = [c for c in plan["candidates"] if c["layout"]["pp"] == 1 and "memory_bytes" in c]
+    flat = [c for c in plan["candidates"] if c["layout"]["pp"] == 1]
     assert flat and not any(c["fits"] for c in flat)
     # the peak is the worst stage: a first stage (most in flight) or a last one (LM head)
     assert rec["peak_stage"] in (0, lay["pp"] - 1)
