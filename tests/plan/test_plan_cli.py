@@ -59,7 +59,8 @@ def test_json_plan_is_ranked_and_its_layouts_are_train_options(capsys):
             )
         )
         config = TrainConfig.from_args(train_parser().parse_args(c["train_args"]))
-        assert config.micro_batch * config.grad_accum * (2 // config.tp) == 8
+        dp = 2 // (config.tp * config.pipeline.pp * config.context.cp)
+        assert config.micro_batch * config.grad_accum * dp == 8
     # every lever was tried: tp 1 and 2, SP, the three recompute modes, micro-batches
     assert {s[0] for s in seen} == {1, 2} and any(s[1] for s in seen)
     assert {s[2] for s in seen} == {"none", "selective", "full"}
