@@ -1,8 +1,11 @@
 """`neuron-tp plan` on the docs' configurations: recommended layout, memory per NeuronCore and
 predicted throughput of Llama-2-7B/13B and Llama-3-8B on 1, 4 and 16 trn1.32xlarge, how long
-each plan takes, and the planner's prediction next to AWS's published NxD figures.
+each plan takes, and the planner's prediction next to AWS's published NxD figures; with pipeline
+parallelism in the search, Llama-2-70B / Llama-3-70B full fine-tunes on 1, 4, 8 and 32 nodes and
+Llama-3.1-405B; long context (Llama-3-8B / 70B at 8k, 32k, 128k on 1 and 4 nodes, cp and
+blockwise attention in the search) with the longest trainable sequence.
 
-    .venv/bin/python benchmarks/plan_table.py [--out docs]
+    .venv/bin/python benchmarks/plan_table.py [--out docs] [--tables base published pipeline long]
 """
 
 from __future__ import annotations
@@ -32,6 +35,19 @@ PUBLISHED = [
     ("llama-3.1-8b", 8192, 32, dict(tp=32), "TP32 DP32 ZeRO-1", "47.95"),
     ("llama-3.1-70b", 8192, 32, dict(tp=32), "TP32 PP8 DP4", "7.94"),
 ]
+# NxD's published pipeline runs (PLATFORM.md), planned at the published tp x pp and free
+PUBLISHED_PP = [
+    ("llama-2-70b", 4096, 32, dict(tp=32, pp=8), "TP32 PP8 DP4", "14.44"),
+    ("llama-3.1-70b", 8192, 32, dict(tp=32, pp=8), "TP32 PP8 DP4", "7.94"),
+]
+PIPELINE = [("llama-2-70b", 4096), ("llama-3-70b", 8192)]  # x PIPELINE_NODES, batch 1024
+PIPELINE_NODES = (1, 4, 8, 32)
+BIG = [("llama-3.1-405b", 8192, 32), ("llama-3.1-405b", 8192, 36)]
+LONG = [("llama-3-8b", (1, 4)), ("llama-3-70b", (1, 4))]  # at LONG_SEQS, global batch 64
+LONG_SEQS = (8192, 32768, 131072)
+# the docs' large tables pin 1d + sequence parallelism (what every layout that fits uses at
+# these sizes) to keep a plan's trace count small on a 2-core machine
+LARGE_PINS = dict(tp_mode="1d", sequence_parallel=True)
 
 
 def _layout(c) -> str:
@@ -39,7 +55,12 @@ def _layout(c) -> str:
     mode = lay.tp_mode + ("+SP" if lay.sequence_parallel else "")
     return (
         f"tp={lay.tp} {mode}, dp={lay.dp}, micro-batch {lay.micro_batch} x accum "
-        f"{lay.grad_accum}, recompute {lay.recompute}" + (" (tight fit)" if c.tight else "")
+        f"{lay.grad_accum}, recompute {lay.activation_checkpointing}"
+        + (f", pp={lay.pp}" if lay.pp > 1 else "")
+        + (f" interleaved v={lay.virtual_stages}" if lay.pp_schedule == "interleaved" else "")
+        + (f", cp={lay.cp}" if lay.cp > 1 else "")
+        + (", blockwise attention" if lay.attention == "blockwise" else "")
+        + (" (tight fit)" if c.tight else "")
     )
 
 
@@ -50,57 +71,122 @@ def _plan(model: str, seq: int, nodes: int, batch: int, **pins):
     return plan, time.perf_counter() - start
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=None, help="directory holding plan.md (tables replaced)")
-    ap.add_argument("--nodes", type=int, nargs="+", default=[1, 4, 16])
-    args = ap.parse_args()
-    rows = [
-        "| model | seq | nodes | recommended layout | GiB per core (of 14.4) | predicted seq/s "
-        "| tokens/s | MFU | plan time |",
-        "|" + "---|" * 9,
-    ]
-    for model, seq, batch in TABLE:
-        for nodes in args.nodes:
-            plan, took = _plan(model, seq, nodes, batch)
-            c = plan.recommended
-            if c is None:
-                line = (
-                    f"| {model} | {seq} | {nodes} | {plan.verdict} | - | - | - | - | {took:.0f} s |"
-                )
-            else:
-                line = (
-                    f"| {model} | {seq} | {nodes} | {_layout(c)} | {c.memory.total / GIB:.1f} | "
-                    f"{c.seq_per_s:.1f} | {c.seq_per_s * seq:,.0f} | {c.mfu:.1%} | {took:.0f} s |"
-                )
-            rows.append(line)
-            print(line, flush=True)
+def _row(model: str, seq: int, nodes: int, batch: int, **pins) -> str:
+    plan, took = _plan(model, seq, nodes, batch, **pins)
+    c = plan.recommended
+    if c is None:
+        return f"| {model} | {seq} | {nodes} | {plan.verdict} | - | - | - | - | {took:.0f} s |"
+    return (
+        f"| {model} | {seq} | {nodes} | {_layout(c)} | {c.memory.total / GIB:.1f} | "
+        f"{c.seq_per_s:.2f} | {c.seq_per_s * seq:,.0f} | {c.mfu:.1%} | {took:.0f} s |"
+    )
+
+
+HEAD = [
+    "| model | seq | nodes | recommended layout | GiB per core (of 14.4) | predicted seq/s "
+    "| tokens/s | MFU | plan time |",
+    "|" + "---|" * 9,
+]
+
+
+def _published(entries, **extra) -> list[str]:
     pub = [
-        "| published run (trn1.32xlarge) | published seq/s | planner, same tp | predicted "
+        "| published run (trn1.32xlarge) | published seq/s | planner, same tp x pp | predicted "
         "seq/s | GiB per core | planner's own pick |",
         "|" + "---|" * 6,
     ]
-    for model, seq, nodes, pins, layout, published in PUBLISHED:
-        pinned, _ = _plan(model, seq, nodes, 1024, **pins)
-        free, _ = _plan(model, seq, nodes, 1024)
+    for model, seq, nodes, pins, layout, published in entries:
+        pinned, _ = _plan(model, seq, nodes, 1024, **pins, **extra)
+        free, _ = _plan(model, seq, nodes, 1024, **extra)
         c, f = pinned.recommended, free.recommended
         line = (
             f"| {model} seq {seq}, {nodes} nodes, {layout} | {published} | "
             + (
-                f"{_layout(c)} | {c.seq_per_s:.1f} | {c.memory.total / GIB:.1f}"
+                f"{_layout(c)} | {c.seq_per_s:.2f} | {c.memory.total / GIB:.1f}"
                 if c
                 else f"{pinned.verdict} | - | -"
             )
-            + f" | {_layout(f) + f' ({f.seq_per_s:.1f} seq/s)' if f else free.verdict} |"
+            + f" | {_layout(f) + f' ({f.seq_per_s:.2f} seq/s)' if f else free.verdict} |"
         )
         pub.append(line)
         print(line, flush=True)
+    return pub
+
+
+def _longest(model: str, nodes: int) -> str:
+    """The longest power-of-two sequence (from 8k) some layout trains (global batch 64)."""
+    best = "-"
+    seq = 8192
+    while seq <= 2**20:
+        plan, _ = _plan(model, seq, nodes, 64, **LARGE_PINS, activation_checkpointing="full")
+        if plan.recommended is None:
+            break
+        best, seq = f"{seq // 1024}k ({_layout(plan.recommended)})", seq * 2
+    return best
+
+
+def _write(args, name: str, rows: list[str]) -> None:
     if args.out:
         from tp_scaling import _write_table
 
-        path = os.path.join(args.out, "plan.md")
-        _write_table(path, "table", "\n".join(rows))
-        _write_table(path, "published", "\n".join(pub))
+        _write_table(os.path.join(args.out, "plan.md"), name, "\n".join(rows))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None, help="directory holding plan.md (tables replaced)")
+    ap.add_argument("--nodes", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--tables", nargs="+", default=["base", "published", "pipeline", "long"])
+    args = ap.parse_args()
+    if "pipeline" in args.tables:
+        rows = list(HEAD)
+        for model, seq in PIPELINE:
+            for nodes in PIPELINE_NODES:
+                rows.append(_row(model, seq, nodes, 1024, **LARGE_PINS))
+                print(rows[-1], flush=True)
+        for model, seq, nodes in BIG:
+            rows.append(_row(model, seq, nodes, 1152 if nodes == 36 else 1024, **LARGE_PINS))
+            print(rows[-1], flush=True)
+        _write(args, "pipeline", rows)
+        _write(args, "published-pp", _published(PUBLISHED_PP, **LARGE_PINS))
+    if "long" in args.tables:
+        rows = list(HEAD)
+        longest = ["| model | nodes | longest trainable sequence of the table |", "|---|---|---|"]
+        for model, node_counts in LONG:
+            for nodes in node_counts:
+                fits = []
+                for seq in LONG_SEQS:
+                    rows.append(_row(model, seq, nodes, 64, **LARGE_PINS))
+                    fits += [seq] if " - |" not in rows[-1] else []
+                    print(rows[-1], flush=True)
+                top = max(fits, default=0)
+                longest.append(
+                    f"| {model} | {nodes} | "
+                    + (
+                        f"{top // 1024}k" + (" or more" if top == LONG_SEQS[-1] else "")
+                        if top
+                        else f"under {LONG_SEQS[0] // 1024}k"
+                    )
+                    + " |"
+                )
+        _write(args, "long", rows)
+        _write(args, "longest", longest)
+    if "longest" in args.tables:  # a doubling scan (slow: one plan per length)
+        scan = ["| model | nodes | longest trainable sequence (power of two) |", "|---|---|---|"]
+        for model, node_counts in LONG:
+            for nodes in node_counts:
+                scan.append(f"| {model} | {nodes} | {_longest(model, nodes)} |")
+                print(scan[-1], flush=True)
+        _write(args, "longest", scan)
+    if "base" in args.tables:
+        rows = list(HEAD)
+        for model, seq, batch in TABLE:
+            for nodes in args.nodes:
+                rows.append(_row(model, seq, nodes, batch))
+                print(rows[-1], flush=True)
+        _write(args, "table", rows)
+    if "published" in args.tables:
+        _write(args, "published", _published(PUBLISHED))
 
 
 if __name__ == "__main__":

@@ -29,6 +29,11 @@ class LayoutPins:
         "--activation-checkpointing", choices=("none", "selective", "full")
     )
     zero1: bool | None = opt("--zero1", None, "fp32 jobs", action=argparse.BooleanOptionalAction)
+    pp: int | None = opt("--pp", None, "pipeline stages", type=positive(int))
+    pp_schedule: str | None = opt("--pp-schedule", choices=("1f1b", "interleaved"))
+    virtual_stages: int | None = opt("--virtual-stages", type=positive(int), metavar="V")
+    cp: int | None = opt("--cp", None, "context-parallel degree", type=positive(int))
+    attention: str | None = opt("--attention", choices=("sdpa", "blockwise"))
 
 
 @dataclass(frozen=True)
@@ -63,7 +68,8 @@ class PlanOptions:
     model: str = opt(
         "--model",
         None,
-        "llama-2-7b, llama-2-13b, llama-2-70b, llama-3-8b, llama-3.1-8b, llama-3.1-70b, "
+        "llama-2-7b, llama-2-13b, llama-2-70b, llama-3-8b, llama-3-70b, llama-3.1-8b, "
+        "llama-3.1-70b, llama-3.1-405b, "
         "mixtral-8x7b, qwen3-30b-a3b (mixtures of experts), a "
         "preset, a model directory or a config.json",
         required=True,
@@ -85,8 +91,9 @@ def plan_parser() -> argparse.ArgumentParser:
     return build_parser(
         PlanOptions,
         "neuron-tp plan",
-        "Predict per-NeuronCore memory and step time of every tensor/data-parallel "
-        "layout of a training job, from traced steps of the code that trains; rank them.",
+        "Predict per-NeuronCore memory and step time of every tensor/pipeline/context/"
+        "data-parallel layout of a training job, from traced steps of the code that "
+        "trains; rank them.",
     )
 
 

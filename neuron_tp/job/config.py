@@ -161,7 +161,8 @@ class PlanConfig:
         "none",
         "auto: run the layout `neuron-tp plan` recommends for this job (sets --tp, "
         "--tp-mode, --sequence-parallel, --micro-batch, --grad-accum, "
-        "--activation-checkpointing, --zero1; needs --global-batch)",
+        "--activation-checkpointing, --zero1, --attention, and --pp / --cp where this build "
+        "trains them; needs --global-batch)",
         choices=("none", "auto"),
     )
     global_batch: int = opt(
@@ -184,26 +185,62 @@ class PlanConfig:
     )
 
 
+# The parallel axes beyond tp x dp that ``--plan auto`` may choose. ``train --pp`` / ``--cp``
+# run when asked for, but their runtimes do not cover everything a planned job may use yet
+# (stage checkpoints, eval and LoRA at pp > 1; ZeRO-1 at cp > 1): an automatic plan keeps them
+# at 1 rather than pick a layout the job then refuses.
+AUTO_PLAN_AXES: frozenset[str] = frozenset()
+
+
 @dataclass(frozen=True)
 class PipelineConfig:
-    """Pipeline parallelism (:mod:`neuron_tp.pipeline`): world = pp x dp x tp."""
+    """Pipeline parallelism: the decoder layers cut into ``pp`` stages (pp outermost in the
+    mesh: world = pp x dp x cp x tp); a step's micro-batches (--micro-batch x --grad-accum)
+    flow through them."""
+
+    TITLE: ClassVar[str] = "pipeline parallelism"
 
     pp: int = opt(
         "--pp",
         1,
-        "pipeline stages: the decoder layers cut evenly into pp stages (Llama / Mistral / "
-        "Qwen2 / Qwen3); a step's --grad-accum micro-batches flow through them",
+        "pipeline stages: the decoder layers split into --pp consecutive stages (the "
+        "embedding on the first, the final norm, LM head and loss on the last); must "
+        "divide the layers and the world size / (tp x cp), and --grad-accum >= --pp",
         type=pos(int),
     )
-    schedule: str = opt(
+    pp_schedule: str = opt(
         "--pp-schedule",
         "1f1b",
-        "1f1b (bubble (pp-1)/(M+pp-1)) or interleaved (--virtual-stages chunks per stage, "
-        "bubble (pp-1)/(V*M+pp-1)); M = --grad-accum",
+        "1f1b (bubble (pp-1)/(m+pp-1) of a step of m micro-batches, up to pp micro-batches "
+        "of activations held on the first stage) or interleaved (--virtual-stages chunks "
+        "per rank: bubble (pp-1)/(v*m+pp-1), a little more activation memory)",
         choices=("1f1b", "interleaved"),
     )
     virtual_stages: int = opt(
-        "--virtual-stages", 1, "--pp-schedule interleaved: model chunks per stage", type=pos(int)
+        "--virtual-stages",
+        1,
+        "--pp-schedule interleaved: model chunks per pipeline rank (layers divisible by "
+        "pp x virtual-stages)",
+        type=pos(int),
+        metavar="V",
+    )
+
+
+@dataclass(frozen=True)
+class ContextConfig:
+    """Context parallelism: each rank of a ``cp`` ring holds 1/cp of every sequence; keys and
+    values travel around the ring (blockwise attention)."""
+
+    TITLE: ClassVar[str] = "context parallelism"
+
+    cp: int = opt(
+        "--cp",
+        1,
+        "context-parallel degree: every sequence split over --cp ranks (2 x cp load-"
+        "balanced chunks: --seq-len divisible by 2 x cp), K/V passed around the ring; "
+        "parameters replicated over cp (gradients reduce over dp x cp); Llama-family "
+        "models (ring attention over blockwise tiles)",
+        type=pos(int),
     )
 
 
@@ -229,14 +266,6 @@ class TrainConfig(_CommonConfig):
         "expert parallelism for mixture-of-experts models: each block of --ep data-"
         "parallel ranks shares the experts out (E/ep each, still split over tp) and sends "
         "tokens to them by all-to-all; divides dp (world / tp) and the expert count",
-        type=pos(int),
-    )
-    cp: int = opt(  # context-parallel degree: the cp ring next to tp (world = dp x cp x tp)
-        "--cp",
-        1,
-        "context parallelism: each sequence split over a ring of --cp ranks (ring "
-        "attention, Llama-family models; --seq-len a multiple of 2 x cp); parameters "
-        "replicated over dp x cp",
         type=pos(int),
     )
     data: str = opt(
@@ -338,8 +367,9 @@ class TrainConfig(_CommonConfig):
         action="store_true",
     )
     lora: LoraConfig = group(LoraConfig)
-    plan: PlanConfig = group(PlanConfig)
     pipeline: PipelineConfig = group(PipelineConfig)
+    context: ContextConfig = group(ContextConfig)
+    plan: PlanConfig = group(PlanConfig)
 
     @property
     def uses_zero1(self) -> bool:

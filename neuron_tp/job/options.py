@@ -165,3 +165,22 @@ def option_flags(record: type) -> dict[str, str]:
         else:
             out[f.metadata["dest"]] = f.metadata["flag"]
     return out
+
+
+def with_values(config, values: dict[str, object]):
+    """``config`` with the options ``values`` (by parser destination, as
+    :func:`flat_values` lists them) replaced, groups included; KeyError for an unknown one."""
+    from dataclasses import replace
+
+    values = dict(values)
+    changes = {}
+    for f, sub in _option_fields(type(config)):
+        if sub is not None:
+            inner = {k: values.pop(k) for k in list(values) if k in option_flags(sub)}
+            if inner:
+                changes[f.name] = with_values(getattr(config, f.name), inner)
+        elif f.metadata["dest"] in values:
+            changes[f.name] = values.pop(f.metadata["dest"])
+    if values:
+        raise KeyError(f"{type(config).__name__} has no options {sorted(values)}")
+    return replace(config, **changes)

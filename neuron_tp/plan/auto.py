@@ -13,7 +13,7 @@ import json
 import os
 import sys
 from collections.abc import Callable
-from dataclasses import asdict, replace
+from dataclasses import asdict
 
 
 def job_size(config) -> tuple[int, int]:
@@ -37,6 +37,8 @@ def _model_config(config):
 def apply_plan(config, printer=print):
     """``config`` (a TrainConfig with ``plan="auto"``) with the recommended layout's options;
     ValueError when the job has no layout that fits (the plan's verdict)."""
+    from ..job.config import AUTO_PLAN_AXES
+    from ..job.options import with_values
     from .hardware import get_instance
     from .report import plan_table
     from .search import Job, Layout, make_plan
@@ -69,8 +71,11 @@ def apply_plan(config, printer=print):
     )
     model_config = _model_config(config)
 
+    # the axes whose training runtime this build lacks stay at 1
+    pins = {axis: 1 for axis in ("pp", "cp") if axis not in AUTO_PLAN_AXES}
+
     def plan_now() -> dict:
-        plan = make_plan(model_config, job)
+        plan = make_plan(model_config, job, **pins)
         plan.model = config.model
         best = plan.recommended
         return {
@@ -79,14 +84,14 @@ def apply_plan(config, printer=print):
             "verdict": plan.verdict,
         }
 
-    result = cached(_key(model_config, job), plan_now)
+    result = cached(_key(model_config, job) + "".join(sorted(pins)), plan_now)
     if result["layout"] is None:
         raise ValueError(f"--plan auto: {result['verdict']}")
     printer(result["table"])
     lay = Layout(**result["layout"])
     options = lay.train_options()
     options["zero1"] = lay.zero1 and not config.bf16  # --bf16 brings ZeRO-1 itself
-    return replace(config, **options)
+    return with_values(config, options)
 
 
 def _key(model_config, job) -> str:

@@ -18,6 +18,10 @@ _LLAMA = {
     "llama-2-70b": (8192, 28672, 80, 64, 8, 32000, 10000.0),
     # https://huggingface.co/meta-llama/Meta-Llama-3-8B/blob/main/config.json
     "llama-3-8b": (4096, 14336, 32, 32, 8, 128256, 500000.0),
+    # https://huggingface.co/meta-llama/Meta-Llama-3-70B/blob/main/config.json
+    "llama-3-70b": (8192, 28672, 80, 64, 8, 128256, 500000.0),
+    # https://huggingface.co/meta-llama/Llama-3.1-405B/blob/main/config.json (rope scaling aside)
+    "llama-3.1-405b": (16384, 53248, 126, 128, 8, 128256, 500000.0),
     # https://huggingface.co/meta-llama/Llama-3.1-8B/blob/main/config.json (rope scaling aside)
     "llama-3.1-8b": (4096, 14336, 32, 32, 8, 128256, 500000.0),
     # https://huggingface.co/meta-llama/Llama-3.1-70B/blob/main/config.json (rope scaling aside)

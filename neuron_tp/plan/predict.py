@@ -63,10 +63,21 @@ class Timing:
     tp_comm: float  # collectives of forward + backward, all micro-batches
     step_comm: float  # gradient reduction (tp, dp) and the ZeRO-1 parameter gather
     optimizer: float
+    pp_comm: float = 0.0  # stage-boundary sends (activations forward, gradients backward)
+    cp_comm: float = 0.0  # K/V (and their gradients) around the context-parallel ring
+    bubble: float = 0.0  # the pipeline's idle slots: (pp - 1) / v micro-batch slots
 
     @property
     def step(self) -> float:
-        return self.compute + self.tp_comm + self.step_comm + self.optimizer
+        return (
+            self.compute
+            + self.tp_comm
+            + self.step_comm
+            + self.optimizer
+            + self.pp_comm
+            + self.cp_comm
+            + self.bubble
+        )
 
 
 def _bilinear(f11: float, f21: float, f12: float, f22: float, layers: int, k: float) -> float:

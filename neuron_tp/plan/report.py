@@ -16,6 +16,16 @@ def _mode(c: Candidate) -> str:
     return lay.tp_mode + ("+sp" if lay.sequence_parallel else "")
 
 
+def _pipe(c: Candidate) -> str:
+    """pp, with the interleaved schedule's virtual stages (``8i2``: 8 stages x 2 chunks)."""
+    lay = c.layout
+    return f"{lay.pp}" + (f"i{lay.virtual_stages}" if lay.pp_schedule == "interleaved" else "")
+
+
+def _attn(c: Candidate) -> str:
+    return "block" if c.layout.attention == "blockwise" else c.layout.attention
+
+
 def train_args(plan: Plan, c: Candidate) -> list[str]:
     """The ``neuron-tp train`` options that run ``c`` for the plan's job: the model, the
     layout (tp, mode, micro-batch x gradient accumulation: the global batch over dp), the
@@ -43,10 +53,11 @@ def candidate_dict(plan: Plan, c: Candidate) -> dict:
     out["command"] = command(plan, c)
     out["fits"] = c.fits
     out["tight"] = c.tight
-    if c.memory is not None:
-        assert c.timing is not None  # predicted together with the memory
+    if c.timing is not None:
+        assert c.memory is not None  # predicted together with the timing
         out["memory_bytes"] = {**asdict(c.memory), "total": c.memory.total}
         out["headroom"] = c.headroom
+        out["peak_stage"] = c.stage
         out["step_seconds"] = {**asdict(c.timing), "total": c.timing.step}
         out["sequences_per_s"] = c.seq_per_s
         out["mfu"] = c.mfu
@@ -92,7 +103,8 @@ def plan_table(plan: Plan, limit: int = 20) -> str:
     job = plan.job
     tokens = job.seq_len
     head = (
-        f"{'#':>3} {'tp':>3} {'mode':>6} {'dp':>4} {'mb':>3} {'acc':>4} {'recomp':>9} "
+        f"{'#':>3} {'tp':>3} {'mode':>6} {'pp':>4} {'cp':>2} {'dp':>4} {'attn':>5} {'mb':>3} "
+        f"{'acc':>4} {'recomp':>9} "
         f"{'zero1':>5} | {'params':>6} {'grads':>6} {'optim':>6} {'activ':>6} {'buf':>5} "
         f"{'total':>6} GiB | {'step s':>7} {'seq/s':>7} {'tok/s':>9} {'MFU':>5} | fit"
     )
@@ -109,11 +121,12 @@ def plan_table(plan: Plan, limit: int = 20) -> str:
     for i, c in enumerate(plan.candidates[:limit], 1):
         lay = c.layout
         row = (
-            f"{i:>3} {lay.tp:>3} {_mode(c):>6} {lay.dp:>4} {lay.micro_batch:>3} "
-            f"{lay.grad_accum:>4} {lay.activation_checkpointing:>9} "
+            f"{i:>3} {lay.tp:>3} {_mode(c):>6} {_pipe(c):>4} {lay.cp:>2} {lay.dp:>4} "
+            f"{_attn(c):>5} {lay.micro_batch:>3} {lay.grad_accum:>4} "
+            f"{lay.activation_checkpointing:>9} "
             f"{'yes' if lay.zero1 else 'no':>5} | "
         )
-        if c.memory is None:  # once per tp, mode and reason (not per micro-batch etc.)
+        if c.memory is None or c.timing is None:  # once per tp, mode and reason
             if (lay.tp, _mode(c), c.why) not in refused:
                 refused.add((lay.tp, _mode(c), c.why))
                 lines.append(row + f"cannot run (any micro-batch, recompute): {c.why}")
@@ -135,11 +148,22 @@ def plan_table(plan: Plan, limit: int = 20) -> str:
     if rec:
         t = rec.timing
         assert t is not None  # a recommended candidate fits: it was predicted
+        extra = "".join(
+            f" + {name} {value:.2f}"
+            for name, value in (
+                ("pipeline bubble", t.bubble),
+                ("stage sends", t.pp_comm),
+                ("cp ring", t.cp_comm),
+            )
+            if value
+        )
+        where = f" (peak on stage {rec.stage} of {rec.layout.pp})" if rec.layout.pp > 1 else ""
         lines.append(
             f"recommended: {shlex.join(command(plan, rec))}  # predicted "
             f"{rec.seq_per_s:.1f} seq/s ({rec.seq_per_s * tokens:,.0f} tokens/s), step "
             f"{t.step:.2f} s = compute {t.compute:.2f} + tp comm {t.tp_comm:.2f} + grad "
-            f"reduction {t.step_comm:.2f} + optimizer {t.optimizer:.2f}"
+            f"reduction {t.step_comm:.2f} + optimizer {t.optimizer:.2f}{extra}; "
+            f"{rec.memory.total / GIB:.2f} GiB per core{where}"
         )
     else:
         lines.append(f"nothing fits: {plan.verdict}")

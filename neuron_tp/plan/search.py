@@ -10,6 +10,7 @@ fastest first.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import time
@@ -21,11 +22,17 @@ from ..job.options import option_flags
 from ..parallel.mesh import divisors, grid_side
 from .hardware import Instance
 from .moe import dense_standin, flops_per_token, moe_shape, param_counts, summary, tp_refusal
-from .predict import Memory, Timing, memory, timing
-from .state import StateBytes, state_bytes
+from .pipeline import pipeline_refusal
+from .predict import Memory, Timing
+from .stages import TRACED_DP, model_shape, stage_memories, stage_timing
+from .state import StateBytes, stage_state_bytes
 from .trace import Spec, Trace, trace_in_subprocess
 
 RECOMPUTE = ("none", "selective", "full")
+CP_STEPS = (1, 2, 4, 8)  # context-parallel degrees searched (the ring inside a node)
+CP_MIN_SEQ = 16384  # shorter sequences are planned without context parallelism
+MAX_PP = 16  # pipeline degrees searched (unless pinned)
+BLOCKWISE_MIN_SEQ = 8192  # shorter sequences are planned with sdpa (unless pinned)
 MICRO_BATCH_STEPS = (1, 2, 4, 8, 16)
 TIGHT = 0.05  # headroom below which a fit is "tight"
 
@@ -69,10 +76,16 @@ class Layout:
     grad_accum: int
     zero1: bool
     dp: int
+    pp: int = 1
+    pp_schedule: str = "1f1b"
+    virtual_stages: int = 1
+    cp: int = 1
+    attention: str = "sdpa"
 
     def train_options(self) -> dict[str, object]:
         """The ``neuron-tp train`` options this layout sets, by their ``TrainConfig`` field
-        (each a field of the layout of the same name; ``dp`` follows from the world size), in
+        (each a field of the layout of the same name; ``dp`` follows from the world size:
+        world / (pp x cp x tp)), in
         command-line order: THE mapping between layouts and training options (the planner's
         pins, ``--plan auto`` and the printed commands all use it)."""
         return {name: getattr(self, name) for name in TRAIN_OPTIONS}
@@ -97,6 +110,11 @@ TRAIN_OPTIONS = (
     "activation_checkpointing",
     "sequence_parallel",
     "zero1",
+    "pp",
+    "pp_schedule",
+    "virtual_stages",
+    "cp",
+    "attention",
 )
 # the options ``make_plan`` may pin (grad_accum follows from the global batch)
 PINS = tuple(name for name in TRAIN_OPTIONS if name != "grad_accum")
@@ -114,6 +132,7 @@ class Candidate:
     fits: bool = False
     why: str = ""  # why it does not fit or cannot run
     headroom: float = 0.0  # fraction of the usable memory left free
+    stage: int = 0  # the pipeline stage whose memory is the peak (``memory``)
 
     @property
     def tight(self) -> bool:
@@ -154,46 +173,147 @@ def _modes(tp: int, seq_len: int) -> list[tuple[str, bool, int]]:
     return modes
 
 
-def _layouts(job: Job, pins: dict) -> tuple[list[Layout], list[str]]:
+def _axes(job: Job, layers: int, tp: int, pins: dict) -> list[tuple[int, int]]:
+    """(cp, pp) pairs to try at ``tp``: cp (blockwise attention's ring, inside a node) only
+    for sequences of :data:`CP_MIN_SEQ` and more; pp dividing the layers, at most
+    :data:`MAX_PP`. Pinned values are tried whatever their size."""
+    rest = job.world // tp
+    cps = [1]
+    if pins.get("cp"):
+        cps = [pins["cp"]]
+    elif job.seq_len >= CP_MIN_SEQ:
+        cps = [c for c in CP_STEPS if rest % c == 0 and c * tp <= job.per_node]
+    out = []
+    for cp in cps:
+        if rest % cp or job.seq_len % (2 * cp):
+            continue
+        pps = [pins["pp"]] if pins.get("pp") else [p for p in divisors(layers) if p <= MAX_PP]
+        out += [(cp, pp) for pp in pps if (rest // cp) % pp == 0]
+    return out
+
+
+def _schedules(pp: int, layers: int, pins: dict) -> list[tuple[str, int]]:
+    """(pp_schedule, virtual_stages) to try: 1F1B, and interleaved with v = 2, 4 chunks."""
+    out = [("1f1b", 1)]
+    if pp > 1:
+        out += [("interleaved", v) for v in (2, 4) if layers % (pp * v) == 0]
+    if pins.get("virtual_stages"):
+        v = pins["virtual_stages"]
+        out = [("interleaved", v)] if v > 1 else [("1f1b", 1)]
+    return [o for o in out if pins.get("pp_schedule") in (None, o[0])]
+
+
+def _attentions(mode: str, cp: int, pins: dict, seq_len: int) -> list[str]:
+    """sdpa, and blockwise in 1d from :data:`BLOCKWISE_MIN_SEQ` (or pinned); context
+    parallelism needs blockwise."""
+    long = seq_len >= BLOCKWISE_MIN_SEQ or pins.get("attention") == "blockwise"
+    out = ["sdpa", "blockwise"] if mode == "1d" and long else ["sdpa"]
+    out = ["blockwise"] if cp > 1 else out
+    return [a for a in out if pins.get("attention") in (None, a)]
+
+
+def _check_pins(job: Job, layers: int, pins: dict) -> None:
+    """Refuse pinned values that cannot run, naming what would (before any tracing)."""
+    if pins.get("tp") and pins["tp"] not in divisors(job.world):
+        raise ValueError(
+            f"--tp {pins['tp']} does not divide the {job.world} ranks of {job.nodes} x "
+            f"{job.instance.name}; valid: {divisors(job.world)}"
+        )
+    pp, v = pins.get("pp") or 1, pins.get("virtual_stages") or 1
+    why = pipeline_refusal(
+        layers, pp, 10**9, pins.get("pp_schedule") or ("interleaved" if v > 1 else "1f1b"), v
+    )
+    if why:
+        raise ValueError(f"--pp {pp}: {why}")
+    if pins.get("cp", 1) > 1 and pins.get("attention") == "sdpa":
+        raise ValueError("--cp > 1 runs blockwise attention (the K/V ring): --attention blockwise")
+
+
+def _layouts(job: Job, pins: dict, layers: int) -> tuple[list[Layout], list[str]]:
     """Every layout of the job (respecting ``pins``: option -> value), and notes on what was
     left out."""
+    _check_pins(job, layers, pins)
     notes = []
     tps = [t for t in divisors(job.world) if t <= job.per_node]
-    if pins.get("tp"):
-        if pins["tp"] not in divisors(job.world):
-            raise ValueError(
-                f"--tp {pins['tp']} does not divide the {job.world} ranks of {job.nodes} x "
-                f"{job.instance.name}; valid: {divisors(job.world)}"
-            )
-        tps = [pins["tp"]]
+    tps = [pins["tp"]] if pins.get("tp") else tps
     out = []
     for tp in tps:
-        dp = job.world // tp
-        if job.global_batch % dp:
-            notes.append(f"tp={tp}: global batch {job.global_batch} is not a multiple of dp={dp}")
+        for cp, pp in _axes(job, layers, tp, pins):
+            dp = job.world // (tp * cp * pp)
+            if job.global_batch % dp:
+                notes.append(
+                    f"tp={tp} pp={pp} cp={cp}: global batch {job.global_batch} is not a "
+                    f"multiple of dp={dp}"
+                )
+                continue
+            out += _at(job, pins, layers, tp=tp, cp=cp, pp=pp, dp=dp)
+    if pins.get("pp", 1) > 1 and not out:
+        notes.append(
+            f"--pp {pins['pp']}: no micro-batch split gives {pins['pp']} or more micro-"
+            "batches per step (global batch / dp / micro-batch): raise --global-batch or "
+            "lower --pp"
+        )
+    short = sum(1 for n in notes if "not a multiple" in n)
+    if short > 3:
+        notes = [n for n in notes if "not a multiple" not in n][:3] + [
+            f"{short} (tp, pp, cp) combinations left out: the global batch is not a multiple "
+            "of their dp"
+        ]
+    return out, notes
+
+
+def _at(job: Job, pins: dict, layers: int, *, tp: int, cp: int, pp: int, dp: int) -> list:
+    """The layouts at these axes: mode, attention, micro-batch, schedule, recompute, ZeRO-1."""
+    out = []
+    per_rank = job.global_batch // dp
+    for mode, sp, split in _modes(tp, job.seq_len // cp):
+        if pins.get("tp_mode") not in (None, mode):
             continue
-        for mode, sp, split in _modes(tp, job.seq_len):
-            if pins.get("tp_mode") not in (None, mode):
-                continue
-            if pins.get("sequence_parallel") is not None and pins["sequence_parallel"] != sp:
-                continue
-            per_rank = job.global_batch // dp
+        if pins.get("sequence_parallel") is not None and pins["sequence_parallel"] != sp:
+            continue
+        for attention in _attentions(mode, cp, pins, job.seq_len):
             for m in MICRO_BATCH_STEPS:
                 b = split * m
                 if per_rank % b or pins.get("micro_batch") not in (None, b):
                     continue
-                for rec in RECOMPUTE:
-                    if pins.get("activation_checkpointing") not in (None, rec):
+                for sched, v in _schedules(pp, layers, pins):
+                    if pipeline_refusal(layers, pp, per_rank // b, sched, v):
                         continue
-                    for zero1 in (True,) if job.bf16 else (False, True):
-                        if pins.get("zero1") not in (None, zero1) and not job.bf16:
+                    for rec in RECOMPUTE:
+                        if pins.get("activation_checkpointing") not in (None, rec):
                             continue
-                        out.append(Layout(tp, mode, sp, rec, b, per_rank // b, zero1, dp))
-    return out, notes
+                        if attention == "blockwise" and rec == "selective":
+                            continue  # train refuses it: blockwise recomputes its tiles
+                        for zero1 in (True,) if job.bf16 else (False, True):
+                            if pins.get("zero1") not in (None, zero1) and not job.bf16:
+                                continue
+                            lay = Layout(tp, mode, sp, rec, b, per_rank // b, zero1, dp)
+                            out.append(
+                                replace(
+                                    lay,
+                                    pp=pp,
+                                    pp_schedule=sched,
+                                    virtual_stages=v,
+                                    cp=cp,
+                                    attention=attention,
+                                )
+                            )
+    return out
 
 
 def _spec_key(lay: Layout) -> tuple:
-    return (lay.tp, lay.tp_mode, lay.sequence_parallel, lay.activation_checkpointing, lay.zero1)
+    """What a layout's traces depend on: tp and mode, SP, recompute, ZeRO-1, the tokens one
+    rank holds (seq / cp: a key suffix, seq_len passed at tracing) and the attention. pp and
+    the data-parallel size are composed afterwards (:mod:`.stages`)."""
+    return (
+        lay.tp,
+        lay.tp_mode,
+        lay.sequence_parallel,
+        lay.activation_checkpointing,
+        lay.zero1,
+        lay.cp,
+        lay.attention,
+    )
 
 
 def _b0(lay: Layout) -> int:
@@ -222,21 +342,16 @@ def _trace_all(config, job: Job, layouts: list[Layout]) -> dict[tuple, dict | st
                         sequence_parallel=lay.sequence_parallel,
                         recompute=lay.activation_checkpointing,
                         micro_batch=k * _b0(lay),
-                        seq_len=job.seq_len,
-                        dp=lay.dp,
+                        seq_len=job.seq_len // lay.cp,
+                        dp=min(TRACED_DP, job.world // lay.tp),
+                        attn=lay.attention,
                         zero1=lay.zero1,
                         bf16=job.bf16,
                         layers=layers,
                     )
                 )
                 owners.append((key, (layers, k)))
-    workers = max(1, min(4, (os.cpu_count() or 1), len(specs)))
-    chunks = [specs[i::workers] for i in range(workers)]
-    with ThreadPoolExecutor(workers) as pool:
-        results = list(pool.map(lambda c: trace_in_subprocess(config, c), chunks))
-    flat: list[Trace | str] = [None] * len(specs)
-    for i, res in enumerate(results):
-        flat[i::workers] = res
+    flat = _traces(config, specs)
     traced: dict[tuple, dict | str] = {}
     for (key, where), res in zip(owners, flat):
         if isinstance(res, str):
@@ -244,6 +359,24 @@ def _trace_all(config, job: Job, layouts: list[Layout]) -> dict[tuple, dict | st
         elif not isinstance(traced.get(key), str):
             traced.setdefault(key, {})[where] = res
     return traced
+
+
+_TRACES: dict[tuple[str, Spec], Trace | str] = {}  # this process's traces (plans share them)
+
+
+def _traces(config, specs: list[Spec]) -> list[Trace | str]:
+    """The traces of ``specs``: those this process has not traced yet in child processes
+    (up to 4 in parallel), the rest from :data:`_TRACES`."""
+    name = json.dumps(config.to_dict(), sort_keys=True, default=str)
+    todo = list(dict.fromkeys(s for s in specs if (name, s) not in _TRACES))
+    workers = max(1, min(4, (os.cpu_count() or 1), len(todo)))
+    chunks = [todo[i::workers] for i in range(workers)]
+    if todo:
+        with ThreadPoolExecutor(workers) as pool:
+            results = list(pool.map(lambda c: trace_in_subprocess(config, c), chunks))
+        for chunk, res in zip(chunks, results):
+            _TRACES.update({(name, s): r for s, r in zip(chunk, res)})
+    return [_TRACES[(name, s)] for s in specs]
 
 
 def _why_not(mem: Memory, usable: int) -> str:
@@ -261,40 +394,48 @@ def _why_not(mem: Memory, usable: int) -> str:
     )
 
 
-def _verdict(config, job: Job, candidates: list[Candidate], states) -> str:
-    """What to do when nothing fits (pipeline parallelism, or more nodes for ZeRO-1)."""
+def _axes_text(lay: Layout) -> str:
+    text = f"tp={lay.tp}"
+    text += f" x pp={lay.pp}" if lay.pp > 1 else ""
+    return text + (f" x cp={lay.cp}" if lay.cp > 1 else "")
+
+
+def _verdict(job: Job, candidates: list[Candidate]) -> str:
+    """What to do when nothing fits (more pipeline stages, or more nodes for ZeRO-1)."""
     if any(c.fits for c in candidates):
         return "fits"
     sized = [c for c in candidates if c.memory is not None]
     if not sized:
         return "no layout can run: " + "; ".join(sorted({c.why for c in candidates}))[:500]
     best = min(sized, key=lambda c: c.memory.total)
-    mem = best.memory
+    mem, lay = best.memory, best.layout
     rest = mem.total - mem.optimizer - mem.masters
     if rest > job.usable_bytes:
         return (
-            f"does not fit without pipeline parallelism (not in neuron_tp): even at tp="
-            f"{best.layout.tp} with ZeRO-1 and full recompute, parameters + gradients + one "
-            f"micro-batch need {rest / 2**30:.1f} GiB per core > {job.usable_bytes / 2**30:.1f}"
-            " GiB usable, and more nodes do not shrink them"
+            f"does not fit on {job.world} ranks: even at {_axes_text(lay)} with ZeRO-1 and "
+            f"{lay.activation_checkpointing} recompute, parameters + gradients + activations "
+            f"need {rest / 2**30:.1f} GiB per core > {job.usable_bytes / 2**30:.1f} GiB "
+            "usable: more pipeline stages (more nodes), or context parallelism for long "
+            "sequences"
         )
-    need = (mem.optimizer + mem.masters) * best.layout.dp / (job.usable_bytes - rest)
-    nodes = math.ceil(need * best.layout.tp / job.per_node)
+    need = (mem.optimizer + mem.masters) * lay.dp * lay.cp / (job.usable_bytes - rest)
+    nodes = math.ceil(need * lay.tp * lay.pp / job.per_node)
     return (
         f"does not fit on {job.nodes} node(s): the optimizer state needs ZeRO-1 over about "
-        f"{math.ceil(need)} data-parallel ranks at tp={best.layout.tp} (about {nodes} x "
-        f"{job.instance.name}), or pipeline parallelism (not in neuron_tp)"
+        f"{math.ceil(need)} data-parallel ranks at {_axes_text(lay)} (about {nodes} x "
+        f"{job.instance.name})"
     )
 
 
 def make_plan(config, job: Job, **pins) -> Plan:
     """Rank every layout of ``config`` (a transformers config) for ``job``. ``pins`` fix
     options (:data:`PINS`): tp, tp_mode, sequence_parallel, activation_checkpointing,
-    micro_batch, zero1. A mixture of
+    micro_batch, zero1, pp, pp_schedule, virtual_stages, cp, attention. A mixture of
     experts is traced as its dense stand-in (:mod:`.moe`: the static dense routing's
     parameters, FLOPs and collectives); its MFU counts the active parameters' FLOPs."""
     start = time.perf_counter()
-    layouts, notes = _layouts(job, {k: v for k, v in pins.items() if v is not None})
+    pins = {k: v for k, v in pins.items() if v is not None}
+    layouts, notes = _layouts(job, pins, config.num_hidden_layers)
     if not layouts:
         raise ValueError("no layout matches: " + ("; ".join(notes) or f"pins {pins}"))
     counts, lines = param_counts(config), summary(config, job.seq_len)
@@ -308,65 +449,25 @@ def make_plan(config, job: Job, **pins) -> Plan:
         config = dense_standin(config)
     else:
         refused = {}
-    runnable = [lay for lay in layouts if not refused.get(lay.tp)]
+    states = {lay: _states(config, job, lay) for lay in layouts if not refused.get(lay.tp)}
+    heavy = {lay: max(st, key=lambda x: x.total) for lay, st in states.items() if _over(st, job)}
+    runnable = [lay for lay in states if lay not in heavy]
     traced = _trace_all(config, job, runnable) if runnable else {}
-    states: dict[tuple, StateBytes] = {}
     candidates = []
     for lay in layouts:
         cand = Candidate(lay)
         candidates.append(cand)
+        if lay in heavy:  # the model state alone is over the budget: not traced
+            st = heavy[lay]
+            cand.memory = Memory(st.params, st.grads, st.optimizer, st.masters, 0, 0, 0)
+            cand.why = _why_not(cand.memory, job.usable_bytes) + " (model state alone)"
+            continue
         traces = refused.get(lay.tp) or traced[_spec_key(lay)]
         if isinstance(traces, str):
             cand.why = traces
             continue
-        skey = (lay.tp, lay.tp_mode, lay.dp, lay.zero1)
-        if skey not in states:
-            states[skey] = state_bytes(
-                config,
-                lay.tp,
-                tp_mode=lay.tp_mode,
-                dp=lay.dp,
-                rank=0,
-                bf16=job.bf16,
-                zero1=lay.zero1,
-            )
-        state, k = states[skey], lay.micro_batch / _b0(lay)
-        layers = config.num_hidden_layers
         base = traced[_spec_key(replace(lay, activation_checkpointing="none"))]
-        cand.memory = memory(
-            state, traces, layers, k, None if base is traces else base, zero1=lay.zero1
-        )
-        cand.timing, _ = timing(
-            traces,
-            state,
-            layers,
-            k,
-            grad_accum=lay.grad_accum,
-            instance=job.instance,
-            ranks_per_node=job.per_node,
-            bf16=job.bf16,
-            efficiency=job.efficiency,
-        )
-        _, model_flops = timing(
-            base,
-            state,
-            layers,
-            k,
-            grad_accum=lay.grad_accum,
-            instance=job.instance,
-            ranks_per_node=job.per_node,
-            bf16=job.bf16,
-            efficiency=1.0,
-        )
-        peak = (
-            job.instance.peak_flops_per_core if job.bf16 else job.instance.peak_fp32_flops_per_core
-        )
-        cand.seq_per_s = job.global_batch / cand.timing.step
-        cand.mfu = useful * model_flops / (peak * cand.timing.step)
-        cand.fits = cand.memory.total <= job.usable_bytes
-        cand.headroom = 1 - cand.memory.total / job.usable_bytes
-        if not cand.fits:
-            cand.why = _why_not(cand.memory, job.usable_bytes)
+        _predict(cand, job, config, traces=traces, base=base, states=states[lay], useful=useful)
     candidates.sort(
         key=lambda c: (
             not c.fits,
@@ -376,8 +477,51 @@ def make_plan(config, job: Job, **pins) -> Plan:
             c.memory.total if c.memory else 0,  # then the smaller footprint
         )
     )
-    verdict = _verdict(config, job, candidates, states)
+    verdict = _verdict(job, candidates)
     n_traces = 4 * len({_spec_key(c.layout) for c in candidates if not refused.get(c.layout.tp)})
     plan = Plan(job, candidates, verdict, time.perf_counter() - start, n_traces, notes)
     plan.summary, plan.params = lines, (counts.total, counts.active)
     return plan
+
+
+_STATES: dict[tuple, list[StateBytes]] = {}
+
+
+def _states(config, job: Job, lay: Layout) -> list[StateBytes]:
+    """Each pipeline stage's model state under ``lay`` (cached per distinct sharding)."""
+    key = (id(config), lay.tp, lay.tp_mode, lay.dp * lay.cp, lay.zero1, lay.pp, job.bf16)
+    if key not in _STATES:
+        _STATES[key] = stage_state_bytes(
+            config,
+            lay.tp,
+            lay.tp_mode,
+            lay.dp * lay.cp,
+            bf16=job.bf16,
+            zero1=lay.zero1,
+            pp=lay.pp,
+        )
+    return _STATES[key]
+
+
+def _over(states: list[StateBytes], job: Job) -> bool:
+    return max(st.total for st in states) > job.usable_bytes
+
+
+def _predict(cand: Candidate, job: Job, config, *, traces, base, states, useful: float) -> None:
+    """Fill ``cand``'s memory (its worst stage), timing, throughput, MFU and fit."""
+    lay = cand.layout
+    k = lay.micro_batch / _b0(lay)
+    shape = model_shape(config, lay, job.seq_len, job.bf16)
+    mems = stage_memories(lay, traces, None if base is traces else base, states, shape, k)
+    cand.stage = max(range(len(mems)), key=lambda i: mems[i].total)
+    cand.memory = mems[cand.stage]
+    cand.timing, _ = stage_timing(lay, traces, states, shape, job, k)
+    plain = replace(lay, activation_checkpointing="none")
+    _, model_flops = stage_timing(plain, base, states, shape, job, k)
+    peak = job.instance.peak_flops_per_core if job.bf16 else job.instance.peak_fp32_flops_per_core
+    cand.seq_per_s = job.global_batch / cand.timing.step
+    cand.mfu = useful * model_flops / (peak * cand.timing.step)
+    cand.fits = cand.memory.total <= job.usable_bytes
+    cand.headroom = 1 - cand.memory.total / job.usable_bytes
+    if not cand.fits:
+        cand.why = _why_not(cand.memory, job.usable_bytes)

@@ -46,7 +46,8 @@ class Spec:
     bf16: bool = True
     layers: int = 1  # decoder layers of the traced model
     max_grad_norm: float = 1.0
-    attn: str = "sdpa"  # attention implementation (neuron-tp train loads "sdpa")
+    attn: str = "sdpa"  # attention implementation (neuron-tp train loads "sdpa"), or "blockwise"
+    attention_block: int = 0  # blockwise: key/value block (0: the whole sequence, one tile)
 
 
 @dataclass(frozen=True)
@@ -127,6 +128,10 @@ def sharded_meta_model(config, spec: Spec, rank: int = 0):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     mesh = Mesh.virtual(spec.tp * spec.dp, rank, tp=spec.tp, tp_mode=spec.tp_mode)
     hf.parallelize(model, mesh, sequence_parallel=spec.sequence_parallel, parallel_loss=spec.tp > 1)
+    if spec.attn == "blockwise":  # as neuron-tp train --attention blockwise
+        from ..hf.attention import use_blockwise_attention
+
+        use_blockwise_attention(model, spec.attention_block or spec.seq_len)
     apply_activation_checkpointing(model, spec.recompute)
     return model, mesh
 
@@ -143,7 +148,7 @@ def trace_step(config, spec: Spec, rank: int = 0) -> Trace:
 
     config = copy.deepcopy(config)
     config.num_hidden_layers = spec.layers
-    config._attn_implementation = spec.attn
+    config._attn_implementation = "sdpa" if spec.attn == "blockwise" else spec.attn
     device = torch_xla.device()
     torch_xla._XLAC._clear_pending_irs(str(device))  # a virtual graph never runs: drop it
     model, mesh = sharded_meta_model(config, spec, rank)

@@ -73,10 +73,10 @@ def _layout(config: TrainConfig, world, mesh: Mesh | None) -> Mesh:
             "already splits the batch (and the features) over the grid; drop "
             "--sequence-parallel"
         )
-    if config.cp > 1:
+    if config.context.cp > 1:
         _check_cp(config)
     # Valid tp (a square for 2d, a cube for 3d), pp, cp and ep? This rank's dp rank.
-    pp, cp = config.pipeline.pp, config.cp
+    pp, cp = config.pipeline.pp, config.context.cp
     layout = mesh or Mesh(
         world.size,
         world.rank,
@@ -115,7 +115,7 @@ def _layout(config: TrainConfig, world, mesh: Mesh | None) -> Mesh:
 
 def _check_cp(config: TrainConfig) -> None:
     """Refuse what context parallelism does not run (yet), naming what works."""
-    cp, unsupported = config.cp, []
+    cp, unsupported = config.context.cp, []
     if config.seq_len % (2 * cp):
         check_length(config.seq_len, cp, "--seq-len")
     if config.sequence_parallel and (config.seq_len // cp) % config.tp:
@@ -187,7 +187,7 @@ def setup(args: TrainConfig | argparse.Namespace, mesh: Mesh | None = None) -> R
         reduce_dtype=config.mesh_reduce_dtype,
         ep=config.ep,
         pp=config.pipeline.pp,
-        cp=config.cp,
+        cp=config.context.cp,
     )
     model = _sharded_model(config, mesh, vocab_size(tokenizer))
     pipeline = pipelined.build(config, mesh, model, device) if mesh.pp_size > 1 else None

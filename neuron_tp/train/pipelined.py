@@ -23,7 +23,7 @@ def check_options(config: TrainConfig, hf_config, data: RowData) -> None:
     """UserError for what ``--pp`` cannot run, naming what works."""
     pipe = config.pipeline
     if pipe.pp == 1:
-        if pipe.virtual_stages != 1 or pipe.schedule != "1f1b":
+        if pipe.virtual_stages != 1 or pipe.pp_schedule != "1f1b":
             raise UserError("--pp-schedule interleaved / --virtual-stages need --pp > 1")
         return
     unsupported = [
@@ -44,7 +44,9 @@ def check_options(config: TrainConfig, hf_config, data: RowData) -> None:
             f"{type(hf_config).__name__.replace('Config', '')} is not one of them (use --pp 1)"
         )
     plan_stages(hf_config.num_hidden_layers, pipe.pp, pipe.virtual_stages)
-    schedules.check_schedule_options(pipe.schedule, pipe.pp, config.grad_accum, pipe.virtual_stages)
+    schedules.check_schedule_options(
+        pipe.pp_schedule, pipe.pp, config.grad_accum, pipe.virtual_stages
+    )
 
 
 def build(config: TrainConfig, mesh: Mesh, model: torch.nn.Module, device) -> PipelineRunner:
@@ -53,7 +55,7 @@ def build(config: TrainConfig, mesh: Mesh, model: torch.nn.Module, device) -> Pi
     pipe = config.pipeline
     plan = plan_stages(model.config.num_hidden_layers, pipe.pp, pipe.virtual_stages)
     stage = split_model(model, mesh, plan)
-    sched = schedules.build(pipe.schedule, pipe.pp, config.grad_accum, pipe.virtual_stages)
+    sched = schedules.build(pipe.pp_schedule, pipe.pp, config.grad_accum, pipe.virtual_stages)
     return PipelineRunner(
         stage,
         sched,

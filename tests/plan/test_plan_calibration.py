@@ -94,7 +94,7 @@ def test_train_plan_auto_uses_the_calibration(tmp_path, monkeypatch):
     monkeypatch.setenv("NEURON_TP_CACHE", str(tmp_path / "cache"))
     planned = []
 
-    def record(config, job):
+    def record(config, job, **pins):
         planned.append(job)
         return search.Plan(job, [], "recorded", 0.0, 0)
 

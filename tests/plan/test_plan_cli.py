@@ -59,7 +59,8 @@ def test_json_plan_is_ranked_and_its_layouts_are_train_options(capsys):
             )
         )
         config = TrainConfig.from_args(train_parser().parse_args(c["train_args"]))
-        assert config.micro_batch * config.grad_accum * (2 // config.tp) == 8
+        dp = 2 // (config.tp * config.pipeline.pp * config.context.cp)
+        assert config.micro_batch * config.grad_accum * dp == 8
     # every lever was tried: tp 1 and 2, SP, the three recompute modes, micro-batches
     assert {s[0] for s in seen} == {1, 2} and any(s[1] for s in seen)
     assert {s[2] for s in seen} == {"none", "selective", "full"}
@@ -73,7 +74,8 @@ def test_a_model_that_needs_pipeline_parallelism(capsys):
         *("--global-batch", "1", "--tp", "2", "--activation-checkpointing", "full"),
     )
     assert code == 1
-    assert "does not fit without pipeline parallelism" in out, out
+    assert "does not fit on 2 ranks: even at tp=2" in out, out
+    assert "more pipeline stages (more nodes)" in out, out
 
 
 def test_more_nodes_verdict_is_a_plan_that_fits(capsys):
@@ -117,7 +119,7 @@ def test_published_llama2_7b_tp8_fits_and_tp2_does_not(capsys):
         (["--instance", "inf2.48xlarge", "--nodes", "2"], "inf2.48xlarge has no EFA"),
         (["--tp", "3"], "--tp 3 does not divide the 2 ranks"),
         (["--model", "/nonexistent"], "is not a known architecture"),
-        (["--global-batch", "3"], "global batch 3 is not a multiple of dp=2"),
+        (["--global-batch", "3", "--pp", "1"], "global batch 3 is not a multiple of dp=2"),
     ],
 )
 def test_bad_input_is_refused_before_tracing(capsys, argv, message):
