@@ -46,6 +46,11 @@ SPECULATION_GAUGES = (
 )
 
 
+def _reader(source: Callable[[], object], attr: str) -> Callable[[], float]:
+    """``source().attr`` as a float at each scrape (0 when there is no source)."""
+    return lambda: float(getattr(source(), attr, 0))
+
+
 class ServerMetrics:
     """The Prometheus metrics of one server app, in a registry of its own."""
 
@@ -90,7 +95,7 @@ class ServerMetrics:
         )
         for name, what, attr in SPECULATION_GAUGES:
             gauge = Gauge(f"neuron_tp_speculation_{name}", what, registry=r)
-            gauge.set_function(lambda a=attr: float(getattr(speculation(), a, 0)))
+            gauge.set_function(_reader(speculation, attr))
         self.prompt_tokens = Counter(
             "neuron_tp_prompt_tokens", "Prompt tokens of finished choices", registry=r
         )

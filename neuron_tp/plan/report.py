@@ -98,6 +98,12 @@ def plan_dict(plan: Plan, limit: int = 0) -> dict:
     }
 
 
+def memory_total(c: Candidate) -> float:
+    """Bytes per core of a predicted candidate (its worst stage)."""
+    assert c.memory is not None, "only predicted candidates have a memory"
+    return c.memory.total
+
+
 def plan_table(plan: Plan, limit: int = 20) -> str:
     """The ranked candidates as a text table, then the recommendation or the verdict."""
     job = plan.job
@@ -146,14 +152,14 @@ def plan_table(plan: Plan, limit: int = 20) -> str:
         lines.append(f"... {len(plan.candidates) - limit} more (--top N, --json)")
     rec = plan.recommended
     if rec:
-        t = rec.timing
-        assert t is not None  # a recommended candidate fits: it was predicted
+        rt = rec.timing
+        assert rt is not None  # a recommended candidate fits: it was predicted
         extra = "".join(
             f" + {name} {value:.2f}"
             for name, value in (
-                ("pipeline bubble", t.bubble),
-                ("stage sends", t.pp_comm),
-                ("cp ring", t.cp_comm),
+                ("pipeline bubble", rt.bubble),
+                ("stage sends", rt.pp_comm),
+                ("cp ring", rt.cp_comm),
             )
             if value
         )
@@ -161,9 +167,9 @@ def plan_table(plan: Plan, limit: int = 20) -> str:
         lines.append(
             f"recommended: {shlex.join(command(plan, rec))}  # predicted "
             f"{rec.seq_per_s:.1f} seq/s ({rec.seq_per_s * tokens:,.0f} tokens/s), step "
-            f"{t.step:.2f} s = compute {t.compute:.2f} + tp comm {t.tp_comm:.2f} + grad "
-            f"reduction {t.step_comm:.2f} + optimizer {t.optimizer:.2f}{extra}; "
-            f"{rec.memory.total / GIB:.2f} GiB per core{where}"
+            f"{rt.step:.2f} s = compute {rt.compute:.2f} + tp comm {rt.tp_comm:.2f} + grad "
+            f"reduction {rt.step_comm:.2f} + optimizer {rt.optimizer:.2f}{extra}; "
+            f"{memory_total(rec) / GIB:.2f} GiB per core{where}"
         )
     else:
         lines.append(f"nothing fits: {plan.verdict}")

@@ -192,6 +192,7 @@ def model_shape(config, lay, seq_len: int, bf16: bool) -> Shape:
     from ..hf.attention import model_heads
 
     heads = model_heads(config)
+    assert heads is not None, "a model the planner traces has attention heads"
     return Shape(
         layers=config.num_hidden_layers,
         hidden=config.hidden_size,

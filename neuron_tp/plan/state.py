@@ -129,17 +129,17 @@ def stage_state_bytes(
     size = torch.tensor([], dtype=dtype).element_size()
     out = []
     for params in owned:
-        numel = [n for n, trained in params.values() if trained]
+        sizes = [n for n, trained in params.values() if trained]
         total = sum(n for n, _ in params.values())
         if not (zero1 or bf16):
-            moments = ADAM_MOMENTS * MASTER_BYTES * sum(numel)
-            out.append(StateBytes(total * size, sum(numel) * size, moments, 0))
+            moments = ADAM_MOMENTS * MASTER_BYTES * sum(sizes)
+            out.append(StateBytes(total * size, sum(sizes) * size, moments, 0))
             continue
-        chunks = sum(-(-n // replicas) for n in numel)
+        chunks = sum(-(-n // replicas) for n in sizes)
         masters = chunks * MASTER_BYTES if bf16 else 0
         out.append(
             StateBytes(
-                total * size, sum(numel) * size, ADAM_MOMENTS * MASTER_BYTES * chunks, masters
+                total * size, sum(sizes) * size, ADAM_MOMENTS * MASTER_BYTES * chunks, masters
             )
         )
     return out
