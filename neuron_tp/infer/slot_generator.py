@@ -250,10 +250,7 @@ class SlotGenerator(StepGraphsOwner):
         """One step of every active slot: ``{slot: new token}``."""
         if not self.active:
             return {}
-        full = [s for s in self.active if self._host_pos[s] >= self.max_len]
-        if full:
-            raise ValueError(f"slots {full} have no position left (max_len {self.max_len})")
-        bucket = pick_bucket(max(self.active) + 1, self.decode_buckets, "batch")
+        bucket = self._decode_bucket()
         sampled = any(s in self._gens for s in self.active)
         noise = None
         if sampled:
@@ -266,6 +263,13 @@ class SlotGenerator(StepGraphsOwner):
             self._host_pos[s] += 1
         toks = self._state.tokens.cpu().tolist()  # one transfer
         return {s: toks[s] for s in sorted(self.active)}
+
+    def _decode_bucket(self) -> int:
+        """The decode bucket of the active slots; ValueError when one has no position left."""
+        full = [s for s in self.active if self._host_pos[s] >= self.max_len]
+        if full:
+            raise ValueError(f"slots {full} have no position left (max_len {self.max_len})")
+        return pick_bucket(max(self.active) + 1, self.decode_buckets, "batch")
 
     def warmup(self) -> None:
         """Capture every graph (each prefill and decode bucket, greedy and sampled) with steps

@@ -33,7 +33,7 @@ from typing import NamedTuple
 import torch
 
 from ..errors import UserError
-from .model_step import no_aux_outputs, pick_bucket
+from .model_step import no_aux_outputs
 from .sampling import host_noise, row_probs
 from .slot_generator import SlotGenerator, SlotState
 
@@ -183,10 +183,7 @@ class SpeculativeGenerator(SlotGenerator):
         """One speculative step of every active slot: ``{slot: its new tokens}`` (1..k+1)."""
         if not self.active:
             return {}
-        full = [s for s in self.active if self._host_pos[s] >= self.max_len]
-        if full:
-            raise ValueError(f"slots {full} have no position left (max_len {self.max_len})")
-        bucket = pick_bucket(max(self.active) + 1, self.decode_buckets, "batch")
+        bucket = self._decode_bucket()
         noise = self._noise(bucket) if any(s in self._gens for s in self.active) else None
         packed = self._run_speculate(bucket, self._active(), noise).cpu().tolist()
         out, st = {}, self.stats
