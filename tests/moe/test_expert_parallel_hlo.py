@@ -30,7 +30,9 @@ for rank in (1, 6):
     w = torch.rand(6, 2, generator=g).to(dev).requires_grad_(True)
     gu = torch.randn(2, 10, 8, generator=g).to(dev).requires_grad_(True)
     dn = torch.randn(2, 8, 5, generator=g).to(dev).requires_grad_(True)
-    out = expert_parallel_mlp(x, ids, w, gu, dn, mesh.tp, capacity_factor=1.0).output
+    out = expert_parallel_mlp(
+        x, ids, w, gate_up=gu, down=dn, group=mesh.tp, capacity_factor=1.0
+    ).output
     out.backward(torch.ones_like(out))
     print(trace_hlo([out, x.grad, w.grad, gu.grad, dn.grad]))
     print("=====")

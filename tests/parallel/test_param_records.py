@@ -52,11 +52,15 @@ cases = [("1d", ntp.Mesh.virtual(4, 1, tp=2), build_1d),
          ("3d", ntp.Mesh.virtual(8, 5, tp=8, tp_mode="3d"),
           lambda m: TransformerBlockND(8, 2, 16, mesh=m)),
          ("hf", ntp.Mesh.virtual(4, 2, tp=4), build_hf)]
+def meta(model, mesh):
+    return _metadata(model, None, None, 0, mesh=mesh, data_state=None, extra=None)
+
+
 for name, mesh, build in cases:
     model = build(mesh)
-    before, meta_before = records(model), _metadata(model, None, None, 0, mesh, None, None)
+    before, meta_before = records(model), meta(model, mesh)
     model.to(dev)
-    after, meta_after = records(model), _metadata(model, None, None, 0, mesh, None, None)
+    after, meta_after = records(model), meta(model, mesh)
     sp = [n for n, _, m in named_parameter_meta(model) if m.sum_grad_over_tp]
     out[name] = {"same": before == after, "n": len(after),
                  "sharded": sum("splits=" in r for _, r in after), "sp": sp,
