@@ -11,6 +11,12 @@ buffers that exist from the start (the backward graph is the same for every micr
 The loss is the sum of the last stage's token losses times ``scale`` (1 / the step's loss
 tokens: the mean over every loss token of the global batch, as at pp 1); :meth:`step` returns
 it summed over the pp group, so every rank holds the step's loss.
+
+A micro-batch is the data's batch dict: packed rows (``segment_ids``, ``position_ids``) are
+data every stage reads from its own copy (the block-diagonal mask and the per-sample positions
+are built on each stage, the labels of sample starts and padding ignored on the last: as
+:func:`neuron_tp.hf.packing.model_inputs` at pp 1); only hidden states cross stages.
+:meth:`evaluate` walks a forward-only schedule (no gradients) and returns the eval totals.
 """
 
 from __future__ import annotations
@@ -22,9 +28,10 @@ from dataclasses import dataclass, field
 import torch
 
 from ..backend.graphs import step_boundary
+from ..hf.packing import IGNORE_INDEX, model_inputs
 from ..parallel import comm
 from .exchange import Exchange, Sent
-from .schedule import Schedule, Task
+from .schedule import Schedule, Task, forward_only
 from .stages import PipelineStage
 
 
@@ -55,6 +62,7 @@ class PipelineRunner:
         hidden = stage.model.config.hidden_size
         dtype = next(stage.model.parameters()).dtype
         self.exchange = Exchange(mesh.pp, (batch, local_seq, hidden), dtype, self.device, method)
+        self.mask_dtype = dtype  # packed rows' mask: the model's dtype, as at pp 1
         self.positions = torch.arange(seq, device=self.device).unsqueeze(0)
         self.busy_seconds = 0.0  # host time in tasks (eager devices: compute), for reports
 
@@ -68,9 +76,10 @@ class PipelineRunner:
                 p.grad = torch.zeros_like(p)
 
     def step(self, micro_batches: Sequence[dict], scale: torch.Tensor) -> torch.Tensor:
-        """Forward and backward of every micro-batch (dicts with ``input_ids`` and ``labels``,
-        the same on every stage); gradients accumulate in the parameters' ``.grad``. Returns
-        the step's loss (device tensor, equal on every rank of the pp group)."""
+        """Forward and backward of every micro-batch (the data's batch dicts: ``input_ids``
+        and ``labels``, packed rows with ``position_ids`` and ``segment_ids``; the same on
+        every stage); gradients accumulate in the parameters' ``.grad``. Returns the step's
+        loss (device tensor, equal on every rank of the pp group)."""
         if len(micro_batches) != self.schedule.micro_batches:
             raise ValueError(
                 f"the schedule takes {self.schedule.micro_batches} micro-batches, got "
@@ -82,8 +91,34 @@ class PipelineRunner:
             scale.to(self.device).reshape(1).float(),
             torch.zeros(1, dtype=torch.float32, device=self.device),
         )
+        self._walk(self.schedule, state)
+        return comm.all_reduce(state.loss, self.stage.mesh.pp)
+
+    def evaluate(self, micro_batches: Sequence[dict]) -> torch.Tensor:
+        """``[loss sum, label tokens]`` (fp32, this dp rank's) of ``micro_batches`` (any number),
+        forward only under ``no_grad`` in eval mode; the last stage's totals, summed over the
+        pp group so every stage holds them."""
+        model = self.stage.model
+        training = model.training
+        model.eval()
+        state = _StepState(
+            micro_batches,
+            torch.ones(1, device=self.device),
+            torch.zeros(2, dtype=torch.float32, device=self.device),
+            forward_only=True,
+        )
+        sched = forward_only(self.schedule.stages, len(micro_batches), self.schedule.virtual)
+        try:
+            with torch.no_grad():
+                self._walk(sched, state)
+        finally:
+            model.train(training)
+        return comm.all_reduce(state.loss, self.stage.mesh.pp)
+
+    def _walk(self, schedule: Schedule, state: _StepState) -> None:
+        """Every tick of ``schedule``: this stage's task, then the tick's exchange."""
         self._cut()
-        for tick in self.schedule.ticks:
+        for tick in schedule.ticks:
             task = tick[self.stage.stage]
             sent = Sent()
             if task is not None:
@@ -98,7 +133,6 @@ class PipelineRunner:
             self._exchange_tick(tick, sent, state)
         assert not (state.saved or state.inbox_f or state.inbox_b), "schedule left work behind"
         self.exchange.meet()  # the caller's next graph holds pp collectives (loss, norm)
-        return comm.all_reduce(state.loss, self.stage.mesh.pp)
 
     def _exchange_tick(self, tick, sent: Sent, state: _StepState) -> None:
         """The tick's exchange (skipped by every rank when no stage sends anything)."""
@@ -130,21 +164,37 @@ class PipelineRunner:
         j = self.schedule.virtual_stage(stage, task.chunk)
         return (task.micro, j - 1) if j > 0 else None
 
+    def _inputs(self, batch: dict) -> dict:
+        """The micro-batch on this device as the model takes it (packed rows: positions per
+        sample, the block-diagonal mask, labels of sample starts and padding ignored)."""
+        inputs = model_inputs(batch, device=self.device, dtype=self.mask_dtype)
+        inputs.setdefault("position_ids", self.positions)
+        return inputs
+
     def _run(self, task: Task, state: _StepState) -> torch.Tensor | None:
         """One task; returns what it sends (None: nothing)."""
         st = self.stage
         key = (task.micro, self.schedule.virtual_stage(st.stage, task.chunk))
-        batch = state.micro_batches[task.micro]
         if task.kind == "F":
+            inputs = self._inputs(state.micro_batches[task.micro])
             if st.is_first_piece(task.chunk):
-                x = batch["input_ids"].to(self.device)
+                x = inputs["input_ids"]
             else:
-                x = state.inbox_f.pop(key).requires_grad_(True)
-            out = st.forward(task.chunk, x, self.positions)
-            state.saved[key] = (x, out)
+                x = state.inbox_f.pop(key)
+                if not state.forward_only:
+                    x.requires_grad_(True)
+            mask = inputs.get("attention_mask")
+            out = st.forward(task.chunk, x, inputs["position_ids"], mask)
             if not st.is_last_piece(task.chunk):
+                if not state.forward_only:
+                    state.saved[key] = (x, out)
                 return out.detach()
-            loss = st.loss_sum(out, batch["labels"]).float().reshape(1) * state.scale
+            loss = st.loss_sum(out, inputs["labels"]).float().reshape(1)
+            if state.forward_only:
+                count = (inputs["labels"][..., 1:] != IGNORE_INDEX).sum().float().reshape(1)
+                state.loss = state.loss + torch.cat([loss, count])
+                return None
+            loss = loss * state.scale
             state.saved[key] = (x, loss)
             state.loss = state.loss + loss.detach()
             return None
@@ -158,12 +208,13 @@ class PipelineRunner:
 
 @dataclass
 class _StepState:
-    """What one step's tasks share: the micro-batches, the loss scale and accumulator, the
+    """What one walk's tasks share: the micro-batches, the loss scale and accumulator, the
     buffers received (by (micro-batch, virtual stage)) and the pieces kept for backward."""
 
     micro_batches: Sequence[dict]
     scale: torch.Tensor
-    loss: torch.Tensor
+    loss: torch.Tensor  # the step's loss; evaluation: [loss sum, label tokens]
+    forward_only: bool = False
     inbox_f: dict = field(default_factory=dict)
     inbox_b: dict = field(default_factory=dict)
     saved: dict = field(default_factory=dict)

@@ -147,6 +147,23 @@ def build(name: str, stages: int, micro_batches: int, virtual: int = 1) -> Sched
     check_schedule_options(name, stages, micro_batches, virtual)
     p, m, v = stages, micro_batches, virtual
     orders = _orders_1f1b(p, m) if name == "1f1b" else _orders_interleaved(p, m, v)
+    return _lockstep(name, p, m, v, orders)
+
+
+def forward_only(stages: int, micro_batches: int, virtual: int = 1) -> Schedule:
+    """The ticks of forwards only (evaluation: no backward, nothing kept): each stage runs its
+    chunks in order, every micro-batch of a chunk before the next chunk; any number (>= 1) of
+    micro-batches."""
+    if stages < 1 or virtual < 1 or micro_batches < 1:
+        raise ValueError(f"forward_only({stages}, {micro_batches}, {virtual}): all must be >= 1")
+    p, m, v = stages, micro_batches, virtual
+    orders = [[Task("F", i, c) for c in range(v) for i in range(m)] for _ in range(p)]
+    return _lockstep("forward", p, m, v, orders)
+
+
+def _lockstep(name: str, p: int, m: int, v: int, orders: list[list[Task]]) -> Schedule:
+    """Run each stage's order of tasks in lockstep: a task waits for the tick after the ones
+    it depends on."""
     last = p * v - 1
     done: dict[tuple[str, int, int], int] = {}  # (kind, micro, virtual stage) -> tick
     pos, ticks, t = [0] * p, [], 0

@@ -149,19 +149,27 @@ class PipelineStage:
     def is_first_piece(self, chunk: int) -> bool:
         return self.plan.virtual_stage(self.stage, chunk) == 0
 
-    def forward(self, chunk: int, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        chunk: int,
+        x: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Piece ``chunk`` of this stage: token ids (first piece) or the previous piece's hidden
-        states in; hidden states out, or the (vocab-sharded) logits on the last piece."""
+        states in; hidden states out, or the (vocab-sharded) logits on the last piece.
+        ``position_ids`` ``[1 or b, s]``; ``attention_mask``: a 4D additive mask (packed rows,
+        :func:`neuron_tp.hf.packing.block_causal_mask`), None: causal."""
         inner = self.model.model
         h = inner.embed_tokens(x) if self.is_first_piece(chunk) else x
         b, s = h.shape[0], position_ids.shape[-1]  # the full sequence (h: a shard under SP)
         from transformers.masking_utils import create_causal_mask
 
         proxy = torch.zeros(b, s, 1, dtype=h.dtype, device=h.device)  # only its shape is read
-        mask = create_causal_mask(
+        mask = create_causal_mask(  # a given 4D mask comes back as it is
             config=self.model.config,
             inputs_embeds=proxy,
-            attention_mask=None,
+            attention_mask=attention_mask,
             past_key_values=None,
             position_ids=position_ids,
         )

@@ -6,6 +6,9 @@ the perplexity is its exponential. The model runs in eval mode (no dropout) unde
 ``no_grad``, one micro-batch of the training shape per XLA graph: an evaluation adds exactly
 one graph to a run, compiled once, whatever the number of batches or evaluations. The totals
 (loss sum, token count) stay on the device; the one host read is at the end of an evaluation.
+With pipeline stages (``--pp``) the eval batches go through the stages on a forward-only
+schedule (:meth:`~neuron_tp.pipeline.runner.PipelineRunner.evaluate`: a fixed set of graphs
+per stage, as in training) and every stage holds the last stage's totals.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from ..job.data import RowData
 from ..job.sft_data import load_data
 from ..parallel import comm
 from ..parallel.mesh import Mesh
+from ..pipeline.runner import PipelineRunner
 
 
 def eval_data(config: TrainConfig, tokenizer, mesh: Mesh) -> RowData | None:
@@ -120,11 +124,22 @@ class Evaluator:
             return step == self.first_step + 1
         return step % self.every == 0 or step == self.last_step
 
-    def evaluate(self, model: torch.nn.Module, mesh: Mesh, device: torch.device) -> dict | None:
-        """``{"eval_loss", "eval_perplexity", "eval_tokens"}`` (None when only tracing)."""
+    def evaluate(
+        self,
+        model: torch.nn.Module,
+        mesh: Mesh,
+        device: torch.device,
+        pipeline: PipelineRunner | None = None,
+    ) -> dict | None:
+        """``{"eval_loss", "eval_perplexity", "eval_tokens"}`` (None when only tracing);
+        ``pipeline``: this rank's stage runner at ``--pp`` > 1."""
         self.data.position = 0
         batches = 1 if self.extract else self.batches
-        totals = evaluation_totals(model, self.data, batches, mesh, device, self.mask_dtype)
+        if pipeline is not None:
+            mine = pipeline.evaluate([self.data.next_batch() for _ in range(batches)])
+            totals = comm.all_reduce(mine, mesh.dp)
+        else:
+            totals = evaluation_totals(model, self.data, batches, mesh, device, self.mask_dtype)
         if self.extract:
             return None
         loss_sum, count = (float(v) for v in totals.cpu())  # the one host read

@@ -175,7 +175,7 @@ def setup(args: TrainConfig | argparse.Namespace, mesh: Mesh | None = None) -> R
             cache=config.data_cache,
         )
         evaluation = eval_data(config, tokenizer, layout)
-        pipelined.check_options(config, hf_config, data)
+        pipelined.check_options(config, hf_config)
         if any("segment_ids" in d.rows for d in (data, evaluation) if d is not None):
             check_packable(hf_config, config.seq_len)  # packed rows: a given 4D mask
         agree.values, agree.details = startup_values(config, tokenizer, data)
@@ -447,7 +447,8 @@ def _train(
         if run.guard is not None and not extract:  # what the log closure saw (no transfer)
             check_finite(run, sync=False)
         if evaluate_now:
-            logger.on_eval(run.step, evaluator.evaluate(run.model, run.mesh, run.device))
+            result = evaluator.evaluate(run.model, run.mesh, run.device, run.pipeline)
+            logger.on_eval(run.step, result)
         logger.step_done(run.step)
         if on_step is not None:
             on_step(run)

@@ -19,7 +19,7 @@ from ..pipeline.stages import SUPPORTED, plan_stages, split_model, sum_tied_grad
 _CONFIGS = {name.replace("ForCausalLM", "Config"): name for name in SUPPORTED}
 
 
-def check_options(config: TrainConfig, hf_config, data: RowData) -> None:
+def check_options(config: TrainConfig, hf_config) -> None:
     """UserError for what ``--pp`` cannot run, naming what works."""
     pipe = config.pipeline
     if pipe.pp == 1:
@@ -30,8 +30,6 @@ def check_options(config: TrainConfig, hf_config, data: RowData) -> None:
         (config.tp_mode != "1d", f"--tp-mode {config.tp_mode}", "--tp-mode 1d"),
         (config.ep > 1, "--ep", "--ep 1"),
         (config.lora.r > 0, "--lora-r", "full fine-tuning"),
-        (config.eval.data is not None, "--eval-data", "no --eval-data"),
-        ("segment_ids" in data.rows, "packed rows (--packing)", "--no-packing"),
         (config.checkpoint.save_every > 0, "--save-every (checkpoints)", "--save-every 0"),
         (config.checkpoint.resume not in ("auto", "none"), "--resume PATH", "--resume none"),
     ]

@@ -1,12 +1,19 @@
 """``neuron-tp train --pp`` on 4 gloo ranks (one launch) against the independent single-process
 reference (plain transformers + torch AdamW / LambdaLR / clip_grad_norm_ on the same global
 batch, the same reference ``--tp 2`` is checked against): --pp 2 --tp 2 with sequence
-parallelism and --pp 4 (1F1B), --pp 2 --tp 2 interleaved (2 chunks per stage)."""
+parallelism and --pp 4 (1F1B), --pp 2 --tp 2 interleaved (2 chunks per stage).
+
+In the same launch, the SFT data path with evaluation: --pp 2 --tp 2 interleaved and --pp 4
+on packed prompt/completion rows (answer-only loss, micro-batches of different label counts)
+with --eval-data every 2 steps, against the --pp 1 run of the same options (whose packing and
+eval losses tests/train/test_sft_*.py and test_evaluate.py check against plain transformers):
+the same step losses, gradient norms and eval losses on every rank."""
 
 from __future__ import annotations
 
 import json
 import os
+import random
 
 import pytest
 
@@ -29,26 +36,77 @@ RUNS = {
         "2",
     ],
 }
+SFT_RUNS = {
+    "pp2_tp2_interleaved_sft_eval": RUNS["pp2_tp2_interleaved"],
+    "pp4_sft_eval": RUNS["pp4"],
+}
+CASES = (*RUNS, *SFT_RUNS)
 BASE = ["--micro-batch", "2", "--grad-accum", "4", "--steps", "4", "--model", "tiny-llama-4l"]
+
+
+def sft_options(out: str) -> list[str]:
+    """Packed prompt/completion rows (packing is the default; several samples a row, the loss
+    on the completions) and their eval set, written under ``out`` on first use."""
+    rng = random.Random(0)
+    for name, n in (("train", 48), ("eval", 16)):
+        if os.path.exists(f"{out}/{name}.jsonl"):
+            continue
+        with open(f"{out}/{name}.jsonl", "w") as f:
+            for _ in range(n):
+                word = "".join(rng.choice("abcdefgh") for _ in range(rng.randint(1, 9)))
+                f.write(json.dumps({"prompt": f"rev {word}:", "completion": word[::-1]}) + "\n")
+    return [
+        *("--data", f"{out}/train.jsonl", "--save-every", "0"),
+        *("--eval-data", f"{out}/eval.jsonl", "--eval-every", "2"),
+    ]
+
+
+def run_log(summary: dict) -> dict:
+    log = summary["log"]
+    return {
+        "loss": losses(summary),
+        "norm": [e["grad_norm"] for e in log],
+        "eval": [e["eval_loss"] for e in log if "eval_loss" in e],
+    }
 
 
 def check(case: str, out: str) -> None:
     import torch.distributed as dist
 
-    summary = train(train_args(f"{out}/{case}", *BASE, *RUNS[case]), printer=quiet)
-    log = {"loss": losses(summary), "norm": [e["grad_norm"] for e in summary["log"]]}
+    extra = RUNS[case] if case in RUNS else [*SFT_RUNS[case], *sft_options(out)]
+    summary = train(train_args(f"{out}/{case}", *BASE, *extra), printer=quiet)
     with open(f"{out}/{case}-rank{dist.get_rank()}.json", "w") as f:
-        json.dump(log, f)
+        json.dump(run_log(summary), f)
 
 
 @pytest.fixture(scope="module")
 def out(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("pp_train"))
+    out = str(tmp_path_factory.mktemp("pp_train"))
+    sft_options(out)  # the data files, before the ranks start
+    return out
+
+
+@pytest.fixture(scope="module")
+def pp1(out):
+    """The --pp 1 run of the SFT cases' options (this process: one rank)."""
+    return run_log(train(train_args(f"{out}/pp1", *BASE, *sft_options(out)), printer=quiet))
+
+
+@pytest.mark.parametrize("case", SFT_RUNS)
+def test_train_pp_sft_eval_equals_pp1(case, out, pp1):
+    gloo_dist.run_case(check, case, out, cases=CASES, world_size=4)
+    want = pp1
+    assert len(want["eval"]) == 2 and len(want["loss"]) == 4, want
+    for rank in range(4):
+        with open(os.path.join(out, f"{case}-rank{rank}.json")) as f:
+            got = json.load(f)
+        for key in ("loss", "norm", "eval"):
+            assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-5), (rank, key, got)
 
 
 @pytest.mark.parametrize("case", RUNS)
 def test_train_pp_equals_reference(case, out):
-    gloo_dist.run_case(check, case, out, cases=tuple(RUNS), world_size=4)
+    gloo_dist.run_case(check, case, out, cases=CASES, world_size=4)
     args = train_args(f"{out}/ref", *BASE)
     want_loss, want_norm = reference_run(args, global_micro_batch=2)
     for rank in range(4):
