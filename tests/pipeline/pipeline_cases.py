@@ -4,7 +4,12 @@
 gradient after clipping (gathered over tp, in HF names, for the layers this stage holds), the
 global norm, and the weights after the AdamW steps.
 
-A case name reads ``pp<p>[_tp<t>][_dp<d>][_sp][_tied][_v<v>][_zero1]``."""
+``_packed``: packed micro-batches (tests/helpers/packing_ref.py: several samples a row,
+positions restarting per sample, padding), the reference running each sample on its own.
+``_eval``: after training, :meth:`PipelineRunner.evaluate` (forward-only schedule) of the
+micro-batches against the reference model's eval loss sum and label count.
+
+A case name reads ``pp<p>[_tp<t>][_dp<d>][_sp][_tied][_v<v>][_zero1][_packed][_eval]``."""
 
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ from neuron_tp.parallel.sharding import move_to
 from neuron_tp.pipeline import schedule as schedules
 from neuron_tp.pipeline.runner import PipelineRunner
 from neuron_tp.pipeline.stages import plan_stages, split_model, sum_tied_grads
+from packing_ref import LAYOUTS, S, packed_batch, samples
 from tiny_configs import nd_config
 
 LAYERS, BATCH, SEQ, LR, WD, MAX_NORM = 4, 2, 8, 1e-2, 0.1, 0.05
@@ -50,6 +56,8 @@ def parse(case: str) -> dict:
         tied="_tied" in case,
         zero1="_zero1" in case,
         m=get("_m", 4),
+        packed="_packed" in case,
+        eval="_eval" in case,
     )
 
 
@@ -64,13 +72,18 @@ def _mesh(tp: int, pp: int):
     return meshes[(tp, pp)]
 
 
-def micro_batches(m: int, dp: int, seed: int = 0) -> list[list[dict]]:
-    """``m`` micro-batches for each of ``dp`` replicas (``[dp][m]``), some labels ignored."""
+def micro_batches(m: int, dp: int, seed: int = 0, packed: bool = False) -> list[list[dict]]:
+    """``m`` micro-batches for each of ``dp`` replicas (``[dp][m]``), some labels ignored;
+    ``packed``: packed rows of ``packing_ref`` (its layouts in turn)."""
     gen = torch.Generator().manual_seed(seed)
     out = []
-    for _ in range(dp):
+    for r in range(dp):
         mine = []
-        for _ in range(m):
+        for i in range(m):
+            if packed:
+                k = r * m + i
+                mine.append(packed_batch(list(LAYOUTS.values())[k % 3], 64, seed + k))
+                continue
             ids = torch.randint(0, 64, (BATCH, SEQ), generator=gen)
             labels = ids.clone()
             labels[torch.rand(BATCH, SEQ, generator=gen) < 0.25] = -100
@@ -91,7 +104,7 @@ def reference(cfg: dict, steps: int) -> dict:
     model = transformers.LlamaForCausalLM(config).float()
     model.train()
     start = copy.deepcopy(model)
-    batches = micro_batches(cfg["m"], cfg["dp"])
+    batches = micro_batches(cfg["m"], cfg["dp"], packed=cfg["packed"])
     n = _tokens(batches)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     rest = [p for p in model.parameters() if p.dim() < 2]
@@ -102,17 +115,31 @@ def reference(cfg: dict, steps: int) -> dict:
     for _ in range(steps):
         opt.zero_grad()
         total = 0.0
-        for rep in batches:
-            for b in rep:
-                loss = model(**b, num_items_in_batch=n).loss
-                loss.backward()
-                total += float(loss)
+        for b in _pieces(batches, cfg["packed"]):
+            loss = model(**b, num_items_in_batch=n).loss
+            loss.backward()
+            total += float(loss)
         out["norm"].append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
         out["grads"].append({k: p.grad.clone() for k, p in model.named_parameters()})
         out["loss"].append(total)
         opt.step()
     out["weights"] = {k: p.detach().clone() for k, p in model.named_parameters()}
+    with torch.no_grad():  # the trained model's eval totals on the same batches
+        loss_sum = sum(
+            float(model(**b, num_items_in_batch=1).loss) for b in _pieces(batches, cfg["packed"])
+        )
+    out["eval"] = [loss_sum, float(n)]
     return start, out
+
+
+def _pieces(batches: list[list[dict]], packed: bool) -> list[dict]:
+    """What the reference model runs: the micro-batches, or every packed sample alone."""
+    flat = [b for rep in batches for b in rep]
+    if not packed:
+        return flat
+    return [
+        {"input_ids": ids[None], "labels": labels[None]} for b in flat for ids, labels in samples(b)
+    ]
 
 
 def _hf_name(name: str, tied: bool) -> str:
@@ -139,10 +166,11 @@ def run(case: str, device: str = "cpu", steps: int = 2, more_m: tuple = ()) -> d
     opt = make_optimizer(stage.model, LR, WD, dev, zero1_mesh=mesh if cfg["zero1"] else None)
     name = "interleaved" if cfg["v"] > 1 else "1f1b"
     sched = schedules.build(name, cfg["pp"], cfg["m"], cfg["v"])
+    seq = S if cfg["packed"] else SEQ
     runner = PipelineRunner(
-        stage, sched, batch=BATCH, seq=SEQ, device=dev, sequence_parallel=cfg["sp"]
+        stage, sched, batch=BATCH, seq=seq, device=dev, sequence_parallel=cfg["sp"]
     )
-    batches = micro_batches(cfg["m"], cfg["dp"])
+    batches = micro_batches(cfg["m"], cfg["dp"], packed=cfg["packed"])
     scale = torch.tensor([mesh.dp_size / _tokens(batches)])
     checked, counts = [], []
     for i in range(steps):
@@ -176,6 +204,12 @@ def run(case: str, device: str = "cpu", steps: int = 2, more_m: tuple = ()) -> d
         want = ref["weights"][_hf_name(k, cfg["tied"])]
         torch.testing.assert_close(w.cpu(), want, **TOL, msg=lambda m, k=k: f"weight {k}: {m}")
         checked.append(f"weight {k}")
+    if cfg["eval"]:
+        totals = comm.all_reduce(runner.evaluate(batches[mesh.dp_rank]), mesh.dp)
+        if device != "cpu":
+            torch_xla.sync()
+        torch.testing.assert_close(totals.cpu().tolist(), ref["eval"], atol=1e-4, rtol=1e-5)
+        checked.append("eval")
     for m in more_m:  # the same step at other numbers of micro-batches: the same graphs
         more = schedules.build(name, cfg["pp"], m, cfg["v"])
         runner = PipelineRunner(

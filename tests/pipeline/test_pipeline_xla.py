@@ -1,6 +1,7 @@
 """Pipeline training EXECUTED on 4 XLA CPU devices (one launch, pipeline_cases.py): pp 2 x tp 2
-with sequence parallelism and pp 4 against the unsharded model; and the graphs: from the
-second step on nothing compiles, at M = 4 or M = 8 micro-batches."""
+with sequence parallelism, and pp 4 on packed rows then evaluated (forward-only schedule),
+against the unsharded model; and the graphs: from the second step on nothing compiles, at
+M = 4 or M = 8 micro-batches."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 
 import xla_dist
 
-CASES = ("pp2_tp2_sp", "pp4")
+CASES = ("pp2_tp2_sp", "pp4_packed_eval")
 
 
 def job(case: str):
@@ -27,6 +28,7 @@ def test_pipeline_xla(outcome, case):
     for out in outcome.get(case):
         assert any(c.startswith("grad ") for c in out["checked"]), out
         assert any(c.startswith("weight ") for c in out["checked"]), out
+        assert ("eval" in out["checked"]) == ("_eval" in case), out
 
 
 def test_graphs_fixed_whatever_the_micro_batches(outcome):
