@@ -355,11 +355,39 @@ def gather_adapter(model: nn.Module, mesh: Mesh | None = None) -> dict[str, torc
 
 def save_adapter(model: nn.Module, out_dir: str, mesh: Mesh | None = None) -> None:
     """Write peft's adapter format (``adapter_model.safetensors`` + ``adapter_config.json``)
-    from rank 0; collective over tp. Loads with ``PeftModel.from_pretrained(base, out_dir)``."""
+    from rank 0; collective over tp. Loads with ``PeftModel.from_pretrained(base, out_dir)``.
+    Pipeline stages (``mesh.pp_size > 1``; collective over the world): each stage's first
+    rank writes the adapters of its layers to ``out_dir`` (a directory every rank sees) and
+    rank 0 joins them into the one file."""
+    from safetensors.torch import load_file, save_file
+
     mesh = mesh_of(model, mesh)
     state = gather_adapter(model, mesh)
+    config = model.peft_config[model.active_adapters[0]]
+    if mesh.pp_size == 1:
+        if mesh.rank == 0:
+            write_adapter_dir(out_dir, config, state)
+        return
+    parts = [os.path.join(out_dir, f".stage-{s}.safetensors") for s in range(mesh.pp_size)]
+    if mesh.tp_rank == 0 and mesh.dp_rank == 0:
+        os.makedirs(out_dir, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in state.items()}, parts[mesh.pp.rank])
+    device = next(model.parameters()).device
+    _world_barrier(mesh, device)
     if mesh.rank == 0:
-        write_adapter_dir(out_dir, model.peft_config[model.active_adapters[0]], state)
+        joined: dict[str, torch.Tensor] = {}
+        for part in parts:
+            joined.update(load_file(part))
+            os.remove(part)
+        write_adapter_dir(out_dir, config, joined)
+    _world_barrier(mesh, device)
+
+
+def _world_barrier(mesh: Mesh, device: torch.device) -> None:
+    """Every rank of ``mesh`` got here (a one-element all-reduce, read on the host)."""
+    from ..parallel import comm
+
+    float(comm.all_reduce(torch.ones(1, device=device), mesh.group("world"))[0])
 
 
 _SAME = ("r", "lora_alpha", "use_rslora", "fan_in_fan_out")

@@ -218,7 +218,7 @@ def split_model(model: nn.Module, mesh: Mesh, plan: StagePlan) -> PipelineStage:
     if plan.bounds[-1][1] != n:
         raise ValueError(f"the stage plan covers {plan.bounds[-1][1]} layers, the model has {n}")
     table = inner.embed_tokens.weight
-    tied = model.lm_head.weight is table
+    tied = model.lm_head.weight is table and table.requires_grad  # (LoRA: a frozen table)
     tied_shape = tuple(table.shape) if tied and p > 1 else None
     mine = [i for c in range(plan.virtual) for i in plan.layers(stage, c)]
     inner.layers = nn.ModuleDict({str(i): inner.layers[i] for i in mine})

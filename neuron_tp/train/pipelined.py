@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import UserError
+from ..hf.lora import is_peft_model
 from ..job.config import TrainConfig
 from ..job.data import RowData
 from ..parallel.mesh import Group, Mesh
@@ -29,7 +30,6 @@ def check_options(config: TrainConfig, hf_config) -> None:
     unsupported = [
         (config.tp_mode != "1d", f"--tp-mode {config.tp_mode}", "--tp-mode 1d"),
         (config.ep > 1, "--ep", "--ep 1"),
-        (config.lora.r > 0, "--lora-r", "full fine-tuning"),
         (config.checkpoint.save_every > 0, "--save-every (checkpoints)", "--save-every 0"),
         (config.checkpoint.resume not in ("auto", "none"), "--resume PATH", "--resume none"),
     ]
@@ -52,7 +52,9 @@ def build(config: TrainConfig, mesh: Mesh, model: torch.nn.Module, device) -> Pi
     of its schedule."""
     pipe = config.pipeline
     plan = plan_stages(model.config.num_hidden_layers, pipe.pp, pipe.virtual_stages)
-    stage = split_model(model, mesh, plan)
+    # LoRA: the peft wrapper's causal LM is cut; the adapters go with their layers
+    causal = model.base_model.model if is_peft_model(model) else model
+    stage = split_model(causal, mesh, plan)
     sched = schedules.build(pipe.pp_schedule, pipe.pp, config.grad_accum, pipe.virtual_stages)
     return PipelineRunner(
         stage,

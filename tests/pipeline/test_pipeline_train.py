@@ -1,7 +1,9 @@
 """``neuron-tp train --pp`` on 4 gloo ranks (one launch) against the independent single-process
 reference (plain transformers + torch AdamW / LambdaLR / clip_grad_norm_ on the same global
 batch, the same reference ``--tp 2`` is checked against): --pp 2 --tp 2 with sequence
-parallelism and --pp 4 (1F1B), --pp 2 --tp 2 interleaved (2 chunks per stage).
+parallelism and --pp 4 (1F1B), --pp 2 --tp 2 interleaved (2 chunks per stage), and LoRA at
+--pp 2 --tp 2 (the reference: the unsharded peft model; the adapters saved at the end, one
+PEFT file joined from the stages, equal to the reference's).
 
 In the same launch, the SFT data path with evaluation: --pp 2 --tp 2 interleaved and --pp 4
 on packed prompt/completion rows (answer-only loss, micro-batches of different label counts)
@@ -16,6 +18,7 @@ import os
 import random
 
 import pytest
+import torch
 
 import gloo_dist
 from neuron_tp.train.loop import train
@@ -34,6 +37,10 @@ RUNS = {
         "interleaved",
         "--virtual-stages",
         "2",
+    ],
+    "pp2_tp2_lora": [
+        *("--pp", "2", "--tp", "2", "--lora-r", "4", "--lora-alpha", "8"),
+        *("--lora-target-modules", "q_proj,v_proj,o_proj,down_proj"),
     ],
 }
 SFT_RUNS = {
@@ -114,6 +121,15 @@ def test_train_pp_equals_reference(case, out):
             got = json.load(f)
         assert got["loss"] == pytest.approx(want_loss, rel=1e-4, abs=1e-5), (rank, got)
         assert got["norm"] == pytest.approx(want_norm, rel=1e-4, abs=1e-5), (rank, got)
+    if "lora" in case:
+        from peft import get_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        saved = load_file(f"{out}/{case}/adapter/adapter_model.safetensors")
+        want = get_peft_model_state_dict(reference_run.model)
+        assert sorted(saved) == sorted(want) and len(want) == 2 * 4 * 4  # A, B x 4 x 4 layers
+        for k, w in want.items():
+            torch.testing.assert_close(saved[k], w, atol=1e-5, rtol=1e-4, msg=k)
 
 
 def test_pp_refuses_to_resume_a_checkpoint_it_cannot_read(tmp_path):
