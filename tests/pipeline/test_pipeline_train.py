@@ -25,6 +25,7 @@ from neuron_tp.train.loop import train
 from reference_train import reference_run
 from train_cpu import losses, quiet, train_args
 
+LORA = ["--lora-r", "4", "--lora-alpha", "8", "--lora-target-modules", "q_proj,v_proj,down_proj"]
 RUNS = {
     "pp2_tp2_sp": ["--pp", "2", "--tp", "2", "--sequence-parallel"],
     "pp4": ["--pp", "4"],
@@ -38,10 +39,7 @@ RUNS = {
         "--virtual-stages",
         "2",
     ],
-    "pp2_tp2_lora": [
-        *("--pp", "2", "--tp", "2", "--lora-r", "4", "--lora-alpha", "8"),
-        *("--lora-target-modules", "q_proj,v_proj,o_proj,down_proj"),
-    ],
+    "pp2_tp2_lora": ["--pp", "2", "--tp", "2", *LORA],
 }
 SFT_RUNS = {
     "pp2_tp2_interleaved_sft_eval": RUNS["pp2_tp2_interleaved"],
@@ -114,7 +112,7 @@ def test_train_pp_sft_eval_equals_pp1(case, out, pp1):
 @pytest.mark.parametrize("case", RUNS)
 def test_train_pp_equals_reference(case, out):
     gloo_dist.run_case(check, case, out, cases=CASES, world_size=4)
-    args = train_args(f"{out}/ref", *BASE)
+    args = train_args(f"{out}/ref", *BASE, *(LORA if "lora" in case else ()))
     want_loss, want_norm = reference_run(args, global_micro_batch=2)
     for rank in range(4):
         with open(os.path.join(out, f"{case}-rank{rank}.json")) as f:
@@ -127,7 +125,9 @@ def test_train_pp_equals_reference(case, out):
 
         saved = load_file(f"{out}/{case}/adapter/adapter_model.safetensors")
         want = get_peft_model_state_dict(reference_run.model)
-        assert sorted(saved) == sorted(want) and len(want) == 2 * 4 * 4  # A, B x 4 x 4 layers
+        assert (
+            sorted(saved) == sorted(want) and len(want) == 2 * 3 * 4
+        )  # A, B x 3 targets x 4 layers
         for k, w in want.items():
             torch.testing.assert_close(saved[k], w, atol=1e-5, rtol=1e-4, msg=k)
 
