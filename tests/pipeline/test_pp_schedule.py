@@ -1,12 +1,13 @@
 """Schedules as data: every task exactly once, dependencies respected in lockstep ticks, the
-1F1B memory bound, the bubble of the ticks equal to the textbook formula, refusals."""
+1F1B memory bound, the bubble of the ticks equal to the textbook formula, refusals; the
+forward-only schedule of evaluation (any number of micro-batches)."""
 
 from __future__ import annotations
 
 import pytest
 
 from neuron_tp.errors import UserError
-from neuron_tp.pipeline.schedule import build
+from neuron_tp.pipeline.schedule import build, forward_only
 from neuron_tp.pipeline.stages import plan_stages
 
 SHAPES = [("1f1b", p, m, 1) for p in (2, 3, 4) for m in (p, 4, 8)] + [
@@ -43,6 +44,18 @@ def test_dependencies_and_bubble(name, p, m, v):
         assert s.in_flight(0) <= p
         assert [s.in_flight(i) for i in range(p)] == [min(p - i, m) for i in range(p)]
     assert f"bubble {s.predicted_bubble:.1%}" in s.summary()
+
+
+@pytest.mark.parametrize("p,m,v", [(2, 1, 1), (2, 3, 1), (4, 5, 1), (2, 3, 2), (4, 2, 2)])
+def test_forward_only(p, m, v):
+    s = forward_only(p, m, v)
+    when = _when(s)
+    assert len(when) == m * p * v and all(kind == "F" for kind, _, _ in when)
+    for mb in range(m):
+        for j in range(1, p * v):
+            assert when[("F", mb, j - 1)] < when[("F", mb, j)]
+    if v == 1:  # the textbook pipeline fill and drain
+        assert len(s.ticks) == m + p - 1
 
 
 def test_refusals_name_what_works():
