@@ -93,7 +93,11 @@ GLOO = {
     "cp2-zero1-eval": (1, 2, ("--zero1", "--eval-data", "{base}/eval.txt", *EVAL)),
     "cp2-tp2-sp": (2, 2, ("--sequence-parallel",)),
 }
-FOUR = {"cp4": (1, 4, ()), "cp2-dp2-zero1": (1, 2, ("--micro-batch", "1", "--zero1"))}
+FOUR = {
+    "cp4": (1, 4, ()),
+    "cp2-dp2-zero1": (1, 2, ("--micro-batch", "1", "--zero1")),
+    "recipe": (2, 2, tuple(cases.recipe_options()[1:])),  # the long-context recipe's options
+}
 
 
 @pytest.mark.parametrize("name", list(GLOO))
@@ -112,10 +116,18 @@ def _four(name: str, base: str) -> None:
     _gloo(base, name, *FOUR[name])
 
 
+@pytest.fixture(scope="module")
+def recipe_ref(base) -> Ref:
+    """The unsharded reference of examples/long-context/README.md's command."""
+    _, *options = cases.recipe_options()
+    assert ["--cp", "2"] == options[options.index("--cp") :][:2]
+    return Ref(*reference_run(args_for(f"{base}/recipe-ref", *options), global_micro_batch=2))
+
+
 @pytest.mark.parametrize("name", list(FOUR))
-def test_cp4_and_cp2_dp2_train_like_one_rank_on_gloo(base, ref, name):
+def test_cp4_cp2_dp2_and_the_recipe_train_like_one_rank_on_gloo(base, ref, recipe_ref, name):
     gloo_dist.run_case(_four, name, base, cases=list(FOUR), world_size=4)
-    _check(torch.load(f"{base}/{name}.pt"), ref)
+    _check(torch.load(f"{base}/{name}.pt"), recipe_ref if name == "recipe" else ref)
 
 
 @pytest.fixture(scope="module")
@@ -124,14 +136,11 @@ def on_xla4(base) -> xla_dist.Cases:
     return xla_dist.run_cases(cases.on_devices, ["recipe"], base, devices=int(devices))
 
 
-def test_long_context_recipe_trains_like_one_rank_on_xla(base, on_xla4):
+def test_long_context_recipe_trains_like_one_rank_on_xla(on_xla4, recipe_ref):
     """examples/long-context/README.md's command: cp 2 x tp 2 with SP and ZeRO-1 (its state
     cut over the 2 cp ranks), blockwise attention, long documents."""
-    _, *options = cases.recipe_options()
-    assert ["--cp", "2"] == options[options.index("--cp") :][:2]
-    ref = Ref(*reference_run(args_for(f"{base}/recipe-ref", *options), global_micro_batch=2))
     got = on_xla4.get("recipe")
-    _check(got[0]["log"], ref)
+    _check(got[0]["log"], recipe_ref)
     compiles = [p["compiles"] // 4 for p in got[0]["per_step"]]  # process-wide / 4 ranks
     assert compiles[1:] == [compiles[1]] * (len(compiles) - 1), compiles
 
