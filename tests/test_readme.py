@@ -1,4 +1,4 @@
-"""README.md and every docs/*.md page are executable documentation.
+"""README.md, every docs/*.md page and every examples/*/README.md are executable documentation.
 
 - Every ```python block runs as written, in a namespace of its own, on 4 gloo ranks (the
   blocks call ``ntp.init_mesh`` with tp 2 or 4 and run collectives; one launch for all of
@@ -30,8 +30,14 @@ import pytest
 import gloo_dist
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DOCS = ["README.md"] + sorted(
-    f"docs/{f}" for f in os.listdir(os.path.join(REPO, "docs")) if f.endswith(".md")
+DOCS = (
+    ["README.md"]
+    + sorted(f"docs/{f}" for f in os.listdir(os.path.join(REPO, "docs")) if f.endswith(".md"))
+    + sorted(  # the recipes' pages
+        f"examples/{d}/README.md"
+        for d in os.listdir(os.path.join(REPO, "examples"))
+        if os.path.isfile(os.path.join(REPO, "examples", d, "README.md"))
+    )
 )
 
 

@@ -150,7 +150,11 @@ def _read_tensors(path: str, meta: dict, model, optimizer, mesh: Mesh) -> tuple:
     shards = Shards(path, saved_mesh["tp"], meta.get("step"), dp_shards, saved_mode)
     zero1 = None
     saved_ep = saved_mesh.get("ep", 1)
-    own = same and is_zero1(optimizer) and (dp_shards, saved_ep) == (mesh.dp_size, mesh.ep_size)
+    own = (
+        same
+        and is_zero1(optimizer)
+        and (dp_shards, saved_ep) == (optimizer.group.size, mesh.ep_size)  # dp (x cp)
+    )
     if optimizer is not None and dp_shards and saved_ep > 1 and not own:
         raise CheckpointError(
             f"{path}: a ZeRO-1 state of an expert-parallel run (ep={saved_ep}, tp="

@@ -1,4 +1,6 @@
 """A ZeRO-1 optimizer state in a checkpoint: one file per (tp, dp) rank, joined over dp on read.
+Under context parallelism the state is cut over dp x cp (:mod:`neuron_tp.optim.zero1`): "dp"
+below is that group (``optim-tp<T>-dp<D>``, ``D`` the rank in it).
 
 Every rank of a :class:`~neuron_tp.optim.zero1.Zero1` run writes its own shard
 (:meth:`~neuron_tp.optim.zero1.Zero1.state_dict`: device-to-host copies of local tensors, no
@@ -42,7 +44,7 @@ def write_shard(tmp: str, optimizer, mesh: Mesh, step: int) -> None:
                 tensors[f"optim/{name}/{key}"] = v.detach().cpu().contiguous()
     info: dict[str, Any] = {"step": int(step), "tp_rank": mesh.tp_rank, "tp": mesh.tp_size}
     info.update(dp_rank=sd["dp_rank"], dp=sd["dp_size"], ep=sd.get("ep", 1), zero1=layout)
-    write_tensors(optim_file(tmp, mesh.tp_rank, mesh.dp_rank), tensors, info)
+    write_tensors(optim_file(tmp, mesh.tp_rank, sd["dp_rank"]), tensors, info)
 
 
 def _param_of(key: str) -> str:
@@ -146,7 +148,7 @@ class DpShards:
 
 def stage_shard(optim_files: DpShards, optimizer, mesh: Mesh, path: str) -> dict:
     """This rank's own shard state, checked against ``optimizer`` (modifies nothing)."""
-    state = optim_files.shard_state(mesh.tp_rank, mesh.dp_rank)
+    state = optim_files.shard_state(mesh.tp_rank, optimizer.group.rank)
     try:
         check_shard_state(optimizer, state)
     except (KeyError, ValueError) as e:

@@ -187,7 +187,7 @@ class PlanConfig:
 
 # The parallel axes beyond tp x dp that ``--plan auto`` may choose. ``train --pp`` / ``--cp``
 # run when asked for, but their runtimes do not cover everything a planned job may use yet
-# (stage checkpoints at pp > 1; ZeRO-1 at cp > 1): an automatic plan keeps them
+# (stage checkpoints at pp > 1; LoRA and packed rows at cp > 1): an automatic plan keeps them
 # at 1 rather than pick a layout the job then refuses.
 AUTO_PLAN_AXES: frozenset[str] = frozenset()
 

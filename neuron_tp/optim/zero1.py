@@ -1,11 +1,15 @@
 """ZeRO-1 over the data-parallel group: optimizer state sharded over dp, fp32 master weights.
 
-Every parameter is flattened, zero-padded to a multiple of dp and cut into dp equal chunks;
-dp rank ``r`` owns chunk ``r`` of every parameter (``offset = r * chunk``). The inner optimizer
-(AdamW by default) sees only the owned chunks: one 1-D "shard" tensor per parameter, in
-``master_dtype`` (fp32). For parameters already in ``master_dtype`` the shard is a working copy
-of the owned slice, refreshed from the parameter at every step (so it is no extra state); for
-bf16 parameters it is the fp32 master copy, the true value of the weights, kept across steps.
+The ranks the state is cut over are those holding the same parameters: dp, or under context
+parallelism dp x cp (``mesh.replicas``: the gradients reduce over it anyway, so the state
+per rank is divided by dp x cp, as Megatron's distributed optimizer does); below "dp" means
+that group. Every parameter is flattened, zero-padded to a multiple of dp and cut into dp
+equal chunks; dp rank ``r`` owns chunk ``r`` of every parameter (``offset = r * chunk``).
+The inner optimizer (AdamW by default) sees only the owned chunks: one 1-D "shard" tensor per
+parameter, in ``master_dtype`` (fp32). For parameters already in ``master_dtype`` the shard is
+a working copy of the owned slice, refreshed from the parameter at every step (so it is no
+extra state); for bf16 parameters it is the fp32 master copy, the true value of the weights,
+kept across steps.
 
 A step is one reduce-scatter and one all-gather per bucket (parameters of one param group and
 dtype, laid out as ``(dp, chunk)`` blocks side by side so the collectives are 1-D and every
@@ -75,7 +79,8 @@ class Zero1:
         **opt_kwargs,
     ):
         self.mesh = get_mesh(mesh)
-        self.group = self.mesh.dp
+        # cp ranks hold the same parameters too: their state is cut over dp x cp
+        self.group = self.mesh.replicas if self.mesh.cp_size > 1 else self.mesh.dp
         self.master_dtype = master_dtype
         if isinstance(params, nn.Module):
             model = params
@@ -147,10 +152,11 @@ class Zero1:
         self._reduced = False
 
     def reduce_grads(self) -> None:
-        """Reduce-scatter the parameters' gradients over dp into the shards' gradients (the
+        """Reduce-scatter the parameters' gradients over dp (dp x cp under context
+        parallelism: each cp rank holds its tokens' part) into the shards' gradients (the
         dp mean, in the master dtype). Parameters without a gradient contribute zeros and their
         shard gets none (the inner optimizer skips it): that must be the same on every rank."""
-        dp = self.group.size
+        dp = self.mesh.dp_size  # the mean over data replicas; cp ranks' parts add up
         for bucket in self.buckets:
             slots = bucket.slots
             if all(s.param.grad is None for s in slots):

@@ -126,8 +126,6 @@ def _check_cp(config: TrainConfig) -> None:
     for bad, what in (
         (config.tp_mode != "1d", f"--tp-mode {config.tp_mode}"),
         (config.ep > 1, "--ep"),
-        (config.uses_zero1, "--zero1 / --bf16 (ZeRO-1)"),
-        (config.eval.data is not None, "--eval-data"),
         (config.lora.r > 0, "--lora-r"),
         (config.pipeline.pp > 1, "--pp (pipeline stages)"),
     ):
@@ -136,8 +134,9 @@ def _check_cp(config: TrainConfig) -> None:
     if unsupported:
         raise UserError(
             f"--cp {cp} does not combine with {', '.join(unsupported)} yet; it works with "
-            "--tp (1d, with or without --sequence-parallel), data parallelism, fp32 AdamW, "
-            "activation checkpointing and text data"
+            "--tp (1d, with or without --sequence-parallel), data parallelism, ZeRO-1 "
+            "(--zero1, --bf16), activation checkpointing, --eval-data, and text or padded "
+            "(--no-packing) data"
         )
 
 
@@ -178,6 +177,12 @@ def setup(args: TrainConfig | argparse.Namespace, mesh: Mesh | None = None) -> R
         pipelined.check_options(config, hf_config)
         if any("segment_ids" in d.rows for d in (data, evaluation) if d is not None):
             check_packable(hf_config, config.seq_len)  # packed rows: a given 4D mask
+            if config.context.cp > 1:
+                raise UserError(
+                    f"--cp {config.context.cp}: packed rows (a block-diagonal mask) do not "
+                    "cross the ring yet; pass --no-packing (one sample per row, padded) or "
+                    "train on text, or use --cp 1"
+                )
         agree.values, agree.details = startup_values(config, tokenizer, data)
         record, files = checkpoint_assets(resolved, config.model)
     device = rank_device(config.device)  # before any backward (see neuron_tp.xla_device)

@@ -1,13 +1,18 @@
-"""``neuron-tp train --cp 2`` (context parallelism, ring attention) on gloo ranks and XLA CPU
+"""``neuron-tp train --cp N`` (context parallelism, ring attention) on gloo ranks and XLA CPU
 devices: step by step the losses and grad norms of the independent unsharded reference
-(transformers' sdpa on the full sequence, one process), alone and with --tp 2 and sequence
-parallelism (on 4 XLA CPU devices: cp 2 x tp 2 with SP, no compile after the second step);
-a --cp 2 checkpoint resumes at --cp 1; refusals naming what works."""
+(transformers' sdpa on the full sequence, one process): --cp 2 with ZeRO-1 (the optimizer
+state cut over dp x cp) and --eval-data (the eval loss of the reference model on the same
+eval rows), --cp 2 --tp 2 with sequence parallelism, --cp 4, --cp 2 x dp 2 with ZeRO-1 (on 4
+XLA CPU devices: cp 2 x tp 2 with SP and ZeRO-1, no compile after the second step); --bf16
+(fp32 masters) at cp 2 equal to the dp 2 run of the same ZeRO-1 layout, whose checkpoint
+files it resumes; a --cp 2 ZeRO-1 checkpoint resumes at --cp 1; refusals naming what works."""
 
 from __future__ import annotations
 
+import math
 import os
 import sys
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -20,6 +25,8 @@ import gloo_dist  # noqa: E402
 import xla_dist  # noqa: E402
 from neuron_tp.errors import UserError  # noqa: E402
 from neuron_tp.job.config import TrainConfig  # noqa: E402
+from neuron_tp.job.data import ByteTokenizer  # noqa: E402
+from neuron_tp.job.sft_data import load_data  # noqa: E402
 from neuron_tp.parallel.mesh import Mesh  # noqa: E402
 from neuron_tp.train.loop import _check_cp  # noqa: E402
 from reference_train import reference_run  # noqa: E402
@@ -30,52 +37,167 @@ def base(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("cp_train"))
 
 
+EVAL_TEXT = "".join(f"held-out line {i}: a lazy dog sleeps {i * 7 % 31} h.\n" for i in range(40))
+EVAL = ["--eval-every", "4", "--eval-batches", "2"]
+
+
+class Ref(NamedTuple):
+    losses: list[float]
+    norms: list[float]
+    eval_loss: float = math.nan
+
+
 @pytest.fixture(scope="module")
-def ref(base) -> tuple[list[float], list[float]]:
-    return reference_run(args_for(f"{base}/ref", *cases.CP), global_micro_batch=2)
+def ref(base) -> Ref:
+    """The unsharded reference on cases.CP's data, and its eval loss after the last step on
+    the first 2 batches of 2 rows of ``eval.txt``."""
+    with open(f"{base}/eval.txt", "w") as f:
+        f.write(EVAL_TEXT)
+    losses, norms = reference_run(args_for(f"{base}/ref", *cases.CP), global_micro_batch=2)
+    data = load_data(f"{base}/eval.txt", ByteTokenizer(), 256, 2, shuffle=False)
+    batches = [data.next_batch() for _ in range(2)]
+    return Ref(losses, norms, _reference_eval(reference_run.model, batches))
 
 
-def _check(log, ref, steps=slice(None)):
-    losses, norms = ref
+def _reference_eval(model, batches: list[dict]) -> float:
+    """The mean token loss of the trained reference (eval mode) over ``batches``."""
+    model.eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for b in batches:
+            n = int((b["labels"][:, 1:] != -100).sum())
+            total += float(model(input_ids=b["input_ids"], labels=b["labels"]).loss) * n
+            count += n
+    return total / count
+
+
+def _check(log, ref: Ref, steps=slice(None)):
+    losses, norms = ref.losses, ref.norms
     torch.testing.assert_close([e["loss"] for e in log], losses[steps], rtol=2e-4, atol=2e-4)
     torch.testing.assert_close([e["grad_norm"] for e in log], norms[steps], rtol=2e-3, atol=1e-5)
 
 
-def _gloo(base: str, tp: int, extra: tuple) -> None:
+def _gloo(base: str, name: str, tp: int, cp: int, extra: tuple) -> None:
     from neuron_tp.train.loop import train
 
-    mesh = gloo_dist.shared_mesh(tp, cp=2)
-    args = args_for(f"{base}/gloo-{tp}", "--tp", str(tp), "--cp", "2", *cases.CP, *extra)
+    mesh = gloo_dist.shared_mesh(tp, cp=cp)
+    args = args_for(f"{base}/{name}", "--tp", str(tp), "--cp", str(cp), *cases.CP, *extra)
     args.device = "cpu"
     s = train(args, mesh, printer=lambda *a, **k: None)
     if mesh.rank == 0:
-        torch.save(s["log"], f"{base}/gloo-{tp}.pt")
+        torch.save(s["log"], f"{base}/{name}.pt")
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_cp2_trains_like_one_rank_on_gloo(base, ref, tp):
-    extra = ("--sequence-parallel",) if tp > 1 else ()
-    gloo_dist.run(_gloo, base, tp, extra, world_size=2 * tp)
-    _check(torch.load(f"{base}/gloo-{tp}.pt"), ref)
+# name: (tp, cp, extra options); every one runs on tp x cp x dp gloo ranks, global batch 2
+GLOO = {
+    "cp2-zero1-eval": (1, 2, ("--zero1", "--eval-data", "{base}/eval.txt", *EVAL)),
+    "cp2-tp2-sp": (2, 2, ("--sequence-parallel",)),
+}
+FOUR = {
+    "cp4": (1, 4, ()),
+    "cp2-dp2-zero1": (1, 2, ("--micro-batch", "1", "--zero1")),
+    "recipe": (2, 2, tuple(cases.recipe_options()[1:])),  # the long-context recipe's options
+}
+
+
+@pytest.mark.parametrize("name", list(GLOO))
+def test_cp2_trains_like_one_rank_on_gloo(base, ref, name):
+    tp, cp, extra = GLOO[name]
+    extra = tuple(e.format(base=base) for e in extra)
+    gloo_dist.run(_gloo, base, name, tp, cp, extra, world_size=tp * cp)
+    log = torch.load(f"{base}/{name}.pt")
+    _check(log, ref)
+    if "--eval-data" in extra:  # the mean over every label token of the eval rows
+        assert [e["step"] for e in log if "eval_loss" in e] == [4]
+        torch.testing.assert_close(log[-1]["eval_loss"], ref.eval_loss, rtol=2e-4, atol=2e-4)
+
+
+def _four(name: str, base: str) -> None:
+    _gloo(base, name, *FOUR[name])
+
+
+@pytest.fixture(scope="module")
+def recipe_ref(base) -> Ref:
+    """The unsharded reference of examples/long-context/README.md's command."""
+    _, *options = cases.recipe_options()
+    assert ["--cp", "2"] == options[options.index("--cp") :][:2]
+    return Ref(*reference_run(args_for(f"{base}/recipe-ref", *options), global_micro_batch=2))
+
+
+@pytest.mark.parametrize("name", list(FOUR))
+def test_cp4_cp2_dp2_and_the_recipe_train_like_one_rank_on_gloo(base, ref, recipe_ref, name):
+    gloo_dist.run_case(_four, name, base, cases=list(FOUR), world_size=4)
+    _check(torch.load(f"{base}/{name}.pt"), recipe_ref if name == "recipe" else ref)
 
 
 @pytest.fixture(scope="module")
 def on_xla4(base) -> xla_dist.Cases:
-    return xla_dist.run_cases(cases.on_devices, ["cp2-tp2-sp"], base, devices=4)
+    devices, *_ = cases.recipe_options()
+    return xla_dist.run_cases(cases.on_devices, ["recipe"], base, devices=int(devices))
 
 
-def test_cp2_tp2_sp_trains_like_one_rank_on_xla(on_xla4, ref):
-    got = on_xla4.get("cp2-tp2-sp")
-    _check(got[0]["log"], ref)
+def test_long_context_recipe_trains_like_one_rank_on_xla(on_xla4, recipe_ref):
+    """examples/long-context/README.md's command: cp 2 x tp 2 with SP and ZeRO-1 (its state
+    cut over the 2 cp ranks), blockwise attention, long documents."""
+    got = on_xla4.get("recipe")
+    _check(got[0]["log"], recipe_ref)
     compiles = [p["compiles"] // 4 for p in got[0]["per_step"]]  # process-wide / 4 ranks
     assert compiles[1:] == [compiles[1]] * (len(compiles) - 1), compiles
+
+
+STEP2 = "bf16-cp2/checkpoints/step-00000002"
+
+
+def _bf16(base: str) -> None:
+    """--bf16 (ZeRO-1, fp32 masters) at cp 2 (state cut over the 2 cp ranks), saved at step 2;
+    the dp 2 run (state cut over the 2 dp ranks: the same layout); and the dp 2 run resumed
+    from the cp 2 run's step-2 checkpoint (each rank reads its own shard file)."""
+    import neuron_tp as ntp
+    from neuron_tp.train.loop import train
+
+    bf16 = ("--bf16", "--reduce-dtype", "fp32")
+    runs = {
+        "cp2": (2, ("--cp", "2", "--save-every", "2")),
+        "dp2": (1, ("--micro-batch", "1")),
+        "dp2-resumed": (1, ("--micro-batch", "1", "--resume", f"{base}/{STEP2}")),
+    }
+    logs = {}
+    for name, (cp, extra) in runs.items():
+        mesh = ntp.init_mesh(cp=cp, reduce_dtype=torch.float32)
+        args = args_for(f"{base}/bf16-{name}", *cases.CP, *bf16, *extra)
+        args.device = "cpu"
+        logs[name] = train(args, mesh, printer=lambda *a, **k: None)["log"]
+    if mesh.rank == 0:
+        torch.save(logs, f"{base}/bf16.pt")
+
+
+def test_bf16_at_cp2_equals_dp2_and_its_checkpoint_resumes_at_dp2(base):
+    gloo_dist.run(_bf16, base, world_size=2)
+    logs = torch.load(f"{base}/bf16.pt")
+    step2 = f"{base}/{STEP2}"
+    assert os.path.exists(f"{step2}/optim-tp00000-dp00001.safetensors")  # cut over cp
+    assert [e["step"] for e in logs["dp2-resumed"]] == [3, 4]
+    cp2, dp2, resumed = (logs[k] for k in ("cp2", "dp2", "dp2-resumed"))
+    # bf16 compute: ring attention and sdpa round differently (measured: 1e-4 of a ~5 loss)
+    for got, want in ((cp2, dp2), (resumed, cp2[2:])):
+        torch.testing.assert_close(
+            [e["loss"] for e in got], [e["loss"] for e in want], rtol=0, atol=1e-3
+        )
+        torch.testing.assert_close(
+            [e["grad_norm"] for e in got], [e["grad_norm"] for e in want], rtol=2e-3, atol=0
+        )
+    assert cp2[-1]["loss"] < cp2[0]["loss"] - 0.5
 
 
 def _save_cp2(out: str) -> None:
     from neuron_tp.train.loop import train
 
     mesh = gloo_dist.shared_mesh(1, cp=2)
-    args = args_for(out, "--cp", "2", *cases.CP)
+    packed = args_for(f"{out}-packed", "--cp", "2", *cases.CP, "--data", cases.SFT_DATA)
+    packed.device = "cpu"
+    with pytest.raises(UserError, match="packed rows .* do not cross the ring.*--no-packing"):
+        train(packed, mesh, printer=lambda *a, **k: None)  # refused on every rank, at setup
+    args = args_for(out, "--cp", "2", "--zero1", *cases.CP)
     args.device, args.save_every, args.steps = "cpu", 2, 2
     train(args, mesh, printer=lambda *a, **k: None)
 
@@ -83,13 +205,13 @@ def _save_cp2(out: str) -> None:
 def _resume_cp1(out: str, log_path: str) -> None:
     from neuron_tp.train.loop import train
 
-    args = args_for(out, *cases.CP)
+    args = args_for(out, "--zero1", *cases.CP)
     args.device, args.resume = "cpu", "auto"
     s = train(args, gloo_dist.shared_mesh(1), printer=lambda *a, **k: None)
     torch.save(s["log"], log_path)
 
 
-def test_cp2_checkpoint_resumes_at_cp1(base, ref):
+def test_cp2_zero1_checkpoint_resumes_at_cp1_packed_rows_refused(base, ref):
     out = f"{base}/resume"
     gloo_dist.run(_save_cp2, out, world_size=2)
     gloo_dist.run(_resume_cp1, out, f"{base}/resume.pt", world_size=1)
@@ -105,7 +227,8 @@ def test_refusals_name_what_works():
         _check_cp(_config("--cp", "2", "--seq-len", "250"))
     with pytest.raises(UserError, match="multiple of 16"):
         _check_cp(_config("--cp", "2", "--tp", "4", "--seq-len", "260", "--sequence-parallel"))
-    with pytest.raises(UserError, match="--zero1.*it works with --tp"):
-        _check_cp(_config("--cp", "2", "--seq-len", "256", "--zero1"))
+    with pytest.raises(UserError, match="--lora-r yet; it works with --tp.*ZeRO-1.*--eval-data"):
+        _check_cp(_config("--cp", "2", "--seq-len", "256", "--zero1", "--lora-r", "4"))
+    _check_cp(_config("--cp", "2", "--seq-len", "256", "--zero1", "--bf16"))  # accepted
     with pytest.raises(UserError, match="pp x cp must divide 3"):
         Mesh(6, 0, tp=2, cp=2)

@@ -1,19 +1,48 @@
 """The context-parallel training runs executed on XLA CPU devices (one launch per device
-count, see tests/helpers/xla_dist.py), used by test_cp_train.py."""
+count, see tests/helpers/xla_dist.py), used by test_cp_train.py: the long-context recipe's
+command line (examples/long-context/README.md: cp 2 x tp 2 with SP, ZeRO-1, blockwise
+attention, long documents), read from that page."""
 
 from __future__ import annotations
 
 import os
+import shlex
 
 from xla_multi_train_cases import run_train
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+RECIPE = os.path.join(REPO, "examples", "long-context", "README.md")
+SFT_DATA = os.path.join(REPO, "examples", "sft", "prompt_completion.jsonl")
 
 # seq 256: each of 2 cp ranks holds 128 tokens (chunks of 64 = one attention block)
 CP = ["--micro-batch", "2", "--steps", "4", "--save-every", "0", "--seq-len", "256"]
 CP += ["--attention-block", "32"]
-CASES = {"cp2": (1, []), "cp2-tp2-sp": (2, ["--sequence-parallel"])}
+
+
+def recipe_options() -> list[str]:
+    """The train options of the recipe's XLA CPU command (without ``--xla-cpu-devices`` and
+    ``--output-dir``; data paths made absolute), and its device count first."""
+    with open(RECIPE) as f:
+        lines = [line for line in f if line.startswith("neuron-tp train ")]
+    assert len(lines) == 1, f"{RECIPE}: expected one `neuron-tp train` line, got {lines}"
+    words = shlex.split(lines[0])[2:]
+    out, devices, i = [], 0, 0
+    while i < len(words):
+        w, v = words[i], words[i + 1] if i + 1 < len(words) else None
+        if w == "--xla-cpu-devices":
+            devices, i = int(v), i + 2
+        elif w == "--output-dir":
+            i += 2
+        elif w == "--data":
+            out += [w, os.path.join(REPO, v)]
+            i += 2
+        else:
+            out.append(w)
+            i += 1
+    return [str(devices), *out]
 
 
 def on_devices(case: str, base: str) -> object:
-    tp, extra = CASES[case]
-    out = os.path.join(base, case)
-    return run_train(tp, out, [*CP, "--cp", "2", *extra], cp=2)
+    assert case == "recipe", case
+    _, *options = recipe_options()
+    return run_train(2, os.path.join(base, case), [*options, "--save-every", "0"], cp=2)
