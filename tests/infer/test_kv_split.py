@@ -11,8 +11,6 @@ by-heads layout. The 2 XLA CPU devices case runs in test_slots.py's launch."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
@@ -20,29 +18,18 @@ import gloo_dist
 from hf_sampling import peaked
 from neuron_tp.errors import UserError
 from neuron_tp.infer import kv_split
-from neuron_tp.infer.sampling import Sampling
-from slot_trace import Req, eos_ids, make_requests, reference, run_schedule
+from slot_trace import (
+    eos_ids,
+    kv1_llama,
+    long_request,
+    make_requests,
+    reference,
+    run_long,
+    run_schedule,
+)
 
 LONG = 2048  # prompt tokens of the long request
 MAX_LEN = LONG + 16
-
-
-def kv1_model(max_positions: int = 4096):
-    """A tiny Llama with ONE kv head (4 query heads): replicated on every rank at tp 2."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=176,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=1,
-        max_position_embeddings=max_positions,
-        vocab_size=257,
-        attn_implementation="sdpa",
-    )
-    torch.manual_seed(4)
-    return peaked(LlamaForCausalLM(cfg)).eval()
 
 
 def _preset(name: str = "tiny-llama"):
@@ -51,30 +38,9 @@ def _preset(name: str = "tiny-llama"):
     return peaked(build_model(name, 257, 4)).eval()
 
 
-def long_request(n: int = LONG, new: int = 6) -> Req:
-    g = torch.Generator().manual_seed(n)
-    return Req(torch.randint(1, 256, (n,), generator=g).tolist(), new, Sampling())
-
-
-def run_long(gen, req: Req, chunk: int) -> list[int]:
-    """Prefill ``req`` chunk by chunk into a slot, decode its tokens, release it."""
-    slot, n = gen.acquire(), len(req.prompt)
-    with torch.no_grad():
-        for start in range(0, n, chunk):
-            last = start + chunk >= n
-            tok = gen.prefill(
-                slot, req.prompt[start : start + chunk], start, req.sampling if last else None
-            )
-        out = [tok]
-        while len(out) < req.new:
-            out.append(gen.decode()[slot])
-    gen.release(slot)
-    return out
-
-
 # tp, model builder, slot positions, schedule requests (seed, n, max prompt, max new)
 CASES = {
-    "tp2_kv1": (2, kv1_model, MAX_LEN, (11, 8, 40, 6)),
+    "tp2_kv1": (2, kv1_llama, MAX_LEN, (11, 8, 40, 6)),
     "tp4_kv2": (4, _preset, 64, (12, 8, 40, 6)),
 }
 
@@ -85,7 +51,7 @@ def _wants() -> dict:
         full = build()
         reqs = make_requests(*sched)
         out[case] = (
-            reference(full, long_request()) if case == "tp2_kv1" else None,
+            reference(full, long_request(LONG)) if case == "tp2_kv1" else None,
             [reference(full, r) for r in reqs],
             eos_ids(full),
         )
@@ -125,7 +91,7 @@ def _serve_case(case: str, wants: dict) -> None:
     gen = SlotGenerator(model, 3, max_len, chunk=256, decode_buckets=[1, 3], kv_split="auto")
     assert gen.kv_split == "sequence"
     if long_want is not None:
-        assert run_long(gen, long_request(), 256) == long_want
+        assert run_long(gen, long_request(LONG), 256) == long_want
     got = run_schedule(gen, make_requests(*sched), sched[0], eos)
     bad = [(i, a, w) for i, (a, w) in enumerate(zip(got, want)) if a != w]
     assert not bad, f"requests differ (index, got, want): {bad[:3]}"
@@ -154,7 +120,7 @@ def test_sequence_split_gloo(case, wants):
 
 
 def test_resolve_and_refusals():
-    cfg = kv1_model().config
+    cfg = kv1_llama().config
     assert kv_split.resolve("auto", cfg, 2) == "sequence"
     assert kv_split.resolve("auto", cfg, 1) == "heads"
     assert kv_split.resolve("auto", cfg, 2, refused_by="the prefix cache") == "heads"
