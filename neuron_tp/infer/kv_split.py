@@ -88,22 +88,28 @@ def resolve(mode: str, config, tp: int, *, refused_by: str | None = None) -> str
     would be replicated (fewer than tp) and nothing that needs whole-head caches is on
     (``refused_by``: e.g. the prefix cache); an explicit ``sequence`` with such a feature, or
     where no kv head is replicated, is a UserError."""
-    if mode not in MODES:
-        raise UserError(f"--kv-split must be one of {', '.join(MODES)}, got {mode!r}")
+    check_mode(mode, refused_by)
     r = kv_replication(config, tp)
     if mode == "auto":
         return "sequence" if r > 1 and refused_by is None else "heads"
-    if mode == "sequence" and refused_by is not None:
-        raise UserError(
-            f"--kv-split sequence does not work with {refused_by} (its caches hold whole "
-            "kv heads); turn that off, or use --kv-split heads / auto"
-        )
     if mode == "sequence" and r == 1:
         raise UserError(
             f"--kv-split sequence splits kv heads that tp replicates, but tp={tp} divides the "
             "model's kv heads (nothing is replicated); use --kv-split heads or auto"
         )
     return mode
+
+
+def check_mode(mode: str, refused_by: str | None = None) -> None:
+    """UserError for a ``--kv-split`` mode that is unknown, or ``sequence`` with a feature
+    (``refused_by``) whose caches hold whole kv heads; needs no model."""
+    if mode not in MODES:
+        raise UserError(f"--kv-split must be one of {', '.join(MODES)}, got {mode!r}")
+    if mode == "sequence" and refused_by is not None:
+        raise UserError(
+            f"--kv-split sequence does not work with {refused_by} (its caches hold whole "
+            "kv heads); turn that off, or use --kv-split heads / auto"
+        )
 
 
 def split_group(mesh: Mesh, r: int) -> Group:

@@ -347,7 +347,8 @@ class SlotGenerator(StepGraphsOwner):
         # This device's earlier steps finish first: a capture waits for every device
         # (xm.wait_device_ops), which deadlocks on XLA CPU devices sharing a process
         # when another device's step waits in a collective for one of ours.
-        return self._graphs.run(key, build, [*args, *self._kv], self._state.tokens.cpu)
+        with torch.no_grad():  # the cache is updated in place: no autograd history
+            return self._graphs.run(key, build, [*args, *self._kv], self._state.tokens.cpu)
 
     def _mask(self, qpos: torch.Tensor) -> torch.Tensor:
         """The attention mask of queries at cache indices ``qpos`` over this rank's cache."""

@@ -4,7 +4,7 @@ combines their partial softmaxes by log-sum-exp.
 
 Against independent references: the split attention against plain softmax attention over all
 positions (scores large enough that a combine without the max shift overflows); a long prompt
-(2k tokens, 1 kv head, tp 2) and a random schedule of shorter greedy and sampled requests give
+(1.5k tokens, 1 kv head, tp 2) and a random schedule of shorter greedy and sampled requests give
 transformers' tokens per request, at tp 2 (one kv head: the whole tp group splits) and tp 4
 (two kv heads: two groups of 2), gloo ranks; the KV bytes per rank measured against the
 by-heads layout. The 2 XLA CPU devices case runs in test_slots.py's launch."""
@@ -28,7 +28,7 @@ from slot_trace import (
     run_schedule,
 )
 
-LONG = 2048  # prompt tokens of the long request
+LONG = 1536  # prompt tokens of the long request
 MAX_LEN = LONG + 16
 
 
@@ -79,12 +79,40 @@ def _math_case() -> None:
     torch.testing.assert_close(out, want[:, heads], rtol=1e-5, atol=1e-5)
 
 
+def _cli_case(tmp: str) -> None:
+    """``neuron-tp generate --kv-split sequence`` (tp 2 x dp 2) on a saved one-kv-head model
+    prints transformers' greedy continuations."""
+    from neuron_tp.cli.args import generate_parser
+    from neuron_tp.infer.generate_command import run_cli
+
+    full = kv1_llama(256)
+    if torch.distributed.get_rank() == 0:
+        full.save_pretrained(f"{tmp}/kv1")
+    torch.distributed.barrier()
+    prompts = ["The old", "A long way"]
+    argv = ["--device", "cpu", "--tp", "2", "--model", f"{tmp}/kv1", "--tokenizer", "bytes"]
+    argv += ["--max-new-tokens", "6", "--buckets", "8,16", "--kv-split", "sequence"]
+    texts = run_cli(
+        generate_parser().parse_args(argv + [a for p in prompts for a in ("--prompt", p)])
+    )
+    want = []
+    for p in prompts:
+        ids = torch.tensor([list(p.encode())])
+        out = full.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)[
+            0, ids.shape[1] :
+        ]
+        want.append(bytes(t for t in out.tolist() if t < 256).decode("utf-8", "replace"))
+    assert texts == want
+
+
 def _serve_case(case: str, wants: dict) -> None:
     from neuron_tp import hf
     from neuron_tp.infer.slot_generator import SlotGenerator
 
     if case == "math":
         return _math_case()
+    if case == "cli":
+        return _cli_case(wants["tmp"])
     tp, build, max_len, sched = CASES[case]
     long_want, want, eos = wants[case]
     model = hf.parallelize(build(), gloo_dist.shared_mesh(tp)).eval()
@@ -106,17 +134,17 @@ def _serve_case(case: str, wants: dict) -> None:
 
 
 @pytest.fixture(scope="module")
-def wants() -> dict:
-    return _wants()
+def wants(tmp_path_factory) -> dict:
+    return {**_wants(), "tmp": str(tmp_path_factory.mktemp("kv_split"))}
 
 
-GLOO = ["math", *CASES]
+GLOO = ["math", *CASES, "cli"]
 
 
 @pytest.mark.parametrize("case", GLOO)
 def test_sequence_split_gloo(case, wants):
     """4 gloo ranks: tp 2 x dp 2 (one kv head, the long prompt) and tp 4 (two kv heads)."""
-    gloo_dist.run_case(_serve_case, case, wants, cases=GLOO, world_size=4)
+    gloo_dist.run_case(_serve_case, case, wants, cases=GLOO, world_size=4, timeout=900)
 
 
 def test_resolve_and_refusals():
