@@ -128,13 +128,13 @@ def split_group(mesh: Mesh, r: int) -> Group:
             made = dist.new_group(list(b))
             pg = made if b == mine else pg
     return Group(
-        "kv-split",
-        mine,
-        tuple(blocks),
-        mine.index(mesh.rank),
-        tp.virtual,
-        pg,
-        tp.reduce_dtype,
+        name="kv-split",
+        ranks=mine,
+        all_groups=tuple(blocks),
+        rank=mine.index(mesh.rank),
+        virtual=tp.virtual,
+        process_group=pg,
+        reduce_dtype=tp.reduce_dtype,
     )
 
 
@@ -159,22 +159,26 @@ def combine(out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     return (w * out).sum(0) / w.sum(0).clamp(min=torch.finfo(w.dtype).tiny)
 
 
-def partial_attention(q, k, v, allowed, scale: float):
-    """fp32 softmax attention of ``q`` [..., B, hkv, g, Q, D] over the keys ``k``/``v`` [B, hkv,
-    L, D] that ``allowed`` (bool, broadcast to the scores ``[..., Q, L]``) admits: the output
-    and the log-sum-exp ``[..., Q, 1]`` of each query (``-inf`` and 0 when it sees none)."""
-    s = torch.einsum("...bhgqd,bhkd->...bhgqk", q.float(), k.float()) * scale
-    s = s.masked_fill(~allowed, float("-inf"))
+def partial_attention(q, k, v, allowed, *, scale: float):
+    """fp32 softmax attention of ``q`` [r, B, hkv, g, Q, D] (the queries of ``r`` ranks) over
+    the keys ``k``/``v`` [B, hkv, L, D] that ``allowed`` (bool ``[B, 1, Q, L]``) admits: the
+    output [r, B, hkv, g, Q, Dv] and the log-sum-exp [r, B, hkv, g, Q, 1] of each query
+    (``-inf`` and 0 when it sees none). Two matmuls over ``[B, hkv, r*g*Q, .]``."""
+    r, b, h, g, nq, d = q.shape
+    rows = q.float().permute(1, 2, 0, 3, 4, 5).reshape(b, h, r * g * nq, d)
+    s = torch.matmul(rows, k.float().transpose(-1, -2)).view(b, h, r, g, nq, -1) * scale
+    s = s.masked_fill_(~allowed.view(b, 1, 1, 1, nq, -1), float("-inf"))
     top = s.amax(-1, keepdim=True)
     top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-    p = torch.exp(s - top)
+    p = s.sub_(top).exp_()
     total = p.sum(-1, keepdim=True)
-    out = torch.einsum("...bhgqk,bhkd->...bhgqd", p, v.float())
+    out = torch.matmul(p.view(b, h, r * g * nq, -1), v.float()).view(b, h, r, g, nq, -1)
     out = out / total.clamp(min=torch.finfo(out.dtype).tiny)
-    return out, top + torch.log(total)
+    lse = top + torch.log(total)
+    return out.permute(2, 0, 1, 3, 4, 5), lse.permute(2, 0, 1, 3, 4, 5)
 
 
-def split_attention(query, key, value, allowed, group: Group, scale: float) -> torch.Tensor:
+def split_attention(query, key, value, allowed, *, group: Group, scale: float) -> torch.Tensor:
     """Attention of this rank's ``query`` [B, H, Q, D] over the keys of every rank of
     ``group``, each holding its own positions in ``key``/``value`` [B, hkv, L, D] and
     ``allowed`` ``[B, 1, Q, L]`` (bool); returns [B, H, Q, Dv] in the query's dtype. Every
@@ -183,7 +187,7 @@ def split_attention(query, key, value, allowed, group: Group, scale: float) -> t
     hkv, dv = key.shape[1], value.shape[-1]
     q = query.reshape(b, hkv, h // hkv, nq, d)
     qs = comm.all_gather(q.unsqueeze(0).contiguous(), group, 0)  # [r, B, hkv, g, Q, D]
-    out, lse = partial_attention(qs, key, value, allowed[:, :, None], scale)
+    out, lse = partial_attention(qs, key, value, allowed, scale=scale)
     parts = comm.all_to_all(torch.cat([out, lse], -1), group, 0, 0)  # mine, from each rank
     merged = combine(parts[..., :dv], parts[..., dv:])
     return merged.reshape(b, h, nq, dv).to(query.dtype)
@@ -203,7 +207,7 @@ def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=N
     if attention_mask is None or attention_mask.dtype != torch.bool:
         raise UserError(f"{where}: the sequence-split attention needs the slot step's bool mask")
     scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
-    out = split_attention(query, key, value, attention_mask, split.group, scale)
+    out = split_attention(query, key, value, attention_mask, group=split.group, scale=scale)
     return out.transpose(1, 2).contiguous(), None
 
 

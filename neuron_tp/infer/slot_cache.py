@@ -49,7 +49,7 @@ def _local_kv(module) -> tuple[int, int, torch.dtype] | None:
     return None
 
 
-def allocate(model, slots: int, max_len: int, device, split=None) -> list[torch.Tensor]:
+def allocate(model, slots: int, max_len: int, device, *, split=None) -> list[torch.Tensor]:
     """Zeroed keys and values of every layer: ``[k0, v0, k1, v1, ...]``, each made on the host
     and transferred (device data, not a graph to compile). ``split``: a
     :class:`~.kv_split.SeqSplit`, this rank's positions only (``local_len + 1`` per slot)."""
@@ -100,7 +100,7 @@ class SlotCache(Cache):
     sequence-split cache (:mod:`.kv_split`): ``positions`` are global, each written at its
     local index on the rank owning it (the scratch row elsewhere)."""
 
-    def __init__(self, kv: list[torch.Tensor], rows, positions, read, split=None):
+    def __init__(self, kv: list[torch.Tensor], rows, positions, read, *, split=None):
         local = positions if split is None else split.local_index(positions)
         layers = [SlotLayer(kv[i], kv[i + 1], rows, local, read) for i in range(0, len(kv), 2)]
         super().__init__(layers=layers)

@@ -131,7 +131,7 @@ class SlotGenerator(StepGraphsOwner):
         self.pad_id, self.vocab = pad_id, model.config.get_text_config(decoder=True).vocab_size
         self.device = dev = next(model.parameters()).device
         self._graphs = StepGraphs(dev, replay)
-        self._kv = allocate(model, slots, max_len, dev, self.split)
+        self._kv = allocate(model, slots, max_len, dev, split=self.split)
         self._state = SlotState(
             tokens=torch.zeros(slots, dtype=torch.long).to(dev),
             pos=torch.zeros(slots, dtype=torch.long).to(dev),
@@ -381,7 +381,7 @@ class SlotGenerator(StepGraphsOwner):
             idx = torch.arange(bucket, device=ids.device)
             valid = idx < m.length
             qpos = torch.where(valid, m.start + idx, torch.full_like(idx, scratch))[None]
-            cache = SlotCache(list(kv), m.slot, qpos, m.slot, self.split)
+            cache = SlotCache(list(kv), m.slot, qpos, m.slot, split=self.split)
             out = model(
                 input_ids=ids,
                 attention_mask=self._mask(qpos),
@@ -420,7 +420,7 @@ class SlotGenerator(StepGraphsOwner):
             a, last, pos = active[b], state.tokens[b], state.pos[b]
             qpos = torch.where(a, pos, torch.full_like(pos, scratch))[:, None]
             rows = torch.arange(bucket, device=last.device)
-            cache = SlotCache(list(kv), rows, qpos, b, self.split)
+            cache = SlotCache(list(kv), rows, qpos, b, split=self.split)
             out = model(
                 input_ids=last[:, None],
                 attention_mask=self._mask(qpos),

@@ -75,7 +75,9 @@ def _math_case() -> None:
     local = h // group.size
     heads = slice(group.rank * local, (group.rank + 1) * local)
     allowed = seen[:, None][..., mine]
-    out = kv_split.split_attention(q[:, heads], k[:, :, mine], v[:, :, mine], allowed, group, 0.5)
+    out = kv_split.split_attention(
+        q[:, heads], k[:, :, mine], v[:, :, mine], allowed, group=group, scale=0.5
+    )
     torch.testing.assert_close(out, want[:, heads], rtol=1e-5, atol=1e-5)
 
 
