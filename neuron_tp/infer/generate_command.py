@@ -35,6 +35,9 @@ def run_cli(args: GenerateConfig | argparse.Namespace) -> list[str]:
             from .load import check_draft
 
             check_draft(config, max(config.buckets) + config.max_new_tokens)
+        from .kv_split import check_mode
+
+        check_mode(config.kv_split, "--draft-model" if config.draft_model else None)
         agree.values = config.option_values()
         agree.values.update({"prompts": prompts, "library versions": agreement.versions()})
     device = rank_device(config.device)
@@ -46,6 +49,10 @@ def run_cli(args: GenerateConfig | argparse.Namespace) -> list[str]:
     stops = [] if config.ignore_eos else eos_ids(model, tok)
     if config.draft_model:
         return _speculate(config, model, tok, mesh, prompts, sampling=sampling, eos=stops)
+    from .kv_split import resolve
+
+    if resolve(config.kv_split, model.config, mesh.tp_size) == "sequence":
+        return _split_by_sequence(config, model, tok, mesh, prompts, sampling=sampling, eos=stops)
     gen = Generator(
         model, config.buckets, config.max_new_tokens, batch_buckets=config.batch_buckets, pad_id=pad
     )
@@ -92,36 +99,74 @@ def _run_batch(gen, tok, prompts, *, config, sampling, eos, show: bool) -> list[
     return texts
 
 
+def _split_by_sequence(config, model, tok, mesh, prompts, *, sampling, eos) -> list[str]:
+    """``--kv-split sequence``: the prompts on the slots of a :class:`~.slot_generator.
+    SlotGenerator` whose KV cache is split by sequence (``max(--batch-buckets)`` at once)."""
+    from .slot_generator import SlotGenerator
+
+    gen = SlotGenerator(model, **_slot_args(config, tok), kv_split="sequence")
+    texts, elapsed = _on_slots(gen, tok, prompts, config=config, sampling=sampling, eos=eos)
+    if mesh.rank == 0:
+        for p, t in zip(prompts, texts):
+            print(f"{p!r} -> {t!r}")
+        print(
+            f"KV cache split by sequence over {gen.split.r} ranks: "
+            f"{gen.kv_bytes / 2**20:.2f} MiB per rank; {elapsed * 1e3:.0f} ms"
+        )
+    return texts
+
+
+def _slot_args(config, tok) -> dict:
+    """The slot generator's shape arguments for the generate options."""
+    max_len, chunk = max(config.buckets) + config.max_new_tokens, max(config.buckets)
+    return dict(
+        slots=config.batch_buckets[-1],
+        max_len=max_len,
+        chunk=chunk,
+        prefill_buckets=config.buckets,
+        decode_buckets=config.batch_buckets,
+        pad_id=getattr(tok, "pad_token_id", None) or 0,
+    )
+
+
 def _speculate(config, model, tok, mesh, prompts, *, sampling, eos) -> list[str]:
     """``--draft-model``: the prompts on the slots of a
     :class:`~.speculative.SpeculativeGenerator` (``max(--batch-buckets)`` at once; a sampled
     prompt ``i`` seeded ``--seed + i``); prints as :func:`_run_batch` plus the acceptance."""
     from ..job.runtime import rank_device
     from .load import draft_config
-    from .schedule import Admission, Delta, Failed, Lease, Request
-    from .slot_rows import SlotRows
     from .speculative import SpeculativeGenerator
 
     draft, _ = load_for_generation(draft_config(config), mesh)
     move_to(draft, rank_device(config.device))
-    max_len, chunk = max(config.buckets) + config.max_new_tokens, max(config.buckets)
-    gen = SpeculativeGenerator(
-        model,
-        draft,
-        config.batch_buckets[-1],
-        max_len,
-        k=config.speculation_length,
-        chunk=chunk,
-        prefill_buckets=config.buckets,
-        decode_buckets=config.batch_buckets,
-        pad_id=getattr(tok, "pad_token_id", None) or 0,
-    )
-    texts, t0 = [""] * len(prompts), time.perf_counter()
+    args = _slot_args(config, tok)
+    slots, max_len = args.pop("slots"), args.pop("max_len")
+    gen = SpeculativeGenerator(model, draft, slots, max_len, k=config.speculation_length, **args)
+    texts, elapsed = _on_slots(gen, tok, prompts, config=config, sampling=sampling, eos=eos)
+    st = gen.stats
+    if mesh.rank == 0:
+        for p, t in zip(prompts, texts):
+            print(f"{p!r} -> {t!r}")
+        print(
+            f"speculative decoding (k={st.k}): {st.accepted}/{st.proposed} draft tokens "
+            f"accepted ({st.acceptance:.0%}), {st.tokens_per_step:.2f} tokens per slot and "
+            f"model step, {st.tokens} tokens in {elapsed * 1e3:.0f} ms"
+        )
+    return texts
+
+
+def _on_slots(gen, tok, prompts, *, config, sampling, eos) -> tuple[list[str], float]:
+    """Every prompt through ``gen``'s slots (a sampled prompt ``i`` seeded ``--seed + i``),
+    ``gen.slots`` at a time: the texts (on every rank) and the seconds it took."""
+    from .schedule import Admission, Delta, Failed, Lease, Request
+    from .slot_rows import SlotRows
+
+    texts, t0, failed = [""] * len(prompts), time.perf_counter(), []
 
     def sink(i: int):
         def take(event) -> None:
             if isinstance(event, Failed):
-                raise RuntimeError(event.message)
+                failed.append(f"prompt {i}: {event.message}")
             if isinstance(event, Delta):
                 texts[i] += event.text
 
@@ -147,13 +192,6 @@ def _speculate(config, model, tok, mesh, prompts, *, sampling, eos) -> list[str]
         batch = reqs[first : first + gen.slots]
         lease = Lease((), tuple(Admission.of(r) for r in batch), steps=2**31)
         rows.run(lease, batch)  # every rank collects the texts
-    st, elapsed = gen.stats, time.perf_counter() - t0
-    if mesh.rank == 0:
-        for p, t in zip(prompts, texts):
-            print(f"{p!r} -> {t!r}")
-        print(
-            f"speculative decoding (k={st.k}): {st.accepted}/{st.proposed} draft tokens "
-            f"accepted ({st.acceptance:.0%}), {st.tokens_per_step:.2f} tokens per slot and "
-            f"model step, {st.tokens} tokens in {elapsed * 1e3:.0f} ms"
-        )
-    return texts
+    if failed:
+        raise RuntimeError("; ".join(failed))
+    return texts, time.perf_counter() - t0

@@ -218,6 +218,8 @@ class PrefixCache:
     def __init__(self, gen, *, blocks: int, block: int, index: bool):
         from .slot_cache import kv_shapes
 
+        if getattr(gen, "kv_split", "heads") != "heads":
+            raise UserError("the prefix cache needs a KV cache split by heads (--kv-split heads)")
         if gen.chunk % block:
             raise UserError(f"the prefix block {block} must divide the chunk {gen.chunk}")
         self.block, self.blocks, self.per_call = block, blocks, gen.chunk // block

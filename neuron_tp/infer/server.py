@@ -374,6 +374,9 @@ def serve(config, stop: threading.Event | None = None) -> None:
             )
         if config.prefix_cache_on:
             resolve_block(config.prefix_block, _chunk(config))
+        from .kv_split import check_mode
+
+        check_mode(config.kv_split, config.kv_split_refused_by)
         agree.values = {**config.option_values(), "library versions": agreement.versions()}
         agree.values.pop("--api-key", None)  # rank 0's alone; never shown in a mismatch report
     mesh = init_mesh(tp=config.tp)
@@ -445,6 +448,7 @@ def _load(engine: Engine, config, mesh) -> None:
     """Load the model onto this rank's device, attach it to ``engine`` and warm up."""
     from ..job.runtime import rank_device
     from ..parallel.sharding import move_to
+    from .kv_split import resolve
     from .load import eos_ids, load_for_generation
     from .slot_generator import SlotGenerator
 
@@ -452,6 +456,9 @@ def _load(engine: Engine, config, mesh) -> None:
     move_to(model, rank_device(config.device))
     pad = getattr(tok, "pad_token_id", None) or 0
     chunk = _chunk(config)
+    split = resolve(
+        config.kv_split, model.config, mesh.tp_size, refused_by=config.kv_split_refused_by
+    )
     make, extra = SlotGenerator, {}
     if config.draft_model:  # speculative decoding: the draft loaded and placed like the model
         from .load import draft_config
@@ -469,7 +476,14 @@ def _load(engine: Engine, config, mesh) -> None:
         prefill_buckets=sorted({b for b in config.buckets if b < chunk} | {chunk}),
         decode_buckets=config.batch_buckets,
         pad_id=pad,
+        kv_split=split,
     )
+    if mesh.rank == 0:
+        print(
+            f"neuron-tp serve: KV cache split by {gen.kv_split}, "
+            f"{gen.kv_bytes / 2**20:.1f} MiB per rank",
+            flush=True,
+        )
     prefix = _prefix_cache(config, gen, rank0=mesh.rank == 0)
     engine.attach(gen, tok, eos_ids(model, tok), config.max_new_tokens, prefix)
     engine.warmup(every_shape=config.warmup == "all")

@@ -49,12 +49,14 @@ def _local_kv(module) -> tuple[int, int, torch.dtype] | None:
     return None
 
 
-def allocate(model, slots: int, max_len: int, device) -> list[torch.Tensor]:
+def allocate(model, slots: int, max_len: int, device, *, split=None) -> list[torch.Tensor]:
     """Zeroed keys and values of every layer: ``[k0, v0, k1, v1, ...]``, each made on the host
-    and transferred (device data, not a graph to compile)."""
+    and transferred (device data, not a graph to compile). ``split``: a
+    :class:`~.kv_split.SeqSplit`, this rank's positions only (``local_len + 1`` per slot)."""
     out = []
+    length = max_len + 1 if split is None else split.local_len + 1
     for heads, dim, dtype in kv_shapes(model):
-        shape = (slots, heads, max_len + 1, dim)
+        shape = (slots, heads, length, dim)
         out += [torch.zeros(shape, dtype=dtype).to(device) for _ in range(2)]
     return out
 
@@ -94,10 +96,13 @@ class SlotLayer(CacheLayerMixin):
 
 class SlotCache(Cache):
     """The cache of one step: the tensors of ``kv`` (``[k0, v0, ...]``, updated in place),
-    written at ``positions`` [B, Q] of slots ``rows`` [B], read as rows ``read``."""
+    written at ``positions`` [B, Q] of slots ``rows`` [B], read as rows ``read``; ``split``: a
+    sequence-split cache (:mod:`.kv_split`): ``positions`` are global, each written at its
+    local index on the rank owning it (the scratch row elsewhere)."""
 
-    def __init__(self, kv: list[torch.Tensor], rows, positions, read):
-        layers = [SlotLayer(kv[i], kv[i + 1], rows, positions, read) for i in range(0, len(kv), 2)]
+    def __init__(self, kv: list[torch.Tensor], rows, positions, read, *, split=None):
+        local = positions if split is None else split.local_index(positions)
+        layers = [SlotLayer(kv[i], kv[i + 1], rows, local, read) for i in range(0, len(kv), 2)]
         super().__init__(layers=layers)
 
     def tensors(self) -> list[torch.Tensor]:

@@ -82,8 +82,11 @@ class SlotGenerator(StepGraphsOwner):
     ``max_len``: positions per slot (prompt + new tokens must fit); ``chunk``: the most prompt
     tokens one :meth:`prefill` call takes; ``prefill_buckets``: chunk lengths graphs exist for;
     ``decode_buckets``: slot counts decode graphs exist for (bucket ``b`` runs slots ``[0, b)``);
-    ``replay=False``: re-trace every step (torch-xla's plain lazy mode). The model's weights
-    must not change while the SlotGenerator is used."""
+    ``replay=False``: re-trace every step (torch-xla's plain lazy mode); ``kv_split``:
+    ``heads`` (each rank caches its kv heads, replicated when tp exceeds them), ``sequence``
+    (the ranks sharing a kv head each cache 1/r of the positions, :mod:`.kv_split`) or
+    ``auto`` (sequence when kv heads are replicated). The model's weights must not change
+    while the SlotGenerator is used."""
 
     def __init__(
         self,
@@ -96,6 +99,7 @@ class SlotGenerator(StepGraphsOwner):
         decode_buckets: Sequence[int] | None = None,
         pad_id: int = 0,
         replay: bool = True,
+        kv_split: str = "heads",
     ):
         if slots < 1 or max_len < 2 or chunk < 1:
             raise UserError(
@@ -121,11 +125,13 @@ class SlotGenerator(StepGraphsOwner):
         check_cache(model.config, max_len + 1, "(max_len + 1 scratch); use a smaller max_len")
         from .slot_cache import allocate
 
+        self.split = _seq_split(model, kv_split, max_len)
+
         self.model, self.slots, self.max_len, self.chunk = model, slots, max_len, chunk
         self.pad_id, self.vocab = pad_id, model.config.get_text_config(decoder=True).vocab_size
         self.device = dev = next(model.parameters()).device
         self._graphs = StepGraphs(dev, replay)
-        self._kv = allocate(model, slots, max_len, dev)
+        self._kv = allocate(model, slots, max_len, dev, split=self.split)
         self._state = SlotState(
             tokens=torch.zeros(slots, dtype=torch.long).to(dev),
             pos=torch.zeros(slots, dtype=torch.long).to(dev),
@@ -295,6 +301,16 @@ class SlotGenerator(StepGraphsOwner):
                 self._run_prefill(bucket, sampled, args)
 
     @property
+    def kv_split(self) -> str:
+        """``sequence`` when this rank caches 1/r of each slot's positions, else ``heads``."""
+        return "heads" if self.split is None else "sequence"
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of this rank's KV cache tensors."""
+        return sum(t.numel() * t.element_size() for t in self._kv)
+
+    @property
     def kv(self) -> list[torch.Tensor]:
         """The cache tensors ``[k0, v0, k1, v1, ...]`` (every step takes and returns them)."""
         return self._kv
@@ -331,10 +347,29 @@ class SlotGenerator(StepGraphsOwner):
         # This device's earlier steps finish first: a capture waits for every device
         # (xm.wait_device_ops), which deadlocks on XLA CPU devices sharing a process
         # when another device's step waits in a collective for one of ours.
-        return self._graphs.run(key, build, [*args, *self._kv], self._state.tokens.cpu)
+        with torch.no_grad():  # the cache is updated in place: no autograd history
+            return self._graphs.run(key, build, [*args, *self._kv], self._state.tokens.cpu)
+
+    def _mask(self, qpos: torch.Tensor) -> torch.Tensor:
+        """The attention mask of queries at cache indices ``qpos`` over this rank's cache."""
+        from .slot_cache import visible
+
+        return visible(qpos, self.max_len + 1) if self.split is None else self.split.visible(qpos)
+
+    def _traced(self, step):
+        """``step`` run with the sequence-split attention switched on (when the cache is)."""
+        if self.split is None:
+            return step
+        from .kv_split import tracing
+
+        def run(*args):
+            with tracing(self.model):
+                return step(*args)
+
+        return run
 
     def _prefill_fn(self, bucket: int, sampled: bool):
-        from .slot_cache import SlotCache, visible
+        from .slot_cache import SlotCache
 
         model, scratch, n_state = self.model, self.max_len, len(SlotState._fields)
 
@@ -346,10 +381,10 @@ class SlotGenerator(StepGraphsOwner):
             idx = torch.arange(bucket, device=ids.device)
             valid = idx < m.length
             qpos = torch.where(valid, m.start + idx, torch.full_like(idx, scratch))[None]
-            cache = SlotCache(list(kv), m.slot, qpos, m.slot)
+            cache = SlotCache(list(kv), m.slot, qpos, m.slot, split=self.split)
             out = model(
                 input_ids=ids,
-                attention_mask=visible(qpos, scratch + 1),
+                attention_mask=self._mask(qpos),
                 position_ids=torch.where(valid, m.start + idx, torch.zeros_like(idx))[None],
                 **cache_kwargs(model, cache),
                 use_cache=True,
@@ -371,10 +406,10 @@ class SlotGenerator(StepGraphsOwner):
             )
             return [tok, *new, *cache.tensors()]
 
-        return step
+        return self._traced(step)
 
     def _decode_fn(self, bucket: int, sampled: bool):
-        from .slot_cache import SlotCache, visible
+        from .slot_cache import SlotCache
 
         model, scratch, n_state = self.model, self.max_len, len(SlotState._fields)
 
@@ -385,10 +420,10 @@ class SlotGenerator(StepGraphsOwner):
             a, last, pos = active[b], state.tokens[b], state.pos[b]
             qpos = torch.where(a, pos, torch.full_like(pos, scratch))[:, None]
             rows = torch.arange(bucket, device=last.device)
-            cache = SlotCache(list(kv), rows, qpos, b)
+            cache = SlotCache(list(kv), rows, qpos, b, split=self.split)
             out = model(
                 input_ids=last[:, None],
-                attention_mask=visible(qpos, scratch + 1),
+                attention_mask=self._mask(qpos),
                 position_ids=torch.where(a, pos, torch.zeros_like(pos))[:, None],
                 **cache_kwargs(model, cache),
                 use_cache=True,
@@ -404,4 +439,19 @@ class SlotGenerator(StepGraphsOwner):
                 *cache.tensors(),
             ]
 
-        return step
+        return self._traced(step)
+
+
+def _seq_split(model, mode: str, max_len: int):
+    """The :class:`~.kv_split.SeqSplit` of ``model`` for ``--kv-split mode`` (None: the cache
+    is split by heads), attached to its attention modules."""
+    from ..parallel.state import state_of
+    from . import kv_split
+
+    state = state_of(model)
+    tp = 1 if state is None else state.mesh.tp_size
+    if kv_split.resolve(mode, model.config, tp) == "heads":
+        return None
+    split = kv_split.make_split(model, state.mesh, max_len)
+    kv_split.attach(model, split)
+    return split

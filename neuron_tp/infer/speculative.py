@@ -145,6 +145,8 @@ class SpeculativeGenerator(SlotGenerator):
 
     def __init__(self, model, draft, slots: int, max_len: int, *, k: int = DEFAULT_K, **kw):
         check_speculation(k, max_len)
+        if kw.get("kv_split", "heads") != "heads":
+            raise UserError("speculative decoding needs --kv-split heads (a by-heads KV cache)")
         vocab = model.config.get_text_config(decoder=True).vocab_size
         draft_vocab = draft.config.get_text_config(decoder=True).vocab_size
         if vocab != draft_vocab:

@@ -433,6 +433,19 @@ def _speculation_length():
     return opt("--speculation-length", 4, _SPECULATION_HELP, type=pos(int), metavar="K")
 
 
+_KV_SPLIT_HELP = (
+    "the KV cache of a model with fewer kv heads than --tp (each kv head replicated on tp/kv "
+    "ranks): sequence: the ranks sharing a kv head each hold 1/r of the positions (long "
+    "prompts; attention combined across them); heads: each rank holds its heads' whole "
+    "cache; auto: sequence when kv heads are replicated and no draft model (and, in serve, "
+    "no prefix cache) is on"
+)
+
+
+def _kv_split():  # neuron_tp.infer.kv_split
+    return opt("--kv-split", "auto", _KV_SPLIT_HELP, choices=("auto", "heads", "sequence"))
+
+
 @dataclass(frozen=True)
 class GenerateConfig(_CommonConfig):
     """``neuron-tp generate`` options (tp ranks launched by torchrun)."""
@@ -454,6 +467,7 @@ class GenerateConfig(_CommonConfig):
     )
     draft_model: str | None = _draft_model()
     speculation_length: int = _speculation_length()
+    kv_split: str = _kv_split()
     do_sample: bool = opt("--do-sample", False, action="store_true")
     temperature: float = opt("--temperature", 1.0, type=pos(float))
     top_k: int = opt("--top-k", 0, "0 = no top-k filter", type=non_negative(int))
@@ -495,6 +509,7 @@ class ServeConfig(_CommonConfig):
     )
     draft_model: str | None = _draft_model()
     speculation_length: int = _speculation_length()
+    kv_split: str = _kv_split()
     prefill_chunk: int = opt(  # longer prompts: several steps
         "--prefill-chunk",
         256,
@@ -507,7 +522,7 @@ class ServeConfig(_CommonConfig):
         None,
         "copy the KV of prompt blocks computed before (same tokens from the start) into a "
         "new request's slot instead of prefilling them again (tokens unchanged); default: "
-        "on, off with --draft-model (the draft's cache is not pooled)",
+        "on, off with --draft-model (the draft's cache is not pooled) or --kv-split sequence",
         action=argparse.BooleanOptionalAction,
     )
     prefix_block: int = opt(  # 0: the largest divisor of the chunk <= 32
@@ -574,10 +589,17 @@ class ServeConfig(_CommonConfig):
     @property
     def prefix_cache_on(self) -> bool:
         """Whether the server caches prompt blocks (``--prefix-caching``, by default unless a
-        draft model speculates: its cache is not pooled)."""
+        draft model speculates, its cache not pooled, or the KV cache is split by sequence)."""
         if self.prefix_caching is not None:
             return self.prefix_caching
-        return not self.draft_model
+        return not self.draft_model and self.kv_split != "sequence"
+
+    @property
+    def kv_split_refused_by(self) -> str | None:
+        """What keeps the KV cache from splitting by sequence (None: nothing)."""
+        if self.draft_model:
+            return "--draft-model (speculative decoding: the draft's cache)"
+        return "the prefix cache (--prefix-caching)" if self.prefix_cache_on else None
 
     def generate_config(self) -> GenerateConfig:
         """The equivalent ``neuron-tp generate`` options (for loading the model): the shared

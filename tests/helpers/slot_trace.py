@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_sampling import hf_sample
+from hf_sampling import hf_sample, peaked
 from neuron_tp.infer.sampling import Sampling
 
 
@@ -102,4 +102,44 @@ def run_schedule(
                     if slot not in decoding:
                         break
                     take(slot, decoding[slot], t)
+    return out
+
+
+def kv1_llama(max_positions: int = 4096):
+    """A tiny Llama with ONE kv head (4 query heads, hidden 64, 2 layers): replicated on every
+    rank at tp 2 (the sequence-split KV cache's case)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        max_position_embeddings=max_positions,
+        vocab_size=257,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(4)
+    return peaked(LlamaForCausalLM(cfg)).eval()
+
+
+def long_request(n: int, new: int = 6) -> Req:
+    """A greedy request with a prompt of ``n`` random tokens."""
+    g = torch.Generator().manual_seed(n)
+    return Req(torch.randint(1, 256, (n,), generator=g).tolist(), new, Sampling())
+
+
+def run_long(gen, req: Req, chunk: int) -> list[int]:
+    """Prefill ``req`` chunk by chunk into a slot of ``gen``, decode its tokens, release it."""
+    slot, n = gen.acquire(), len(req.prompt)
+    with torch.no_grad():
+        for start in range(0, n, chunk):
+            last = start + chunk >= n
+            part = req.prompt[start : start + chunk]
+            tok = gen.prefill(slot, part, start, req.sampling if last else None)
+        out = [tok]
+        while len(out) < req.new:
+            out.append(gen.decode()[slot])
+    gen.release(slot)
     return out

@@ -137,15 +137,21 @@ def test_tp2_tp4_gloo(case, gloo_wants):
     gloo_dist.run_case(_gloo_case, case, gloo_wants, cases=GLOO, world_size=4)
 
 
-def test_xla_two_devices_tp2_fixed_graphs():
-    """tp=2 on 2 XLA CPU devices, replayed graphs: ~50 requests under a random schedule equal
-    transformers per request; warm-up traced every graph (6: prefill bucket 8 and decode
-    buckets 2, 4, greedy and sampled) and the trace compiles nothing more."""
+@pytest.fixture(scope="module")
+def xla_two_devices() -> list:
+    """ONE launch on 2 XLA CPU devices: xla_slots_cases.serve_trace's results per rank."""
     import xla_slots_cases
 
     import xla_dist
 
-    res = xla_dist.run(xla_slots_cases.serve_trace, 2, 48, 5, devices=2)
+    return xla_dist.run(xla_slots_cases.serve_trace, 2, 48, 5, devices=2)
+
+
+def test_xla_two_devices_tp2_fixed_graphs(xla_two_devices):
+    """tp=2 on 2 XLA CPU devices, replayed graphs: ~50 requests under a random schedule equal
+    transformers per request; warm-up traced every graph (6: prefill bucket 8 and decode
+    buckets 2, 4, greedy and sampled) and the trace compiles nothing more."""
+    res = xla_two_devices
     assert res[0]["tokens"] == res[1]["tokens"]
     (traces, compiles), after = res[0]["counts"]
     assert traces == 6 and after == (traces, compiles)
@@ -154,3 +160,27 @@ def test_xla_two_devices_tp2_fixed_graphs():
     want = [reference(full, r) for r in reqs]
     bad = [(i, g, w, reqs[i]) for i, (g, w) in enumerate(zip(res[0]["tokens"], want)) if g != w]
     assert not bad, f"requests differ from transformers (index, got, want, request): {bad}"
+
+
+def test_xla_two_devices_kv_split_by_sequence(xla_two_devices):
+    """The same launch: a tiny Llama with one kv head at tp 2, its slot cache split by sequence
+    (``kv_split="auto"``): a 1k-token prompt in chunks of 256 gives transformers' tokens on
+    both devices, with the graphs of warm-up (4) only, and each rank holds half the KV bytes
+    of the replicated layout (plus one scratch row)."""
+    from xla_slots_cases import SPLIT_LONG
+
+    from slot_trace import kv1_llama, long_request
+
+    want = reference(kv1_llama(), long_request(SPLIT_LONG))
+    for rank in (0, 1):
+        split = xla_two_devices[rank]["split"]
+        assert split["mode"] == "sequence" and split["tokens"] == want
+        (traces, compiles), after = split["counts"]
+        assert traces == 4 and after == (traces, compiles)
+        seq, heads = split["bytes"]
+        max_len = SPLIT_LONG + 16
+        assert seq == heads // (max_len + 1) * (max_len // 2 + 1), (seq, heads)
+        print(
+            f"rank {rank}: KV bytes per rank {seq} (sequence) vs {heads} (heads); the case "
+            f"took {split['seconds']:.1f} s of the launch"
+        )

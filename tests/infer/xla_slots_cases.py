@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import copy
 import threading
+import time
 
 import neuron_tp as ntp
 from neuron_tp.backend.graphs import graph_counters
-from slot_trace import eos_ids, make_requests, run_schedule
+from slot_trace import eos_ids, kv1_llama, long_request, make_requests, run_long, run_schedule
 
 _barriers: dict[int, threading.Barrier] = {}
 _barrier_lock = threading.Lock()
@@ -42,4 +43,39 @@ def serve_trace(tp: int, n_requests: int, seed: int) -> dict:
     tokens = run_schedule(gen, make_requests(seed, n_requests, 20, 8), seed, eos_ids(full))
     barrier.wait()
     counts.append((gen.traces, graph_counters()["compiles"]))
-    return {"tokens": tokens, "counts": counts}
+    t0 = time.perf_counter()
+    split = _split_long(mesh, barrier)
+    split["seconds"] = time.perf_counter() - t0
+    return {"tokens": tokens, "counts": counts, "split": split}
+
+
+SPLIT_LONG = 1024  # the long prompt of the sequence-split case
+
+
+def _split_long(mesh, barrier) -> dict:
+    """The sequence-split KV cache (one kv head at tp 2): warm up, then a long prompt in
+    chunks of 256 and a few decoded tokens; its tokens, the graphs traced and compiled after
+    warm-up and after the prompt, and the KV bytes per rank (sequence vs heads)."""
+    from neuron_tp import hf
+    from neuron_tp.infer.slot_generator import SlotGenerator
+    from xla_dist import serial
+
+    with serial():
+        full = kv1_llama()
+    model = ntp.move_to(hf.parallelize(full, mesh).eval(), ntp.xla_device())
+    max_len = SPLIT_LONG + 16
+    gen = SlotGenerator(model, 1, max_len, chunk=256, prefill_buckets=[256], kv_split="auto")
+    gen.warmup()
+    barrier.wait()
+    counts = [(gen.traces, graph_counters()["compiles"])]
+    barrier.wait()
+    tokens = run_long(gen, long_request(SPLIT_LONG), 256)
+    barrier.wait()
+    counts.append((gen.traces, graph_counters()["compiles"]))
+    heads = SlotGenerator(model, 1, max_len, chunk=256, kv_split="heads").kv_bytes
+    return {
+        "tokens": tokens,
+        "counts": counts,
+        "bytes": (gen.kv_bytes, heads),
+        "mode": gen.kv_split,
+    }
