@@ -70,7 +70,9 @@ def save_pretrained(model: nn.Module, out_dir: str, mesh: Mesh | None = None) ->
     from ..parallel.agreement import check_agreement
 
     mesh = mesh_of(model, mesh)
-    state = gather_hf_state_dict(model, mesh)
+    # every rank runs the gathers (on XLA, a rank that never reads its result never
+    # executes the all-gathers rank 0 waits in)
+    state = {k: v.cpu() for k, v in gather_hf_state_dict(model, mesh).items()}
     error = None
     try:
         if mesh.rank == 0:
@@ -85,7 +87,7 @@ def save_pretrained(model: nn.Module, out_dir: str, mesh: Mesh | None = None) ->
                 with contextlib.suppress(Exception):
                     gen.save_pretrained(out_dir)
             save_file(
-                {k: v.cpu().contiguous() for k, v in state.items()},
+                {k: v.contiguous() for k, v in state.items()},
                 os.path.join(out_dir, "model.safetensors"),
                 metadata={"format": "pt"},
             )

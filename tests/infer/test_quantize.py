@@ -128,12 +128,16 @@ def test_refusals():
         ntp.quantize(full, dtype="fp8")
 
 
-def test_xla_two_devices_logits_and_no_recompile():
+def test_xla_two_devices_logits_no_recompile_and_int8_checkpoint_at_tp1(tmp_path):
     from xla_quantize_cases import quantized_rank
 
     import xla_dist
 
-    reps = xla_dist.run(quantized_rank, 2, PROMPTS, devices=2)
+    reps = xla_dist.run(quantized_rank, 2, PROMPTS, str(tmp_path / "int8"), devices=2)
+    for rep in reps:  # the int8 checkpoint saved at tp 2 on the devices, loaded at tp 1
+        err = (rep["tp1_logits"] - rep["logits"]).abs().max().item()
+        print(f"XLA: int8 checkpoint saved at tp 2, loaded at tp 1: max |logits diff| {err:.2e}")
+        assert err < 1e-5 and rep["tp1_int8"], (err, rep["tp1_int8"])
     print([{k: r[k] for k in ("err_ref", "err_unquantized", "compiles_after_first")} for r in reps])
     for rep in reps:
         assert rep["int8_on_device"]
