@@ -13,7 +13,7 @@ weights, compute in bf16 (fp32 as the baseline of the baseline):
   (``ntp.quantize``, what ``--quantize int8`` does) and loaded from the int8 checkpoint that
   ``ntp.save_pretrained`` wrote (no re-quantization).
 
-Usage: ``python benchmarks/int8_quality.py [--workdir /tmp/int8_quality] [--steps 300]``
+Usage: ``python benchmarks/int8_quality.py [--workdir /tmp/int8_quality] [--steps 120]``
 (training is skipped when ``--workdir`` already holds the trained model).
 """
 
@@ -97,7 +97,7 @@ def greedy(model, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--workdir", default="/tmp/int8_quality")
-    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--steps", type=int, default=120)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--new-tokens", type=int, default=32)

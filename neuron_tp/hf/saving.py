@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..backend.graphs import step_boundary
 from ..layers.quantized import Int8WeightLinear, is_quantized
 from ..parallel.mesh import Mesh
 from ..parallel.sharding import gather_full, named_parameter_meta
@@ -70,9 +71,10 @@ def save_pretrained(model: nn.Module, out_dir: str, mesh: Mesh | None = None) ->
     from ..parallel.agreement import check_agreement
 
     mesh = mesh_of(model, mesh)
-    # every rank runs the gathers (on XLA, a rank that never reads its result never
-    # executes the all-gathers rank 0 waits in)
-    state = {k: v.cpu() for k, v in gather_hf_state_dict(model, mesh).items()}
+    state = gather_hf_state_dict(model, mesh)
+    # every rank executes the gathers' graph (XLA: rank 0 alone would wait in them), then
+    # only rank 0 copies the full tensors to the host
+    step_boundary(next((v.device for v in state.values()), torch.device("cpu")))
     error = None
     try:
         if mesh.rank == 0:
@@ -87,7 +89,7 @@ def save_pretrained(model: nn.Module, out_dir: str, mesh: Mesh | None = None) ->
                 with contextlib.suppress(Exception):
                     gen.save_pretrained(out_dir)
             save_file(
-                {k: v.contiguous() for k, v in state.items()},
+                {k: v.cpu().contiguous() for k, v in state.items()},
                 os.path.join(out_dir, "model.safetensors"),
                 metadata={"format": "pt"},
             )
