@@ -21,6 +21,7 @@ from .lora_files import plain_name
 from .model_files import OpenedFiles, check_model_dir, checkpoint_files, files_fingerprint
 from .moe_files import read_per_expert, stored_name
 from .parallelize import parallelize
+from .quantized_files import SCALE, load_int8_layer, read_format
 from .saving import persistent_buffers
 from .slice_map import get_slice_map, read_local
 
@@ -133,10 +134,13 @@ def from_pretrained(
 
     auto_class = auto_class or AutoModelForCausalLM
     mesh = get_mesh(mesh)
-    error, files, found = None, {}, {}
+    error, files, found, int8 = None, {}, {}, None
     try:  # a failure on one rank (a truncated file on one node) must stop every tp rank
         check_model_dir(path)
         config = AutoConfig.from_pretrained(path, **config_kwargs)
+        int8 = read_format(config, path)
+        if int8 is not None:
+            check_int8_load(path, mesh, wrap)
         files = checkpoint_files(path)
         found = files_fingerprint(files.values())
         kwargs = {"dtype": torch_dtype} if torch_dtype is not None else {}
@@ -159,37 +163,88 @@ def from_pretrained(
     handles: dict[str, object] = {}
     opened = OpenedFiles(files, handles)
     try:
+        int8_names = set()
         for mname, mod in model.named_modules():
             for pname, p in list(mod.named_parameters(recurse=False)):
-                name = plain_name(f"{mname}.{pname}" if mname else pname)
                 if p.device.type != "meta":
                     continue
-                name = stored_name(name, files)
-                experts = _experts_range(mod, pname, mesh)  # expert parallelism: this rank's
-                if name not in files and mesh.tp_mode == "1d":
-                    local = read_per_expert(
-                        name, files, opened.read, opened.shape, get_slice_map(mod, pname), experts
-                    )
-                    if local is not None:
-                        _install(model, p, local)
-                        continue
-                if name not in files:
-                    raise UserError(f"{path}: checkpoint has no tensor {name!r}")
-                sl, shape = opened.handle(name), opened.shape(name)
-
-                def read(dim, start, stop, name=name, experts=experts):
-                    return opened.read(name, dim, start, stop, experts)
-
-                if mesh.tp_mode == "1d":
-                    local = read_local(read, shape, get_slice_map(mod, pname))
-                else:
-                    local = read_block(sl, shape, get_param_meta(mod, pname).sharding, mesh, name)
-                _install(model, p, local, name)
+                name = stored_name(plain_name(f"{mname}.{pname}" if mname else pname), files)
+                if int8 and pname == "weight" and name[: -len("weight")] + SCALE in files:
+                    _check_untied(model, mod, p, name)
+                    load_int8_layer(mod, name, opened, p.dtype)
+                    int8_names.add(name[: -len("weight")] + SCALE)
+                    continue
+                _load_parameter(model, mod, pname, p, name, opened=opened, mesh=mesh, path=path)
         _load_buffers(model, files, opened)
     finally:
         handles.clear()
+    unused = sorted(n for n in files if n.endswith("." + SCALE) and n not in int8_names)
+    if unused:
+        raise UserError(
+            f"{path}: int8 scales {', '.join(unused[:4])} match no parallel linear of the "
+            f"sharded {type(model).__name__} (int8 checkpoints load with the 1D layers)"
+        )
     model.eval()
     return model
+
+
+def _load_parameter(model, mod, pname: str, p, name: str, *, opened: OpenedFiles, mesh, path):
+    """Read this rank's slice of stored tensor ``name`` into meta parameter ``mod.<pname>``."""
+    files = opened.files
+    experts = _experts_range(mod, pname, mesh)  # expert parallelism: this rank's
+    if name not in files and mesh.tp_mode == "1d":
+        local = read_per_expert(
+            name, files, opened.read, opened.shape, get_slice_map(mod, pname), experts
+        )
+        if local is not None:
+            _install(model, p, local)
+            return
+    if name not in files:
+        raise UserError(f"{path}: checkpoint has no tensor {name!r}")
+    sl, shape = opened.handle(name), opened.shape(name)
+
+    def read(dim, start, stop):
+        return opened.read(name, dim, start, stop, experts)
+
+    if mesh.tp_mode == "1d":
+        local = read_local(read, shape, get_slice_map(mod, pname))
+    else:
+        local = read_block(sl, shape, get_param_meta(mod, pname).sharding, mesh, name)
+    if local.dtype == torch.int8 and p.is_floating_point():
+        raise UserError(
+            f"{path}: {name} is stored as int8 without its {SCALE} (a quantized checkpoint "
+            "of another layout, or a file missing from it)"
+        )
+    _install(model, p, local, name)
+
+
+def check_int8_load(path: str, mesh: Mesh, wrap) -> None:
+    """UserError unless the int8 directory ``path`` can load here: the 1D layers, no adapter
+    wrapped before sharding (LoRA merges into float weights)."""
+    if mesh.tp_mode != "1d":
+        raise UserError(
+            f"{path}: an int8 checkpoint loads with the 1D layers (tp_mode '1d'), not "
+            f"tp_mode {mesh.tp_mode!r}: the 2D/3D layers have no int8 weights"
+        )
+    if wrap is not None:
+        raise UserError(
+            f"{path}: an int8 checkpoint cannot take an adapter (LoRA merges into float "
+            "weights): merge the adapter into the float model, then quantize and save it"
+        )
+
+
+def _check_untied(model: nn.Module, owner: nn.Module, p: nn.Parameter, name: str) -> None:
+    """UserError when int8 weight ``name`` is a parameter tied to another module's."""
+    tied = [
+        n
+        for n, m in model.named_modules()
+        if m is not owner and any(q is p for q in m._parameters.values())
+    ]
+    if tied:
+        raise UserError(
+            f"{name}: stored as int8 but tied to {', '.join(tied)}'s parameter in this "
+            "model (tied weights stay in float): a checkpoint of another config?"
+        )
 
 
 def _experts_range(mod: nn.Module, name: str, mesh: Mesh) -> tuple[int, int] | None:

@@ -3,16 +3,22 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 from typing import Any
 
 import torch
 from torch import nn
 
+from ..backend.graphs import step_boundary
+from ..layers.quantized import Int8WeightLinear, is_quantized
 from ..parallel.mesh import Mesh
 from ..parallel.sharding import gather_full, named_parameter_meta
 from ..parallel.state import mesh_of
+from .quantized_files import gather_int8_state, model_format
 from .slice_map import WHOLE, to_hf
+
+INT8_BUFFERS = ("qweight", "weight_scale")
 
 
 def gather_hf_state_dict(
@@ -34,15 +40,18 @@ def gather_hf_state_dict(
         out[name] = to_hf(full, meta.hf_layout or WHOLE) if meta.sharding else full.clone()
     if not grads:
         out.update((n, b.detach().clone()) for n, b in persistent_buffers(model))
+        out.update(gather_int8_state(model, mesh))
     return out
 
 
 def persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """``(name, buffer)`` for every buffer of ``model`` that belongs in its state dict."""
+    """``(name, buffer)`` for every buffer of ``model`` that belongs in its state dict (an int8
+    layer's weight and scales are not: they are sharded, see :func:`gather_int8_state`)."""
     out = []
     for mname, mod in model.named_modules():
+        int8 = INT8_BUFFERS if isinstance(mod, Int8WeightLinear) else ()
         for bname, b in mod.named_buffers(recurse=False):
-            if b is not None and bname not in mod._non_persistent_buffers_set:
+            if b is not None and bname not in mod._non_persistent_buffers_set and bname not in int8:
                 out.append((f"{mname}.{bname}" if mname else bname, b))
     return out
 
@@ -52,25 +61,35 @@ def save_pretrained(model: nn.Module, out_dir: str, mesh: Mesh | None = None) ->
 
     Collective over the job (every rank calls it) and returns on every rank once the files
     are written (a failure to write raises on every rank): any rank may read them next. The
-    files load with plain ``AutoModel*.from_pretrained``."""
+    files load with plain ``AutoModel*.from_pretrained``. A model quantized by
+    :func:`neuron_tp.quantize` is written in neuron_tp's int8 format
+    (:mod:`neuron_tp.hf.quantized_files`: int8 weights, float32 scales, a
+    ``quantization_config``), which :func:`neuron_tp.from_pretrained` loads at any tp and
+    plain transformers does not."""
     from safetensors.torch import save_file
 
     from ..parallel.agreement import check_agreement
 
     mesh = mesh_of(model, mesh)
     state = gather_hf_state_dict(model, mesh)
+    # every rank executes the gathers' graph (XLA: rank 0 alone would wait in them), then
+    # only rank 0 copies the full tensors to the host
+    step_boundary(next((v.device for v in state.values()), torch.device("cpu")))
     error = None
     try:
         if mesh.rank == 0:
             os.makedirs(out_dir, exist_ok=True)
             config: Any = model.config  # a transformers PretrainedConfig
+            if is_quantized(model):
+                config = copy.deepcopy(config)
+                config.quantization_config = model_format(model).to_config()
             config.save_pretrained(out_dir)
             gen = getattr(model, "generation_config", None)
             if gen is not None:
                 with contextlib.suppress(Exception):
                     gen.save_pretrained(out_dir)
             save_file(
-                {k: v.contiguous() for k, v in state.items()},
+                {k: v.cpu().contiguous() for k, v in state.items()},
                 os.path.join(out_dir, "model.safetensors"),
                 metadata={"format": "pt"},
             )

@@ -107,7 +107,9 @@ def load_for_generation(args: GenerateConfig | argparse.Namespace, mesh):
     :func:`~neuron_tp.job.tokenizer.resolve_tokenizer` (its choice printed on rank 0) and is
     checked against the model's vocabulary before any weight is read. ``--quantize int8``:
     the sharded linear layers get int8 weights (:func:`neuron_tp.layers.quantized.quantize_int8`;
-    each rank converts its own shard on the host before the model moves to its device)."""
+    each rank converts its own shard on the host before the model moves to its device). A
+    directory written by ``neuron_tp.save_pretrained`` of a quantized model loads its int8
+    weights and scales directly (whatever ``--quantize`` says: they are never dequantized)."""
     from .. import hf
     from ..job.presets import PRESETS, build_model, is_preset, model_config
     from ..job.tokenizer import check_vocab, config_vocab, resolve_tokenizer
@@ -152,9 +154,13 @@ def load_for_generation(args: GenerateConfig | argparse.Namespace, mesh):
         model = hf.from_pretrained(config.model, mesh, torch_dtype=dtype, wrap=wrap)
     if wrap:
         model = merge_adapter_dir(model, config.adapter)
-    if config.quantize == "int8":  # after any merge: the merged weights are quantized
+    from ..layers.quantized import is_quantized, quantize_int8
+
+    if is_quantized(model):  # an int8 directory: its weights stay int8 (never dequantized)
+        if mesh.rank == 0:
+            print(f"{config.model}: int8 checkpoint, linears loaded as int8", flush=True)
+    elif config.quantize == "int8":  # after any merge: the merged weights are quantized
         from ..job.runtime import rank_device
-        from ..layers.quantized import quantize_int8
 
         quantize_int8(model, mesh, device=rank_device(config.device))
     use_generation_config(model, ckpt or config.model)

@@ -166,9 +166,21 @@ def quantize_weight(w: torch.Tensor, absmax: torch.Tensor | None = None, dtype=N
 def _convert(mod: nn.Module, absmax: torch.Tensor) -> None:
     w = mod.weight
     q, scale = quantize_weight(w, absmax, w.dtype)
+    install_int8(mod, q.to(w.device), scale.to(w.device))
+
+
+def install_int8(mod: nn.Module, qweight: torch.Tensor, scale: torch.Tensor) -> None:
+    """Make parallel linear ``mod`` an int8 layer holding ``qweight`` (int8, its weight's
+    local shape) and ``scale`` (one per local output row, in the compute dtype) in place of
+    its float (or meta) ``weight`` parameter; its sharding record stays under ``weight``."""
+    w = mod._parameters["weight"]
+    if qweight.dtype != torch.int8 or tuple(qweight.shape) != tuple(w.shape):
+        raise ValueError(f"int8 weight {qweight.dtype} {tuple(qweight.shape)} for {tuple(w.shape)}")
+    if tuple(scale.shape) != (w.shape[0],):
+        raise ValueError(f"scale {tuple(scale.shape)} for a weight of {w.shape[0]} rows")
     del mod._parameters["weight"]
-    mod.register_buffer("qweight", q.to(w.device))
-    mod.register_buffer("weight_scale", scale.to(w.device))
+    mod.register_buffer("qweight", qweight)
+    mod.register_buffer("weight_scale", scale)
     mod.__class__ = _quantized_class(type(mod))
 
 

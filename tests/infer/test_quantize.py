@@ -128,12 +128,16 @@ def test_refusals():
         ntp.quantize(full, dtype="fp8")
 
 
-def test_xla_two_devices_logits_and_no_recompile():
+def test_xla_two_devices_logits_no_recompile_and_int8_checkpoint_at_tp1(tmp_path):
     from xla_quantize_cases import quantized_rank
 
     import xla_dist
 
-    reps = xla_dist.run(quantized_rank, 2, PROMPTS, devices=2)
+    reps = xla_dist.run(quantized_rank, 2, PROMPTS, str(tmp_path / "int8"), devices=2)
+    for rep in reps:  # the int8 checkpoint saved at tp 2 on the devices, loaded at tp 1
+        err = (rep["tp1_logits"] - rep["logits"]).abs().max().item()
+        print(f"XLA: int8 checkpoint saved at tp 2, loaded at tp 1: max |logits diff| {err:.2e}")
+        assert err < 1e-5 and rep["tp1_int8"], (err, rep["tp1_int8"])
     print([{k: r[k] for k in ("err_ref", "err_unquantized", "compiles_after_first")} for r in reps])
     for rep in reps:
         assert rep["int8_on_device"]
@@ -163,3 +167,80 @@ def test_flag_on_generate_and_serve():
     with pytest.raises(SystemExit):
         generate_parser().parse_args(["--model", "tiny-llama", "--quantize", "fp8"])
     assert "--quantize" in serve_parser().format_help()
+
+
+def _check_int8_checkpoint(reps: list[dict]) -> None:
+    """Loaded at tp 4 and 1: the tp-2 model's logits (fp32 rounding) and greedy tokens, the
+    independent reference's logits, and int8 weights only (14 layers: 7 linears x 2 blocks)."""
+    for rep in reps:
+        logits2, greedy2 = rep["tp2"]
+        for tp in (4, 1):
+            logits, greedy = rep[f"tp{tp}"]
+            err = (logits - logits2).abs().max().item()
+            print(f"int8 checkpoint saved at tp 2, loaded at tp {tp}: max |logits diff| {err:.2e}")
+            assert err < 1e-5, (tp, err)
+            assert (logits - rep["ref"]).abs().max().item() < 1e-4
+            assert greedy == greedy2, (tp, greedy, greedy2)
+            layout = rep[f"layout{tp}"]
+            assert layout["int8_layers"] == 14 and layout["all_int8"], layout
+            assert layout["float_params_ok"], layout
+
+
+def _int8_gloo(tmp: str) -> None:
+    from int8_ckpt_cases import int8_checkpoint
+
+    from neuron_tp.cli.args import generate_parser
+    from neuron_tp.errors import UserError
+    from neuron_tp.infer.generate_command import run_cli
+
+    res = int8_checkpoint(f"{tmp}/int8", PROMPTS)
+    argv = ["--device", "cpu", "--tp", "4", "--model", f"{tmp}/int8", "--tokenizer", "bytes"]
+    argv += ["--prompt", "The old", "--max-new-tokens", "6", "--buckets", "8"]
+    res["cli"] = run_cli(generate_parser().parse_args(argv))  # --quantize none: stays int8
+    try:
+        ntp.from_pretrained(f"{tmp}/int8", ntp.init_mesh(tp=4, tp_mode="2d"))
+    except UserError as e:
+        res["refusal_2d"] = str(e)
+    torch.save(res, f"{tmp}/int8-{torch.distributed.get_rank()}.pt")
+
+
+def test_int8_checkpoint_saved_at_tp2_loads_at_tp4_and_tp1_gloo(tmp_path):
+    from neuron_tp.infer.static_generator import generate
+    from neuron_tp.job.presets import build_model
+
+    gloo_dist.run(_int8_gloo, str(tmp_path), world_size=4)
+    reps = [torch.load(tmp_path / f"int8-{r}.pt") for r in range(4)]
+    _check_int8_checkpoint(reps)
+    cfg = json.loads((tmp_path / "int8" / "config.json").read_text())["quantization_config"]
+    assert cfg["quant_method"] == "neuron_tp" and cfg["modules_to_not_convert"] == ["lm_head"]
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "int8" / "model.safetensors"), "pt") as f:
+        q = f.get_slice("model.layers.0.mlp.down_proj.weight")
+        s = f.get_slice("model.layers.0.mlp.down_proj.weight_scale")
+        assert (q.get_dtype(), q.get_shape(), s.get_dtype(), s.get_shape()) == (
+            "I8",
+            [64, 176],
+            "F32",
+            [64],
+        )
+    ref = reference_model(build_model("tiny-llama", 257, 4).eval()).eval()
+    out = generate(ref, [list(b"The old")], 6, [8], eos_ids=[256])
+    want = [bytes(t for t in o if t < 256).decode("utf-8", "replace") for o in out]
+    assert reps[0]["cli"] == want
+    assert "tp_mode '1d'" in reps[0]["refusal_2d"]
+
+
+def test_int8_checkpoint_refusals(tmp_path):
+    from neuron_tp.errors import UserError
+    from neuron_tp.job.presets import model_config
+
+    cfg = model_config("tiny-llama", 257)
+    cfg.quantization_config = {"quant_method": "gptq", "bits": 4}
+    cfg.save_pretrained(tmp_path / "gptq")
+    with pytest.raises(UserError, match="quant_method 'gptq'"):
+        ntp.from_pretrained(str(tmp_path / "gptq"), ntp.Mesh(world_size=1, rank=0, tp=1))
+    cfg.quantization_config = {"quant_method": "neuron_tp", "quantization_dtype": "int4"}
+    cfg.save_pretrained(tmp_path / "int4")
+    with pytest.raises(UserError, match="int4"):
+        ntp.from_pretrained(str(tmp_path / "int4"), ntp.Mesh(world_size=1, rank=0, tp=1))

@@ -64,10 +64,31 @@ def decode_weight_bytes(full, mesh, dev) -> dict:
     }
 
 
-def quantized_rank(tp: int, prompts: list[list[int]]) -> dict:
+def int8_checkpoint_tp1(model, out: str, ids: torch.Tensor, dev) -> dict:
+    """``model`` (int8, tp 2) saved to ``out``, loaded back at tp 1 on this device: its logits,
+    and whether its linears hold int8 on the device (no float weight)."""
+    from neuron_tp import hf
+    from neuron_tp.layers.quantized import Int8WeightLinear
+
+    hf.save_pretrained(model, out)
+    loaded = hf.from_pretrained(out, ntp.init_mesh(tp=1))
+    ntp.move_to(loaded, dev)
+    layers = [m for m in loaded.modules() if isinstance(m, Int8WeightLinear)]
+    with torch.no_grad():
+        logits = loaded(ids.to(dev)).logits.cpu()
+    return {
+        "tp1_logits": logits,
+        "tp1_int8": len(layers) == 14
+        and all(m.qweight.dtype == torch.int8 and m.qweight.device.type == "xla" for m in layers)
+        and not any(n.endswith("proj.weight") for n, _ in loaded.named_parameters()),
+    }
+
+
+def quantized_rank(tp: int, prompts: list[list[int]], out: str) -> dict:
     """One rank: the tiny Llama sharded over tp, quantized on the host (the row-parallel scales'
     all-reduce(max) runs on the XLA devices), moved to the device; its logits, greedy tokens and
-    the compile count after a short and a longer generation (every rank meets before counting)."""
+    the compile count after a short and a longer generation (every rank meets before counting);
+    then saved as an int8 checkpoint (``out``) and loaded back at tp 1."""
 
     from neuron_tp import hf
     from neuron_tp.infer.static_generator import generate
@@ -104,8 +125,11 @@ def quantized_rank(tp: int, prompts: list[list[int]]) -> dict:
             ].tolist()
             for p in prompts
         ]
+    weight_bytes = decode_weight_bytes(full, mesh, dev)
     return {
-        **decode_weight_bytes(full, mesh, dev),
+        **weight_bytes,
+        **int8_checkpoint_tp1(model, out, ids, dev),
+        "logits": got,
         "int8_on_device": bool(layers)
         and all(m.qweight.dtype == torch.int8 and m.qweight.device.type == "xla" for m in layers),
         "err_ref": (got - want).abs().max().item(),
