@@ -32,8 +32,6 @@ def check_options(config: TrainConfig, hf_config, data: RowData) -> None:
         (config.lora.r > 0, "--lora-r", "full fine-tuning"),
         (config.eval.data is not None, "--eval-data", "no --eval-data"),
         ("segment_ids" in data.rows, "packed rows (--packing)", "--no-packing"),
-        (config.checkpoint.save_every > 0, "--save-every (checkpoints)", "--save-every 0"),
-        (config.checkpoint.resume not in ("auto", "none"), "--resume PATH", "--resume none"),
     ]
     for bad, what, works in unsupported:
         if bad:
@@ -68,10 +66,7 @@ def build(config: TrainConfig, mesh: Mesh, model: torch.nn.Module, device) -> Pi
 
 def describe(runner: PipelineRunner) -> str:
     """The startup lines: where the layers went, the schedule and its bubble."""
-    return (
-        f"pipeline: {runner.stage.plan.describe()} (no checkpoints are written at --pp > 1 "
-        f"yet)\n{runner.schedule.summary()}"
-    )
+    return f"pipeline: {runner.stage.plan.describe()}\n{runner.schedule.summary()}"
 
 
 def forward_backward(runner: PipelineRunner, data: RowData, per_rank: torch.Tensor):
