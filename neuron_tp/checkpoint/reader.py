@@ -115,7 +115,9 @@ class Shards:
 
     def keys(self, tp_rank: int) -> set[str]:
         optim = self.optim.keys(tp_rank) if self.optim is not None else set()
-        stages = sorted(set(self.stage_of.values())) if self.stage_of else [None]
+        stages: list[int | None] = [None]
+        if self.stage_of:
+            stages = list(sorted(set(self.stage_of.values())))
         return {k for s in stages for k in self._open(tp_rank, s)[0].keys()} | optim
 
     def full(self, key: str, rec: dict) -> torch.Tensor:

@@ -122,7 +122,9 @@ class DpShards:
         return rec["zero1"][name]
 
     def keys(self, tp_rank: int) -> set[str]:
-        stages = sorted(set(self.stage_of.values())) if self.stage_of else [None]
+        stages: list[int | None] = [None]
+        if self.stage_of:
+            stages = list(sorted(set(self.stage_of.values())))
         return {k for s in stages for k in self._open(tp_rank, 0, s)[0].keys()}
 
     def joined(self, tp_rank: int, key: str) -> torch.Tensor:
