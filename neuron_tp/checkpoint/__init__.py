@@ -11,6 +11,10 @@ Layout of one checkpoint ``ROOT/step-00000100/``::
     optim-tp00000-dp00000.safetensors   ZeRO-1 only: each (tp, dp) rank's own shard of the
     ...                            optimizer state and fp32 masters (none in shard-tp*; the
                                    metadata's optimizer.dp_shards says at which dp)
+    shard-pp00001-tp00000.safetensors   at pp > 1 (pipeline stages): each stage's own
+    optim-pp00001-tp00000-dp00000...    parameters (and ZeRO-1 state), a tied table once (by
+                                   the first stage); meta.json lists every stage's
+                                   parameters, each with its ``stage``, in the pp 1 order
     rng-rank00000.safetensors/json each rank's RNG states
     tokenizer/, generation_config.json   the run's tokenizer files (meta.json's
                                    extra.tokenizer says which, or "bytes") and the model's

@@ -37,15 +37,19 @@ def buffer_meta(model: torch.nn.Module) -> dict[str, dict]:
     }
 
 
-def read_buffers(get, meta: dict, model: torch.nn.Module, path: str) -> dict[str, torch.Tensor]:
+def read_buffers(
+    get, meta: dict, model: torch.nn.Module, path: str, part: bool = False
+) -> dict[str, torch.Tensor]:
     """The saved value of each persistent buffer of ``model`` (``get(key)`` reads tp rank 0's
-    tensor ``key``), checked against the model: the same names and shapes. Empty for a
-    checkpoint that saved no buffers."""
+    tensor ``key``), checked against the model: the same names and shapes (``part``: a
+    pipeline stage's model, holding some of the saved buffers). Empty for a checkpoint that
+    saved no buffers."""
     saved = meta.get("buffers")
     if saved is None:
         return {}
     mine = dict(persistent_buffers(model))
-    missing, unexpected = sorted(set(mine) - set(saved)), sorted(set(saved) - set(mine))
+    missing = sorted(set(mine) - set(saved))
+    unexpected = [] if part else sorted(set(saved) - set(mine))
     if missing or unexpected:
         raise CheckpointError(
             f"{path} does not match the model: buffers missing from the checkpoint "

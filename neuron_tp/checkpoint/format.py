@@ -21,7 +21,10 @@ FORMAT = "neuron_tp.checkpoint/2"  # /2: per-tensor checksums in every safetenso
 # /3: a ZeRO-1 optimizer state sharded over dp (meta["optimizer"]["dp_shards"], one
 # optim-tp*-dp*.safetensors per rank); older readers refuse it instead of losing the state.
 FORMAT_DP_SHARDED = "neuron_tp.checkpoint/3"
-READABLE = ("neuron_tp.checkpoint/1", FORMAT, FORMAT_DP_SHARDED)
+# /4: pipeline stage files (meta["mesh"]["pp"] > 1, each parameter's record names its "stage";
+# shard-pp*-tp*.safetensors, optim-pp*-tp*-dp*.safetensors), with or without ZeRO-1.
+FORMAT_STAGED = "neuron_tp.checkpoint/4"
+READABLE = ("neuron_tp.checkpoint/1", FORMAT, FORMAT_DP_SHARDED, FORMAT_STAGED)
 STEP_RE = re.compile(r"^step-(\d{8})$")
 
 
@@ -31,6 +34,17 @@ class CheckpointError(UserError):
 
 def step_name(step: int) -> str:
     return f"step-{int(step):08d}"
+
+
+def stage_part(stage: int | None) -> str:
+    """The part of a file name that says which pipeline stage wrote it (none at pp 1)."""
+    return "" if stage is None else f"-pp{stage:05d}"
+
+
+def shard_file(path: str, tp_rank: int, stage: int | None = None) -> str:
+    """The parameter file of tp rank ``tp_rank`` (of pipeline stage ``stage``; None: pp 1)."""
+    name = "shard" + stage_part(stage) + f"-tp{tp_rank:05d}.safetensors"
+    return os.path.join(path, name)
 
 
 def step_dirs(root: str) -> list[int]:

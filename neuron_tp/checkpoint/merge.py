@@ -60,9 +60,7 @@ def _find(path: str) -> str:
 
 
 def _shards(ckpt: str, meta: dict) -> Shards:
-    dp_shards = (meta.get("optimizer") or {}).get("dp_shards")
-    mode = meta["mesh"].get("tp_mode", "1d")
-    return Shards(ckpt, meta["mesh"]["tp"], meta.get("step"), dp_shards, mode)
+    return Shards.of(ckpt, meta)
 
 
 def full_optimizer_state(path: str) -> dict[str, dict[str, torch.Tensor]]:

@@ -12,6 +12,7 @@ import copy
 import json
 import os
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,11 +21,11 @@ import torch
 from ..optim import zero1_state
 from ..parallel.mesh import Mesh
 from ..parallel.sharding import ParamMeta, experts_piece, named_parameter_meta
-from ..parallel.state import mesh_of
+from ..parallel.state import mesh_of, stage_of
 from . import zero1_files
 from .agree import agree
 from .buffers import apply_buffers, read_buffers
-from .format import CheckpointError, file_record, read_meta, verify
+from .format import CheckpointError, file_record, read_meta, shard_file, verify
 from .reshard import assemble, local_piece, logical_shape
 from .writer import device_of, is_zero1
 from .zero1_files import DpShards
@@ -33,7 +34,8 @@ from .zero1_files import DpShards
 class Shards:
     """Lazy, verifying readers of a checkpoint's tp shard files; with ``dp_shards`` (a ZeRO-1
     state, :mod:`.zero1_files`) ``optim/`` tensors come from the per-(tp, dp) files, joined
-    over dp."""
+    over dp; with ``stage_of`` (a pipeline checkpoint: parameter or buffer name -> stage) each
+    tensor from its stage's files."""
 
     def __init__(
         self,
@@ -42,20 +44,42 @@ class Shards:
         step: int | None = None,
         dp_shards: int | None = None,
         tp_mode: str = "1d",
+        stage_of: Mapping[str, int] | None = None,
     ):
         self.path, self.tp, self.step = path, tp, step
-        self.handles: dict[int, Any] = {}
+        self.handles: dict[tuple[int | None, int], Any] = {}
         self.tp_mode = tp_mode
-        self.optim = DpShards(path, tp, dp_shards, step) if dp_shards else None
+        self.stage_of = stage_of
+        self.optim = DpShards(path, tp, dp_shards, step, stage_of) if dp_shards else None
 
-    def file(self, tp_rank: int) -> str:
-        return os.path.join(self.path, f"shard-tp{tp_rank:05d}.safetensors")
+    @classmethod
+    def of(cls, path: str, meta: dict) -> Shards:
+        """The readers of checkpoint ``path`` whose metadata is ``meta``."""
+        saved = meta["mesh"]
+        dp_shards = (meta.get("optimizer") or {}).get("dp_shards")
+        stages = None
+        if saved.get("pp", 1) > 1:
+            recs = {**meta["params"], **(meta.get("buffers") or {})}
+            stages = {n: int(r.get("stage", 0)) for n, r in recs.items()}
+        mode = saved.get("tp_mode", "1d")
+        return cls(path, saved["tp"], meta.get("step"), dp_shards, mode, stages)
 
-    def _open(self, tp_rank: int):
+    def stage(self, key: str) -> int | None:
+        """The pipeline stage whose file holds tensor ``key`` (None: pp 1)."""
+        if self.stage_of is None:
+            return None
+        kind, rest = key.split("/", 1)
+        name = rest.rsplit("/", 1)[0] if kind == "optim" else rest
+        return self.stage_of.get(name, 0)
+
+    def file(self, tp_rank: int, stage: int | None = None) -> str:
+        return shard_file(self.path, tp_rank, stage)
+
+    def _open(self, tp_rank: int, stage: int | None):
         from safetensors import safe_open
 
-        if tp_rank not in self.handles:
-            f = self.file(tp_rank)
+        if (stage, tp_rank) not in self.handles:
+            f = self.file(tp_rank, stage)
             try:
                 handle = safe_open(f, "pt")
                 header = handle.metadata()
@@ -65,30 +89,36 @@ class Shards:
             if rec is not None and (
                 rec.get("tp_rank") != tp_rank
                 or (self.step is not None and rec.get("step") != self.step)
+                or rec.get("pp_rank") != stage
             ):
+                where = "" if stage is None else f" of pipeline stage {stage}"
                 raise CheckpointError(
-                    f"{f}: holds tp rank {rec.get('tp_rank')} of step "
-                    f"{rec.get('step')}, expected tp rank {tp_rank} of step "
+                    f"{f}: holds tp rank {rec.get('tp_rank')} (stage {rec.get('pp_rank')}) of "
+                    f"step {rec.get('step')}, expected tp rank {tp_rank}{where} of step "
                     f"{self.step} (a file from another checkpoint?)"
                 )
-            self.handles[tp_rank] = (handle, rec)
-        return self.handles[tp_rank]
+            self.handles[stage, tp_rank] = (handle, rec)
+        return self.handles[stage, tp_rank]
 
     def get(self, tp_rank: int, key: str) -> torch.Tensor:
         if self.optim is not None and key.startswith("optim/"):
             return self.optim.joined(tp_rank, key)
-        handle, rec = self._open(tp_rank)
+        stage = self.stage(key)
+        handle, rec = self._open(tp_rank, stage)
         try:
             t = handle.get_tensor(key)
         except Exception as e:  # noqa: BLE001
             raise CheckpointError(
-                f"{self.file(tp_rank)}: tensor {key!r} missing or unreadable ({e})"
+                f"{self.file(tp_rank, stage)}: tensor {key!r} missing or unreadable ({e})"
             ) from None
-        return verify(self.file(tp_rank), key, t, rec)
+        return verify(self.file(tp_rank, stage), key, t, rec)
 
     def keys(self, tp_rank: int) -> set[str]:
         optim = self.optim.keys(tp_rank) if self.optim is not None else set()
-        return set(self._open(tp_rank)[0].keys()) | optim
+        stages: list[int | None] = [None]
+        if self.stage_of:
+            stages = list(sorted(set(self.stage_of.values())))
+        return {k for s in stages for k in self._open(tp_rank, s)[0].keys()} | optim
 
     def full(self, key: str, rec: dict) -> torch.Tensor:
         """The unsharded tensor ``key`` of a parameter recorded as ``rec``, assembled from the
@@ -108,12 +138,25 @@ class Shards:
         return full
 
 
+def saved_names(model: torch.nn.Module) -> dict[str, str]:
+    """``{name in model: name in a checkpoint}`` of every parameter of ``model``: the same
+    but for a pipeline stage's copies of another stage's parameter (a tied table)."""
+    stage = stage_of(model)
+    return {
+        n: (stage.saved_name(n) if stage is not None else n) for n, _ in model.named_parameters()
+    }
+
+
 def check_model(meta: dict, model: torch.nn.Module, path: str) -> None:
     """:class:`CheckpointError` unless checkpoint ``path`` (metadata ``meta``) holds the
-    parameters of ``model``: the same names and logical (unsharded) shapes."""
+    parameters of ``model``: the same names and logical (unsharded) shapes. A pipeline stage's
+    model is compared as the whole model it is part of (names), its own parameters (shapes)."""
     saved = meta["params"]
-    names = {n: (p, m) for n, p, m in named_parameter_meta(model)}
-    missing, unexpected = sorted(set(names) - set(saved)), sorted(set(saved) - set(names))
+    rename = saved_names(model)
+    names = {rename[n]: (p, m) for n, p, m in named_parameter_meta(model)}
+    stage = stage_of(model)
+    whole = set(stage.whole) if stage is not None else set(names)
+    missing, unexpected = sorted(whole - set(saved)), sorted(set(saved) - whole)
     if missing or unexpected:
         raise CheckpointError(
             f"{path} does not match the model: parameters missing from the "
@@ -142,14 +185,31 @@ class Staged:
     buffers: dict  # persistent buffers (replicated), by name
 
 
-def _read_tensors(path: str, meta: dict, model, optimizer, mesh: Mesh) -> tuple:
+def _same_cut(meta: dict, mesh: Mesh, names: Mapping[str, str]) -> bool:
+    """True when the checkpoint was cut into the same pipeline stages as this rank's: every
+    parameter ``names`` lists (``{here: saved}``) saved by this rank's stage."""
+    if meta["mesh"].get("pp", 1) != mesh.pp_size:
+        return False
+    return mesh.pp_size == 1 or all(
+        meta["params"][saved].get("stage") == mesh.pp.rank for saved in names.values()
+    )
+
+
+def _own_zero1(
+    path: str,
+    meta: dict,
+    shards: Shards,
+    optimizer,
+    mesh: Mesh,
+    *,
+    same: bool,
+    rename: Mapping[str, str],
+):
+    """This rank's own ZeRO-1 shard state when the checkpoint has the same layout (``same``:
+    tp and pipeline stages; dp, ep), else None (then it is read per parameter, joined).
+    ``rename``: ``{name here: saved name}`` of the model's parameters."""
     saved_mesh = meta["mesh"]
-    saved_mode = saved_mesh.get("tp_mode", "1d")
-    same = saved_mesh["tp"] == mesh.tp_size and saved_mode == mesh.tp_mode
-    dp_shards = (meta.get("optimizer") or {}).get("dp_shards")
-    shards = Shards(path, saved_mesh["tp"], meta.get("step"), dp_shards, saved_mode)
-    zero1 = None
-    saved_ep = saved_mesh.get("ep", 1)
+    dp_shards, saved_ep = shards.optim.dp if shards.optim else None, saved_mesh.get("ep", 1)
     own = (
         same
         and is_zero1(optimizer)
@@ -162,8 +222,20 @@ def _read_tensors(path: str, meta: dict, model, optimizer, mesh: Mesh) -> tuple:
             f"ep only; this run has tp={mesh.tp_size}, dp={mesh.dp_size}, ep={mesh.ep_size} "
             "(the model weights alone load at any layout)"
         )
-    if own:  # read only its own
-        zero1 = zero1_files.stage_shard(shards.optim, optimizer, mesh, path)
+    if not own:
+        return None
+    assert shards.optim is not None
+    names = rename if mesh.pp_size > 1 else None
+    return zero1_files.stage_shard(shards.optim, optimizer, mesh, path, names)
+
+
+def _read_tensors(path: str, meta: dict, model, optimizer, mesh: Mesh) -> tuple:
+    saved_mesh = meta["mesh"]
+    rename = saved_names(model)
+    same = saved_mesh["tp"] == mesh.tp_size and saved_mesh.get("tp_mode", "1d") == mesh.tp_mode
+    shards = Shards.of(path, meta)
+    own_layout = same and _same_cut(meta, mesh, rename)
+    zero1 = _own_zero1(path, meta, shards, optimizer, mesh, same=own_layout, rename=rename)
 
     def piece(name: str, key: str, pmeta: ParamMeta) -> torch.Tensor:
         rec = meta["params"][name]
@@ -174,7 +246,8 @@ def _read_tensors(path: str, meta: dict, model, optimizer, mesh: Mesh) -> tuple:
     params, optim = {}, {}
     src = mesh.tp_rank if same else 0
     optim_keys = shards.keys(src) if optimizer is not None else set()
-    for name, p, pmeta in named_parameter_meta(model):
+    for here, p, pmeta in named_parameter_meta(model):
+        name = rename[here]  # its name in the checkpoint
         t = piece(name, f"model/{name}", pmeta)
         if tuple(t.shape) != tuple(p.shape):
             raise CheckpointError(
@@ -186,14 +259,14 @@ def _read_tensors(path: str, meta: dict, model, optimizer, mesh: Mesh) -> tuple:
                 f"{path}: parameter {name} holds non-finite values (NaN/inf): the run that "
                 "saved it had diverged; resume from an earlier checkpoint"
             )
-        params[name] = t
+        params[here] = t
         if optimizer is not None and zero1 is None:
             keys = [
                 k
                 for k in ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master")
                 if f"optim/{name}/{k}" in optim_keys
             ]
-            optim[name] = {
+            optim[here] = {
                 k: (
                     shards.get(src, f"optim/{name}/{k}")
                     if k == "step"
@@ -243,8 +316,9 @@ def _stage(path: str, model, optimizer, scheduler, mesh: Mesh, restore_rng: bool
     meta = read_meta(path)
     check_model(meta, model, path)
     params, optim, zero1 = _read_tensors(path, meta, model, optimizer, mesh)
-    first = Shards(path, meta["mesh"]["tp"], meta.get("step"))
-    buffers = read_buffers(lambda key: first.get(0, key), meta, model, path)
+    first = Shards.of(path, meta)
+    part = stage_of(model) is not None  # a pipeline stage holds some of the buffers
+    buffers = read_buffers(lambda key: first.get(0, key), meta, model, path, part=part)
     if scheduler is not None and meta.get("scheduler") is not None:
         try:  # on a shallow copy: the scheduler itself is not touched
             copy.copy(scheduler).load_state_dict(copy.deepcopy(meta["scheduler"]))

@@ -19,7 +19,7 @@ import torch
 
 from ..parallel.mesh import Mesh
 from ..parallel.sharding import expert_split, gather_experts, named_parameter_meta
-from ..parallel.state import mesh_of, state_of
+from ..parallel.state import mesh_of, stage_of, state_of
 from . import zero1_files
 from .agree import agree
 from .assets import write_files
@@ -27,9 +27,11 @@ from .buffers import buffer_meta, buffer_tensors
 from .format import (
     FORMAT,
     FORMAT_DP_SHARDED,
+    FORMAT_STAGED,
     STEP_RE,
     CheckpointError,
     fsync,
+    shard_file,
     step_name,
     write_tensors,
     write_text,
@@ -68,7 +70,7 @@ def _jsonable(x):
 
 def _optimizer_tensors(model, optimizer) -> dict[str, torch.Tensor]:
     out = {}
-    for name, p in model.named_parameters():
+    for name, p in _saved_parameters(model):
         for key, v in optimizer.state.get(p, {}).items():
             if isinstance(v, torch.Tensor):
                 out[f"optim/{name}/{key}"] = v.detach().cpu().contiguous()
@@ -85,11 +87,104 @@ def _optimizer_meta(optimizer) -> dict | None:
     return out
 
 
-def _metadata(model, optimizer, scheduler, step: int, *, mesh: Mesh, data_state, extra) -> dict:
+def _saved_parameters(model) -> list[tuple[str, torch.nn.Parameter]]:
+    """``(name, parameter)`` of what this rank's files hold: every parameter but a pipeline
+    stage's copies of another stage's (a tied table is saved once, by the first stage)."""
+    stage = stage_of(model)
+    copies = dict(stage.copies) if stage is not None else {}
+    return [(n, p) for n, p in model.named_parameters() if n not in copies]
+
+
+def stage_records(model, mesh: Mesh) -> dict:
+    """This rank's part of ``meta.json``: the records of the parameters and persistent buffers
+    its files hold (at pp > 1 each naming its ``stage``)."""
+    saved = {n for n, _ in _saved_parameters(model)}
+    params = {
+        n: {
+            "shape": _saved_shape(p, m, mesh),
+            "full_shape": list(full_shape(p, m)),
+            "logical_shape": list(logical_shape(p, m)),
+            "dtype": str(p.dtype).replace("torch.", ""),
+            "sharding": sharding_record(m),
+            "hf": hf_record(m),
+        }
+        for n, p, m in named_parameter_meta(model)
+        if n in saved
+    }
+    buffers = buffer_meta(model)  # replicated: stored once, in tp rank 0's file
+    if mesh.pp_size > 1:
+        for rec in (*params.values(), *buffers.values()):
+            rec["stage"] = mesh.pp.rank
+    return {"params": params, "buffers": buffers}
+
+
+def merge_stages(records: list[dict], whole: tuple[str, ...] | None) -> dict:
+    """Every stage's :func:`stage_records` as one model's (in ``whole``'s order, the whole
+    model's parameter names, when given); CheckpointError when two stages hold a parameter or
+    the stages do not hold ``whole`` exactly."""
+    params: dict[str, dict] = {}
+    buffers: dict[str, dict] = {}
+    for rec in records:
+        for name, r in rec["params"].items():
+            if name in params:
+                raise CheckpointError(
+                    f"parameter {name} is held by pipeline stages {params[name].get('stage')} "
+                    f"and {r.get('stage')}: each stage must save only its own layers"
+                )
+            params[name] = r
+        buffers.update(rec["buffers"])
+    if whole is not None:
+        missing, extra = sorted(set(whole) - set(params)), sorted(set(params) - set(whole))
+        if missing or extra:
+            raise CheckpointError(
+                f"the pipeline stages hold other parameters than the whole model: missing "
+                f"{missing[:5]}, not in the model {extra[:5]}"
+            )
+        params = {n: params[n] for n in whole}
+    return {"params": params, "buffers": buffers}
+
+
+def _exchange_records(mesh: Mesh, mine: dict | None) -> list[dict | None] | None:
+    """Every stage's records (None for a stage that failed to make them) on the ranks of rank
+    0's pp group; ``[mine]`` at pp 1; None on the other ranks. A host exchange, no device
+    collective."""
+    if mesh.pp_size == 1:
+        return [mine]
+    if mesh.replicas.rank != 0 or mesh.tp_rank != 0:
+        return None
+    from ..parallel import host
+    from ..parallel.failures import has_store
+
+    if not has_store(mesh.pp):
+        raise CheckpointError("saving a pipeline stage needs the job's store (a real mesh)")
+    payload = b"" if mine is None else json.dumps(mine).encode()
+    got = host.all_gather("checkpoint-stages", payload, mesh.pp)
+    return [json.loads(g) if g else None for g in got]
+
+
+def _metadata(
+    model,
+    optimizer,
+    scheduler,
+    step: int,
+    *,
+    mesh: Mesh,
+    data_state,
+    extra,
+    records: list[dict] | None = None,
+) -> dict:
+    """``meta.json``; ``records``: every stage's :func:`stage_records` (default: this rank's,
+    a whole model's)."""
     config = getattr(model, "config", None)
     state = state_of(model)
+    stage = stage_of(model)
+    described = merge_stages(
+        records if records is not None else [stage_records(model, mesh)],
+        stage.whole if stage is not None else None,
+    )
+    kind = FORMAT_DP_SHARDED if is_zero1(optimizer) else FORMAT
     return {
-        "format": FORMAT_DP_SHARDED if is_zero1(optimizer) else FORMAT,
+        "format": FORMAT_STAGED if mesh.pp_size > 1 else kind,
         "step": int(step),
         "mesh": {
             "world_size": mesh.world_size,
@@ -97,6 +192,7 @@ def _metadata(model, optimizer, scheduler, step: int, *, mesh: Mesh, data_state,
             "dp": mesh.dp_size,
             "tp_mode": mesh.tp_mode,
             "ep": mesh.ep_size,
+            "pp": mesh.pp_size,
         },
         "model": {
             "class": type(model).__name__,
@@ -107,18 +203,8 @@ def _metadata(model, optimizer, scheduler, step: int, *, mesh: Mesh, data_state,
             # a parallelized PeftModel: how to merge / export its LoRA adapter offline
             "lora": state.lora if state is not None else None,
         },
-        "params": {
-            n: {
-                "shape": _saved_shape(p, m, mesh),
-                "full_shape": list(full_shape(p, m)),
-                "logical_shape": list(logical_shape(p, m)),
-                "dtype": str(p.dtype).replace("torch.", ""),
-                "sharding": sharding_record(m),
-                "hf": hf_record(m),
-            }
-            for n, p, m in named_parameter_meta(model)
-        },
-        "buffers": buffer_meta(model),  # replicated: stored once, in tp rank 0's file
+        "params": described["params"],
+        "buffers": described["buffers"],  # replicated: stored once, in tp rank 0's file
         "optimizer": _optimizer_meta(optimizer),
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "data_state": data_state,
@@ -154,7 +240,7 @@ def _saved_shape(p: torch.Tensor, meta, mesh: Mesh) -> list[int]:
 
 def _model_tensors(model) -> dict[str, torch.Tensor]:
     out = {}
-    for n, p in model.named_parameters():
+    for n, p in _saved_parameters(model):
         t = p.detach().cpu().contiguous()
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             raise CheckpointError(
@@ -181,8 +267,10 @@ def _write_rank_files(
     meta_text: str | None,
     files: dict[str, bytes] | None = None,
 ) -> None:
+    stage = mesh.pp.rank if mesh.pp_size > 1 else None
     if is_zero1(optimizer):  # every rank its own ZeRO-1 shard, no dp gather
-        zero1_files.write_shard(tmp, optimizer, mesh, step)
+        skip = {n for n, _ in model.named_parameters()} - {n for n, _ in _saved_parameters(model)}
+        zero1_files.write_shard(tmp, optimizer, mesh, step, skip=skip)
     experts = _expert_tensors(model, optimizer, mesh)
     if mesh.replicas.rank == 0:  # one copy of each tp shard: dp replica 0, cp rank 0
         tensors = _model_tensors(model)
@@ -191,11 +279,10 @@ def _write_rank_files(
         if optimizer is not None and not is_zero1(optimizer):
             tensors.update(_optimizer_tensors(model, optimizer))
         tensors.update({k: v.cpu().contiguous() for k, v in experts.items()})
-        write_tensors(
-            os.path.join(tmp, f"shard-tp{mesh.tp_rank:05d}.safetensors"),
-            tensors,
-            {"step": int(step), "tp_rank": mesh.tp_rank, "tp": mesh.tp_size},
-        )
+        info = {"step": int(step), "tp_rank": mesh.tp_rank, "tp": mesh.tp_size}
+        if stage is not None:
+            info.update(pp_rank=stage, pp=mesh.pp_size)
+        write_tensors(shard_file(tmp, mesh.tp_rank, stage), tensors, info)
     rng_t, rng_j = _rng_state()
     base = os.path.join(tmp, f"rng-rank{mesh.rank:05d}")
     write_tensors(base + ".safetensors", rng_t, {"step": int(step), "rank": mesh.rank})
@@ -221,6 +308,49 @@ def _prune(root: str, keep_last: int, protect: Iterable[str]) -> None:
     for left in os.listdir(root):  # left over by an earlier prune that failed
         if left.startswith(".deleting-step-"):
             shutil.rmtree(os.path.join(root, left), ignore_errors=True)
+
+
+def _prepare(
+    root: str, model, optimizer, scheduler, *, step: int, mesh: Mesh, data_state, extra
+) -> tuple[BaseException | None, str | None]:
+    """The prepare phase of :func:`save` on this rank: refuse an existing checkpoint; rank 0
+    also makes the metadata (every pipeline stage's parameters: a host exchange over rank 0's
+    pp group) and the temporary directory. Returns this rank's error and rank 0's
+    ``meta.json`` text."""
+    final = os.path.join(root, step_name(step))
+    tmp = os.path.join(root, ".tmp-" + step_name(step))
+    error, mine = None, None
+    try:
+        if os.path.lexists(final):
+            raise CheckpointError(f"checkpoint {final} already exists; refusing to overwrite it")
+        mine = stage_records(model, mesh)
+    except Exception as e:  # noqa: BLE001 - any failure takes the agreed path
+        error = e
+    try:
+        records = _exchange_records(mesh, mine)  # also when this rank failed: no one waits
+        if mesh.rank != 0 or error is not None:
+            return error, None
+        assert records is not None
+        failed = [s for s, r in enumerate(records) if r is None]
+        if failed:  # that stage's rank reports its own error
+            raise CheckpointError(f"pipeline stage(s) {failed} could not describe their files")
+        meta = _metadata(
+            model,
+            optimizer,
+            scheduler,
+            step,
+            mesh=mesh,
+            data_state=data_state,
+            extra=extra,
+            records=[r for r in records if r is not None],
+        )
+        meta_text = json.dumps(meta, indent=1)  # a non-JSON extra fails here
+        if os.path.lexists(tmp):  # left over by an interrupted save of the same step
+            shutil.rmtree(tmp)
+        os.makedirs(tmp)
+        return None, meta_text
+    except Exception as e:  # noqa: BLE001
+        return error or e, None
 
 
 def save(
@@ -250,20 +380,16 @@ def save(
     what = f"saving step {int(step)}"
     final = os.path.join(root, step_name(step))
     tmp = os.path.join(root, ".tmp-" + step_name(step))
-    error, meta_text = None, None
-    try:  # prepare: refuse an existing checkpoint, a non-JSON extra; make the temporary dir
-        if os.path.lexists(final):
-            raise CheckpointError(f"checkpoint {final} already exists; refusing to overwrite it")
-        if mesh.rank == 0:
-            meta = _metadata(
-                model, optimizer, scheduler, step, mesh=mesh, data_state=data_state, extra=extra
-            )
-            meta_text = json.dumps(meta, indent=1)
-            if os.path.lexists(tmp):  # left over by an interrupted save of the same step
-                shutil.rmtree(tmp)
-            os.makedirs(tmp)
-    except Exception as e:  # noqa: BLE001 - any failure takes the agreed path
-        error = e
+    error, meta_text = _prepare(
+        root,
+        model,
+        optimizer,
+        scheduler,
+        step=step,
+        mesh=mesh,
+        data_state=data_state,
+        extra=extra,
+    )
     agree(mesh, device, what, error)
     error = None
     try:

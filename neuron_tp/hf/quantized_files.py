@@ -65,8 +65,11 @@ def read_format(config, path: str) -> Int8Format | None:
             f"int8 directories (quant_method {QUANT_METHOD!r}, written by neuron_tp."
             "save_pretrained of a quantized model): use the float checkpoint of this model"
         )
-    want = {"quantization_dtype": QUANT_DTYPE, "quantization_type": QUANT_TYPE}
-    want["format_version"] = FORMAT_VERSION
+    want: dict[str, object] = {
+        "quantization_dtype": QUANT_DTYPE,
+        "quantization_type": QUANT_TYPE,
+        "format_version": FORMAT_VERSION,
+    }
     got = {k: qc.get(k) for k in want}
     if got != want:
         raise UserError(
@@ -100,7 +103,7 @@ def gather_int8_state(model: nn.Module, mesh: Mesh) -> dict[str, torch.Tensor]:
     Collective over tp."""
     out = {}
     for name, mod in model.named_modules():
-        if not isinstance(mod, Int8WeightLinear):
+        if not isinstance(mod, Int8WeightLinear) or not isinstance(mod, nn.Module):
             continue
         meta = get_param_meta(mod, "weight")
         layout = meta.hf_layout or WHOLE

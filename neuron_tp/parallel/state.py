@@ -10,9 +10,34 @@ from torch import nn
 
 from .mesh import Mesh, get_mesh
 
-__all__ = ["ParallelState", "attach", "is_parallel", "mesh_of", "state_of"]
+__all__ = [
+    "ParallelState",
+    "StageOfModel",
+    "attach",
+    "is_parallel",
+    "mesh_of",
+    "stage_of",
+    "state_of",
+]
 
 _ATTR = "_ntp_state"
+
+
+@dataclass(frozen=True)
+class StageOfModel:
+    """What a pipeline stage's model (this rank's part of a whole model, stage ``mesh.pp.rank``)
+    is of the whole one, so that its checkpoints read like the whole model's.
+
+    ``whole``: the whole model's parameter names (tied ones once), in order. ``copies``: ``(name
+    here, whole-model name)`` of each parameter this stage holds as a copy of one another stage
+    saves (a tied embedding table: the last stage's LM head)."""
+
+    whole: tuple[str, ...]
+    copies: tuple[tuple[str, str], ...] = ()
+
+    def saved_name(self, name: str) -> str:
+        """The whole-model name of this stage's parameter ``name``."""
+        return dict(self.copies).get(name, name)
 
 
 @dataclass(frozen=True)
@@ -23,10 +48,15 @@ class ParallelState:
     parallel_loss: bool = False  # the vocab-parallel loss replaces the model's
     sequence_parallel: bool = False
     lora: dict | None = None  # a LoRA model's adapters (targets, rank, scaling; checkpoints)
+    stage: StageOfModel | None = None  # a pipeline stage's model: what it is of the whole
 
     def with_lora(self, lora: dict | None) -> ParallelState:
         """The same record with ``lora`` (None: a merged model, no adapters)."""
         return replace(self, lora=lora)
+
+    def with_stage(self, stage: StageOfModel | None) -> ParallelState:
+        """The same record of a pipeline stage's model (None: a whole model)."""
+        return replace(self, stage=stage)
 
 
 def attach(model: nn.Module, state: ParallelState) -> None:
@@ -37,6 +67,12 @@ def attach(model: nn.Module, state: ParallelState) -> None:
 def state_of(model: nn.Module) -> ParallelState | None:
     """The record :func:`attach` left on ``model``, or None."""
     return getattr(model, _ATTR, None)
+
+
+def stage_of(model: nn.Module) -> StageOfModel | None:
+    """What pipeline stage ``model`` is of a whole model (None: a whole model)."""
+    state = state_of(model)
+    return state.stage if state is not None else None
 
 
 def is_parallel(model: nn.Module) -> bool:

@@ -25,6 +25,7 @@ from ..errors import UserError
 from ..layers import parallel_cross_entropy
 from ..parallel import comm
 from ..parallel.mesh import Mesh
+from ..parallel.state import ParallelState, StageOfModel, attach, state_of
 
 SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
@@ -220,6 +221,7 @@ def split_model(model: nn.Module, mesh: Mesh, plan: StagePlan) -> PipelineStage:
     table = inner.embed_tokens.weight
     tied = model.lm_head.weight is table and table.requires_grad  # (LoRA: a frozen table)
     tied_shape = tuple(table.shape) if tied and p > 1 else None
+    whole = {id(prm): n for n, prm in model.named_parameters()}
     mine = [i for c in range(plan.virtual) for i in plan.layers(stage, c)]
     inner.layers = nn.ModuleDict({str(i): inner.layers[i] for i in mine})
     if stage != 0:
@@ -230,7 +232,18 @@ def split_model(model: nn.Module, mesh: Mesh, plan: StagePlan) -> PipelineStage:
     elif tied_shape is not None:  # counted once in the norm: on the first stage
         rows = table.shape[0]
         model.lm_head.distinct_row_weights = lambda _name: torch.zeros(rows)
+    _record_stage(model, mesh, tuple(whole.values()), whole[id(table)] if tied_shape else None)
     return PipelineStage(model, plan, stage, mesh, tied_shape)
+
+
+def _record_stage(model: nn.Module, mesh: Mesh, whole: tuple[str, ...], table: str | None) -> None:
+    """Record on the stage's ``model`` what it is of the whole model (checkpoints save each
+    parameter under its whole-model name, a tied table once: by the first stage)."""
+    copies = ()
+    if table is not None and model.lm_head is not None and table != "lm_head.weight":
+        copies = (("lm_head.weight", table),)
+    state = state_of(model) or ParallelState(mesh)
+    attach(model, state.with_stage(StageOfModel(whole, copies)))
 
 
 def tied_param(stage: PipelineStage) -> nn.Parameter | None:

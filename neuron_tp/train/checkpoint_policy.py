@@ -42,14 +42,7 @@ def resume_source(config: TrainConfig) -> str | None:
             )
         return None
     if config.checkpoint.resume == "auto":
-        found = checkpoint.latest(checkpoint_root(config))
-        if found is not None and config.pipeline.pp > 1:
-            raise UserError(
-                f"--resume auto found {found}, but --pp {config.pipeline.pp} cannot resume "
-                "from a checkpoint yet (stage checkpoints are not written): use another "
-                "--output-dir, or --pp 1 to resume it"
-            )
-        return found
+        return checkpoint.latest(checkpoint_root(config))
     if not os.path.isdir(config.checkpoint.resume):
         raise UserError(
             f"--resume {config.checkpoint.resume!r}: not a checkpoint directory (or use auto/none)"
@@ -231,7 +224,5 @@ def save_at_end(run: Run, saved: list[str], finished: bool, trained: bool) -> No
     a finished run's last step unless the periodic save just did (appended to ``saved``)."""
     if trained and run.guard is not None:
         check_finite(run)
-    if run.mesh.pp_size > 1:  # stage checkpoints: not written yet (train.pipelined)
-        return
     if finished and trained and not (saved and saved[-1].endswith(f"{run.step:08d}")):
         saved.append(save(run))

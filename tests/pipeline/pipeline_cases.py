@@ -146,10 +146,17 @@ def _hf_name(name: str, tied: bool) -> str:
     return "model.embed_tokens.weight" if tied and name == "lm_head.weight" else name
 
 
-def run(case: str, device: str = "cpu", steps: int = 2, more_m: tuple = ()) -> dict:
+def run(
+    case: str,
+    device: str = "cpu",
+    steps: int = 2,
+    more_m: tuple = (),
+    checkpoint_root: str | None = None,
+) -> dict:
     """Train the case's pipeline for ``steps`` steps and compare with :func:`reference`; returns
     what was compared (names) and the numbers the tests report. ``more_m`` (XLA): one more
-    step at each of these numbers of micro-batches; ``compiles`` after every step."""
+    step at each of these numbers of micro-batches; ``compiles`` after every step. With
+    ``checkpoint_root``: the trained stages saved there and loaded back (:func:`_round_trip`)."""
     if device != "cpu":
         global torch_xla
         import torch_xla
@@ -210,6 +217,8 @@ def run(case: str, device: str = "cpu", steps: int = 2, more_m: tuple = ()) -> d
             torch_xla.sync()
         torch.testing.assert_close(totals.cpu().tolist(), ref["eval"], atol=1e-4, rtol=1e-5)
         checked.append("eval")
+    if checkpoint_root is not None:
+        checked += _round_trip(cfg, start, (stage, opt), ref["weights"], checkpoint_root)
     for m in more_m:  # the same step at other numbers of micro-batches: the same graphs
         more = schedules.build(name, cfg["pp"], m, cfg["v"])
         runner = PipelineRunner(
@@ -224,6 +233,40 @@ def run(case: str, device: str = "cpu", steps: int = 2, more_m: tuple = ()) -> d
         torch_xla.sync()
         counts.append(_compiles(device))
     return {"checked": checked, "loss": ref["loss"], "ticks": len(sched.ticks), "compiles": counts}
+
+
+def _round_trip(cfg: dict, start, trained: tuple, want: dict, root: str) -> list[str]:
+    """Save the trained stages (each its own files), load the checkpoint into a fresh stage
+    model and AdamW: the same weights and optimizer state; rank 0 consolidates it: the
+    reference's weights under their HF names."""
+    from safetensors.torch import load_file
+
+    from neuron_tp import checkpoint
+
+    stage, opt = trained
+    mesh, dev = stage.mesh, next(stage.model.parameters()).device
+    path = checkpoint.save(root, stage.model, opt, step=2, mesh=mesh)
+    model = copy.deepcopy(start)
+    parallelize(model, mesh, sequence_parallel=cfg["sp"], parallel_loss=cfg["tp"] > 1)
+    fresh = split_model(model, mesh, plan_stages(LAYERS, cfg["pp"], cfg["v"]))
+    move_to(fresh.model, dev)
+    fresh_opt = make_optimizer(fresh.model, LR, WD, dev)
+    checkpoint.load(path, fresh.model, fresh_opt, mesh=mesh, restore_rng=False)
+    checked = []
+    pairs = zip(stage.model.named_parameters(), fresh.model.named_parameters())
+    for (name, p), (_, q) in pairs:
+        assert torch.equal(p.detach().cpu(), q.detach().cpu()), f"loaded {name}"
+        for key, v in opt.state[p].items():
+            got = fresh_opt.state[q][key]
+            assert torch.equal(v.cpu(), got.cpu()), f"loaded optimizer {name} {key}"
+        checked.append(f"loaded {name}")
+    if mesh.rank == 0:
+        hf = load_file(checkpoint.consolidate(path, f"{root}-hf") + "/model.safetensors")
+        assert sorted(hf) == sorted(k for k in want if "rotary" not in k), sorted(hf)
+        for k, w in hf.items():
+            torch.testing.assert_close(w, want[k], **TOL, msg=lambda m, k=k: f"consolidated {k}")
+            checked.append(f"consolidated {k}")
+    return checked
 
 
 def _compiles(device: str) -> int:

@@ -1,9 +1,13 @@
 """Pipeline training EXECUTED on 4 XLA CPU devices (one launch, pipeline_cases.py): pp 2 x tp 2
 with sequence parallelism, and pp 4 on packed rows then evaluated (forward-only schedule),
-against the unsharded model; and the graphs: from the second step on nothing compiles, at
+against the unsharded model; the trained stages saved as one checkpoint, loaded back
+(weights, AdamW state) and consolidated (the unsharded model's weights); and the graphs: from
+the second step on nothing compiles, at
 M = 4 or M = 8 micro-batches."""
 
 from __future__ import annotations
+
+import os
 
 import pipeline_cases
 import pytest
@@ -13,14 +17,15 @@ import xla_dist
 CASES = ("pp2_tp2_sp", "pp4_packed_eval")
 
 
-def job(case: str):
+def job(case: str, root: str):
     more = (4, 8, 8) if case == CASES[0] else ()
-    return pipeline_cases.run(case, device="xla", more_m=more)
+    ckpt = os.path.join(root, case)
+    return pipeline_cases.run(case, device="xla", more_m=more, checkpoint_root=ckpt)
 
 
 @pytest.fixture(scope="module")
-def outcome():
-    return xla_dist.run_cases(job, CASES, devices=4)
+def outcome(tmp_path_factory):
+    return xla_dist.run_cases(job, CASES, str(tmp_path_factory.mktemp("pp_xla")), devices=4)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -29,6 +34,8 @@ def test_pipeline_xla(outcome, case):
         assert any(c.startswith("grad ") for c in out["checked"]), out
         assert any(c.startswith("weight ") for c in out["checked"]), out
         assert ("eval" in out["checked"]) == ("_eval" in case), out
+        assert any(c.startswith("loaded ") for c in out["checked"]), out
+    assert any(c.startswith("consolidated ") for c in outcome.get(case)[0]["checked"])
 
 
 def test_graphs_fixed_whatever_the_micro_batches(outcome):
