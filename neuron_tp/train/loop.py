@@ -341,7 +341,12 @@ def train_step(run: Run, log_this_step: bool, on_log: Callable | None) -> None:
         loss.backward()
         loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
     norm = reduce_gradients(
-        model, run.optimizer, mesh, config.optim.max_grad_norm, config.uses_zero1
+        model,
+        run.optimizer,
+        mesh,
+        config.optim.max_grad_norm,
+        config.uses_zero1,
+        pp_sum=None if run.pipeline is None else run.pipeline.pp_sum,
     )
     zero = run.optimizer if config.uses_zero1 else None
     # Computed at every step (so every step traces the same graph), read only at log steps,

@@ -76,10 +76,12 @@ def describe(runner: PipelineRunner) -> str:
 
 def forward_backward(runner: PipelineRunner, data: RowData, per_rank: torch.Tensor):
     """The step's micro-batches through the stages; returns the step's loss (this dp rank's
-    share, as the loop's own accumulation) with the tied table's gradients summed."""
+    share, as the loop's own accumulation) with the tied table's gradients summed (both pp
+    sums in one small graph of their own)."""
     batches = [data.next_batch() for _ in range(runner.schedule.micro_batches)]
     loss = runner.step(batches, 1.0 / per_rank)
     sum_tied_grads(runner.stage)
+    runner.cut()
     return loss
 
 
