@@ -14,7 +14,13 @@ from ..job.data import RowData
 from ..parallel.mesh import Group, Mesh
 from ..pipeline import schedule as schedules
 from ..pipeline.runner import PipelineRunner
-from ..pipeline.stages import SUPPORTED, plan_stages, split_model, sum_tied_grads
+from ..pipeline.stages import (
+    SUPPORTED,
+    PipelineStage,
+    plan_stages,
+    split_model,
+    sum_tied_grads,
+)
 
 _CONFIGS = {name.replace("ForCausalLM", "Config"): name for name in SUPPORTED}
 
@@ -49,12 +55,25 @@ def check_options(config: TrainConfig, hf_config, data: RowData) -> None:
     )
 
 
-def build(config: TrainConfig, mesh: Mesh, model: torch.nn.Module, device) -> PipelineRunner:
-    """Cut ``model`` (sharded, still whole) into this rank's stage, in place, and the runner
-    of its schedule."""
+def cut(config: TrainConfig, mesh: Mesh, model: torch.nn.Module) -> PipelineStage:
+    """Cut ``model`` (sharded, still whole; its parameters may be on the meta device) into
+    this rank's stage, in place."""
     pipe = config.pipeline
     plan = plan_stages(model.config.num_hidden_layers, pipe.pp, pipe.virtual_stages)
-    stage = split_model(model, mesh, plan)
+    return split_model(model, mesh, plan)
+
+
+def build(
+    config: TrainConfig,
+    mesh: Mesh,
+    model: torch.nn.Module,
+    device,
+    *,
+    stage: PipelineStage | None = None,
+) -> PipelineRunner:
+    """The runner of this rank's stage (``stage``, or ``model`` cut by :func:`cut`)."""
+    pipe = config.pipeline
+    stage = stage if stage is not None else cut(config, mesh, model)
     sched = schedules.build(pipe.pp_schedule, pipe.pp, config.grad_accum, pipe.virtual_stages)
     return PipelineRunner(
         stage,
