@@ -28,6 +28,16 @@ def is_xla(t: torch.Tensor) -> bool:
 
 
 @functools.cache
+def set_in_place(t: torch.Tensor, value) -> None:
+    """Write ``value`` (a number, or a tensor of ``t``'s element count) into ``t`` in place, in
+    ``t``'s own shape. On XLA a ``copy_`` from a source of another rank (a 0-d value into a
+    ``[1]`` device lr) gives ``t`` device data of the source's shape while its sizes stay
+    ``[1]`` (torch-xla 2.9); once a graph cut materialises it apart from the graph that reads it
+    (a pipeline stage cuts between tasks), the next copy fails with "dimensionality of sizes (0)
+    must match dimensionality of strides (1)"."""
+    t.copy_(torch.as_tensor(value, dtype=t.dtype).reshape(t.shape))
+
+
 def cpu_runtime() -> bool:
     """True when the XLA runtime is torch-xla's CPU client (``PJRT_DEVICE=CPU``): its devices
     (``CPU_NUM_DEVICES=N`` under ``xmp.spawn``) are threads of one process, and collectives

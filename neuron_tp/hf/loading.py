@@ -118,6 +118,7 @@ def from_pretrained(
     torch_dtype: torch.dtype | None = None,
     plan: dict[str, str] | None = None,
     wrap=None,
+    cut=None,
     **config_kwargs,
 ) -> nn.Module:
     """Build ``auto_class`` from the config at ``path`` on the meta device, shard it, and read
@@ -127,7 +128,9 @@ def from_pretrained(
     block its sharding record gives this rank (:func:`block_ranges`), zero-padded past a
     vocabulary the split does not divide; replicated parameters are read whole. ``wrap``:
     applied to the meta-device model before it is sharded (e.g. LoRA adapters, which must
-    come out of it with real weights: only meta parameters are read from the files)."""
+    come out of it with real weights: only meta parameters are read from the files). ``cut``:
+    applied to the sharded model while its parameters are still on the meta device (e.g. to
+    keep one pipeline stage's layers): only the parameters it leaves are read and exist."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from ..parallel.agreement import check_agreement
@@ -160,6 +163,9 @@ def from_pretrained(
     model = parallelize(
         model, mesh, sequence_parallel=sequence_parallel, parallel_loss=parallel_loss, plan=plan
     )
+    tied = _tied_names(model)  # before the cut, which may drop the tensor's stored holder
+    if cut is not None:
+        cut(model)
     handles: dict[str, object] = {}
     opened = OpenedFiles(files, handles)
     try:
@@ -168,7 +174,7 @@ def from_pretrained(
             for pname, p in list(mod.named_parameters(recurse=False)):
                 if p.device.type != "meta":
                     continue
-                name = stored_name(plain_name(f"{mname}.{pname}" if mname else pname), files)
+                name = _stored(plain_name(f"{mname}.{pname}" if mname else pname), files, tied)
                 if int8 and pname == "weight" and name[: -len("weight")] + SCALE in files:
                     _check_untied(model, mod, p, name)
                     load_int8_layer(mod, name, opened, p.dtype)
@@ -245,6 +251,24 @@ def _check_untied(model: nn.Module, owner: nn.Module, p: nn.Parameter, name: str
             f"{name}: stored as int8 but tied to {', '.join(tied)}'s parameter in this "
             "model (tied weights stay in float): a checkpoint of another config?"
         )
+
+
+def _tied_names(model: nn.Module) -> dict[str, list[str]]:
+    """Every name of a parameter held under several (tied embeddings): its other names."""
+    names: dict[int, list[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(plain_name(n))
+    return {n: [o for o in ns if o != n] for ns in names.values() if len(ns) > 1 for n in ns}
+
+
+def _stored(name: str, files: dict[str, str], tied: dict[str, list[str]]) -> str:
+    """The checkpoint's name of parameter ``name``: its own, or a tied alias's (the LM head
+    of a pipeline's last stage, which no longer holds the embedding the file stores it as)."""
+    own = stored_name(name, files)
+    if own in files:
+        return own
+    found = [stored_name(a, files) for a in tied.get(name, ())]
+    return next((a for a in found if a in files), own)
 
 
 def _experts_range(mod: nn.Module, name: str, mesh: Mesh) -> tuple[int, int] | None:

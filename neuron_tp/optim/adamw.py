@@ -8,6 +8,8 @@ import math
 
 import torch
 
+from ..backend.xla import set_in_place
+
 
 class WarmupCosine:
     """Linear warmup to ``lr`` over ``warmup`` steps, cosine decay to ``min_lr`` at ``total``.
@@ -32,7 +34,7 @@ class WarmupCosine:
         lr = self.value(self.step_count)
         for group in self.optimizer.param_groups:
             if isinstance(group["lr"], torch.Tensor):
-                group["lr"].copy_(torch.tensor(lr, dtype=group["lr"].dtype))
+                set_in_place(group["lr"], lr)
             else:
                 group["lr"] = lr
         return lr

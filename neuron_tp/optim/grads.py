@@ -3,7 +3,7 @@ parameters, and clipping by the true global norm across tp, dp and pipeline stag
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -17,6 +17,20 @@ from ..parallel.sharding import (
     num_shards,
     without_experts,
 )
+
+PPSum = Callable[[torch.Tensor], torch.Tensor]
+"""Sums a tensor over the pipeline (pp) group. The pipeline runner's
+(:meth:`~neuron_tp.pipeline.runner.PipelineRunner.pp_sum`) puts that collective in a graph of
+its own that every stage enters together; without one, a plain all-reduce in the current
+graph."""
+
+
+def sum_over_pp(t: torch.Tensor, mesh: Mesh, pp_sum: PPSum | None = None) -> torch.Tensor:
+    """``t`` summed over ``mesh``'s pp group (stages hold disjoint parameters: their square
+    sums add up), by ``pp_sum`` when given."""
+    if mesh.pp_size == 1:
+        return t
+    return pp_sum(t) if pp_sum is not None else comm.all_reduce(t, mesh.pp)
 
 
 def _bucketed_all_reduce(
@@ -97,7 +111,9 @@ def norm_weights(model: nn.Module, name: str, mesh: Mesh) -> tuple[float, torch.
     return factor, (weights(local) if weights is not None else None)
 
 
-def global_grad_norm(model: nn.Module, mesh: Mesh | None = None) -> torch.Tensor:
+def global_grad_norm(
+    model: nn.Module, mesh: Mesh | None = None, pp_sum: PPSum | None = None
+) -> torch.Tensor:
     """The L2 norm of the full (unsharded) gradient, equal on every rank, as a device tensor.
 
     Each distinct element is counted once: a parameter replicated over tp contributes 1/tp of
@@ -121,14 +137,15 @@ def global_grad_norm(model: nn.Module, mesh: Mesh | None = None) -> torch.Tensor
             experts = experts + sq.sum() * factor
     if mesh.ep_size > 1:
         total = total + comm.all_reduce(experts, mesh.group("ep"))
-    # pipeline stages hold disjoint parameters: their square sums add up
-    return comm.all_reduce(comm.all_reduce(total, mesh.tp), mesh.pp).sqrt()
+    return sum_over_pp(comm.all_reduce(total, mesh.tp), mesh, pp_sum).sqrt()
 
 
-def clip_grad_norm_(model: nn.Module, max_norm: float, mesh: Mesh | None = None) -> torch.Tensor:
+def clip_grad_norm_(
+    model: nn.Module, max_norm: float, mesh: Mesh | None = None, pp_sum: PPSum | None = None
+) -> torch.Tensor:
     """Scale gradients so the global norm is at most ``max_norm``; returns the norm (before
     clipping) as a device tensor, without a host read."""
-    norm = global_grad_norm(model, mesh)
+    norm = global_grad_norm(model, mesh, pp_sum)
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for p in model.parameters():
         if p.grad is not None:
@@ -137,19 +154,25 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, mesh: Mesh | None = None)
 
 
 def reduce_gradients(
-    model: torch.nn.Module, optimizer, mesh: Mesh, max_grad_norm: float, zero1: bool
+    model: torch.nn.Module,
+    optimizer,
+    mesh: Mesh,
+    max_grad_norm: float,
+    zero1: bool,
+    pp_sum: PPSum | None = None,
 ) -> torch.Tensor:
     """After the step's backward passes: complete the gradients of replicated parameters over
     tp, average over dp (all-reduce, or ``optimizer``'s reduce-scatter with ZeRO-1), clip to
-    ``max_grad_norm`` (0: no clipping); returns the global gradient norm."""
+    ``max_grad_norm`` (0: no clipping); returns the global gradient norm (its square sum
+    summed over the pipeline stages by ``pp_sum``, see :data:`PPSum`)."""
     # Replicated parameters with partial gradients: SP norms, but also e.g. Qwen3's q/k norms
     # (replicated_with_grad_allreduce) without SP. A no-op when the model has none.
     sync_sequence_parallel_grads(model, mesh)
     if zero1:  # reduce-scatter over dp (the mean) instead of the all-reduce
         if max_grad_norm > 0:
-            return optimizer.clip_grad_norm_(max_grad_norm)
-        return optimizer.grad_norm()
+            return optimizer.clip_grad_norm_(max_grad_norm, pp_sum=pp_sum)
+        return optimizer.grad_norm(pp_sum=pp_sum)
     allreduce_data_parallel_grads(model, mesh)
     if max_grad_norm > 0:
-        return clip_grad_norm_(model, max_grad_norm, mesh)
-    return global_grad_norm(model, mesh)
+        return clip_grad_norm_(model, max_grad_norm, mesh, pp_sum)
+    return global_grad_norm(model, mesh, pp_sum)

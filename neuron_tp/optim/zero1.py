@@ -39,7 +39,7 @@ from ..parallel import comm
 from ..parallel.mesh import Group, Mesh, get_mesh
 from ..parallel.sharding import expert_split, named_parameter_meta
 from . import zero1_state
-from .grads import norm_weights
+from .grads import PPSum, norm_weights, sum_over_pp
 from .zero1_layout import Slot, chunk_of, padded_blocks
 from .zero1_state import FULL_FORMAT, SHARD_FORMAT, gather_full_state
 
@@ -197,9 +197,10 @@ class Zero1:
                 s.norm_weight = factor
         self._norm_weights_ready = True
 
-    def grad_norm(self) -> torch.Tensor:
+    def grad_norm(self, pp_sum: PPSum | None = None) -> torch.Tensor:
         """The L2 norm of the full (dp-mean) gradient as a device tensor, equal on every rank:
-        the square sums of the shards summed over dp, then over tp (each element once)."""
+        the square sums of the shards summed over dp, then over tp (each element once), then
+        over the pipeline stages (by ``pp_sum``: :data:`~neuron_tp.optim.grads.PPSum`)."""
         if not self._reduced:
             self.reduce_grads()
         self._norm_weights()
@@ -220,12 +221,12 @@ class Zero1:
             experts = comm.all_reduce(experts, edp) if edp.size > 1 else experts
             total = total + comm.all_reduce(experts, self.mesh.group("ep"))
         total = comm.all_reduce(total, self.mesh.tp)
-        return comm.all_reduce(total, self.mesh.pp).reshape(()).sqrt()  # stages add up
+        return sum_over_pp(total, self.mesh, pp_sum).reshape(()).sqrt()
 
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+    def clip_grad_norm_(self, max_norm: float, pp_sum: PPSum | None = None) -> torch.Tensor:
         """Scale the shard gradients so the global norm is at most ``max_norm`` (same formula as
         :func:`neuron_tp.clip_grad_norm_`); returns the norm before clipping, no host read."""
-        norm = self.grad_norm()
+        norm = self.grad_norm(pp_sum)
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         for s in self.slots.values():
             if s.shard.grad is not None:

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from ..backend.xla import set_in_place
 from ..parallel import comm
 from .zero1_layout import Sharded, Slot, chunk_of
 
@@ -229,7 +230,7 @@ def _load_hyper(zero: Sharded, saved: list[dict]) -> None:
             if k == "params":
                 continue
             if isinstance(g.get(k), torch.Tensor):
-                g[k].copy_(torch.as_tensor(v).to(g[k]))
+                set_in_place(g[k], v)
             else:
                 g[k] = v
 

@@ -333,7 +333,8 @@ def check_model_replicas(
 ) -> None:
     """After sharding: every rank's shard equals the shard of the ranks with the same tp rank
     (its data-parallel replicas; for experts spread over ``ep``, the ranks holding the same
-    experts), and replicated parameters are equal on every rank.
+    experts), and replicated parameters are equal on every rank (of the same pipeline stage:
+    stages hold different layers).
     ``error``: this rank's local failure (every rank raises). Collective over the world."""
     from .sharding import expert_split, named_parameter_meta
 
@@ -351,6 +352,7 @@ def check_model_replicas(
                 held = experts if expert_split(meta.sharding) is not None else sharded
                 held[name] = tensor_checksum(p)
     replicas = [list(g) for g in mesh.dp.all_groups]  # the ranks holding the same shards
+    stages = [list(ranks) for ranks in zip(*mesh.pp.all_groups)]  # the ranks of each stage
     copies = [list(g) for g in mesh.group("edp").all_groups] if mesh.ep_size > 1 else replicas
     keys = (
         "parameter shards (names, shapes, dtypes)",
@@ -365,7 +367,7 @@ def check_model_replicas(
         error=error,
         what=what,
         details=values,
-        scopes={keys[0]: replicas, keys[1]: replicas, keys[3]: copies},
+        scopes={keys[0]: replicas, keys[1]: replicas, keys[2]: stages, keys[3]: copies},
     )
 
 

@@ -66,8 +66,27 @@ class PipelineRunner:
         self.positions = torch.arange(seq, device=self.device).unsqueeze(0)
         self.busy_seconds = 0.0  # host time in tasks (eager devices: compute), for reports
 
-    def _cut(self) -> None:
+    def cut(self) -> None:
+        """End the pending graph (XLA; nothing elsewhere)."""
         step_boundary(self.device)
+
+    def pp_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` summed over the pp group in a graph of its own (a
+        :data:`~neuron_tp.optim.grads.PPSum`): cut this stage's pending work, meet the other
+        stages (:meth:`Exchange.meet`), then a graph holding only the all-reduce. Stages trace
+        different graphs before it; a pp collective inside them would wait for the slowest
+        stage's compile and run (XLA:CPU aborts past 10 s; on Neuron, every stage must load the
+        graph holding the collective together)."""
+        self.meet()
+        total = comm.all_reduce(t, self.stage.mesh.pp)
+        self.cut()
+        return total
+
+    def meet(self) -> None:
+        """Cut this stage's pending work and wait for the other stages (XLA:CPU devices): the
+        next graph may hold pp collectives."""
+        self.cut()
+        self.exchange.meet()
 
     def _grads_ready(self) -> None:
         """Gradient buffers exist before the first backward (one backward graph)."""
@@ -79,7 +98,9 @@ class PipelineRunner:
         """Forward and backward of every micro-batch (the data's batch dicts: ``input_ids``
         and ``labels``, packed rows with ``position_ids`` and ``segment_ids``; the same on
         every stage); gradients accumulate in the parameters' ``.grad``. Returns the step's
-        loss (device tensor, equal on every rank of the pp group)."""
+        loss (device tensor, equal on every rank of the pp group), summed over pp in a new
+        graph the stages begin together: add the step's other pp collectives (the tied
+        table's gradients) to it, then :meth:`cut`."""
         if len(micro_batches) != self.schedule.micro_batches:
             raise ValueError(
                 f"the schedule takes {self.schedule.micro_batches} micro-batches, got "
@@ -97,7 +118,7 @@ class PipelineRunner:
     def evaluate(self, micro_batches: Sequence[dict]) -> torch.Tensor:
         """``[loss sum, label tokens]`` (fp32, this dp rank's) of ``micro_batches`` (any number),
         forward only under ``no_grad`` in eval mode; the last stage's totals, summed over the
-        pp group so every stage holds them."""
+        pp group (in a graph of its own) so every stage holds them."""
         model = self.stage.model
         training = model.training
         model.eval()
@@ -113,11 +134,14 @@ class PipelineRunner:
                 self._walk(sched, state)
         finally:
             model.train(training)
-        return comm.all_reduce(state.loss, self.stage.mesh.pp)
+        total = comm.all_reduce(state.loss, self.stage.mesh.pp)
+        self.cut()
+        return total
 
     def _walk(self, schedule: Schedule, state: _StepState) -> None:
-        """Every tick of ``schedule``: this stage's task, then the tick's exchange."""
-        self._cut()
+        """Every tick of ``schedule``: this stage's task, then the tick's exchange; ends
+        where the stages meet (the caller's next graph may hold pp collectives)."""
+        self.cut()
         for tick in schedule.ticks:
             task = tick[self.stage.stage]
             sent = Sent()
@@ -129,10 +153,10 @@ class PipelineRunner:
                     sent.forward = out
                 else:
                     sent.backward = out
-                self._cut()
+                self.cut()
             self._exchange_tick(tick, sent, state)
         assert not (state.saved or state.inbox_f or state.inbox_b), "schedule left work behind"
-        self.exchange.meet()  # the caller's next graph holds pp collectives (loss, norm)
+        self.exchange.meet()
 
     def _exchange_tick(self, tick, sent: Sent, state: _StepState) -> None:
         """The tick's exchange (skipped by every rank when no stage sends anything)."""
@@ -149,7 +173,7 @@ class PipelineRunner:
             state.inbox_f[f_from] = got_f
         if b_from is not None:
             state.inbox_b[b_from] = got_b
-        self._cut()
+        self.cut()
 
     def _sends_forward(self, task: Task | None, stage: int) -> tuple[int, int] | None:
         """(micro-batch, receiving virtual stage) when ``stage`` sends an activation now."""

@@ -194,8 +194,13 @@ def setup(args: TrainConfig | argparse.Namespace, mesh: Mesh | None = None) -> R
         pp=config.pipeline.pp,
         cp=config.context.cp,
     )
-    model = _sharded_model(config, mesh, vocab_size(tokenizer))
-    pipeline = pipelined.build(config, mesh, model, device) if mesh.pp_size > 1 else None
+    stages: list = []  # --pp: this rank's stage, cut before its weights are read
+
+    def cut(whole) -> None:
+        stages.append(pipelined.cut(config, mesh, whole))
+
+    model = _sharded_model(config, mesh, vocab_size(tokenizer), cut if mesh.pp_size > 1 else None)
+    pipeline = pipelined.build(config, mesh, model, device, stage=stages[0]) if stages else None
     if config.attention == "blockwise":
         use_blockwise_attention(model, config.attention_block)
     context_parallel(model, mesh, config.attention_block)  # cp 1: unchanged
@@ -229,9 +234,10 @@ def setup(args: TrainConfig | argparse.Namespace, mesh: Mesh | None = None) -> R
     )
 
 
-def _sharded_model(config: TrainConfig, mesh: Mesh, vocab: int):
+def _sharded_model(config: TrainConfig, mesh: Mesh, vocab: int, cut: Callable | None = None):
     """The model of this rank, built (a preset, from ``--seed``) or loaded (each rank reads
-    its slices), with LoRA adapters when asked, sharded over ``mesh``; a failure on any rank,
+    its slices), with LoRA adapters when asked, sharded over ``mesh``, then ``cut`` (in place:
+    a pipeline stage; for a loaded model before any weight is read); a failure on any rank,
     or replicas that differ, raises on every rank."""
     from .. import hf
     from ..parallel import agreement
@@ -256,6 +262,8 @@ def _sharded_model(config: TrainConfig, mesh: Mesh, vocab: int):
                 sequence_parallel=config.sequence_parallel,
                 parallel_loss=mesh.tp_size > 1,
             )
+            if cut is not None:  # built whole: the same weights as at pp 1
+                cut(model)
         else:
             model = hf.from_pretrained(
                 config.model,
@@ -264,6 +272,7 @@ def _sharded_model(config: TrainConfig, mesh: Mesh, vocab: int):
                 parallel_loss=mesh.tp_size > 1,
                 torch_dtype=dtype,
                 wrap=_seeded_lora_wrap(config) if config.lora.r else None,
+                cut=cut,
             )
         if config.lora.r:
             lora.frozen_check(model)
@@ -346,7 +355,12 @@ def train_step(run: Run, log_this_step: bool, on_log: Callable | None) -> None:
         loss.backward()
         loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
     norm = reduce_gradients(
-        model, run.optimizer, mesh, config.optim.max_grad_norm, config.uses_zero1
+        model,
+        run.optimizer,
+        mesh,
+        config.optim.max_grad_norm,
+        config.uses_zero1,
+        pp_sum=None if run.pipeline is None else run.pipeline.pp_sum,
     )
     zero = run.optimizer if config.uses_zero1 else None
     # Computed at every step (so every step traces the same graph), read only at log steps,

@@ -15,7 +15,13 @@ from ..job.data import RowData
 from ..parallel.mesh import Group, Mesh
 from ..pipeline import schedule as schedules
 from ..pipeline.runner import PipelineRunner
-from ..pipeline.stages import SUPPORTED, plan_stages, split_model, sum_tied_grads
+from ..pipeline.stages import (
+    SUPPORTED,
+    PipelineStage,
+    plan_stages,
+    split_model,
+    sum_tied_grads,
+)
 
 _CONFIGS = {name.replace("ForCausalLM", "Config"): name for name in SUPPORTED}
 
@@ -45,14 +51,27 @@ def check_options(config: TrainConfig, hf_config) -> None:
     )
 
 
-def build(config: TrainConfig, mesh: Mesh, model: torch.nn.Module, device) -> PipelineRunner:
-    """Cut ``model`` (sharded, still whole) into this rank's stage, in place, and the runner
-    of its schedule."""
+def cut(config: TrainConfig, mesh: Mesh, model: torch.nn.Module) -> PipelineStage:
+    """Cut ``model`` (sharded, still whole; its parameters may be on the meta device) into
+    this rank's stage, in place."""
     pipe = config.pipeline
     plan = plan_stages(model.config.num_hidden_layers, pipe.pp, pipe.virtual_stages)
     # LoRA: the peft wrapper's causal LM is cut; the adapters go with their layers
     causal = model.base_model.model if is_peft_model(model) else model
-    stage = split_model(causal, mesh, plan)
+    return split_model(causal, mesh, plan)
+
+
+def build(
+    config: TrainConfig,
+    mesh: Mesh,
+    model: torch.nn.Module,
+    device,
+    *,
+    stage: PipelineStage | None = None,
+) -> PipelineRunner:
+    """The runner of this rank's stage (``stage``, or ``model`` cut by :func:`cut`)."""
+    pipe = config.pipeline
+    stage = stage if stage is not None else cut(config, mesh, model)
     sched = schedules.build(pipe.pp_schedule, pipe.pp, config.grad_accum, pipe.virtual_stages)
     return PipelineRunner(
         stage,
@@ -71,10 +90,12 @@ def describe(runner: PipelineRunner) -> str:
 
 def forward_backward(runner: PipelineRunner, data: RowData, per_rank: torch.Tensor):
     """The step's micro-batches through the stages; returns the step's loss (this dp rank's
-    share, as the loop's own accumulation) with the tied table's gradients summed."""
+    share, as the loop's own accumulation) with the tied table's gradients summed (both pp
+    sums in one small graph of their own)."""
     batches = [data.next_batch() for _ in range(runner.schedule.micro_batches)]
     loss = runner.step(batches, 1.0 / per_rank)
     sum_tied_grads(runner.stage)
+    runner.cut()
     return loss
 
 

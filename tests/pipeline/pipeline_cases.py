@@ -13,8 +13,10 @@ A case name reads ``pp<p>[_tp<t>][_dp<d>][_sp][_tied][_v<v>][_zero1][_packed][_e
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
+import os
 import re
 import threading
 
@@ -184,10 +186,14 @@ def run(
         opt.zero_grad(set_to_none=True)
         loss = runner.step(batches[mesh.dp_rank], scale)
         sum_tied_grads(stage)
-        norm = reduce_gradients(stage.model, opt, mesh, MAX_NORM, cfg["zero1"])
-        if not cfg["zero1"]:
-            grads = gather_hf_state_dict(stage.model, mesh, grads=True)
-            grads = {k: v.detach().clone() for k, v in grads.items()}
+        runner.cut()
+        norm = reduce_gradients(
+            stage.model, opt, mesh, MAX_NORM, cfg["zero1"], pp_sum=runner.pp_sum
+        )
+        if cfg["zero1"]:
+            _zero1_grads(opt)
+        grads = gather_hf_state_dict(stage.model, mesh, grads=True)
+        grads = {k: v.detach().clone() for k, v in grads.items()}
         opt.step()
         if device != "cpu":
             torch_xla.sync()
@@ -196,13 +202,10 @@ def run(
             torch_xla.sync()
         torch.testing.assert_close(float(loss), ref["loss"][i], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(float(norm), ref["norm"][i], atol=1e-5, rtol=1e-4)
-        if not cfg["zero1"]:
-            for k, g in grads.items():
-                want = ref["grads"][i][_hf_name(k, cfg["tied"])]
-                torch.testing.assert_close(
-                    g.cpu(), want, **TOL, msg=lambda m, k=k: f"grad {k}: {m}"
-                )
-                checked.append(f"grad {k}")
+        for k, g in grads.items():
+            want = ref["grads"][i][_hf_name(k, cfg["tied"])]
+            torch.testing.assert_close(g.cpu(), want, **TOL, msg=lambda m, k=k: f"grad {k}: {m}")
+            checked.append(f"grad {k}")
         counts.append(_compiles(device))
     weights = gather_hf_state_dict(stage.model, mesh)
     for k, w in weights.items():
@@ -228,7 +231,8 @@ def run(
         opt.zero_grad(set_to_none=True)
         runner.step(batches[mesh.dp_rank], torch.tensor([mesh.dp_size / _tokens(batches)]))
         sum_tied_grads(stage)
-        reduce_gradients(stage.model, opt, mesh, MAX_NORM, cfg["zero1"])
+        runner.cut()
+        reduce_gradients(stage.model, opt, mesh, MAX_NORM, cfg["zero1"], pp_sum=runner.pp_sum)
         opt.step()
         torch_xla.sync()
         counts.append(_compiles(device))
@@ -269,6 +273,14 @@ def _round_trip(cfg: dict, start, trained: tuple, want: dict, root: str) -> list
     return checked
 
 
+def _zero1_grads(opt) -> None:
+    """ZeRO-1 keeps the dp-mean, clipped gradient as chunks of the shards' gradients: put the
+    whole (tp-sharded) gradient, gathered over dp, in each parameter's ``.grad`` to compare."""
+    for s in opt.slots.values():
+        full = comm.all_gather(s.shard.grad.detach(), s.group, 0)
+        s.param.grad = full[: s.param.numel()].view(s.param.shape).to(s.param.dtype)
+
+
 def _compiles(device: str) -> int:
     """Compiles so far in this process, read when every rank got here (XLA device threads)."""
     if device == "cpu":
@@ -282,3 +294,103 @@ def _compiles(device: str) -> int:
     count = graph_counters()["compiles"]
     barrier.wait(timeout=600)
     return count
+
+
+class _Recorder:
+    """A safetensors file that counts the elements read from it (``log``: name -> elements)."""
+
+    def __init__(self, f, log: dict):
+        self._f, self._log = f, log
+
+    def __enter__(self):
+        self._f.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._f.__exit__(*exc)
+
+    def keys(self):
+        return self._f.keys()
+
+    def get_tensor(self, name: str):
+        t = self._f.get_tensor(name)
+        self._log[name] = self._log.get(name, 0) + t.numel()
+        return t
+
+    def get_slice(self, name: str):
+        return _SliceRecorder(self._f.get_slice(name), name, self._log)
+
+
+class _SliceRecorder:
+    def __init__(self, sl, name: str, log: dict):
+        self._sl, self._name, self._log = sl, name, log
+
+    def get_shape(self):
+        return self._sl.get_shape()
+
+    def __getitem__(self, key):
+        t = self._sl[key]
+        self._log[self._name] = self._log.get(self._name, 0) + t.numel()
+        return t
+
+
+@contextlib.contextmanager
+def _shared_dir(mesh):
+    """A HF directory of tiny-llama-4l that rank 0 writes for every (gloo) rank."""
+    import shutil
+    import tempfile
+
+    import torch.distributed as dist
+
+    from neuron_tp.job.presets import build_model
+
+    path = os.path.join(tempfile.gettempdir(), f"ntp-pp-load-{os.getppid()}")
+    if mesh.rank == 0:
+        build_model("tiny-llama-4l", 257, seed=3).save_pretrained(path)
+    dist.barrier()
+    try:
+        yield path
+    finally:
+        dist.barrier()
+        if mesh.rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def load_stage(case: str) -> dict:
+    """A stage loaded from a HF directory (``neuron_tp.from_pretrained(..., cut=)``, the path
+    ``train --pp`` takes for a local model): nothing is materialised before the cut, only the
+    stage's tensors are read (elements counted at the files), its parameters are those of the
+    whole model loaded then cut, and their bytes about 1/pp of the model's."""
+    from neuron_tp.hf import model_files
+
+    cfg = parse(case)
+    mesh = _mesh(cfg["tp"], cfg["pp"])
+    plan = plan_stages(LAYERS, cfg["pp"])
+    with _shared_dir(mesh) as path:
+        at_cut, stages, log = [], [], {}
+
+        def cut(model):
+            at_cut.append(sum(not p.is_meta for p in model.parameters()))
+            stages.append(split_model(model, mesh, plan))
+
+        original = model_files.open_safetensors
+        model_files.open_safetensors = lambda file: _Recorder(original(file), log)
+        try:
+            mine = ntp.from_pretrained(path, mesh, cut=cut)
+        finally:
+            model_files.open_safetensors = original
+        whole = ntp.from_pretrained(path, mesh)
+    total = sum(p.numel() for p in whole.parameters())  # this tp rank's shards
+    table, norm = whole.model.embed_tokens.weight.numel(), whole.model.norm.weight.numel()
+    theirs = dict(split_model(whole, mesh, plan).model.named_parameters())
+    got = dict(mine.named_parameters())
+    assert at_cut == [0] and stages[0].model is mine, at_cut
+    assert set(got) == set(theirs), set(got) ^ set(theirs)
+    for k, p in got.items():
+        assert torch.equal(p, theirs[k]), k
+    held = sum(p.numel() for p in got.values())
+    ends = table + (norm if mesh.pp.rank == cfg["pp"] - 1 else 0)  # embedding / norm + head
+    assert held - ends == (total - table - norm) / cfg["pp"], (held, total)  # layers / pp
+    read = sum(log.values())  # the stage's shards (the vocabulary's zero padding is not read)
+    assert held - table < read <= held, (read, held)
+    return {"held": held, "total": total, "read": read}

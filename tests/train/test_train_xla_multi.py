@@ -167,6 +167,27 @@ def test_tp2_dp2_sp_grad_accum_on_four_xla_devices(four, base):
     _check_same_replicas(res, 2)
 
 
+def test_pp2_tp2_sp_on_four_xla_devices_equals_tp2(four, base):
+    """``--pp 2 --tp 2 --sequence-parallel`` on four XLA CPU devices, on the rows of the
+    ``--tp 2`` x dp 2 run (one micro-batch of 4 = its two dp ranks' 2): that run's losses and
+    grad norms, and the independent reference's, at every step (the lr copied into the device
+    lr between the stages' graph cuts included); nothing compiles after step 2."""
+    res = four.get("pp2-tp2-sp")
+    log = res[0]["log"]
+    assert [[e["loss"] for e in r["log"]] for r in res[1:]] == [[e["loss"] for e in log]] * 3
+    tp2 = four.get("tp2-dp2-sp")[0]["log"][:3]  # the same rows and learning rates
+    for key, tol in (("loss", 1e-4), ("grad_norm", 1e-3)):
+        torch.testing.assert_close(
+            [e[key] for e in log], [e[key] for e in tp2], rtol=tol, atol=1e-5
+        )
+    args = cases.args_for(f"{base}/ref-pp2", "--tp", "2", *cases.PP2_SP)
+    losses, norms = reference_run(args, global_micro_batch=4)
+    torch.testing.assert_close([e["loss"] for e in log], losses, rtol=2e-4, atol=2e-4)
+    torch.testing.assert_close([e["grad_norm"] for e in log], norms, rtol=2e-3, atol=1e-5)
+    compiles = [p["compiles"] for p in res[0]["per_step"]]
+    assert len(compiles) == 3 and compiles[1] == compiles[2], compiles
+
+
 def test_ranks_with_different_step_graphs_fail_instead_of_hanging(two):
     for e in two.get("rank1-differs"):  # every rank raises the same clear error
         assert "ranks traced different step graphs" in e, e

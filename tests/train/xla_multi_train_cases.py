@@ -32,13 +32,15 @@ def args_for(out: str, *extra: str):
     return train_parser().parse_args([*COMMON, "--output-dir", out, *extra])
 
 
-def run_train(tp: int, out: str, extra: list[str], stop_at: int | None = None, cp: int = 1) -> dict:
+def run_train(
+    tp: int, out: str, extra: list[str], stop_at: int | None = None, cp: int = 1, pp: int = 1
+) -> dict:
     """One rank of a training run; returns the log (every rank), per-step counters (rank 0),
     and every replicated parameter (to compare across ranks)."""
     import torch_xla.runtime as xr
 
     world = xr.world_size()
-    mesh = ntp.init_mesh(tp=tp, cp=cp)
+    mesh = ntp.init_mesh(tp=tp, cp=cp, pp=pp)
     per_step, barrier, holder = [], _barrier(world), {}
     barrier.wait()
     start = graph_counters()  # earlier runs of this process are not this run's
@@ -151,12 +153,16 @@ RECOMPUTE = {
     "recompute-full-sp": ["--activation-checkpointing", "full", "--sequence-parallel"],
     "recompute-selective": ["--activation-checkpointing", "selective"],
 }
+# pp 2 x tp 2 (dp 1) on the rows of DP2_SP (its dp 2 x micro-batch 2 is one micro-batch of 4),
+# its first 3 steps (the same learning rates: warm-up)
+PP2_SP = ["--micro-batch", "4", "--grad-accum", "2", "--steps", "3", "--sequence-parallel"]
+PP2_SP += ["--save-every", "0", "--pp", "2"]
 ZERO1 = ["--zero1", "--micro-batch", "1", "--steps", "8", "--log-every", "2", "--save-every", "4"]
 LORA = ["--micro-batch", "2", "--steps", "6", "--save-every", "0", "--sequence-parallel"]
 LORA += ["--lora-r", "4", "--lora-alpha", "12"]
 LORA += ["--lora-target-modules", "q_proj,v_proj,o_proj,down_proj"]
 ON_TWO = ("qwen3", *RECOMPUTE, "zero1", "lora", "generate", "rank1-differs")
-ON_FOUR = ("tp2-dp2-sp", "qwen3-tp4")
+ON_FOUR = ("tp2-dp2-sp", "pp2-tp2-sp", "qwen3-tp4")
 
 
 def _copy_checkpoint(ckpt: str, out: str) -> None:
@@ -199,6 +205,8 @@ def on_four(case: str, base: str) -> object:
     out = os.path.join(base, case)
     if case == "tp2-dp2-sp":
         return run_train(2, f"{out}/xla", DP2_SP)
+    if case == "pp2-tp2-sp":
+        return run_train(2, f"{out}/xla", PP2_SP, pp=2)
     if case == "qwen3-tp4":
         _copy_checkpoint(f"{base}/qwen3/xla/checkpoints/step-00000004", out)
         return run_train(4, out, QWEN3)
