@@ -28,7 +28,7 @@ from slot_trace import (
     run_schedule,
 )
 
-LONG = 1536  # prompt tokens of the long request
+LONG = 640  # prompt tokens of the long request (3 prefill chunks, the last partial)
 MAX_LEN = LONG + 16
 
 
@@ -40,8 +40,8 @@ def _preset(name: str = "tiny-llama"):
 
 # tp, model builder, slot positions, schedule requests (seed, n, max prompt, max new)
 CASES = {
-    "tp2_kv1": (2, kv1_llama, MAX_LEN, (11, 8, 40, 6)),
-    "tp4_kv2": (4, _preset, 64, (12, 8, 40, 6)),
+    "tp2_kv1": (2, kv1_llama, MAX_LEN, (11, 5, 40, 6)),
+    "tp4_kv2": (4, _preset, 64, (12, 5, 40, 6)),
 }
 
 

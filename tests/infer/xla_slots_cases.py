@@ -49,7 +49,7 @@ def serve_trace(tp: int, n_requests: int, seed: int) -> dict:
     return {"tokens": tokens, "counts": counts, "split": split}
 
 
-SPLIT_LONG = 1024  # the long prompt of the sequence-split case
+SPLIT_LONG = 512  # the long prompt of the sequence-split case (2 prefill chunks)
 
 
 def _split_long(mesh, barrier) -> dict:
