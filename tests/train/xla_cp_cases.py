@@ -45,4 +45,5 @@ def recipe_options() -> list[str]:
 def on_devices(case: str, base: str) -> object:
     assert case == "recipe", case
     _, *options = recipe_options()
-    return run_train(2, os.path.join(base, case), [*options, "--save-every", "0"], cp=2)
+    # its own output dir: the gloo run of the same case writes (and would resume) {base}/recipe
+    return run_train(2, os.path.join(base, f"xla-{case}"), [*options, "--save-every", "0"], cp=2)
