@@ -135,6 +135,60 @@ def test_shared_prefix_trace_equals_transformers_tp1(full, blocks):
     assert (stats.evictions > 0) == (blocks == 5), stats
 
 
+@pytest.mark.parametrize("proposer", ["draft", "ngram"])
+def test_speculation_composes_with_the_cache_tp1(full, proposer):
+    """Speculative decoding (a draft model, its KV in a second part of the pool; n-gram
+    prompt lookup, its history from the hit's tokens) over a shared-prefix trace through an
+    evicting pool: greedy requests equal transformers; every request (seeded sampling too)
+    and the acceptance counts are the same with the cache as without."""
+    from neuron_tp import hf, init_mesh
+    from spec_models import first_layers
+
+    model = hf.parallelize(copy.deepcopy(full), init_mesh(tp=1)).eval()
+    draft = first_layers(full, 1) if proposer == "draft" else "ngram"
+    items = pc.make_trace(5, 24, cancel=0, vocab=256 if proposer == "draft" else 8)
+    runs = {}
+    for blocks in (5, None):
+        eng = pc.engine(model, blocks=blocks, draft=draft)
+        results = pc.serve_trace(eng, items)
+        st = eng.speculation()  # per row: the same whatever the batching (unlike st.steps)
+        runs[blocks] = ([r["tokens"] for r in results], (st.row_steps, st.accepted, st.tokens))
+        if blocks:
+            stats = eng.prefix_stats()
+            assert stats.hit_tokens > 0 and stats.evictions > 0, stats
+            pc.check_greedy(results, items, full)
+    print(proposer, runs[5][1])
+    assert runs[5] == runs[None]
+    _, (row_steps, accepted, _) = runs[5]
+    assert 0 < accepted < 3 * row_steps, runs[5][1]
+
+
+def test_ngram_history_holds_the_cached_prompt(full):
+    """A prefix hit skips the prefill of its blocks: the n-gram lookup's text still has them."""
+    from neuron_tp import hf, init_mesh
+    from neuron_tp.infer.ngram import NgramGenerator
+    from neuron_tp.infer.prefix_cache import PrefixCache
+    from neuron_tp.infer.sampling import Sampling
+
+    model = hf.parallelize(copy.deepcopy(full), init_mesh(tp=1)).eval()
+    gen = NgramGenerator(model, **ec.SHAPES, k=3)
+    prefix = PrefixCache(gen, blocks=4, block=pc.BLOCK, index=True)
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
+    for hits in (0, 2):
+        slot, plan = gen.acquire(), prefix.plan(prompt)
+        assert len(plan.hit) == hits, plan
+        filled = prefix.admit(gen, slot, plan, prompt)
+        while filled < len(prompt):
+            chunk = prompt[filled : filled + gen.chunk]
+            last = filled + len(chunk) == len(prompt)
+            first = gen.prefill(slot, chunk, filled, Sampling() if last else None)
+            filled += len(chunk)
+            prefix.prefilled(gen, slot, filled)
+        assert gen.history(slot) == prompt + [first]
+        gen.release(slot)
+        prefix.end(slot)
+
+
 def test_shared_prefix_trace_tp2_gloo():
     gloo_dist.run_case(pc.tp2_gloo, "trace", cases=["trace"], world_size=2)
 
