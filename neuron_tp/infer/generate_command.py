@@ -11,6 +11,7 @@ from ..job.config import GenerateConfig
 from ..parallel.sharding import move_to
 from .load import eos_ids, load_for_generation
 from .sampling import Sampling
+from .speculation_setup import check_speculation_options, speculating_generator, speculation_method
 from .static_generator import Generator
 from .text import Detokenizer
 
@@ -31,10 +32,7 @@ def run_cli(args: GenerateConfig | argparse.Namespace) -> list[str]:
             prompts += [ln for ln in read_text(config.prompts_file).split("\n") if ln.strip()]
         if not prompts:
             raise UserError("no prompts: pass --prompt TEXT (repeatable) or --prompts-file FILE")
-        if config.draft_model:
-            from .load import check_draft
-
-            check_draft(config, max(config.buckets) + config.max_new_tokens)
+        check_speculation_options(config, max(config.buckets) + config.max_new_tokens)
         agree.values = config.option_values()
         agree.values.update({"prompts": prompts, "library versions": agreement.versions()})
     device = rank_device(config.device)
@@ -44,7 +42,7 @@ def run_cli(args: GenerateConfig | argparse.Namespace) -> list[str]:
     pad = getattr(tok, "pad_token_id", None) or 0
     sampling = Sampling(config.do_sample, config.temperature, config.top_k, config.seed)
     stops = [] if config.ignore_eos else eos_ids(model, tok)
-    if config.draft_model:
+    if speculation_method(config):
         return _speculate(config, model, tok, mesh, prompts, sampling=sampling, eos=stops)
     gen = Generator(
         model, config.buckets, config.max_new_tokens, batch_buckets=config.batch_buckets, pad_id=pad
@@ -93,24 +91,19 @@ def _run_batch(gen, tok, prompts, *, config, sampling, eos, show: bool) -> list[
 
 
 def _speculate(config, model, tok, mesh, prompts, *, sampling, eos) -> list[str]:
-    """``--draft-model``: the prompts on the slots of a
-    :class:`~.speculative.SpeculativeGenerator` (``max(--batch-buckets)`` at once; a sampled
+    """``--draft-model`` / ``--speculation-method``: the prompts on the slots of a
+    :class:`~.speculative.VerifyingGenerator` (``max(--batch-buckets)`` at once; a sampled
     prompt ``i`` seeded ``--seed + i``); prints as :func:`_run_batch` plus the acceptance."""
-    from ..job.runtime import rank_device
-    from .load import draft_config
     from .schedule import Admission, Delta, Failed, Lease, Request
     from .slot_rows import SlotRows
-    from .speculative import SpeculativeGenerator
 
-    draft, _ = load_for_generation(draft_config(config), mesh)
-    move_to(draft, rank_device(config.device))
+    make, extra = speculating_generator(config, mesh)
     max_len, chunk = max(config.buckets) + config.max_new_tokens, max(config.buckets)
-    gen = SpeculativeGenerator(
+    gen = make(
         model,
-        draft,
-        config.batch_buckets[-1],
-        max_len,
-        k=config.speculation_length,
+        slots=config.batch_buckets[-1],
+        max_len=max_len,
+        **extra,
         chunk=chunk,
         prefill_buckets=config.buckets,
         decode_buckets=config.batch_buckets,
@@ -152,7 +145,7 @@ def _speculate(config, model, tok, mesh, prompts, *, sampling, eos) -> list[str]
         for p, t in zip(prompts, texts):
             print(f"{p!r} -> {t!r}")
         print(
-            f"speculative decoding (k={st.k}): {st.accepted}/{st.proposed} draft tokens "
+            f"speculative decoding (k={st.k}): {st.accepted}/{st.proposed} proposed tokens "
             f"accepted ({st.acceptance:.0%}), {st.tokens_per_step:.2f} tokens per slot and "
             f"model step, {st.tokens} tokens in {elapsed * 1e3:.0f} ms"
         )

@@ -105,8 +105,7 @@ def test_refusals_name_what_is_valid():
         return ServeConfig.from_args(serve_parser().parse_args(list(argv)))
 
     assert config().prefix_cache_on and not config("--no-prefix-caching").prefix_cache_on
-    assert not config("--draft-model", "d").prefix_cache_on  # the draft's cache is not pooled
-    assert config("--draft-model", "d", "--prefix-caching").prefix_caching  # refused by serve
+    assert config("--draft-model", "d").prefix_cache_on  # the draft's KV pooled too
 
 
 # -- the engine -------------------------------------------------------------------------------
