@@ -192,19 +192,37 @@ def test_shared_prefix_trace_tp2_gloo():
     gloo_dist.run_case(pc.tp2_gloo, "trace", cases=["trace"], world_size=2)
 
 
-@pytest.mark.parametrize("case", ["tp1", "tp2_int8"])
-def test_shared_prefix_trace_on_xla_devices_compiles_nothing_after_warmup(case):
+@pytest.fixture(scope="module")
+def tp2_cases():
+    """The tp 2 cases of prefix_xla_cases in one launch on 2 XLA CPU devices."""
     import prefix_xla_cases
 
     import xla_dist
 
-    ranks = xla_dist.run(prefix_xla_cases.job, case, devices=1 if case == "tp1" else 2)
+    return xla_dist.run_cases(prefix_xla_cases.job, ["tp2_int8", "tp2_draft"], devices=2)
+
+
+@pytest.mark.parametrize("case", ["tp1", "tp2_int8", "tp2_draft"])
+def test_shared_prefix_trace_on_xla_devices_compiles_nothing_after_warmup(case, request):
+    """(tp2_draft: the model drafting for itself accepts every proposal only if the draft's
+    KV of every hit was copied from the pool as well.)"""
+    import prefix_xla_cases
+
+    import xla_dist
+
+    if case == "tp1":
+        ranks = xla_dist.run(prefix_xla_cases.job, case, devices=1)
+    else:
+        ranks = request.getfixturevalue("tp2_cases").get(case)
     r0 = ranks[0]
     for r in ranks:
         assert r["traces"][0] == r["traces"][1] > 0, r
     assert r0["compiles"][0] == r0["compiles"][1], r0
     assert r0["stats"]["hit_tokens"] > 0, r0
-    assert (r0["stats"]["evictions"] > 0) == (case == "tp2_int8"), r0
+    assert (r0["stats"]["evictions"] > 0) == (case != "tp1"), r0
+    if case == "tp2_draft":
+        spec = r0["speculation"]
+        assert spec["accepted"] == spec["proposed"] > 0, spec
 
 
 def test_metrics_show_the_prefix_cache(full):
