@@ -5,7 +5,9 @@ the first scaled by ``--damp`` 0.07, so that, as in a trained model, its first l
 much of the prediction) and drafts made of its first layer (and
 2 layers: ``--two-layers``) + its head (no training: they agree with the target only as far
 as its first layers decide), and the target itself as its own draft (every proposal
-accepted: the upper bound of K + 1 tokens per target step). Per number of running slots
+accepted: the upper bound of K + 1 tokens per target step), and n-gram prompt lookup (no
+draft: ``NgramGenerator``, ``--prompt-lookup-max`` 4 / min 1; it pays where outputs repeat,
+as a random model's greedy loops do). Per number of running slots
 (1, 4, 8): greedy requests, each decoding ``--tokens`` tokens; tokens per target step (per
 slot) and wall ms per token of one request (wall time / tokens per slot, best of 3), plain
 SlotGenerator vs SpeculativeGenerator, after an untimed run of each size captured its graphs
@@ -94,6 +96,7 @@ def main() -> None:
     p.add_argument("--two-layers", action="store_true", help="also a draft of 2 layers")
     args = p.parse_args()
     import neuron_tp as ntp
+    from neuron_tp.infer.ngram import NgramGenerator
     from neuron_tp.infer.slot_generator import SlotGenerator
     from neuron_tp.infer.speculative import SpeculativeGenerator
 
@@ -110,6 +113,7 @@ def main() -> None:
         ("self-draft (bound)", target),
     ):
         gens[name] = SpeculativeGenerator(target, draft, max(sizes), k=args.k, **shape)
+    gens["ngram (no draft)"] = NgramGenerator(target, max(sizes), k=args.k, **shape)
     print(f"target L={args.layers}, K={args.k}, greedy, {args.tokens} tokens per request")
     print(f"{'slots':>5} {'path':<20} {'tokens/target step':>18} {'ms/token':>9} {'accepted':>9}")
     for n in sizes:

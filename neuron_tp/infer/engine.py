@@ -172,10 +172,10 @@ class Engine:
 
     def speculation(self):
         """The :class:`~.speculative.SpeculationStats` of a speculative generator (None: no
-        draft model, or none attached yet)."""
-        from .speculative import SpeculativeGenerator
+        speculation, or no generator attached yet)."""
+        from .speculative import VerifyingGenerator
 
-        return self.gen.stats if isinstance(self.gen, SpeculativeGenerator) else None
+        return self.gen.stats if isinstance(self.gen, VerifyingGenerator) else None
 
     def slots_in_use(self) -> int:
         """Requests holding a slot (prefilling or decoding)."""

@@ -11,6 +11,7 @@ from ..job.config import GenerateConfig
 from ..parallel.sharding import move_to
 from .load import eos_ids, load_for_generation
 from .sampling import Sampling
+from .speculation_setup import check_speculation_options, speculating_generator, speculation_method
 from .static_generator import Generator
 from .text import Detokenizer
 
@@ -31,13 +32,11 @@ def run_cli(args: GenerateConfig | argparse.Namespace) -> list[str]:
             prompts += [ln for ln in read_text(config.prompts_file).split("\n") if ln.strip()]
         if not prompts:
             raise UserError("no prompts: pass --prompt TEXT (repeatable) or --prompts-file FILE")
-        if config.draft_model:
-            from .load import check_draft
-
-            check_draft(config, max(config.buckets) + config.max_new_tokens)
+        check_speculation_options(config, max(config.buckets) + config.max_new_tokens)
         from .kv_split import check_mode
 
-        check_mode(config.kv_split, "--draft-model" if config.draft_model else None)
+        speculating = "speculative decoding (--draft-model / --speculation-method ngram)"
+        check_mode(config.kv_split, speculating if speculation_method(config) else None)
         agree.values = config.option_values()
         agree.values.update({"prompts": prompts, "library versions": agreement.versions()})
     device = rank_device(config.device)
@@ -47,7 +46,7 @@ def run_cli(args: GenerateConfig | argparse.Namespace) -> list[str]:
     pad = getattr(tok, "pad_token_id", None) or 0
     sampling = Sampling(config.do_sample, config.temperature, config.top_k, config.seed)
     stops = [] if config.ignore_eos else eos_ids(model, tok)
-    if config.draft_model:
+    if speculation_method(config):
         return _speculate(config, model, tok, mesh, prompts, sampling=sampling, eos=stops)
     from .kv_split import resolve
 
@@ -130,25 +129,18 @@ def _slot_args(config, tok) -> dict:
 
 
 def _speculate(config, model, tok, mesh, prompts, *, sampling, eos) -> list[str]:
-    """``--draft-model``: the prompts on the slots of a
-    :class:`~.speculative.SpeculativeGenerator` (``max(--batch-buckets)`` at once; a sampled
+    """``--draft-model`` / ``--speculation-method``: the prompts on the slots of a
+    :class:`~.speculative.VerifyingGenerator` (``max(--batch-buckets)`` at once; a sampled
     prompt ``i`` seeded ``--seed + i``); prints as :func:`_run_batch` plus the acceptance."""
-    from ..job.runtime import rank_device
-    from .load import draft_config
-    from .speculative import SpeculativeGenerator
-
-    draft, _ = load_for_generation(draft_config(config), mesh)
-    move_to(draft, rank_device(config.device))
-    args = _slot_args(config, tok)
-    slots, max_len = args.pop("slots"), args.pop("max_len")
-    gen = SpeculativeGenerator(model, draft, slots, max_len, k=config.speculation_length, **args)
+    make, extra = speculating_generator(config, mesh)
+    gen = make(model, **_slot_args(config, tok), **extra)
     texts, elapsed = _on_slots(gen, tok, prompts, config=config, sampling=sampling, eos=eos)
     st = gen.stats
     if mesh.rank == 0:
         for p, t in zip(prompts, texts):
             print(f"{p!r} -> {t!r}")
         print(
-            f"speculative decoding (k={st.k}): {st.accepted}/{st.proposed} draft tokens "
+            f"speculative decoding (k={st.k}): {st.accepted}/{st.proposed} proposed tokens "
             f"accepted ({st.acceptance:.0%}), {st.tokens_per_step:.2f} tokens per slot and "
             f"model step, {st.tokens} tokens in {elapsed * 1e3:.0f} ms"
         )

@@ -9,7 +9,10 @@ copied into the slot of every later request whose prompt starts with the same to
   the host index (:class:`PrefixIndex`: key -> pool block, reference counts, LRU eviction) and
   decides, per admitted request, a :class:`PrefixPlan` sent in the lease: the pool blocks to copy
   into the slot (hits) and the pool blocks its next full blocks are written to once prefilled.
-- Two fixed-shape graphs, captured like the model's steps: *load* copies up to ``per_call``
+- With a draft model (:class:`~.speculative.SpeculativeGenerator`) the pool has a second part,
+  the draft's layers, for the same blocks: one plan (the same block ids, reference counts and
+  LRU) copies both, so a hit skips the draft's prefill too.
+- Two fixed-shape graphs per part, captured like the model's steps: *load* copies up to ``per_call``
   blocks (ids and counts are data) pool -> slot rows; *store* copies up to ``per_call`` blocks
   slot rows -> pool. ``per_call = chunk // block``: one store per prefill chunk.
 - A hit covers at most ``(len(prompt) - 1) // block`` blocks: the last prompt token is always
@@ -25,6 +28,7 @@ import hashlib
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -180,26 +184,30 @@ class PrefixIndex:
         return b
 
 
-def pool_bytes_per_block(model, block: int) -> int:
-    """Device bytes of one block of every layer's keys and values on this rank."""
+def pool_bytes_per_block(model, block: int, draft=None) -> int:
+    """Device bytes of one block of every layer's keys and values on this rank (and of the
+    ``draft`` model's layers: its part of the pool)."""
     from .slot_cache import kv_shapes
 
     size = 0
-    for heads, dim, dtype in kv_shapes(model):
-        size += 2 * heads * block * dim * torch.empty((), dtype=dtype).element_size()
+    for m in (model,) if draft is None else (model, draft):
+        for heads, dim, dtype in kv_shapes(m):
+            size += 2 * heads * block * dim * torch.empty((), dtype=dtype).element_size()
     return size
 
 
-def pool_blocks(model, *, block: int, blocks: int, budget_mib: float, default: int) -> int:
-    """The pool size: ``blocks``, else what ``budget_mib`` holds (the scratch block counted;
-    UserError below one usable block), else ``default``."""
+def pool_blocks(
+    model, *, block: int, blocks: int, budget_mib: float, default: int, draft=None
+) -> int:
+    """The pool size: ``blocks``, else what ``budget_mib`` holds (the scratch block and the
+    ``draft``'s part counted; UserError below one usable block), else ``default``."""
     if blocks and budget_mib:
         raise UserError("give --prefix-cache-blocks or --prefix-cache-mib, not both")
     if blocks:
         return blocks
     if not budget_mib:
         return default
-    per = pool_bytes_per_block(model, block)
+    per = pool_bytes_per_block(model, block, draft)
     fit = int(budget_mib * 2**20 // per) - 1
     if fit < 1:
         raise UserError(
@@ -212,8 +220,9 @@ def pool_blocks(model, *, block: int, blocks: int, budget_mib: float, default: i
 
 class PrefixCache:
     """One rank's prefix cache for the slots of ``gen`` (a SlotGenerator): the device pool of
-    ``blocks`` blocks of ``block`` tokens and the load / store graphs; rank 0 (``index``) also
-    the host index. ``block`` must divide ``gen.chunk``."""
+    ``blocks`` blocks of ``block`` tokens, a part per cache of ``gen.cache_parts()`` (the model's;
+    a draft's too), and the load / store graphs; rank 0 (``index``) also the host index.
+    ``block`` must divide ``gen.chunk``."""
 
     def __init__(self, gen, *, blocks: int, block: int, index: bool):
         from .slot_cache import kv_shapes
@@ -224,10 +233,13 @@ class PrefixCache:
             raise UserError(f"the prefix block {block} must divide the chunk {gen.chunk}")
         self.block, self.blocks, self.per_call = block, blocks, gen.chunk // block
         self.index = PrefixIndex(blocks, block) if index else None
-        self.pool = [
-            torch.zeros(blocks + 1, heads, block, dim, dtype=dtype).to(gen.device)
-            for heads, dim, dtype in kv_shapes(gen.model)
-            for _ in range(2)
+        self.pools = [
+            [
+                torch.zeros(blocks + 1, heads, block, dim, dtype=dtype).to(part.device)
+                for heads, dim, dtype in kv_shapes(part.model)
+                for _ in range(2)
+            ]
+            for part in gen.cache_parts()
         ]
         self._held: dict[int, list[int]] = {}  # rank 0: slot -> blocks it references
         self._plans: dict[int, PrefixPlan] = {}  # slot -> its plan
@@ -235,7 +247,7 @@ class PrefixCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.pool)
+        return sum(t.numel() * t.element_size() for pool in self.pools for t in pool)
 
     # -- rank 0 ------------------------------------------------------------------------------
     def plan(self, prompt: Sequence[int]) -> PrefixPlan:
@@ -247,19 +259,19 @@ class PrefixCache:
         return self.index.stats() if self.index is not None else None
 
     # -- every rank ----------------------------------------------------------------------------
-    def admit(self, gen, slot: int, plan: PrefixPlan, prompt_len: int) -> int:
-        """Copy ``plan``'s hits into ``slot`` (acquired, nothing prefilled); the prompt tokens
-        it now holds (ValueError if that would leave none to prefill)."""
+    def admit(self, gen, slot: int, plan: PrefixPlan, prompt: Sequence[int]) -> int:
+        """Copy ``plan``'s hits into ``slot`` (acquired, nothing prefilled) for ``prompt``; the
+        prompt tokens it now holds (ValueError if that would leave none to prefill)."""
         self._plans[slot], self._stored[slot] = plan, len(plan.hit)
         if self.index is not None:
             self._held[slot] = [*plan.hit, *plan.store]  # released by end() whatever happens
-        if len(plan.hit) * self.block >= prompt_len:
+        if len(plan.hit) * self.block >= len(prompt):
             raise ValueError(f"{len(plan.hit)} cached blocks leave no prompt token to prefill")
         for i in range(0, len(plan.hit), self.per_call):
             ids = plan.hit[i : i + self.per_call]
             self._copy(gen, "load", ids, slot, i * self.block)
         filled = len(plan.hit) * self.block
-        gen.mark_filled(slot, filled)
+        gen.mark_filled(slot, prompt[:filled])
         self._release(slot, plan.hit)
         return filled
 
@@ -301,20 +313,20 @@ class PrefixCache:
 
     def _copy(self, gen, kind: str, blocks: Sequence[int], slot: int, start: int) -> None:
         """Copy ``blocks`` (pool ids, at most ``per_call``) from / to ``slot``'s positions from
-        ``start`` on."""
+        ``start`` on, in every part of the pool."""
         ids = list(blocks) + [self.blocks] * (self.per_call - len(blocks))
-        dev = gen.device
-        args = [
-            torch.tensor(ids, dtype=torch.long).to(dev),
-            torch.tensor([slot, start, len(blocks)], dtype=torch.long).to(dev),
-            *self.pool,
-        ]
-        build = self._load_fn if kind == "load" else self._store_fn
-        out = gen.run_on_cache(
-            ("prefix", kind), lambda: build(gen.max_len), args, writes=kind == "load"
-        )
-        if kind == "store":
-            self.pool = out
+        for i, part in enumerate(gen.cache_parts()):
+            dev, pool = part.device, self.pools[i]
+            args = [
+                torch.tensor(ids, dtype=torch.long).to(dev),
+                torch.tensor([slot, start, len(blocks)], dtype=torch.long).to(dev),
+                *pool,
+            ]
+            build = self._load_fn if kind == "load" else self._store_fn
+            make = partial(build, part.max_len, len(pool))
+            out = part.run_on_cache(("prefix", kind), make, args, writes=kind == "load")
+            if kind == "store":
+                self.pools[i] = out
 
     def _positions(self, meta: torch.Tensor, scratch: int) -> torch.Tensor:
         """The slot positions a copy touches: ``start ..`` for its blocks, scratch after."""
@@ -322,9 +334,7 @@ class PrefixCache:
         valid = j < meta[2:3] * self.block
         return torch.where(valid, meta[1:2] + j, torch.full_like(j, scratch))
 
-    def _load_fn(self, scratch: int):
-        n = len(self.pool)
-
+    def _load_fn(self, scratch: int, n: int):
         def step(ids, meta, *rest):
             pool, kv = rest[:n], rest[n:]
             pos = self._positions(meta, scratch)[None]  # [1, Q]
@@ -337,8 +347,8 @@ class PrefixCache:
 
         return step
 
-    def _store_fn(self, scratch: int):
-        n, calls, block = len(self.pool), self.per_call, self.block
+    def _store_fn(self, scratch: int, n: int):
+        calls, block = self.per_call, self.block
 
         def step(ids, meta, *rest):
             pool, kv = rest[:n], rest[n:]

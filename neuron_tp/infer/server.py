@@ -29,6 +29,8 @@ from .limits import API_KEY_ENV, Guard, RequestError, ServeLimits, parse_json, r
 from .metrics import LOG, RequestTrace, ServerMetrics
 from .prefix_cache import PrefixCache, pool_blocks, resolve_block
 from .schedule import Delta, Done, Failed
+from .speculation_setup import check_speculation_options, speculating_generator
+from .speculative import SpeculativeGenerator
 
 PARSE_INLINE = 64 * 1024  # bytes: larger bodies are parsed on a worker thread
 RETRY_AFTER_S = 1  # the Retry-After of a 429 (queue full)
@@ -359,19 +361,10 @@ def serve(config, stop: threading.Event | None = None) -> None:
                 f"neuron-tp serve runs one server over its tp ranks: launch exactly --tp "
                 f"{config.tp} processes, got {world.size}"
             )
-        if config.draft_model:
-            from .load import check_draft
-
-            check_draft(config.generate_config(), max(config.buckets) + config.max_new_tokens)
+        check_speculation_options(config.generate_config(), _max_len(config))
         if world.rank == 0:
             import fastapi  # noqa: F401 - fail before loading a model
             import uvicorn  # noqa: F401
-        if config.prefix_caching and config.draft_model:
-            raise UserError(
-                "--prefix-caching with --draft-model: the prefix cache pools the model's KV "
-                "but not the draft's, so they do not compose yet; drop --prefix-caching "
-                "(speculation then runs without it) or --draft-model"
-            )
         if config.prefix_cache_on:
             resolve_block(config.prefix_block, _chunk(config))
         from .kv_split import check_mode
@@ -459,19 +452,12 @@ def _load(engine: Engine, config, mesh) -> None:
     split = resolve(
         config.kv_split, model.config, mesh.tp_size, refused_by=config.kv_split_refused_by
     )
-    make, extra = SlotGenerator, {}
-    if config.draft_model:  # speculative decoding: the draft loaded and placed like the model
-        from .load import draft_config
-        from .speculative import SpeculativeGenerator
-
-        draft, _ = load_for_generation(draft_config(config.generate_config()), mesh)
-        move_to(draft, rank_device(config.device))
-        make, extra = SpeculativeGenerator, {"draft": draft, "k": config.speculation_length}
-    gen = make(
+    make, extra = speculating_generator(config.generate_config(), mesh)
+    gen = (make or SlotGenerator)(
         model,
         **extra,
         slots=max(config.batch_buckets),
-        max_len=max(config.buckets) + config.max_new_tokens,
+        max_len=_max_len(config),
         chunk=chunk,
         prefill_buckets=sorted({b for b in config.buckets if b < chunk} | {chunk}),
         decode_buckets=config.batch_buckets,
@@ -489,6 +475,11 @@ def _load(engine: Engine, config, mesh) -> None:
     engine.warmup(every_shape=config.warmup == "all")
 
 
+def _max_len(config) -> int:
+    """Positions per slot: the longest prompt bucket and ``--max-new-tokens``."""
+    return max(config.buckets) + config.max_new_tokens
+
+
 def _chunk(config) -> int:
     """Prompt tokens prefilled per step: ``--prefill-chunk`` capped to the largest bucket."""
     return min(config.prefill_chunk, max(config.buckets))
@@ -499,8 +490,10 @@ def _prefix_cache(config, gen, rank0: bool) -> PrefixCache | None:
     if not config.prefix_cache_on:
         return None
     block = resolve_block(config.prefix_block, gen.chunk)
+    draft = gen.draft.model if isinstance(gen, SpeculativeGenerator) else None
     blocks = pool_blocks(
         gen.model,
+        draft=draft,
         block=block,
         blocks=config.prefix_cache_blocks,
         budget_mib=config.prefix_cache_mib,

@@ -232,13 +232,19 @@ class SlotGenerator(StepGraphsOwner):
         if start + n > self.max_len:
             raise ValueError(f"{n} tokens at {start} exceed the {self.max_len} positions")
 
-    def mark_filled(self, slot: int, n: int) -> None:
-        """``slot`` (acquired, nothing prefilled) holds its prompt's first ``n`` tokens already
-        (copied into its rows by :meth:`run_on_cache`): its next chunk starts at ``n``."""
+    def mark_filled(self, slot: int, tokens: Sequence[int]) -> None:
+        """``slot`` (acquired, nothing prefilled) holds its prompt's first ``tokens`` already
+        (their KV copied into its rows by :meth:`run_on_cache`): its next chunk starts after."""
+        n = len(tokens)
         busy = slot not in self.in_use or slot in self.active or self._filled[slot]
         if busy or n >= self.max_len:
             raise ValueError(f"slot {slot} must be acquired and empty, and {n} < {self.max_len}")
         self._filled[slot] = n
+
+    def cache_parts(self) -> list[SlotGenerator]:
+        """The generators whose slot caches hold a request's KV (:meth:`run_on_cache` on each):
+        this one (a speculative generator adds its draft's)."""
+        return [self]
 
     def run_on_cache(self, key: tuple, build, args: Sequence[torch.Tensor], *, writes: bool):
         """Run the step ``build()`` (captured once under ``key`` and replayed, like the model's)

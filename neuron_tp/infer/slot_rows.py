@@ -125,7 +125,7 @@ class SlotRows:
     def _load(self, row: Row, admission: Admission) -> None:
         """Copy the row's cached prompt blocks into its slot (a failure fails this request)."""
         try:
-            row.filled = self.prefix.admit(self.gen, row.slot, admission.prefix, len(row.prompt))
+            row.filled = self.prefix.admit(self.gen, row.slot, admission.prefix, row.prompt)
         except Exception as e:  # noqa: BLE001 - fails this request only
             self._fail(row, e)
 

@@ -19,6 +19,11 @@ shapes depend on ``K`` and the bucket only: the graph set is the target's prefil
 (greedy, sampled), the draft's (cache only) and one speculative graph per decode bucket
 (greedy, sampled), all captured by :meth:`SpeculativeGenerator.warmup`.
 
+The step itself is :class:`VerifyingGenerator`'s: only the proposer differs. Here it is the
+draft model; :class:`~.ngram.NgramGenerator` proposes from the slot's own text (prompt lookup)
+with the same verification and acceptance rule. With a prefix cache, the draft's cache is a
+part of the pool (:meth:`SpeculativeGenerator.cache_parts`): a hit skips the draft's prefill too.
+
 At tp > 1 the draft is sharded like the target over the same ranks, in the same graph: the
 logits of both are identical on every rank (gathered), so every rank accepts the same tokens
 and the engine's leases carry nothing new.
@@ -137,49 +142,21 @@ def check_speculation(k: int, max_len: int) -> None:
         )
 
 
-class SpeculativeGenerator(SlotGenerator):
-    """A :class:`SlotGenerator` of ``model`` whose :meth:`decode` speculates with
-    ``draft`` (a smaller causal LM of the same vocabulary, on the same device and tp ranks,
-    its cache in slot rows of its own): each call returns ``{slot: [1..k+1 tokens]}``. The
-    other arguments are :class:`SlotGenerator`'s; ``stats``: :class:`SpeculationStats`."""
+class VerifyingGenerator(SlotGenerator):
+    """A :class:`SlotGenerator` of ``model`` whose :meth:`decode` verifies ``k`` proposed
+    tokens per active slot in one graph and returns ``{slot: [1..k+1 tokens]}``; where the
+    proposals come from is the subclass's (:class:`SpeculativeGenerator`: a draft model in the
+    graph; :class:`~.ngram.NgramGenerator`: the slot's own text, on the host). The other
+    arguments are :class:`SlotGenerator`'s; ``stats``: :class:`SpeculationStats`."""
 
-    def __init__(self, model, draft, slots: int, max_len: int, *, k: int = DEFAULT_K, **kw):
+    n_noise = 3  # host draws per sampled step: the draft's noise, uniforms, final noise
+
+    def __init__(self, model, slots: int, max_len: int, *, k: int = DEFAULT_K, **kw):
         check_speculation(k, max_len)
         if kw.get("kv_split", "heads") != "heads":
             raise UserError("speculative decoding needs --kv-split heads (a by-heads KV cache)")
-        vocab = model.config.get_text_config(decoder=True).vocab_size
-        draft_vocab = draft.config.get_text_config(decoder=True).vocab_size
-        if vocab != draft_vocab:
-            raise UserError(
-                f"the draft model's vocabulary ({draft_vocab} tokens) differs from the target "
-                f"model's ({vocab}): speculation needs the same tokenizer and vocabulary"
-            )
         super().__init__(model, slots, max_len, **kw)
         self.k, self.stats = k, SpeculationStats(k)
-        kw = {n: v for n, v in kw.items() if n != "decode_buckets"}
-        self.draft = SlotGenerator(draft, slots, max_len, **kw)
-
-    @property
-    def traces(self) -> int:
-        """Captures of the target's graphs and the draft's prefill graphs (replay mode)."""
-        return self._graphs.traces + self.draft.traces
-
-    def acquire(self) -> int | None:
-        slot = super().acquire()
-        if slot is not None and self.draft.acquire() != slot:
-            raise RuntimeError(f"the draft's slots are out of step with the target's ({slot})")
-        return slot
-
-    def release(self, slot: int) -> None:
-        super().release(slot)
-        self.draft.release(slot)
-
-    def prefill(self, slot: int, tokens: Sequence[int], start: int, sampling=None) -> int | None:
-        """:meth:`SlotGenerator.prefill` of the target, then the same chunk into the draft's
-        cache (no token chosen there)."""
-        out = super().prefill(slot, tokens, start, sampling)
-        self.draft.prefill(slot, tokens, start)
-        return out
 
     def decode(self) -> dict[int, list[int]]:  # type: ignore[override]
         """One speculative step of every active slot: ``{slot: its new tokens}`` (1..k+1)."""
@@ -198,10 +175,10 @@ class SpeculativeGenerator(SlotGenerator):
         return out
 
     def warmup(self) -> None:
-        """Capture every graph: the target's prefill (greedy, sampled), the draft's prefill
-        (cache only) and the speculative step of each decode bucket (greedy, sampled)."""
+        """Capture every graph: the target's prefill (greedy, sampled), the proposer's and
+        the speculative step of each decode bucket (greedy, sampled)."""
         self.warmup_prefill()
-        self.draft.warmup_prefill((False,))
+        self._warmup_proposer()
         none = torch.zeros(self.slots, dtype=torch.bool).to(self.device)
         for bucket in self.decode_buckets:
             for sampled in (False, True):
@@ -209,12 +186,28 @@ class SpeculativeGenerator(SlotGenerator):
                 self._run_speculate(bucket, none, noise)
         self._active_dirty = True
 
+    # -- the proposer's part (subclasses) ---------------------------------------------------------
+    def _warmup_proposer(self) -> None:
+        """Capture the proposer's own graphs."""
+
+    def _proposer_inputs(self, bucket: int) -> list[torch.Tensor]:
+        """The speculative graph's inputs after the noise (the draft's cache, proposals...)."""
+        raise NotImplementedError
+
+    def _keep_proposer_outputs(self, outs: list[torch.Tensor]) -> None:
+        """Keep what the graph returned for the proposer (as many as its inputs)."""
+
+    def _propose(self, rows: _Rows, last, inputs, noise):
+        """In the graph: ``(proposed [B, K], the proposal distributions [B, K, V] when sampled
+        (else None), the proposer's outputs)``."""
+        raise NotImplementedError
+
     # -- device side ------------------------------------------------------------------------
     def _noise(self, bucket: int) -> list[torch.Tensor]:
         """The host draws of a sampled step, per sampled row from its own generator (in a fixed
-        order: K draft noises, K uniforms, the final token's noise): ``[bucket, K, V]``,
-        ``[bucket, K]``, ``[bucket, V]``, on the device."""
-        k, v = self.k, self.vocab
+        order: K draft noises when :attr:`n_noise` is 3, K uniforms, the final token's noise):
+        ``[bucket, K, V]``, ``[bucket, K]``, ``[bucket, V]``, on the device."""
+        k, v, draft_noise = self.k, self.vocab, self.n_noise == 3
         draft, uniform, final = (
             torch.ones(bucket, k, v),
             torch.zeros(bucket, k),
@@ -222,38 +215,43 @@ class SpeculativeGenerator(SlotGenerator):
         )
         for s, gen in self._gens.items():
             if s < bucket:
-                draft[s] = host_noise(gen, k, v)
+                if draft_noise:
+                    draft[s] = host_noise(gen, k, v)
                 uniform[s] = torch.rand(k, generator=gen)
                 final[s] = host_noise(gen, 1, v)[0]
-        return [t.to(self.device) for t in (draft, uniform, final)]
+        drawn = (draft, uniform, final) if draft_noise else (uniform, final)
+        return [t.to(self.device) for t in drawn]
 
     def _run_speculate(self, bucket: int, active, noise: list[torch.Tensor] | None):
         """Run the speculative graph of ``bucket``; returns ``[slots, k + 2]`` (accepted count,
-        then the row's tokens) and keeps the new state and both caches."""
+        then the row's tokens) and keeps the new state, the cache and the proposer's outputs."""
         sampled = noise is not None
-        n_draft = len(self.draft.kv)
-        args = [active, *self._state, *(noise or []), *self.draft.kv]
+        inputs = self._proposer_inputs(bucket)
+        args = [active, *self._state, *(noise or []), *inputs]
         out = self._run(
-            ("speculate", bucket, sampled), lambda: self._speculate_fn(bucket, sampled), args
+            ("speculate", bucket, sampled),
+            lambda: self._speculate_fn(bucket, sampled, len(inputs)),
+            args,
         )
         self._state = self._state._replace(tokens=out[1], pos=out[2])
-        self.draft.kv = out[3 : 3 + n_draft]
-        self._kv = out[3 + n_draft :]
+        n_out = len(out) - 3 - len(self._kv)
+        self._keep_proposer_outputs(out[3 : 3 + n_out])
+        self._kv = out[3 + n_out :]
         return out[0]
 
-    def _speculate_fn(self, bucket: int, sampled: bool):
-        n_state, n_draft, k = len(SlotState._fields), len(self.draft.kv), self.k
-        n_noise = 3 if sampled else 0
+    def _speculate_fn(self, bucket: int, sampled: bool, n_inputs: int):
+        n_state, k = len(SlotState._fields), self.k
+        n_noise = self.n_noise if sampled else 0
 
         def step(active, *rest):
             state = SlotState(*rest[:n_state])
             noise = rest[n_state : n_state + n_noise]
-            draft_kv = rest[n_state + n_noise : n_state + n_noise + n_draft]
-            kv = rest[n_state + n_noise + n_draft :]
+            inputs = rest[n_state + n_noise : n_state + n_noise + n_inputs]
+            kv = rest[n_state + n_noise + n_inputs :]
             b = slice(0, bucket)
             rows = _Rows(active[b], state.pos[b], *(t[b] for t in state[2:]))
             last = state.tokens[b]
-            proposed, q, draft_out = self._propose(rows, last, draft_kv, noise)
+            proposed, q, proposer_out = self._propose(rows, last, inputs, noise)
             logits, target_out = self._verify(rows, last, proposed, kv)
             verdict = accept_greedy(proposed, logits)
             if sampled:
@@ -262,7 +260,7 @@ class SpeculativeGenerator(SlotGenerator):
                     rows.temperature.repeat_interleave(k + 1),
                     rows.top_k.repeat_interleave(k + 1),
                 ).view(logits.shape)
-                drawn = accept_sampled(proposed, p, q, noise[1], noise[2])
+                drawn = accept_sampled(proposed, p, q, noise[-2], noise[-1])
                 verdict = Verdict(
                     torch.where(rows.sample, drawn.accepted, verdict.accepted),
                     torch.where(rows.sample[:, None], drawn.tokens, verdict.tokens),
@@ -276,28 +274,11 @@ class SpeculativeGenerator(SlotGenerator):
                 torch.cat([packed, rest_rows.to(packed.device)]),
                 torch.cat([new_last, state.tokens[bucket:]]),
                 torch.cat([rows.pos + torch.where(rows.active, n + 1, 0), state.pos[bucket:]]),
-                *draft_out,
+                *proposer_out,
                 *target_out,
             ]
 
         return step
-
-    def _propose(self, rows: _Rows, last, draft_kv, noise):
-        """K draft tokens per row (sampled rows draw with ``noise[0]``) and, when sampled,
-        the draft's distributions [B, K, V]; then one more step writes the K-th token's keys."""
-        model, k = self.draft.model, self.k
-        kv, token, proposed, probs = list(draft_kv), last, [], []
-        for i in range(k + 1):
-            logits, kv = self._forward(model, rows, token[:, None], kv, i)
-            if i == k:
-                break
-            token = logits[:, -1].argmax(-1)
-            if noise:
-                q = row_probs(logits[:, -1], rows.temperature, rows.top_k)
-                token = torch.where(rows.sample, (q / noise[0][:, i]).argmax(-1), token)
-                probs.append(q)
-            proposed.append(token)
-        return torch.stack(proposed, 1), torch.stack(probs, 1) if probs else None, kv
 
     def _verify(self, rows: _Rows, last, proposed, kv):
         """The target's logits [B, K+1, V] at the row's last token and its K proposals."""
@@ -326,6 +307,82 @@ class SpeculativeGenerator(SlotGenerator):
             **no_aux_outputs(model.config),
         )
         return out.logits, cache.tensors()
+
+
+class SpeculativeGenerator(VerifyingGenerator):
+    """A :class:`VerifyingGenerator` whose proposals come from ``draft`` (a smaller causal LM
+    of the same vocabulary, on the same device and tp ranks, its cache in slot rows of its
+    own), run in the speculative graph."""
+
+    def __init__(self, model, draft, slots: int, max_len: int, *, k: int = DEFAULT_K, **kw):
+        vocab = model.config.get_text_config(decoder=True).vocab_size
+        draft_vocab = draft.config.get_text_config(decoder=True).vocab_size
+        if vocab != draft_vocab:
+            raise UserError(
+                f"the draft model's vocabulary ({draft_vocab} tokens) differs from the target "
+                f"model's ({vocab}): speculation needs the same tokenizer and vocabulary"
+            )
+        super().__init__(model, slots, max_len, k=k, **kw)
+        kw = {n: v for n, v in kw.items() if n != "decode_buckets"}
+        self.draft = SlotGenerator(draft, slots, max_len, **kw)
+
+    @property
+    def traces(self) -> int:
+        """Captures of the target's graphs and the draft's (replay mode)."""
+        return self._graphs.traces + self.draft.traces
+
+    def cache_parts(self) -> list[SlotGenerator]:
+        """The target's cache and the draft's (a prefix cache pools both)."""
+        return [self, self.draft]
+
+    def acquire(self) -> int | None:
+        slot = super().acquire()
+        if slot is not None and self.draft.acquire() != slot:
+            raise RuntimeError(f"the draft's slots are out of step with the target's ({slot})")
+        return slot
+
+    def release(self, slot: int) -> None:
+        super().release(slot)
+        self.draft.release(slot)
+
+    def mark_filled(self, slot: int, tokens: Sequence[int]) -> None:
+        """Both caches of ``slot`` hold ``tokens`` already (a prefix cache copied them)."""
+        super().mark_filled(slot, tokens)
+        self.draft.mark_filled(slot, tokens)
+
+    def prefill(self, slot: int, tokens: Sequence[int], start: int, sampling=None) -> int | None:
+        """:meth:`SlotGenerator.prefill` of the target, then the same chunk into the draft's
+        cache (no token chosen there)."""
+        out = super().prefill(slot, tokens, start, sampling)
+        self.draft.prefill(slot, tokens, start)
+        return out
+
+    # -- the draft ------------------------------------------------------------------------------
+    def _warmup_proposer(self) -> None:
+        self.draft.warmup_prefill((False,))
+
+    def _proposer_inputs(self, bucket: int) -> list[torch.Tensor]:
+        return list(self.draft.kv)
+
+    def _keep_proposer_outputs(self, outs: list[torch.Tensor]) -> None:
+        self.draft.kv = outs
+
+    def _propose(self, rows: _Rows, last, draft_kv, noise):
+        """K draft tokens per row (sampled rows draw with ``noise[0]``) and, when sampled,
+        the draft's distributions [B, K, V]; then one more step writes the K-th token's keys."""
+        model, k = self.draft.model, self.k
+        kv, token, proposed, probs = list(draft_kv), last, [], []
+        for i in range(k + 1):
+            logits, kv = self._forward(model, rows, token[:, None], kv, i)
+            if i == k:
+                break
+            token = logits[:, -1].argmax(-1)
+            if noise:
+                q = row_probs(logits[:, -1], rows.temperature, rows.top_k)
+                token = torch.where(rows.sample, (q / noise[0][:, i]).argmax(-1), token)
+                probs.append(q)
+            proposed.append(token)
+        return torch.stack(proposed, 1), torch.stack(probs, 1) if probs else None, kv
 
 
 class _Rows(NamedTuple):

@@ -422,7 +422,14 @@ _DRAFT_HELP = (
     "--speculation-length tokens per slot and step; the model verifies them all in one "
     "forward (greedy: the same tokens as without a draft; sampled: the same distribution)"
 )
-_SPECULATION_HELP = "with --draft-model: draft tokens proposed per slot and step (K)"
+_SPECULATION_HELP = (
+    "with --draft-model or --speculation-method ngram: tokens proposed per slot and step (K)"
+)
+_METHOD_HELP = (
+    "where proposals come from: draft (--draft-model; the default with one) or ngram (no "
+    "second model: the tokens that followed the last --prompt-lookup-max..min tokens' most "
+    "recent earlier occurrence in the request's own prompt and output; for repetitive text)"
+)
 
 
 def _draft_model():  # None: no speculation (neuron_tp.infer.speculative)
@@ -444,6 +451,21 @@ _KV_SPLIT_HELP = (
 
 def _kv_split():  # neuron_tp.infer.kv_split
     return opt("--kv-split", "auto", _KV_SPLIT_HELP, choices=("auto", "heads", "sequence"))
+
+
+def _speculation_method():  # None: "draft" with --draft-model, else no speculation
+    return opt("--speculation-method", None, _METHOD_HELP, choices=("draft", "ngram"))
+
+
+def _prompt_lookup(bound: str, default: int):  # neuron_tp.infer.ngram
+    return opt(
+        f"--prompt-lookup-{bound}",
+        default,
+        f"with --speculation-method ngram: the {'longest' if bound == 'max' else 'shortest'} "
+        "suffix of a request's text looked up",
+        type=pos(int),
+        metavar="N",
+    )
 
 
 @dataclass(frozen=True)
@@ -468,6 +490,9 @@ class GenerateConfig(_CommonConfig):
     draft_model: str | None = _draft_model()
     speculation_length: int = _speculation_length()
     kv_split: str = _kv_split()
+    speculation_method: str | None = _speculation_method()
+    prompt_lookup_max: int = _prompt_lookup("max", 4)
+    prompt_lookup_min: int = _prompt_lookup("min", 1)
     do_sample: bool = opt("--do-sample", False, action="store_true")
     temperature: float = opt("--temperature", 1.0, type=pos(float))
     top_k: int = opt("--top-k", 0, "0 = no top-k filter", type=non_negative(int))
@@ -510,6 +535,9 @@ class ServeConfig(_CommonConfig):
     draft_model: str | None = _draft_model()
     speculation_length: int = _speculation_length()
     kv_split: str = _kv_split()
+    speculation_method: str | None = _speculation_method()
+    prompt_lookup_max: int = _prompt_lookup("max", 4)
+    prompt_lookup_min: int = _prompt_lookup("min", 1)
     prefill_chunk: int = opt(  # longer prompts: several steps
         "--prefill-chunk",
         256,
@@ -521,8 +549,8 @@ class ServeConfig(_CommonConfig):
         "--prefix-caching",
         None,
         "copy the KV of prompt blocks computed before (same tokens from the start) into a "
-        "new request's slot instead of prefilling them again (tokens unchanged); default: "
-        "on, off with --draft-model (the draft's cache is not pooled) or --kv-split sequence",
+        "new request's slot instead of prefilling them again (tokens unchanged; with "
+        "--draft-model the draft's KV too); default: on, off with --kv-split sequence",
         action=argparse.BooleanOptionalAction,
     )
     prefix_block: int = opt(  # 0: the largest divisor of the chunk <= 32
@@ -588,17 +616,17 @@ class ServeConfig(_CommonConfig):
 
     @property
     def prefix_cache_on(self) -> bool:
-        """Whether the server caches prompt blocks (``--prefix-caching``, by default unless a
-        draft model speculates, its cache not pooled, or the KV cache is split by sequence)."""
+        """Whether the server caches prompt blocks (``--prefix-caching``, by default unless
+        the KV cache is split by sequence)."""
         if self.prefix_caching is not None:
             return self.prefix_caching
-        return not self.draft_model and self.kv_split != "sequence"
+        return self.kv_split != "sequence"
 
     @property
     def kv_split_refused_by(self) -> str | None:
         """What keeps the KV cache from splitting by sequence (None: nothing)."""
-        if self.draft_model:
-            return "--draft-model (speculative decoding: the draft's cache)"
+        if self.draft_model or self.speculation_method:
+            return "speculative decoding (--draft-model / --speculation-method ngram)"
         return "the prefix cache (--prefix-caching)" if self.prefix_cache_on else None
 
     def generate_config(self) -> GenerateConfig:

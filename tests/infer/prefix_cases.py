@@ -13,11 +13,13 @@ import engine_cases as ec
 BLOCK = 4  # tokens per cached block: divides ec.CHUNK (8), two blocks per copy call
 
 
-def make_trace(seed: int, n: int, cancel: float = 0.1) -> list[dict]:
+def make_trace(seed: int, n: int, cancel: float = 0.1, vocab: int = 256) -> list[dict]:
+    """``n`` requests (``cancel``: the share cancelled by their client) of token ids
+    ``1..vocab-1`` (a small ``vocab``: repetitive text)."""
     rng = random.Random(seed)
 
     def words(k: int) -> list[int]:
-        return [rng.randrange(1, 256) for _ in range(k)]
+        return [rng.randrange(1, vocab) for _ in range(k)]
 
     systems = [words(12), words(9), words(5)]
     history: list[list[int]] = []
@@ -46,17 +48,25 @@ def make_trace(seed: int, n: int, cancel: float = 0.1) -> list[dict]:
     return items
 
 
-def engine(model, group=None, *, blocks: int | None, rank0: bool = True, **kw):
+def engine(model, group=None, *, blocks: int | None, rank0: bool = True, draft=None, **kw):
     """An Engine over ``model`` with ec.SHAPES slots and a prefix cache of ``blocks`` blocks
-    (None: no prefix caching)."""
+    (None: no prefix caching); ``draft``: plain decoding (None), a draft model (speculation
+    with K=3, its KV pooled too) or ``"ngram"`` (prompt lookup, K=3)."""
     from neuron_tp.infer.engine import Engine
+    from neuron_tp.infer.ngram import NgramGenerator
     from neuron_tp.infer.prefix_cache import PrefixCache
     from neuron_tp.infer.slot_generator import SlotGenerator
+    from neuron_tp.infer.speculative import SpeculativeGenerator
     from neuron_tp.job.data import ByteTokenizer
 
     replay = kw.pop("replay", True)
     eng = Engine(group, **kw)
-    gen = SlotGenerator(model, **ec.SHAPES, replay=replay)
+    if draft is None:
+        gen = SlotGenerator(model, **ec.SHAPES, replay=replay)
+    elif draft == "ngram":
+        gen = NgramGenerator(model, **ec.SHAPES, k=3, replay=replay)
+    else:
+        gen = SpeculativeGenerator(model, draft, **ec.SHAPES, k=3, replay=replay)
     prefix = None
     if blocks is not None:
         prefix = PrefixCache(gen, blocks=blocks, block=BLOCK, index=rank0)
@@ -71,6 +81,13 @@ def serve_trace(eng, items: list[dict]) -> list[dict]:
         return ec.drive(eng, items)
     finally:
         eng.shutdown(60)
+
+
+def check_greedy(results: list[dict], items: list[dict], full) -> None:
+    """Every greedy request equals transformers' greedy ``generate`` (plain decoding) alone."""
+    greedy = [i for i, it in enumerate(items) if it["sampling"] is None]
+    refs = [ec.reference(full, items[i]) for i in greedy]
+    ec.check([results[i] for i in greedy], [items[i] for i in greedy], refs)
 
 
 def tp2_gloo(case: str) -> None:

@@ -5,7 +5,9 @@ transformers alone, no graph compiled or traced while serving.
 
 - ``tp1``: one device, a pool large enough for the trace;
 - ``tp2_int8``: tp=2 with int8 weights, a pool smaller than the working set (evictions); the
-  reference is transformers on the dequantized-int8 weights (tests/helpers/int8_reference.py).
+  reference is transformers on the dequantized-int8 weights (tests/helpers/int8_reference.py);
+- ``tp2_draft``: tp=2, speculative decoding with the model as its own draft (the draft's KV in
+  the pool too), greedy requests, the same small pool.
 """
 
 from __future__ import annotations
@@ -31,25 +33,21 @@ BARRIER = threading.Barrier(2)
 
 def job(case: str) -> dict:
     dev = torch_xla.device()
-    if case == "tp1":
-        mesh = ntp.init_mesh(tp=1)
-        rank = mesh.rank
+    tp = 1 if case == "tp1" else 2
+    mesh = ntp.init_mesh(tp=tp)
+    rank = mesh.rank
+    with serial():
         full = build_model("tiny-llama", ec.VOCAB, ec.SEED).eval()
-        model = hf.parallelize(copy.deepcopy(full), mesh).eval()
-        ref, blocks, group = full, 40, None
-    else:
-        mesh = ntp.init_mesh(tp=2)
-        rank = mesh.rank
-        with serial():
-            full = build_model("tiny-llama", ec.VOCAB, ec.SEED).eval()
-            ref = reference_model(full).eval()
-        model = hf.parallelize(copy.deepcopy(full), mesh).eval()  # collective: not under serial
+        ref = reference_model(full).eval() if case == "tp2_int8" else full
+    model = hf.parallelize(copy.deepcopy(full), mesh).eval()  # collective: not under serial
+    if case == "tp2_int8":
         from neuron_tp.layers.quantized import quantize_int8
 
         quantize_int8(model, mesh)
-        blocks, group = 6, mesh.group("world")
+    blocks, group = (40, None) if tp == 1 else (6, mesh.group("world"))
     move_to(model, dev)
-    eng = pc.engine(model, group, blocks=blocks, rank0=rank == 0, lease_steps=3)
+    draft = model if case == "tp2_draft" else None  # the model drafts for itself
+    eng = pc.engine(model, group, blocks=blocks, rank0=rank == 0, lease_steps=3, draft=draft)
     eng.warmup(every_shape=True)
     traces = eng.gen.traces
     sync = BARRIER.wait if group is not None else (lambda: None)
@@ -60,6 +58,8 @@ def job(case: str) -> dict:
         sync()
         return {"traces": [traces, eng.gen.traces]}
     items, out = pc.make_trace(13, 24), {}
+    if draft is not None:  # greedy: plain decoding's tokens
+        items = [dict(it, sampling=None) for it in items[:16]]
 
     def driver() -> None:
         try:
@@ -80,4 +80,5 @@ def job(case: str) -> dict:
         "traces": [traces, eng.gen.traces],
         "compiles": [compiles, after],
         "stats": eng.prefix_stats()._asdict(),
+        "speculation": vars(eng.speculation()) if draft is not None else None,
     }

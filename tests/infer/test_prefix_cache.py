@@ -105,8 +105,7 @@ def test_refusals_name_what_is_valid():
         return ServeConfig.from_args(serve_parser().parse_args(list(argv)))
 
     assert config().prefix_cache_on and not config("--no-prefix-caching").prefix_cache_on
-    assert not config("--draft-model", "d").prefix_cache_on  # the draft's cache is not pooled
-    assert config("--draft-model", "d", "--prefix-caching").prefix_caching  # refused by serve
+    assert config("--draft-model", "d").prefix_cache_on  # the draft's KV pooled too
 
 
 # -- the engine -------------------------------------------------------------------------------
@@ -135,23 +134,95 @@ def test_shared_prefix_trace_equals_transformers_tp1(full, blocks):
     assert (stats.evictions > 0) == (blocks == 5), stats
 
 
+@pytest.mark.parametrize("proposer", ["draft", "ngram"])
+def test_speculation_composes_with_the_cache_tp1(full, proposer):
+    """Speculative decoding (a draft model, its KV in a second part of the pool; n-gram
+    prompt lookup, its history from the hit's tokens) over a shared-prefix trace through an
+    evicting pool: greedy requests equal transformers; every request (seeded sampling too)
+    and the acceptance counts are the same with the cache as without."""
+    from neuron_tp import hf, init_mesh
+    from spec_models import first_layers
+
+    model = hf.parallelize(copy.deepcopy(full), init_mesh(tp=1)).eval()
+    draft = first_layers(full, 1) if proposer == "draft" else "ngram"
+    items = pc.make_trace(5, 24, cancel=0, vocab=256 if proposer == "draft" else 8)
+    runs = {}
+    for blocks in (5, None):
+        eng = pc.engine(model, blocks=blocks, draft=draft)
+        results = pc.serve_trace(eng, items)
+        st = eng.speculation()  # per row: the same whatever the batching (unlike st.steps)
+        runs[blocks] = ([r["tokens"] for r in results], (st.row_steps, st.accepted, st.tokens))
+        if blocks:
+            stats = eng.prefix_stats()
+            assert stats.hit_tokens > 0 and stats.evictions > 0, stats
+            pc.check_greedy(results, items, full)
+    print(proposer, runs[5][1])
+    assert runs[5] == runs[None]
+    _, (row_steps, accepted, _) = runs[5]
+    assert 0 < accepted < 3 * row_steps, runs[5][1]
+
+
+def test_ngram_history_holds_the_cached_prompt(full):
+    """A prefix hit skips the prefill of its blocks: the n-gram lookup's text still has them."""
+    from neuron_tp import hf, init_mesh
+    from neuron_tp.infer.ngram import NgramGenerator
+    from neuron_tp.infer.prefix_cache import PrefixCache
+    from neuron_tp.infer.sampling import Sampling
+
+    model = hf.parallelize(copy.deepcopy(full), init_mesh(tp=1)).eval()
+    gen = NgramGenerator(model, **ec.SHAPES, k=3)
+    prefix = PrefixCache(gen, blocks=4, block=pc.BLOCK, index=True)
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
+    for hits in (0, 2):
+        slot, plan = gen.acquire(), prefix.plan(prompt)
+        assert len(plan.hit) == hits, plan
+        filled = prefix.admit(gen, slot, plan, prompt)
+        while filled < len(prompt):
+            chunk = prompt[filled : filled + gen.chunk]
+            last = filled + len(chunk) == len(prompt)
+            first = gen.prefill(slot, chunk, filled, Sampling() if last else None)
+            filled += len(chunk)
+            prefix.prefilled(gen, slot, filled)
+        assert gen.history(slot) == prompt + [first]
+        gen.release(slot)
+        prefix.end(slot)
+
+
 def test_shared_prefix_trace_tp2_gloo():
     gloo_dist.run_case(pc.tp2_gloo, "trace", cases=["trace"], world_size=2)
 
 
-@pytest.mark.parametrize("case", ["tp1", "tp2_int8"])
-def test_shared_prefix_trace_on_xla_devices_compiles_nothing_after_warmup(case):
+@pytest.fixture(scope="module")
+def tp2_cases():
+    """The tp 2 cases of prefix_xla_cases in one launch on 2 XLA CPU devices."""
     import prefix_xla_cases
 
     import xla_dist
 
-    ranks = xla_dist.run(prefix_xla_cases.job, case, devices=1 if case == "tp1" else 2)
+    return xla_dist.run_cases(prefix_xla_cases.job, ["tp2_int8", "tp2_draft"], devices=2)
+
+
+@pytest.mark.parametrize("case", ["tp1", "tp2_int8", "tp2_draft"])
+def test_shared_prefix_trace_on_xla_devices_compiles_nothing_after_warmup(case, request):
+    """(tp2_draft: the model drafting for itself accepts every proposal only if the draft's
+    KV of every hit was copied from the pool as well.)"""
+    import prefix_xla_cases
+
+    import xla_dist
+
+    if case == "tp1":
+        ranks = xla_dist.run(prefix_xla_cases.job, case, devices=1)
+    else:
+        ranks = request.getfixturevalue("tp2_cases").get(case)
     r0 = ranks[0]
     for r in ranks:
         assert r["traces"][0] == r["traces"][1] > 0, r
     assert r0["compiles"][0] == r0["compiles"][1], r0
     assert r0["stats"]["hit_tokens"] > 0, r0
-    assert (r0["stats"]["evictions"] > 0) == (case == "tp2_int8"), r0
+    assert (r0["stats"]["evictions"] > 0) == (case != "tp1"), r0
+    if case == "tp2_draft":
+        spec = r0["speculation"]
+        assert spec["accepted"] == spec["proposed"] > 0, spec
 
 
 def test_metrics_show_the_prefix_cache(full):

@@ -24,6 +24,7 @@ import torch
 import gloo_dist
 from hf_sampling import peaked
 from neuron_tp.errors import UserError
+from neuron_tp.infer.ngram import NgramGenerator, propose_ngram
 from neuron_tp.infer.sampling import Sampling
 from neuron_tp.infer.speculative import SpeculativeGenerator, accept_greedy, accept_sampled
 from slot_trace import Req, eos_ids, make_requests, reference, run_schedule
@@ -84,6 +85,17 @@ def test_rejection_rule_gives_the_target_distribution(p, q):
     assert stat < critical(df), (stat, df)
 
 
+def test_ngram_lookup():
+    look = dict(lookup_max=3, lookup_min=1)
+    assert propose_ngram([1, 2, 3, 9, 1, 2, 3], 2, **look) == [9, 1]  # after "1 2 3"
+    assert propose_ngram([1, 2, 7, 5, 2, 8, 1, 2], 3, **look) == [7, 5, 2]  # "1 2": most recent
+    assert propose_ngram([4, 5, 5, 6, 5], 2, **look) == [6, 5]  # "5": the most recent one
+    assert propose_ngram([3, 1, 2, 1, 2], 4, **look) == [1, 2, 1, 2]  # a period runs on
+    assert propose_ngram([7, 7], 3, **look) == [7, 7, 7]
+    assert propose_ngram([1, 2, 3], 2, **look) is None and propose_ngram([5], 2, **look) is None
+    assert propose_ngram([1, 2, 9, 2], 2, lookup_max=3, lookup_min=2) is None  # "2" too short
+
+
 # -- end to end, tp 1 (eager CPU) ---------------------------------------------------------------
 
 
@@ -128,15 +140,45 @@ def test_greedy_equals_plain_decoding_tp1():
     assert 0 < stats["first_layer"]["accepted"] < stats["first_layer"]["proposed"]
 
 
-def test_sampled_end_to_end_follows_the_target():
-    """Prompt [1, 2] of a 4-token-vocabulary model, 3 new tokens at temperature 1.3, a draft
-    of random weights, K=2: 480 seeded requests on 24 slots vs the exact distribution of the
-    64 continuations (the rule itself is tested with 30,000 streams on tables above)."""
+def _repetitive_requests(seed: int, n: int) -> list:
+    """Greedy requests whose prompts repeat a few short phrases (text an n-gram lookup suits)."""
+    import random
+
+    rng = random.Random(seed)
+    phrases = [[rng.randrange(1, 256) for _ in range(rng.randint(2, 4))] for _ in range(4)]
+    reqs = []
+    for _ in range(n):
+        prompt = [t for _ in range(rng.randint(2, 6)) for t in rng.choice(phrases)]
+        reqs.append(Req(prompt[:20], rng.randint(4, 12), Sampling()))
+    return reqs
+
+
+def test_ngram_greedy_equals_plain_decoding_tp1():
+    """Prompt lookup on repetitive prompts under a random schedule: the tokens of plain
+    greedy decoding (transformers per request), some proposals accepted."""
+    full = _target()
+    reqs = _repetitive_requests(3, 8)
+    gen = NgramGenerator(full, 4, max_len=40, k=3, chunk=8, decode_buckets=[2, 4])
+    assert run_schedule(gen, reqs, 3, eos_ids(full)) == [reference(full, r) for r in reqs]
+    s = gen.stats
+    print(f"ngram: {s.accepted}/{s.proposed} accepted, {s.tokens_per_step:.2f} tokens/step")
+    assert 0 < s.accepted < s.proposed
+
+
+@pytest.mark.parametrize("proposer", ["draft", "ngram"])
+def test_sampled_end_to_end_follows_the_target(proposer):
+    """Prompt [1, 2] of a 4-token-vocabulary model, 3 new tokens at temperature 1.3, K=2,
+    proposals from a draft of random weights or from the n-gram lookup (a one-hot proposal
+    distribution): 480 seeded requests on 24 slots vs the exact distribution of the 64
+    continuations (the rule itself is tested with 30,000 streams on tables above)."""
     from neuron_tp.job.presets import build_model
 
     full = peaked(build_model("tiny-llama", 4, 4), 4.0).eval()
-    draft = peaked(build_model("tiny-llama", 4, 11), 4.0).eval()
-    gen = SpeculativeGenerator(full, draft, 24, max_len=8, k=2, chunk=4)
+    if proposer == "draft":
+        draft = peaked(build_model("tiny-llama", 4, 11), 4.0).eval()
+        gen = SpeculativeGenerator(full, draft, 24, max_len=8, k=2, chunk=4)
+    else:
+        gen = NgramGenerator(full, 24, max_len=8, k=2, chunk=4)
     prompt, total, temperature = [1, 2], 480, 1.3
     counts: dict = {}
     with torch.no_grad():
@@ -197,6 +239,27 @@ def test_refusals(tmp_path):
     for parser in (generate_parser, serve_parser):
         with pytest.raises(SystemExit):
             parser().parse_args(["--draft-model", a, "--speculation-length", "0"])
+    from neuron_tp.infer.speculation_setup import check_speculation_options
+
+    refused = {
+        "drop --draft-model": ["--draft-model", a, "--speculation-method", "ngram"],
+        "draft needs --draft-model": ["--speculation-method", "draft"],
+        "--prompt-lookup-min 3 and --prompt-lookup-max 2.*1 <= min <= max": [
+            "--speculation-method=ngram",
+            "--prompt-lookup-min=3",
+            "--prompt-lookup-max=2",
+        ],
+        "--speculation-length 9 leaves no room": [
+            "--speculation-method",
+            "ngram",
+            "--speculation-length",
+            "9",
+        ],
+    }
+    for match, argv in refused.items():
+        with pytest.raises(UserError, match=match):
+            check_speculation_options(config("--model", a, *argv), 8)
+    check_speculation_options(config("--model", a, "--speculation-method", "ngram"), 8)
     full = _target()
     with pytest.raises(UserError, match=">= 1"):
         SpeculativeGenerator(full, full, 2, max_len=16, k=0)
@@ -236,6 +299,9 @@ def _gloo(tmp: str) -> None:
         d = model if name == "self" else hf.parallelize(copy.deepcopy(draft), mesh).eval()
         got, stats = _trace(model, d, reqs, 2, eos_ids(full), decode_buckets=[1, 4])
         res["trace"][name] = {"tokens": got, **stats}
+    model = hf.parallelize(copy.deepcopy(full), mesh).eval()
+    gen = NgramGenerator(model, 4, max_len=40, k=3, chunk=8, decode_buckets=[1, 4])
+    res["ngram"] = run_schedule(gen, _repetitive_requests(3, 8), 3, eos_ids(full))
     # the serving engine (leases every 3 steps), greedy requests with EOS and cancellations
     model = hf.parallelize(copy.deepcopy(full), mesh).eval()
     d = hf.parallelize(first_layers(full, 1), mesh).eval()
@@ -258,6 +324,8 @@ def _gloo(tmp: str) -> None:
     res["cli_plain"] = run_cli(generate_parser().parse_args(argv))
     argv += ["--draft-model", "tiny-gpt2", "--speculation-length", "3"]
     res["cli_draft"] = run_cli(generate_parser().parse_args(argv))
+    argv[-4:] = ["--speculation-method", "ngram", "--speculation-length", "3"]
+    res["cli_ngram"] = run_cli(generate_parser().parse_args(argv))
     with open(f"{tmp}/spec-{mesh.rank}.json", "w") as fh:
         json.dump(res, fh)
 
@@ -271,7 +339,8 @@ def test_greedy_equals_plain_decoding_tp2_gloo(tmp_path):
         for name, got in rep["trace"].items():
             assert got["tokens"] == want, name
         assert rep["trace"]["self"]["accepted"] == rep["trace"]["self"]["proposed"]
-        assert rep["cli_draft"] == rep["cli_plain"]
+        assert rep["cli_draft"] == rep["cli_plain"] == rep["cli_ngram"]
+        assert rep["ngram"] == [reference(full, r) for r in _repetitive_requests(3, 8)]
     engine = reps[0]["engine"]
     assert engine["max_batch"] == 3 and 0 < engine["accepted"] < engine["proposed"], engine
 
