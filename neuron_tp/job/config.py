@@ -161,8 +161,9 @@ class PlanConfig:
         "none",
         "auto: run the layout `neuron-tp plan` recommends for this job (sets --tp, "
         "--tp-mode, --sequence-parallel, --micro-batch, --grad-accum, "
-        "--activation-checkpointing, --zero1, --attention, and --pp / --cp where this build "
-        "trains them; needs --global-batch)",
+        "--activation-checkpointing, --zero1, --attention, and --pp (with --pp-schedule, "
+        "--virtual-stages) / --cp where the job's other options allow them; needs "
+        "--global-batch)",
         choices=("none", "auto"),
     )
     global_batch: int = opt(
@@ -185,11 +186,9 @@ class PlanConfig:
     )
 
 
-# The parallel axes beyond tp x dp that ``--plan auto`` may choose. ``train --pp`` / ``--cp``
-# run when asked for, but their runtimes do not cover everything a planned job may use yet
-# (stage checkpoints at pp > 1; LoRA and packed rows at cp > 1): an automatic plan keeps them
-# at 1 rather than pick a layout the job then refuses.
-AUTO_PLAN_AXES: frozenset[str] = frozenset()
+# The parallel axes beyond tp x dp that ``--plan auto`` may choose (each only where the job's
+# other options allow it: :func:`neuron_tp.plan.auto.excluded_axes`).
+AUTO_PLAN_AXES: frozenset[str] = frozenset({"pp", "cp"})
 
 
 @dataclass(frozen=True)

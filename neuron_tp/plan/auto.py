@@ -34,45 +34,65 @@ def _model_config(config):
     return plan_config(config.model, config.seq_len)
 
 
-def apply_plan(config, printer=print):
-    """``config`` (a TrainConfig with ``plan="auto"``) with the recommended layout's options;
-    ValueError when the job has no layout that fits (the plan's verdict)."""
+def packed_rows(path: str | None, packing: bool) -> bool:
+    """Whether the data at ``path`` becomes packed rows (instruction records, several
+    samples per row with a block-diagonal mask): text streams and ``--no-packing`` do not."""
+    if not path or not packing:
+        return False
+    from ..job.samples import TEXT, read_records
+
+    formats, _ = read_records(path)
+    return any(kind != TEXT for kind in formats.values())
+
+
+def excluded_axes(config, model_config) -> dict[str, str]:
+    """The parallel axes (pp, cp) ``--plan auto`` keeps at 1 for this job, each with why:
+    what ``neuron-tp train`` refuses next to the job's other options (its model, --ep,
+    --lora-r, packed rows), so the plan never picks a layout the job then refuses."""
     from ..job.config import AUTO_PLAN_AXES
-    from ..job.options import with_values
-    from .hardware import get_instance
+    from ..pipeline.stages import SUPPORTED
+
+    staged = {name.replace("ForCausalLM", "Config") for name in SUPPORTED}
+    why: dict[str, list[str]] = {"pp": [], "cp": []}
+    for axis, reasons in why.items():
+        if axis not in AUTO_PLAN_AXES:
+            reasons.append("this build does not plan it")
+        if config.ep > 1:
+            reasons.append(f"--ep {config.ep}")
+    name = type(model_config).__name__
+    if name not in staged:
+        cut = ", ".join(sorted(n.replace("Config", "") for n in staged))
+        why["pp"].append(f"{name.replace('Config', '')} models are not cut into stages ({cut} are)")
+    if config.lora.r:
+        why["cp"].append(f"--lora-r {config.lora.r}")
+    if packed_rows(config.data, config.packing) or packed_rows(config.eval.data, config.packing):
+        why["cp"].append("packed instruction rows (--no-packing pads them instead)")
+    window = getattr(model_config, "sliding_window", None)
+    if window is not None and getattr(model_config, "use_sliding_window", True):
+        why["cp"].append(f"sliding_window={window}")
+    return {axis: "; ".join(reasons) for axis, reasons in why.items() if reasons}
+
+
+def apply_plan(config, printer=print):
+    """``config`` (a TrainConfig with ``plan="auto"``) with the recommended layout's options
+    (pp and its schedule, and cp, too, where :func:`excluded_axes` allows them); ValueError
+    when the job has no layout that fits (the plan's verdict)."""
     from .report import plan_table
-    from .search import Job, Layout, make_plan
+    from .search import Layout, make_plan
 
     if config.plan.global_batch <= 0:
         raise ValueError("--plan auto needs --global-batch N (sequences per optimizer step)")
-    if config.lora.r:
-        raise ValueError("--plan auto does not model LoRA training; choose the layout by hand")
     if config.tp_mode != "1d" or config.tp != 1:
         printer("--plan auto: the plan chooses --tp/--tp-mode; the given values are ignored")
-    world, per_node = job_size(config)
-    if world % per_node:
-        raise ValueError(f"world size {world} is not a multiple of {per_node} ranks per node")
-    instance, efficiency = get_instance(config.plan.instance), 0.5
-    if config.plan.calibration:
-        from .calibration import calibrated, describe, load_calibration
-
-        calibration = load_calibration(config.plan.calibration)
-        printer(f"--plan auto: {describe(instance, calibration)}")
-        instance = calibrated(instance, calibration)
-        efficiency = 1.0 if calibration.has_compute else efficiency
-    job = Job(
-        instance,
-        world // per_node,
-        config.seq_len,
-        config.plan.global_batch,
-        bf16=config.bf16,
-        efficiency=efficiency,
-        ranks_per_node=per_node,
-    )
+    if config.lora.r:
+        printer(
+            "--plan auto: the plan predicts full training; with --lora-r its optimizer state "
+            "and gradients are over-estimates (the layout is a conservative one)"
+        )
+    job = auto_job(config, printer)
     model_config = _model_config(config)
-
-    # the axes whose training runtime this build lacks stay at 1
-    pins = {axis: 1 for axis in ("pp", "cp") if axis not in AUTO_PLAN_AXES}
+    excluded = excluded_axes(config, model_config)
+    pins = {axis: 1 for axis in excluded}
 
     def plan_now() -> dict:
         plan = make_plan(model_config, job, **pins)
@@ -85,12 +105,49 @@ def apply_plan(config, printer=print):
         }
 
     result = cached(_key(model_config, job) + "".join(sorted(pins)), plan_now)
+    for axis, why in sorted(excluded.items()):
+        printer(f"--plan auto: --{axis} kept at 1 ({why})")
     if result["layout"] is None:
         raise ValueError(f"--plan auto: {result['verdict']}")
     printer(result["table"])
-    lay = Layout(**result["layout"])
-    options = lay.train_options()
-    options["zero1"] = lay.zero1 and not config.bf16  # --bf16 brings ZeRO-1 itself
+    return applied(config, Layout(**result["layout"]))
+
+
+def auto_job(config, printer=print):
+    """The :class:`~.search.Job` ``--plan auto`` plans for: this job's size, the instance
+    (calibrated with ``--plan-calibration``), sequence length, global batch and precision."""
+    from .hardware import get_instance
+    from .search import Job
+
+    world, per_node = job_size(config)
+    if world % per_node:
+        raise ValueError(f"world size {world} is not a multiple of {per_node} ranks per node")
+    instance, efficiency = get_instance(config.plan.instance), 0.5
+    if config.plan.calibration:
+        from .calibration import calibrated, describe, load_calibration
+
+        calibration = load_calibration(config.plan.calibration)
+        printer(f"--plan auto: {describe(instance, calibration)}")
+        instance = calibrated(instance, calibration)
+        efficiency = 1.0 if calibration.has_compute else efficiency
+    return Job(
+        instance,
+        world // per_node,
+        config.seq_len,
+        config.plan.global_batch,
+        bf16=config.bf16,
+        efficiency=efficiency,
+        ranks_per_node=per_node,
+    )
+
+
+def applied(config, layout):
+    """``config`` with ``layout``'s training options (tp and its mode, the batch split,
+    recompute, ZeRO-1, pp and its schedule, cp, attention)."""
+    from ..job.options import with_values
+
+    options = layout.train_options()
+    options["zero1"] = layout.zero1 and not config.bf16  # --bf16 brings ZeRO-1 itself
     return with_values(config, options)
 
 

@@ -188,7 +188,8 @@ def _axes(job: Job, layers: int, tp: int, pins: dict) -> list[tuple[int, int]]:
         if rest % cp or job.seq_len % (2 * cp):
             continue
         pps = [pins["pp"]] if pins.get("pp") else [p for p in divisors(layers) if p <= MAX_PP]
-        out += [(cp, pp) for pp in pps if (rest // cp) % pp == 0]
+        # train runs cp and pp one at a time
+        out += [(cp, pp) for pp in pps if (rest // cp) % pp == 0 and (cp == 1 or pp == 1)]
     return out
 
 
@@ -225,7 +226,12 @@ def _check_pins(job: Job, layers: int, pins: dict) -> None:
     )
     if why:
         raise ValueError(f"--pp {pp}: {why}")
-    if pins.get("cp", 1) > 1 and pins.get("attention") == "sdpa":
+    cp = pins.get("cp") or 1
+    if pp > 1 and cp > 1:
+        raise ValueError(f"--pp {pp} with --cp {cp}: train runs one of them at a time")
+    if pp * cp > 1 and pins.get("tp_mode") not in (None, "1d"):
+        raise ValueError(f"--pp / --cp > 1 run over --tp-mode 1d, not {pins['tp_mode']}")
+    if cp > 1 and pins.get("attention") == "sdpa":
         raise ValueError("--cp > 1 runs blockwise attention (the K/V ring): --attention blockwise")
 
 
@@ -267,8 +273,8 @@ def _at(job: Job, pins: dict, layers: int, *, tp: int, cp: int, pp: int, dp: int
     out = []
     per_rank = job.global_batch // dp
     for mode, sp, split in _modes(tp, job.seq_len // cp):
-        if pins.get("tp_mode") not in (None, mode):
-            continue
+        if pins.get("tp_mode") not in (None, mode) or (mode != "1d" and pp * cp > 1):
+            continue  # train runs pp and cp over 1d tensor parallelism only
         if pins.get("sequence_parallel") is not None and pins["sequence_parallel"] != sp:
             continue
         for attention in _attentions(mode, cp, pins, job.seq_len):

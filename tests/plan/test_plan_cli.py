@@ -144,6 +144,8 @@ def _auto_on_gloo(out: str) -> None:
         ]
     )
     config = apply_plan(TrainConfig.from_args(args), printer=lambda *a: None)
+    # pp and cp are open to the plan, but a tiny model is fastest without them
+    assert (config.pipeline.pp, config.context.cp) == (1, 1)
     mesh = ntp.init_mesh(tp=config.tp, tp_mode=config.tp_mode)
     runs = []
     train(config, mesh=mesh, printer=lambda *a, **k: None, on_step=runs.append)

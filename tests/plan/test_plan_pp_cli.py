@@ -1,7 +1,7 @@
 """``neuron-tp plan`` with pipeline and context parallelism in the search: the job issue 35
 measured as impossible (Llama-2-70B, 4 x trn1.32xlarge, seq 4096, global batch 256) now gets a
-pipeline layout that fits, refusals name what works, and ``neuron-tp train`` refuses --pp /
---cp > 1 until their runtime is in the build."""
+pipeline layout that fits, and so does ``neuron-tp train --plan auto`` for that job (train
+accepts the layout); refusals name what works."""
 
 from __future__ import annotations
 
@@ -18,9 +18,10 @@ def _plan(capsys, *argv: str) -> tuple[int, str, str]:
     return code, out.out, out.err
 
 
-def test_llama2_70b_on_4_nodes_gets_a_pipeline_layout(capsys):
+def test_llama2_70b_on_4_nodes_gets_a_pipeline_layout(capsys, monkeypatch):
     """Issue 35's command (tp 32 + SP pinned to keep the test's traces few; the unpinned
-    plan's pick is in docs/plan.md)."""
+    plan's pick is in docs/plan.md), then the same job as ``--plan auto`` plans it (the
+    traces shared): its training options have pp > 1, and train's checks accept them."""
     code, out, _ = _plan(
         capsys,
         *("--model", "llama-2-70b", "--nodes", "4", "--seq-len", "4096"),
@@ -40,6 +41,29 @@ def test_llama2_70b_on_4_nodes_gets_a_pipeline_layout(capsys):
     # the peak is the worst stage: a first stage (most in flight) or a last one (LM head)
     assert rec["peak_stage"] in (0, lay["pp"] - 1)
     assert rec["step_seconds"]["bubble"] > 0
+    _auto_picks_the_pipeline(monkeypatch)
+
+
+def _auto_picks_the_pipeline(monkeypatch) -> None:
+    from neuron_tp.cli.args import train_parser
+    from neuron_tp.job.config import TrainConfig
+    from neuron_tp.plan.auto import applied, auto_job, excluded_axes
+    from neuron_tp.plan.models import plan_config
+    from neuron_tp.plan.search import make_plan
+    from neuron_tp.train import pipelined
+
+    monkeypatch.setenv("WORLD_SIZE", "128")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "32")
+    argv = ["--plan", "auto", "--model", "llama-2-70b", "--seq-len", "4096", "--bf16"]
+    config = TrainConfig.from_args(train_parser().parse_args([*argv, "--global-batch", "256"]))
+    model = plan_config(config.model, config.seq_len)
+    assert excluded_axes(config, model) == {}  # pp and cp both open to the plan
+    plan = make_plan(model, auto_job(config), tp=32, sequence_parallel=True)
+    planned = applied(config, plan.recommended.layout)
+    assert planned.pipeline.pp > 1 and planned.tp == 32 and planned.sequence_parallel
+    dp = 128 // (planned.pipeline.pp * planned.tp)
+    assert planned.micro_batch * planned.grad_accum * dp == 256
+    pipelined.check_options(planned, model)  # train runs it
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,106 @@
+"""``neuron-tp train --plan auto`` may choose pipeline (pp) and context (cp) parallelism, but
+only where the job's other options let ``neuron-tp train`` run them: every layout the auto
+search can pick passes train's own option checks, and the axes it keeps at 1 say why. (No
+tracing here: the layouts are enumerated, not predicted; the pick of a pp layout for the
+70B / 4-node job is in test_plan_pp_cli.py, a tiny model's pp 1 in test_plan_cli.py's
+``--plan auto`` runs.)"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from transformers import GPT2Config, MistralConfig
+
+from neuron_tp.cli.args import train_parser
+from neuron_tp.errors import UserError
+from neuron_tp.job.config import TrainConfig
+from neuron_tp.plan import search
+from neuron_tp.plan.auto import applied, auto_job, excluded_axes
+from neuron_tp.plan.hardware import get_instance
+from neuron_tp.plan.models import plan_config
+from neuron_tp.train import pipelined
+from neuron_tp.train.loop import _check_cp
+
+LONG = 32768  # context parallelism is searched from search.CP_MIN_SEQ tokens
+
+
+def _config(*argv: str) -> TrainConfig:
+    base = ["--plan", "auto", "--global-batch", "64", "--seq-len", str(LONG), "--bf16"]
+    return TrainConfig.from_args(train_parser().parse_args([*base, *argv]))
+
+
+def _auto_layouts(config: TrainConfig, model, monkeypatch) -> list[search.Layout]:
+    """The layouts ``--plan auto`` searches for ``config`` on 2 x trn1.32xlarge."""
+    monkeypatch.setenv("WORLD_SIZE", "64")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "32")
+    pins = {axis: 1 for axis in excluded_axes(config, model)}
+    layouts, _ = search._layouts(auto_job(config), pins, model.num_hidden_layers)
+    return layouts
+
+
+def _train_refusal(config: TrainConfig, model) -> str:
+    """What train's option checks say about ``config`` (empty: accepted)."""
+    try:
+        if config.context.cp > 1:
+            _check_cp(config)
+        pipelined.check_options(config, model)
+    except UserError as e:
+        return str(e)
+    return ""
+
+
+@pytest.mark.parametrize("lora", [(), ("--lora-r", "8")])
+def test_every_auto_layout_is_one_train_runs(monkeypatch, lora):
+    """Llama-3.1-8B at 32k tokens on 64 ranks: the auto search holds pp > 1 and (without
+    LoRA) cp > 1 layouts, never the two together nor over 2d/3d tensor parallelism, and
+    train accepts every one of them; with --lora-r, cp stays 1 (train refuses LoRA at cp > 1)."""
+    model = plan_config("llama-3.1-8b", LONG)
+    config = _config("--model", "llama-3.1-8b", *lora)
+    layouts = _auto_layouts(config, model, monkeypatch)
+    assert any(lay.pp > 1 for lay in layouts)
+    assert any(lay.cp > 1 for lay in layouts) != bool(lora)
+    seen = set()
+    for lay in layouts:
+        key = (lay.tp, lay.tp_mode, lay.pp, lay.pp_schedule, lay.virtual_stages, lay.cp)
+        if key in seen:
+            continue
+        seen.add(key)
+        planned = applied(config, lay)
+        assert (planned.pipeline.pp, planned.context.cp) == (lay.pp, lay.cp)
+        assert planned.pipeline.virtual_stages == lay.virtual_stages
+        assert _train_refusal(planned, model) == "", lay
+
+
+def _jsonl(path, records) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+def test_the_excluded_axes_and_why(tmp_path):
+    llama = plan_config("llama-3.1-8b", LONG)
+    chat = _jsonl(tmp_path / "chat.jsonl", [{"prompt": "Q", "completion": "A"}])
+    text = _jsonl(tmp_path / "text.jsonl", [{"text": "some text"}])
+    assert excluded_axes(_config(), llama) == {}
+    assert excluded_axes(_config("--data", text, "--eval-data", text), llama) == {}
+    assert excluded_axes(_config("--lora-r", "8"), llama) == {"cp": "--lora-r 8"}
+    assert excluded_axes(_config("--ep", "2"), llama) == {"pp": "--ep 2", "cp": "--ep 2"}
+    packed = "packed instruction rows (--no-packing pads them instead)"
+    assert excluded_axes(_config("--data", chat), llama) == {"cp": packed}
+    assert excluded_axes(_config("--eval-data", chat), llama) == {"cp": packed}
+    assert excluded_axes(_config("--data", chat, "--no-packing"), llama) == {}
+    assert excluded_axes(_config(), MistralConfig(sliding_window=4096)) == {
+        "cp": "sliding_window=4096"
+    }
+    gpt2 = excluded_axes(_config(), GPT2Config())
+    assert list(gpt2) == ["pp"] and "GPT2 models are not cut into stages" in gpt2["pp"]
+
+
+def test_pp_with_cp_or_2d_pins_are_refused_before_tracing():
+    job = search.Job(get_instance("trn1.32xlarge"), 1, LONG, 32)
+    for pins, message in (
+        ({"pp": 2, "cp": 2}, "--pp 2 with --cp 2: train runs one of them at a time"),
+        ({"pp": 2, "tp_mode": "2d"}, "run over --tp-mode 1d, not 2d"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            search._layouts(job, pins, 32)
