@@ -156,6 +156,9 @@ def _check_cli(argv: list[str], world: int, neuron_only: bool, monkeypatch) -> N
     def consolidate(checkpoint, out_dir, adapter_only=False):
         raise _Checked
 
+    def consolidate_int8(checkpoint, out_dir):
+        raise _Checked
+
     def selftest(rest):
         st = neuron_tp.cli.selftest
         st.options_from_args(st.selftest_parser().parse_args(rest))
@@ -167,6 +170,7 @@ def _check_cli(argv: list[str], world: int, neuron_only: bool, monkeypatch) -> N
     monkeypatch.setattr(neuron_tp.cli.plan, "plan_command", plan)
     monkeypatch.setattr(neuron_tp.cli.selftest, "selftest_command", selftest)
     monkeypatch.setattr(neuron_tp.checkpoint, "consolidate", consolidate)
+    monkeypatch.setattr(neuron_tp.checkpoint, "consolidate_int8", consolidate_int8)
     try:
         code = main(argv)
     except _Checked:

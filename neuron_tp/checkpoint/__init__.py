@@ -27,15 +27,16 @@ rank, in save or load, raises :class:`CheckpointError` on every rank (no rank is
 and commits / modifies nothing. No tensor is pickled.
 
 Modules: :mod:`.format` (names, checksums, durable writes), :mod:`.agree` (failure agreement),
-:mod:`.writer` (save), :mod:`.reader` (load), :mod:`.merge` (consolidate), :mod:`.reshard`
-(layouts), :mod:`.assets` (tokenizer and generation config files), :mod:`.zero1_files`
-(dp-sharded ZeRO-1 state), :mod:`.buffers` (persistent buffers), :mod:`.outdir` (output
-directory checks, job lock, resume plan).
+:mod:`.writer` (save), :mod:`.reader` (load), :mod:`.merge` (consolidate), :mod:`.int8_export`
+(consolidate to neuron_tp's int8 directory), :mod:`.reshard` (layouts), :mod:`.assets` (tokenizer
+and generation config files), :mod:`.zero1_files` (dp-sharded ZeRO-1 state), :mod:`.buffers`
+(persistent buffers), :mod:`.outdir` (output directory checks, job lock, resume plan).
 """
 
 from __future__ import annotations
 
 from .format import FORMAT, CheckpointError, latest, read_meta
+from .int8_export import consolidate_int8
 from .merge import consolidate, full_optimizer_state
 from .reader import load
 from .writer import dry_run_save, save
@@ -45,6 +46,7 @@ __all__ = [
     "load",
     "latest",
     "consolidate",
+    "consolidate_int8",
     "full_optimizer_state",
     "read_meta",
     "dry_run_save",

@@ -18,7 +18,7 @@ from .reader import Shards
 from .reshard import to_hf
 
 
-def _prepare_target(out_dir: str) -> str:
+def prepare_target(out_dir: str) -> str:
     """Refuse a target that cannot receive the model, before any shard is read; returns the
     (new, empty) temporary directory next to it."""
     if os.path.lexists(out_dir) and not os.path.isdir(out_dir):
@@ -81,7 +81,7 @@ def full_optimizer_state(path: str) -> dict[str, dict[str, torch.Tensor]]:
     return out
 
 
-def _commit(tmp: str, out_dir: str) -> None:
+def commit_dir(tmp: str, out_dir: str) -> None:
     """Make the written temporary directory durable and put it in place of ``out_dir``."""
     fsync(tmp)
     if os.path.exists(out_dir):
@@ -110,7 +110,7 @@ def consolidate(path: str, out_dir: str, adapter_only: bool = False) -> str:
             f"{ckpt}: not a checkpoint of a LoRA run (--lora-r); --adapter-only writes the "
             "adapter of one, leave it out to consolidate the whole model"
         )
-    tmp = _prepare_target(out_dir)
+    tmp = prepare_target(out_dir)
     try:
         shards = _shards(ckpt, meta)
         tensors = {}
@@ -130,7 +130,7 @@ def consolidate(path: str, out_dir: str, adapter_only: bool = False) -> str:
         if adapter_only:
             state = lora_files.adapter_state(tensors, lora)
             lora_files.write_adapter_dir(tmp, lora_files.config_from_record(lora), state)
-            _commit(tmp, out_dir)
+            commit_dir(tmp, out_dir)
             return out_dir
         if lora is not None:
             tensors = lora_files.merged_state(tensors, lora)
@@ -144,7 +144,7 @@ def consolidate(path: str, out_dir: str, adapter_only: bool = False) -> str:
         target = os.path.join(tmp, "model.safetensors")
         save_file(tensors, target, metadata={"format": "pt"})
         fsync(target)
-        _commit(tmp, out_dir)
+        commit_dir(tmp, out_dir)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, Exception) and not isinstance(e, ValueError):

@@ -30,6 +30,14 @@ class ConsolidateArgs:
         "a LoRA run (--lora-r): write its PEFT adapter directory instead of the merged model",
         action="store_true",
     )
+    quantize: str = opt(
+        "--quantize",
+        "none",
+        "int8: write neuron_tp's int8 directory (int8 linears + float32 per-channel scales, "
+        "as --quantize int8 computes them on load; the checkpoint may also be a float HF "
+        "directory)",
+        choices=("none", "int8"),
+    )
 
 
 def consolidate_parser():
@@ -37,16 +45,24 @@ def consolidate_parser():
         ConsolidateArgs,
         "neuron-tp consolidate",
         "Merge a sharded checkpoint into one HF directory (a LoRA run: the base "
-        "with its adapters merged in).",
+        "with its adapters merged in; --quantize int8: neuron_tp's int8 directory).",
     )
 
 
 def _consolidate(argv: list[str]) -> int:
     p = consolidate_parser()
     args = p.parse_args(argv)
-    from ..checkpoint import consolidate
+    from ..checkpoint import consolidate, consolidate_int8
 
-    out = consolidate(args.checkpoint, args.out_dir, adapter_only=args.adapter_only)
+    if args.quantize == "int8":
+        if args.adapter_only:
+            raise UserError(
+                "--adapter-only writes a LoRA adapter (float); --quantize int8 writes the "
+                "whole merged model as int8: give one of them"
+            )
+        out = consolidate_int8(args.checkpoint, args.out_dir)
+    else:
+        out = consolidate(args.checkpoint, args.out_dir, adapter_only=args.adapter_only)
     print(f"wrote {out}")
     return 0
 

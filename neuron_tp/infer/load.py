@@ -154,7 +154,7 @@ def load_for_generation(args: GenerateConfig | argparse.Namespace, mesh):
         model = hf.from_pretrained(config.model, mesh, torch_dtype=dtype, wrap=wrap)
     if wrap:
         model = merge_adapter_dir(model, config.adapter)
-    from ..layers.quantized import is_quantized, quantize_int8
+    from ..layers.quantized import Int8WeightLinear, is_quantized, quantize_int8
 
     if is_quantized(model):  # an int8 directory: its weights stay int8 (never dequantized)
         if mesh.rank == 0:
@@ -163,6 +163,9 @@ def load_for_generation(args: GenerateConfig | argparse.Namespace, mesh):
         from ..job.runtime import rank_device
 
         quantize_int8(model, mesh, device=rank_device(config.device))
+        if mesh.rank == 0:
+            n = sum(isinstance(m, Int8WeightLinear) for m in model.modules())
+            print(f"--quantize int8: {n} linears quantized to int8 on load", flush=True)
     use_generation_config(model, ckpt or config.model)
     return model.eval(), tok
 

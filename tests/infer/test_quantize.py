@@ -187,7 +187,7 @@ def _check_int8_checkpoint(reps: list[dict]) -> None:
 
 
 def _int8_gloo(tmp: str) -> None:
-    from int8_ckpt_cases import int8_checkpoint
+    from int8_ckpt_cases import consolidated_int8, int8_checkpoint
 
     from neuron_tp.cli.args import generate_parser
     from neuron_tp.errors import UserError
@@ -201,6 +201,7 @@ def _int8_gloo(tmp: str) -> None:
         ntp.from_pretrained(f"{tmp}/int8", ntp.init_mesh(tp=4, tp_mode="2d"))
     except UserError as e:
         res["refusal_2d"] = str(e)
+    res["consolidate"] = consolidated_int8(tmp, PROMPTS)
     torch.save(res, f"{tmp}/int8-{torch.distributed.get_rank()}.pt")
 
 
@@ -229,6 +230,27 @@ def test_int8_checkpoint_saved_at_tp2_loads_at_tp4_and_tp1_gloo(tmp_path):
     want = [bytes(t for t in o if t < 256).decode("utf-8", "replace") for o in out]
     assert reps[0]["cli"] == want
     assert "tp_mode '1d'" in reps[0]["refusal_2d"]
+    _check_consolidated([r["consolidate"] for r in reps], tmp_path)
+
+
+def _check_consolidated(reps: list[dict], tmp_path) -> None:
+    """``neuron-tp consolidate --quantize int8`` of a training checkpoint and of a float HF
+    directory, loaded at tp 2: the int8 weights and scales of ``ntp.quantize`` of the float
+    model at tp 2, bit for bit, and its logits (the independent reference's to fp32 rounding);
+    an int8 source refused (status 2)."""
+    assert (reps[0]["rc_run"], reps[0]["rc_float"], reps[0]["rc_int8_src"]) == (0, 0, 2)
+    for rep in reps:
+        for src in ("run", "float"):
+            got, want = rep[f"int8_{src}"], rep["want_int8"]
+            assert sorted(got) == sorted(want) and len(want) == 2 * 2 * 7, sorted(got)
+            assert all(torch.equal(got[k], want[k]) for k in want), src
+            err = (rep[f"logits_{src}"] - rep["want"]).abs().max().item()
+            print(f"consolidate --quantize int8 ({src}) at tp 2 vs ntp.quantize: {err:.2e}")
+            assert err < 1e-6, (src, err)
+            assert (rep[f"logits_{src}"] - rep["ref"]).abs().max().item() < 1e-4
+    cfg = json.loads((tmp_path / "c-run" / "config.json").read_text())["quantization_config"]
+    assert cfg["quant_method"] == "neuron_tp" and cfg["modules_to_not_convert"] == ["lm_head"]
+    assert not (tmp_path / "x").exists() and not (tmp_path / "c-run.tmp-float").exists()
 
 
 def test_int8_checkpoint_refusals(tmp_path):

@@ -1,8 +1,10 @@
 """``neuron-tp serve`` with the real ``openai`` client: completions and chat equal what
 :class:`neuron_tp.infer.static_generator.Generator` gives directly (greedy and seeded sampling),
 streaming, stop strings, concurrent clients, a client that disconnects mid-stream, refused
-requests; at tp=1 in this process and at tp=2 as two torchrun ranks (gloo), whose tokens
-equal tp=1's (same preset and seed: the same full model, sharded). Also
+requests; at tp=1 in this process and at tp=2 as two torchrun ranks (gloo) with ``--quantize
+int8``, whose tokens equal those of the tp=1 model quantized in this process (same preset and
+seed: the same full model, sharded, then quantized), themselves equal to transformers' on the
+dequantized weights. Also
 :func:`neuron_tp.parallel.host.broadcast` on two gloo ranks."""
 
 from __future__ import annotations
@@ -846,6 +848,7 @@ def tp2(tmp_path_factory):
         "--batch-buckets", ",".join(map(str, o["batch_buckets"])),
         "--max-new-tokens", str(o["max_new_tokens"]),
         "--max-queue", "64", "--request-timeout-s", "120", "--max-body-bytes", "100000",
+        "--quantize", "int8",
     ]  # fmt: skip
     log = tmp_path_factory.mktemp("tp2") / "serve.log"
     # the key from the environment: _client sends "Bearer none"
@@ -860,8 +863,30 @@ def tp2(tmp_path_factory):
                 os.kill(pid, signal.SIGKILL)
 
 
-def test_tp2_answers_like_tp1_and_shuts_down_cleanly(tp1, tp2):
-    _, ref, _ = tp1
+def _int8_reference(tp1) -> Reference:
+    """The tp=1 model quantized in this process (``ntp.quantize``), its greedy tokens checked
+    against transformers' ``generate`` on the unsharded model with dequantized int8 weights."""
+    from int8_reference import reference_model
+    from neuron_tp.job.presets import build_model
+    from neuron_tp.layers.quantized import quantize_int8
+    from neuron_tp.parallel.state import mesh_of
+
+    engine, _, _ = tp1
+    model = quantize_int8(copy.deepcopy(engine.gen.model), mesh_of(engine.gen.model))
+    ref = Reference(model, engine.tokenizer, engine.eos_ids)
+    dq = reference_model(build_model(OPTIONS["model"], 257, OPTIONS["seed"]).eval()).eval()
+    ids = engine.tokenizer.encode("Once upon")
+    want = dq.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids) :]
+    got = ref.tokens(ids, 12)
+    assert got and got == want.tolist()[: len(got)], (got, want)
+    return ref
+
+
+def test_tp2_int8_answers_like_tp1_int8_and_shuts_down_cleanly(tp1, tp2):
+    """``neuron-tp serve --quantize int8 --tp 2`` (torchrun, gloo): the tokens of the tp=1
+    model quantized in this process (itself equal to transformers on the dequantized
+    weights), greedy, sampled, streamed, concurrent; then the server's own checks."""
+    ref = _int8_reference(tp1)
     url, client = tp2["url"], _client(tp2["url"])
     assert len(tp2["ranks"]) == 2
     assert _complete(client, "Hello", 10).choices[0].text == ref.text("Hello", 10)
@@ -911,6 +936,7 @@ def test_tp2_answers_like_tp1_and_shuts_down_cleanly(tp1, tp2):
         time.sleep(0.1)
     assert not any(map(_alive, ranks)), "orphaned ranks"
     log = tp2["log"].read_text()
+    assert "--quantize int8: 14 linears quantized to int8 on load" in log, log[-3000:]
     assert "[rank0]:" not in log and "[rank1]:" not in log, log[-3000:]  # no rank tracebacks
     assert "neuron-tp serve: request cmpl-" in log and "status=400" in log, log[-3000:]
     assert "forcefully exiting" not in log, log[-3000:]  # ended within torchrun's grace
