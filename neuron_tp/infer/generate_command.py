@@ -105,14 +105,22 @@ def _split_by_sequence(config, model, tok, mesh, prompts, *, sampling, eos) -> l
 
     gen = SlotGenerator(model, **_slot_args(config, tok), kv_split="sequence")
     texts, elapsed = _on_slots(gen, tok, prompts, config=config, sampling=sampling, eos=eos)
+    _print_texts(
+        mesh,
+        prompts,
+        texts,
+        f"KV cache split by sequence over {gen.split.r} ranks: "
+        f"{gen.kv_bytes / 2**20:.2f} MiB per rank; {elapsed * 1e3:.0f} ms",
+    )
+    return texts
+
+
+def _print_texts(mesh, prompts: list[str], texts: list[str], summary: str) -> None:
+    """Rank 0 prints each prompt's continuation, then ``summary``."""
     if mesh.rank == 0:
         for p, t in zip(prompts, texts):
             print(f"{p!r} -> {t!r}")
-        print(
-            f"KV cache split by sequence over {gen.split.r} ranks: "
-            f"{gen.kv_bytes / 2**20:.2f} MiB per rank; {elapsed * 1e3:.0f} ms"
-        )
-    return texts
+        print(summary)
 
 
 def _slot_args(config, tok) -> dict:
@@ -136,14 +144,14 @@ def _speculate(config, model, tok, mesh, prompts, *, sampling, eos) -> list[str]
     gen = make(model, **_slot_args(config, tok), **extra)
     texts, elapsed = _on_slots(gen, tok, prompts, config=config, sampling=sampling, eos=eos)
     st = gen.stats
-    if mesh.rank == 0:
-        for p, t in zip(prompts, texts):
-            print(f"{p!r} -> {t!r}")
-        print(
-            f"speculative decoding (k={st.k}): {st.accepted}/{st.proposed} proposed tokens "
-            f"accepted ({st.acceptance:.0%}), {st.tokens_per_step:.2f} tokens per slot and "
-            f"model step, {st.tokens} tokens in {elapsed * 1e3:.0f} ms"
-        )
+    _print_texts(
+        mesh,
+        prompts,
+        texts,
+        f"speculative decoding (k={st.k}): {st.accepted}/{st.proposed} proposed tokens "
+        f"accepted ({st.acceptance:.0%}), {st.tokens_per_step:.2f} tokens per slot and "
+        f"model step, {st.tokens} tokens in {elapsed * 1e3:.0f} ms",
+    )
     return texts
 
 
