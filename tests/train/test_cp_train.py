@@ -2,10 +2,12 @@
 devices: step by step the losses and grad norms of the independent unsharded reference
 (transformers' sdpa on the full sequence, one process): --cp 2 with ZeRO-1 (the optimizer
 state cut over dp x cp) and --eval-data (the eval loss of the reference model on the same
-eval rows), --cp 2 --tp 2 with sequence parallelism, --cp 4, --cp 2 x dp 2 with ZeRO-1 (on 4
-XLA CPU devices: cp 2 x tp 2 with SP and ZeRO-1, no compile after the second step); --bf16
-(fp32 masters) at cp 2 equal to the dp 2 run of the same ZeRO-1 layout, whose checkpoint
-files it resumes; a --cp 2 ZeRO-1 checkpoint resumes at --cp 1; refusals naming what works."""
+eval rows), --cp 2 --tp 2 with sequence parallelism, --cp 4, --cp 2 x dp 2 with ZeRO-1,
+LoRA at --cp 2 x tp 2 (against the unsharded peft model; the saved adapter equal to its
+adapters) (on 4 XLA CPU devices: cp 2 x tp 2 with SP and ZeRO-1, no compile after the second
+step); --bf16 (fp32 masters) at cp 2 equal to the dp 2 run of the same ZeRO-1 layout, whose
+checkpoint files it resumes; a --cp 2 ZeRO-1 checkpoint resumes at --cp 1; refusals naming
+what works."""
 
 from __future__ import annotations
 
