@@ -48,7 +48,7 @@ def packed_rows(path: str | None, packing: bool) -> bool:
 def excluded_axes(config, model_config) -> dict[str, str]:
     """The parallel axes (pp, cp) ``--plan auto`` keeps at 1 for this job, each with why:
     what ``neuron-tp train`` refuses next to the job's other options (its model, --ep,
-    --lora-r, packed rows), so the plan never picks a layout the job then refuses."""
+    packed rows), so the plan never picks a layout the job then refuses."""
     from ..job.config import AUTO_PLAN_AXES
     from ..pipeline.stages import SUPPORTED
 
@@ -63,8 +63,6 @@ def excluded_axes(config, model_config) -> dict[str, str]:
     if name not in staged:
         cut = ", ".join(sorted(n.replace("Config", "") for n in staged))
         why["pp"].append(f"{name.replace('Config', '')} models are not cut into stages ({cut} are)")
-    if config.lora.r:
-        why["cp"].append(f"--lora-r {config.lora.r}")
     if packed_rows(config.data, config.packing) or packed_rows(config.eval.data, config.packing):
         why["cp"].append("packed instruction rows (--no-packing pads them instead)")
     window = getattr(model_config, "sliding_window", None)

@@ -126,7 +126,6 @@ def _check_cp(config: TrainConfig) -> None:
     for bad, what in (
         (config.tp_mode != "1d", f"--tp-mode {config.tp_mode}"),
         (config.ep > 1, "--ep"),
-        (config.lora.r > 0, "--lora-r"),
         (config.pipeline.pp > 1, "--pp (pipeline stages)"),
     ):
         if bad:
@@ -135,8 +134,8 @@ def _check_cp(config: TrainConfig) -> None:
         raise UserError(
             f"--cp {cp} does not combine with {', '.join(unsupported)} yet; it works with "
             "--tp (1d, with or without --sequence-parallel), data parallelism, ZeRO-1 "
-            "(--zero1, --bf16), activation checkpointing, --eval-data, and text or padded "
-            "(--no-packing) data"
+            "(--zero1, --bf16), LoRA (--lora-r), activation checkpointing, --eval-data, and "
+            "text or padded (--no-packing) data"
         )
 
 

@@ -52,14 +52,14 @@ def _train_refusal(config: TrainConfig, model) -> str:
 
 @pytest.mark.parametrize("lora", [(), ("--lora-r", "8")])
 def test_every_auto_layout_is_one_train_runs(monkeypatch, lora):
-    """Llama-3.1-8B at 32k tokens on 64 ranks: the auto search holds pp > 1 and (without
-    LoRA) cp > 1 layouts, never the two together nor over 2d/3d tensor parallelism, and
-    train accepts every one of them; with --lora-r, cp stays 1 (train refuses LoRA at cp > 1)."""
+    """Llama-3.1-8B at 32k tokens on 64 ranks (full training or LoRA): the auto search holds
+    pp > 1 and cp > 1 layouts, never the two together nor over 2d/3d tensor parallelism, and
+    train accepts every one of them."""
     model = plan_config("llama-3.1-8b", LONG)
     config = _config("--model", "llama-3.1-8b", *lora)
     layouts = _auto_layouts(config, model, monkeypatch)
     assert any(lay.pp > 1 for lay in layouts)
-    assert any(lay.cp > 1 for lay in layouts) != bool(lora)
+    assert any(lay.cp > 1 for lay in layouts)
     seen = set()
     for lay in layouts:
         key = (lay.tp, lay.tp_mode, lay.pp, lay.pp_schedule, lay.virtual_stages, lay.cp)
@@ -83,7 +83,7 @@ def test_the_excluded_axes_and_why(tmp_path):
     text = _jsonl(tmp_path / "text.jsonl", [{"text": "some text"}])
     assert excluded_axes(_config(), llama) == {}
     assert excluded_axes(_config("--data", text, "--eval-data", text), llama) == {}
-    assert excluded_axes(_config("--lora-r", "8"), llama) == {"cp": "--lora-r 8"}
+    assert excluded_axes(_config("--lora-r", "8"), llama) == {}
     assert excluded_axes(_config("--ep", "2"), llama) == {"pp": "--ep 2", "cp": "--ep 2"}
     packed = "packed instruction rows (--no-packing pads them instead)"
     assert excluded_axes(_config("--data", chat), llama) == {"cp": packed}

@@ -2,10 +2,12 @@
 devices: step by step the losses and grad norms of the independent unsharded reference
 (transformers' sdpa on the full sequence, one process): --cp 2 with ZeRO-1 (the optimizer
 state cut over dp x cp) and --eval-data (the eval loss of the reference model on the same
-eval rows), --cp 2 --tp 2 with sequence parallelism, --cp 4, --cp 2 x dp 2 with ZeRO-1 (on 4
-XLA CPU devices: cp 2 x tp 2 with SP and ZeRO-1, no compile after the second step); --bf16
-(fp32 masters) at cp 2 equal to the dp 2 run of the same ZeRO-1 layout, whose checkpoint
-files it resumes; a --cp 2 ZeRO-1 checkpoint resumes at --cp 1; refusals naming what works."""
+eval rows), --cp 2 --tp 2 with sequence parallelism, --cp 4, --cp 2 x dp 2 with ZeRO-1,
+LoRA at --cp 2 x tp 2 (against the unsharded peft model; the saved adapter equal to its
+adapters) (on 4 XLA CPU devices: cp 2 x tp 2 with SP and ZeRO-1, no compile after the second
+step); --bf16 (fp32 masters) at cp 2 equal to the dp 2 run of the same ZeRO-1 layout, whose
+checkpoint files it resumes; a --cp 2 ZeRO-1 checkpoint resumes at --cp 1; refusals naming
+what works."""
 
 from __future__ import annotations
 
@@ -88,6 +90,8 @@ def _gloo(base: str, name: str, tp: int, cp: int, extra: tuple) -> None:
         torch.save(s["log"], f"{base}/{name}.pt")
 
 
+LORA = ["--lora-r", "4", "--lora-alpha", "8", "--lora-target-modules", "q_proj,v_proj,down_proj"]
+
 # name: (tp, cp, extra options); every one runs on tp x cp x dp gloo ranks, global batch 2
 GLOO = {
     "cp2-zero1-eval": (1, 2, ("--zero1", "--eval-data", "{base}/eval.txt", *EVAL)),
@@ -97,6 +101,7 @@ FOUR = {
     "cp4": (1, 4, ()),
     "cp2-dp2-zero1": (1, 2, ("--micro-batch", "1", "--zero1")),
     "recipe": (2, 2, tuple(cases.recipe_options()[1:])),  # the long-context recipe's options
+    "cp2-tp2-lora": (2, 2, tuple(LORA)),
 }
 
 
@@ -124,10 +129,37 @@ def recipe_ref(base) -> Ref:
     return Ref(*reference_run(args_for(f"{base}/recipe-ref", *options), global_micro_batch=2))
 
 
+class LoraRef(NamedTuple):
+    ref: Ref
+    adapter: dict[str, torch.Tensor]
+
+
+@pytest.fixture(scope="module")
+def lora_ref(base) -> LoraRef:
+    """The unsharded peft model (adapters from the same --seed) on cases.CP's data, and its
+    adapter weights after the last step (peft's state-dict names)."""
+    from peft import get_peft_model_state_dict
+
+    losses, norms = reference_run(args_for(f"{base}/lora-ref", *cases.CP, *LORA), 2)
+    return LoraRef(Ref(losses, norms), get_peft_model_state_dict(reference_run.model))
+
+
 @pytest.mark.parametrize("name", list(FOUR))
-def test_cp4_cp2_dp2_and_the_recipe_train_like_one_rank_on_gloo(base, ref, recipe_ref, name):
+def test_cp4_cp2_dp2_lora_and_the_recipe_train_like_one_rank_on_gloo(
+    base, ref, recipe_ref, lora_ref, name
+):
+    """LoRA at cp 2 x tp 2: the adapters train like the unsharded peft model's and are saved
+    once (rank 0), equal to the reference's."""
     gloo_dist.run_case(_four, name, base, cases=list(FOUR), world_size=4)
-    _check(torch.load(f"{base}/{name}.pt"), recipe_ref if name == "recipe" else ref)
+    want = {"recipe": recipe_ref, "cp2-tp2-lora": lora_ref.ref}.get(name, ref)
+    _check(torch.load(f"{base}/{name}.pt"), want)
+    if name == "cp2-tp2-lora":
+        from safetensors.torch import load_file
+
+        saved = load_file(f"{base}/{name}/adapter/adapter_model.safetensors")
+        assert sorted(saved) == sorted(lora_ref.adapter) and len(saved) == 2 * 3 * 2  # 2 layers
+        for k, w in lora_ref.adapter.items():
+            torch.testing.assert_close(saved[k], w, atol=1e-5, rtol=1e-4, msg=k)
 
 
 @pytest.fixture(scope="module")
@@ -227,8 +259,9 @@ def test_refusals_name_what_works():
         _check_cp(_config("--cp", "2", "--seq-len", "250"))
     with pytest.raises(UserError, match="multiple of 16"):
         _check_cp(_config("--cp", "2", "--tp", "4", "--seq-len", "260", "--sequence-parallel"))
-    with pytest.raises(UserError, match="--lora-r yet; it works with --tp.*ZeRO-1.*--eval-data"):
-        _check_cp(_config("--cp", "2", "--seq-len", "256", "--zero1", "--lora-r", "4"))
+    with pytest.raises(UserError, match="--ep yet; it works with --tp.*ZeRO-1.*LoRA.*--eval-data"):
+        _check_cp(_config("--cp", "2", "--seq-len", "256", "--zero1", "--ep", "2"))
+    _check_cp(_config("--cp", "2", "--seq-len", "256", "--zero1", "--lora-r", "4"))  # accepted
     _check_cp(_config("--cp", "2", "--seq-len", "256", "--zero1", "--bf16"))  # accepted
     with pytest.raises(UserError, match="pp x cp must divide 3"):
         Mesh(6, 0, tp=2, cp=2)
