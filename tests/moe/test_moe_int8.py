@@ -134,3 +134,29 @@ def _first_experts(model) -> str:
 @pytest.mark.parametrize("case", CASES)
 def test_int8_moe_matches_dequantized_reference(case):
     gloo_dist.run_case(_check, case, cases=CASES, world_size=2)
+
+
+def test_quantize_int8_on_load_and_checkpoint_refusal(tmp_path, capsys):
+    """``--quantize int8`` on a float Mixtral directory (one process): experts loaded int8,
+    greedy tokens of the reference; ``consolidate --quantize int8`` refuses the model by name
+    and writes no weights."""
+    import neuron_tp as ntp
+    from neuron_tp.checkpoint.int8_export import consolidate_int8
+    from neuron_tp.cli.args import generate_parser
+    from neuron_tp.errors import UserError
+    from neuron_tp.infer.load import load_for_generation
+    from neuron_tp.infer.static_generator import generate
+    from neuron_tp.moe.quantized import quantized_experts
+
+    full = loud_experts(build_moe("mixtral", seed=2, vocab_size=257, max_position_embeddings=256))
+    full.save_pretrained(tmp_path / "model")
+    argv = ["--device", "cpu", "--model", str(tmp_path / "model"), "--tokenizer", "bytes"]
+    model, _ = load_for_generation(
+        generate_parser().parse_args([*argv, "--quantize", "int8"]), ntp.Mesh(1, 0)
+    )
+    assert quantized_experts(model) == [f"model.layers.{i}.mlp.experts" for i in range(2)]
+    assert "2 experts modules quantized to int8" in capsys.readouterr().out
+    assert generate(model, PROMPTS, NEW, [8]) == _greedy_ref(reference(full).eval())
+    with pytest.raises(UserError, match=r"model\.layers\.0\.mlp\.experts.*int8 linears only"):
+        consolidate_int8(str(tmp_path / "model"), str(tmp_path / "int8"))
+    assert not (tmp_path / "int8" / "model.safetensors").exists()
