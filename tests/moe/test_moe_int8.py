@@ -160,3 +160,19 @@ def test_quantize_int8_on_load_and_checkpoint_refusal(tmp_path, capsys):
     with pytest.raises(UserError, match=r"model\.layers\.0\.mlp\.experts.*int8 linears only"):
         consolidate_int8(str(tmp_path / "model"), str(tmp_path / "int8"))
     assert not (tmp_path / "int8" / "model.safetensors").exists()
+
+
+def test_xla_two_devices_int8_mixtral():
+    """tp 2 on 2 XLA CPU devices: the reference's logits, experts int8 on the device, and the
+    bf16 graph reads its expert and linear weights as int8 (+ bf16 scales)."""
+    from xla_moe_int8_cases import moe_int8_rank
+
+    import xla_dist
+
+    reps = xla_dist.run(moe_int8_rank, PROMPTS[1], devices=2)
+    for rep in reps:
+        print({k: rep[k] for k in ("err_ref", "err_unquantized", "bytes_bf16", "bytes_int8")})
+        assert rep["int8_on_device"]
+        assert rep["err_ref"] < 1e-4 and rep["err_unquantized"] > 10 * rep["err_ref"], rep
+        assert rep["int8_dtypes"] == ["bf16", "s8"], rep
+        assert 0.5 < rep["bytes_int8"] / rep["bytes_bf16"] <= 0.6, rep
