@@ -78,7 +78,8 @@ class Int8Experts:
     quantized = "int8"
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + "weights=int8 per-expert per-channel symmetric"
+        base = super().extra_repr()  # type: ignore[misc]
+        return ", ".join(filter(None, (base, "weights=int8 per-channel symmetric")))
 
 
 def _dequantized(name: str, in_dim: int) -> property:
