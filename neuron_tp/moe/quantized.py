@@ -122,8 +122,9 @@ def install_int8_experts(weights: list[ExpertWeight], tensors: list[tuple]) -> N
     owners: dict[int, tuple[nn.Module, list[tuple[str, int]]]] = {}
     for w, (q, scale) in zip(weights, tensors, strict=True):
         old = w.owner._parameters[w.name]
-        if q.dtype != torch.int8 or q.shape != old.shape:
-            raise ValueError(f"int8 {w.name} {q.dtype} {tuple(q.shape)} for {tuple(old.shape)}")
+        if old is None or q.dtype != torch.int8 or q.shape != old.shape:
+            want = None if old is None else tuple(old.shape)
+            raise ValueError(f"int8 {w.name} {q.dtype} {tuple(q.shape)} for {want}")
         del w.owner._parameters[w.name]
         w.owner.register_buffer("q" + w.name, q)
         w.owner.register_buffer(_scale_name(w.name), scale)
