@@ -20,6 +20,7 @@ from .blocks import block_nd as blocks_nd
 from .hf import from_pretrained, parallelize, save_pretrained
 from .hf.attention import use_blockwise_attention
 from .hf.context_parallel import context_parallel
+from .hf.int8_model import quantize
 from .hf.recompute import Recompute, apply_activation_checkpointing
 from .layers import (
     ColumnParallelLinear,
@@ -27,7 +28,6 @@ from .layers import (
     VocabParallelEmbedding,
     parallel_cross_entropy,
 )
-from .layers.quantized import quantize
 from .moe import set_moe_mode
 from .optim.grads import (
     allreduce_data_parallel_grads,

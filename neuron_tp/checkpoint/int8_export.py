@@ -37,10 +37,10 @@ def write_int8_dir(src: str, dst: str) -> None:
     ``quantization_config``), with ``src``'s tokenizer and other non-weight files."""
     from transformers import AutoConfig
 
+    from ..hf.int8_model import quantize
     from ..hf.loading import from_pretrained
     from ..hf.quantized_files import read_format
     from ..hf.saving import save_pretrained
-    from ..layers.quantized import quantize_int8
     from ..parallel.mesh import Mesh
 
     config = AutoConfig.from_pretrained(src)
@@ -52,7 +52,7 @@ def write_int8_dir(src: str, dst: str) -> None:
     dtype = _DTYPES.get(str(getattr(config, "dtype", None) or "").replace("torch.", ""))
     mesh = Mesh(world_size=1, rank=0, tp=1)
     model = from_pretrained(src, mesh, torch_dtype=dtype or torch.float32).eval()
-    quantize_int8(model, mesh)
+    quantize(model, mesh)
     save_pretrained(model, dst, mesh)
     for name in sorted(os.listdir(src)):
         if name in _MODEL_FILES or name.endswith(".safetensors") or name.endswith(".bin"):

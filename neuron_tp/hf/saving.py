@@ -11,7 +11,9 @@ import torch
 from torch import nn
 
 from ..backend.graphs import step_boundary
+from ..errors import UserError
 from ..layers.quantized import Int8WeightLinear, is_quantized
+from ..moe.quantized import quantized_experts
 from ..parallel.mesh import Mesh
 from ..parallel.sharding import gather_full, named_parameter_meta
 from ..parallel.state import mesh_of
@@ -56,6 +58,19 @@ def persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
+def check_int8_experts_saveable(model: nn.Module) -> None:
+    """UserError (before any collective) for a model whose experts hold int8 weights: the
+    int8 checkpoint format (format_version 1) stores int8 linears only."""
+    names = quantized_experts(model)
+    if names:
+        raise UserError(
+            f"cannot save {type(model).__name__}: its experts hold int8 weights ({names[0]}"
+            f"{f' and {len(names) - 1} more' if len(names) > 1 else ''}) and neuron_tp's int8 "
+            "checkpoint format stores int8 linears only; save the float model and quantize on "
+            "load (--quantize int8 / neuron_tp.quantize)"
+        )
+
+
 def save_pretrained(model: nn.Module, out_dir: str, mesh: Mesh | None = None) -> None:
     """Write a consolidated transformers checkpoint (config + model.safetensors) from rank 0.
 
@@ -70,6 +85,7 @@ def save_pretrained(model: nn.Module, out_dir: str, mesh: Mesh | None = None) ->
 
     from ..parallel.agreement import check_agreement
 
+    check_int8_experts_saveable(model)
     mesh = mesh_of(model, mesh)
     state = gather_hf_state_dict(model, mesh)
     # every rank executes the gathers' graph (XLA: rank 0 alone would wait in them), then

@@ -154,7 +154,9 @@ def load_for_generation(args: GenerateConfig | argparse.Namespace, mesh):
         model = hf.from_pretrained(config.model, mesh, torch_dtype=dtype, wrap=wrap)
     if wrap:
         model = merge_adapter_dir(model, config.adapter)
-    from ..layers.quantized import Int8WeightLinear, is_quantized, quantize_int8
+    from ..hf.int8_model import quantize
+    from ..layers.quantized import Int8WeightLinear, is_quantized
+    from ..moe.quantized import quantized_experts
 
     if is_quantized(model):  # an int8 directory: its weights stay int8 (never dequantized)
         if mesh.rank == 0:
@@ -162,10 +164,12 @@ def load_for_generation(args: GenerateConfig | argparse.Namespace, mesh):
     elif config.quantize == "int8":  # after any merge: the merged weights are quantized
         from ..job.runtime import rank_device
 
-        quantize_int8(model, mesh, device=rank_device(config.device))
+        quantize(model, mesh, device=rank_device(config.device))
         if mesh.rank == 0:
             n = sum(isinstance(m, Int8WeightLinear) for m in model.modules())
-            print(f"--quantize int8: {n} linears quantized to int8 on load", flush=True)
+            e = len(quantized_experts(model))
+            also = f" and {e} experts modules" if e else ""
+            print(f"--quantize int8: {n} linears{also} quantized to int8 on load", flush=True)
     use_generation_config(model, ckpt or config.model)
     return model.eval(), tok
 

@@ -65,7 +65,8 @@ def is_quantized(model: nn.Module) -> bool:
     return any(isinstance(m, Int8WeightLinear) for m in model.modules())
 
 
-def _excluded(name: str, not_convert: tuple[str, ...]) -> bool:
+def excluded(name: str, not_convert: tuple[str, ...]) -> bool:
+    """True when module ``name`` is, or sits under, a module named in ``not_convert``."""
     parts = name.split(".")
     return any(
         name == m or name.endswith("." + m) or m in parts or name.startswith(m + ".")
@@ -82,7 +83,7 @@ def quantize_targets(
         (name, mod)
         for name, mod in model.named_modules()
         if isinstance(mod, (ColumnParallelLinear, RowParallelLinear))
-        and not _excluded(name, tuple(not_convert))
+        and not excluded(name, tuple(not_convert))
     ]
 
 
@@ -195,9 +196,14 @@ def quantize(
     place). Only ``dtype="int8"`` (per-output-channel symmetric, :func:`quantize_int8`): on
     Trn1/Inf2 fp8 brings no compute gain and F8E4M3FN is unsupported. Training a quantized
     model is not supported (its linear weights are buffers, not parameters)."""
+    check_dtype(dtype)
+    return quantize_int8(model, mesh, modules_to_not_convert, device)
+
+
+def check_dtype(dtype: str) -> None:
+    """UserError for a quantization dtype other than ``"int8"``."""
     if dtype != "int8":
         raise UserError(
             f"quantization dtype {dtype!r} is not supported: use 'int8' (fp8 brings no compute "
             "gain on Trn1/Inf2 and F8E4M3FN is not supported there)"
         )
-    return quantize_int8(model, mesh, modules_to_not_convert, device)
