@@ -18,6 +18,7 @@ from ..pipeline.runner import PipelineRunner
 from ..pipeline.stages import (
     SUPPORTED,
     PipelineStage,
+    check_no_router_loss,
     plan_stages,
     split_model,
     sum_tied_grads,
@@ -35,7 +36,7 @@ def check_options(config: TrainConfig, hf_config) -> None:
         return
     unsupported = [
         (config.tp_mode != "1d", f"--tp-mode {config.tp_mode}", "--tp-mode 1d"),
-        (config.ep > 1, "--ep", "--ep 1"),
+        (config.ep > 1, "--ep", "--ep 1 (MoE experts sharded over --tp)"),
     ]
     for bad, what, works in unsupported:
         if bad:
@@ -45,6 +46,7 @@ def check_options(config: TrainConfig, hf_config) -> None:
             f"--pp cuts {', '.join(SUPPORTED)} models by their decoder layers; "
             f"{type(hf_config).__name__.replace('Config', '')} is not one of them (use --pp 1)"
         )
+    check_no_router_loss(hf_config)
     plan_stages(hf_config.num_hidden_layers, pipe.pp, pipe.virtual_stages)
     schedules.check_schedule_options(
         pipe.pp_schedule, pipe.pp, config.grad_accum, pipe.virtual_stages
