@@ -63,6 +63,8 @@ def excluded_axes(config, model_config) -> dict[str, str]:
     if name not in staged:
         cut = ", ".join(sorted(n.replace("Config", "") for n in staged))
         why["pp"].append(f"{name.replace('Config', '')} models are not cut into stages ({cut} are)")
+    if getattr(model_config, "output_router_logits", False):
+        why["pp"].append("the MoE router load-balancing loss (output_router_logits)")
     if config.lora.r:
         why["cp"].append(f"--lora-r {config.lora.r}")
     if packed_rows(config.data, config.packing) or packed_rows(config.eval.data, config.packing):
