@@ -50,7 +50,7 @@ def excluded_axes(config, model_config) -> dict[str, str]:
     what ``neuron-tp train`` refuses next to the job's other options (its model, --ep,
     packed rows), so the plan never picks a layout the job then refuses."""
     from ..job.config import AUTO_PLAN_AXES
-    from ..pipeline.stages import SUPPORTED
+    from ..pipeline.stages import SUPPORTED, sliding_window
 
     staged = {name.replace("ForCausalLM", "Config") for name in SUPPORTED}
     why: dict[str, list[str]] = {"pp": [], "cp": []}
@@ -63,6 +63,11 @@ def excluded_axes(config, model_config) -> dict[str, str]:
     if name not in staged:
         cut = ", ".join(sorted(n.replace("Config", "") for n in staged))
         why["pp"].append(f"{name.replace('Config', '')} models are not cut into stages ({cut} are)")
+    if getattr(model_config, "output_router_logits", False):
+        why["pp"].append("the MoE router load-balancing loss (output_router_logits)")
+    pp_window = sliding_window(model_config)
+    if pp_window is not None and pp_window < config.seq_len:
+        why["pp"].append(f"sliding_window={pp_window} < --seq-len {config.seq_len}")
     if packed_rows(config.data, config.packing) or packed_rows(config.eval.data, config.packing):
         why["cp"].append("packed instruction rows (--no-packing pads them instead)")
     window = getattr(model_config, "sliding_window", None)

@@ -18,7 +18,9 @@ from ..pipeline.runner import PipelineRunner
 from ..pipeline.stages import (
     SUPPORTED,
     PipelineStage,
+    check_no_router_loss,
     plan_stages,
+    sliding_window,
     split_model,
     sum_tied_grads,
 )
@@ -35,7 +37,7 @@ def check_options(config: TrainConfig, hf_config) -> None:
         return
     unsupported = [
         (config.tp_mode != "1d", f"--tp-mode {config.tp_mode}", "--tp-mode 1d"),
-        (config.ep > 1, "--ep", "--ep 1"),
+        (config.ep > 1, "--ep", "--ep 1 (MoE experts sharded over --tp)"),
     ]
     for bad, what, works in unsupported:
         if bad:
@@ -44,6 +46,14 @@ def check_options(config: TrainConfig, hf_config) -> None:
         raise UserError(
             f"--pp cuts {', '.join(SUPPORTED)} models by their decoder layers; "
             f"{type(hf_config).__name__.replace('Config', '')} is not one of them (use --pp 1)"
+        )
+    check_no_router_loss(hf_config)
+    window = sliding_window(hf_config)
+    if window is not None and window < config.seq_len:
+        raise UserError(
+            f"--pp {pipe.pp}: pipeline stages build a plain causal mask, but this model "
+            f"attends over a sliding window of {window} tokens, shorter than --seq-len "
+            f"{config.seq_len}: use --seq-len <= {window} or --pp 1"
         )
     plan_stages(hf_config.num_hidden_layers, pipe.pp, pipe.virtual_stages)
     schedules.check_schedule_options(

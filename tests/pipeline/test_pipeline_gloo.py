@@ -1,8 +1,9 @@
 """Pipeline training on 4 gloo ranks, one launch for every case (pipeline_cases.py): pp 2 x
 tp 2 (with and without sequence parallelism), pp 4 on packed rows then evaluated, interleaved
-(v 2) with tied embeddings then evaluated, and pp 2 x dp 2 with ZeRO-1 and tied embeddings,
-against the unsharded model; and a stage of pp 2 x tp 2 loaded from a HF directory reading
-only its own tensors."""
+(v 2) with tied embeddings then evaluated, pp 2 x dp 2 with ZeRO-1 and tied embeddings, and MoE
+models cut into stages (Mixtral at pp 2 x dp 2, Qwen2-MoE with its shared expert and a dense
+layer at pp 2 x tp 2), against the unsharded model; and a stage of pp 2 x tp 2 loaded from a
+HF directory reading only its own tensors."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ CASES = (
     "pp4_packed_eval",
     "pp2_tp2_tied_v2_eval",
     "pp2_tied_zero1",
+    "pp2_moe",
+    "pp2_tp2_qwen2moe",
     "load_pp2_tp2",
 )
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from transformers import GPT2Config, MistralConfig
+from transformers import GPT2Config, MistralConfig, MixtralConfig
 
 from neuron_tp.cli.args import train_parser
 from neuron_tp.errors import UserError
@@ -94,6 +94,10 @@ def test_the_excluded_axes_and_why(tmp_path):
     }
     gpt2 = excluded_axes(_config(), GPT2Config())
     assert list(gpt2) == ["pp"] and "GPT2 models are not cut into stages" in gpt2["pp"]
+    assert excluded_axes(_config(), MixtralConfig()) == {}
+    assert excluded_axes(_config(), MixtralConfig(output_router_logits=True)) == {
+        "pp": "the MoE router load-balancing loss (output_router_logits)"
+    }
 
 
 def test_pp_with_cp_or_2d_pins_are_refused_before_tracing():
