@@ -48,9 +48,7 @@ def run_cli(args: GenerateConfig | argparse.Namespace) -> list[str]:
     stops = [] if config.ignore_eos else eos_ids(model, tok)
     if speculation_method(config):
         return _speculate(config, model, tok, mesh, prompts, sampling=sampling, eos=stops)
-    from .kv_split import resolve
-
-    if resolve(config.kv_split, model.config, mesh.tp_size) == "sequence":
+    if config.kv_split == "sequence":  # auto: generate's static batches keep whole heads
         return _split_by_sequence(config, model, tok, mesh, prompts, sampling=sampling, eos=stops)
     gen = Generator(
         model, config.buckets, config.max_new_tokens, batch_buckets=config.batch_buckets, pad_id=pad

@@ -443,8 +443,8 @@ _KV_SPLIT_HELP = (
     "the KV cache of a model with fewer kv heads than --tp (each kv head replicated on tp/kv "
     "ranks): sequence: the ranks sharing a kv head each hold 1/r of the positions (long "
     "prompts; attention combined across them); heads: each rank holds its heads' whole "
-    "cache; auto: sequence when kv heads are replicated and no draft model (and, in serve, "
-    "no prefix cache) is on"
+    "cache; auto: in serve, sequence when kv heads are replicated and neither a prefix cache "
+    "nor speculation is on; in generate, heads (its static batches)"
 )
 
 

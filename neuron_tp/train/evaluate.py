@@ -129,6 +129,7 @@ class Evaluator:
         model: torch.nn.Module,
         mesh: Mesh,
         device: torch.device,
+        *,
         pipeline: PipelineRunner | None = None,
     ) -> dict | None:
         """``{"eval_loss", "eval_perplexity", "eval_tokens"}`` (None when only tracing);

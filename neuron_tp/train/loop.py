@@ -465,7 +465,7 @@ def _train(
         if run.guard is not None and not extract:  # what the log closure saw (no transfer)
             check_finite(run, sync=False)
         if evaluate_now:
-            result = evaluator.evaluate(run.model, run.mesh, run.device, run.pipeline)
+            result = evaluator.evaluate(run.model, run.mesh, run.device, pipeline=run.pipeline)
             logger.on_eval(run.step, result)
         logger.step_done(run.step)
         if on_step is not None:

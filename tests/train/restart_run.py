@@ -79,9 +79,9 @@ def _install(result_dir: str) -> None:
     if "eval" in PLAN:
         run_eval = evaluate.Evaluator.evaluate
 
-        def eval_then_die(self, model, mesh, device):
+        def eval_then_die(self, *args, **kwargs):
             die(result_dir, "eval")
-            return run_eval(self, model, mesh, device)
+            return run_eval(self, *args, **kwargs)
 
         evaluate.Evaluator.evaluate = eval_then_die
 
