@@ -90,7 +90,11 @@ def test_the_excluded_axes_and_why(tmp_path):
     assert excluded_axes(_config("--eval-data", chat), llama) == {"cp": packed}
     assert excluded_axes(_config("--data", chat, "--no-packing"), llama) == {}
     assert excluded_axes(_config(), MistralConfig(sliding_window=4096)) == {
-        "cp": "sliding_window=4096"
+        "pp": f"sliding_window=4096 < --seq-len {LONG}",  # stages build a plain causal mask
+        "cp": "sliding_window=4096",
+    }
+    assert excluded_axes(_config(), MistralConfig(sliding_window=2 * LONG)) == {
+        "cp": f"sliding_window={2 * LONG}"
     }
     gpt2 = excluded_axes(_config(), GPT2Config())
     assert list(gpt2) == ["pp"] and "GPT2 models are not cut into stages" in gpt2["pp"]
