@@ -185,21 +185,6 @@ def install_int8(mod: nn.Module, qweight: torch.Tensor, scale: torch.Tensor) -> 
     mod.__class__ = _quantized_class(type(mod))
 
 
-def quantize(
-    model: nn.Module,
-    mesh: Mesh | None = None,
-    dtype: str = "int8",
-    modules_to_not_convert=DEFAULT_NOT_CONVERT,
-    device: torch.device | str | None = None,
-) -> nn.Module:
-    """``neuron_tp.quantize``: weight-only quantization of a sharded model for inference (in
-    place). Only ``dtype="int8"`` (per-output-channel symmetric, :func:`quantize_int8`): on
-    Trn1/Inf2 fp8 brings no compute gain and F8E4M3FN is unsupported. Training a quantized
-    model is not supported (its linear weights are buffers, not parameters)."""
-    check_dtype(dtype)
-    return quantize_int8(model, mesh, modules_to_not_convert, device)
-
-
 def check_dtype(dtype: str) -> None:
     """UserError for a quantization dtype other than ``"int8"``."""
     if dtype != "int8":
