@@ -4,7 +4,7 @@
 import pytest
 
 import xla_zygote
-from neuron_tp.backend.hlo import collectives_in_fresh_process
+from neuron_tp.backend.hlo import parse_collectives
 
 B, S, H, FFN = 2, 16, 64, 256
 WORLD, TP, RANK = 32, 8, 5
@@ -35,7 +35,11 @@ def _summary(colls):
 
 @pytest.mark.parametrize("sp", [False, True])
 def test_mlp_collectives_virtual_world32_tp8(sp):
-    colls = collectives_in_fresh_process(MLP_TRACE.format(sp=sp))
+    # a fresh process per trace (see neuron_tp.backend.hlo.collectives_in_fresh_process),
+    # forked from the zygote that has the imports
+    out = xla_zygote.python(["-c", MLP_TRACE.format(sp=sp)], timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    colls = parse_collectives(out.stdout)
     full = (B, S, H)
     if sp:
         # fwd: all-gather before col, reduce-scatter after row; bwd: the reverse pair, and

@@ -147,8 +147,9 @@ def _case(case: str, tp: int, tmp: str) -> None:
         _check_training("tiny-" + name, mode == "sp", mode == "parallel-loss")
 
 
-# tp 4 replicates the kv heads (2) of Llama / Qwen3: the cases where that matters.
-CASES_TP4 = [c for c in CASES if c not in ("llama-parallel-loss", "adapter-io-gpt2", "refusals")]
+# tp 4 replicates the kv heads (2) of Llama / Qwen3: the cases where that matters (SP once).
+TP2_ONLY = ("llama-parallel-loss", "adapter-io-gpt2", "refusals", "qwen3-sp", "gpt2-sp")
+CASES_TP4 = [c for c in CASES if c not in TP2_ONLY]
 
 
 @pytest.mark.parametrize(

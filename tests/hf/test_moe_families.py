@@ -109,18 +109,17 @@ def _experts_plan(model) -> dict[str, str]:
     return {n: "moe_tp_experts" for n in sorted(names)}
 
 
-def _compare(ref, plan, sequence_parallel: bool = False) -> None:
-    """parallelize(copy of ref) vs ref: logits, loss, weights after one SGD step (AdamW's
-    first step divides each gradient by its own size: it would turn the rounding of the
-    near-zero gradients of tiny random models into visible differences)."""
+def _compare(ref, m) -> None:
+    """``m`` (parallelized from a copy of ref) vs ref: logits, loss, weights after one SGD
+    step, logits after it (AdamW's first step divides each gradient by its own size: it
+    would turn the rounding of the near-zero gradients of tiny random models into visible
+    differences)."""
     import neuron_tp as ntp
-    from neuron_tp.hf import gather_hf_state_dict, parallelize
+    from neuron_tp.hf import gather_hf_state_dict
 
     ids = torch.randint(1, V, (2, 8), generator=torch.Generator().manual_seed(3))
-    m = parallelize(copy.deepcopy(ref), plan=plan, sequence_parallel=sequence_parallel)
-    with torch.no_grad():
-        _close(m(ids).logits, ref(ids).logits, "logits")
     out, want = m(ids, labels=ids), ref(ids, labels=ids)
+    _close(out.logits, want.logits, "logits")
     _close(out.loss, want.loss, "loss")
     out.loss.backward()
     want.loss.backward()
@@ -135,7 +134,7 @@ def _compare(ref, plan, sequence_parallel: bool = False) -> None:
         _close(m(ids).logits, ref(ids).logits, "logits after a step")
 
 
-def _compare_ep(model_type: str, plan, mesh) -> tuple[str, str]:
+def _compare_ep(ref, plan, mesh) -> tuple[str, str]:
     """Expert parallelism over the launch's 2 ranks (tp 1, ep 2: 2 of the 4 experts each),
     each rank its own rows: its logits and loss vs the unsharded model's on those rows, every
     gradient after the data-parallel reduction vs the unsharded model's on both ranks' rows."""
@@ -143,7 +142,6 @@ def _compare_ep(model_type: str, plan, mesh) -> tuple[str, str]:
     from neuron_tp.hf import gather_hf_state_dict, parallelize
 
     try:
-        ref = build_family(model_type)
         ids = torch.randint(1, V, (2 * mesh.dp_size, 8), generator=torch.Generator().manual_seed(4))
         mine = ids.chunk(mesh.dp_size)[mesh.dp_rank]
         m = parallelize(copy.deepcopy(ref), mesh, plan=plan)
@@ -175,9 +173,8 @@ def _shards_experts(model) -> bool:
     return Style.MOE_EXPERTS in plan_model(model).targets.values()
 
 
-def _try(model_type: str, plan) -> tuple[str, str]:
-    """``(outcome, detail)``: pass / refused / fail."""
-    ref = build_family(model_type)
+def _try(ref, plan) -> tuple[str, str]:
+    """``(outcome, detail)``: pass / refused / fail; ``ref`` is not changed."""
     before = {n: t.clone() for n, t in ref.state_dict().items()}
     probe = copy.deepcopy(ref)
     from neuron_tp.hf import parallelize
@@ -193,7 +190,7 @@ def _try(model_type: str, plan) -> tuple[str, str]:
     except Exception as e:  # noqa: BLE001 - accepted then crashed while sharding
         return "fail", f"{type(e).__name__} while sharding: {str(e)[:300]}"
     try:
-        _compare(ref, plan)
+        _compare(copy.deepcopy(ref), probe)
     except Exception as e:  # noqa: BLE001
         return "fail", f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
     return "pass", ""
@@ -303,18 +300,19 @@ def _sweep(out_path: str) -> None:
             ref = build_family(mt)
             ids = torch.randint(1, V, (2, 8))
             ref(ids, labels=ids).loss.backward()  # the unsharded model itself runs
+            ref.zero_grad(set_to_none=True)
         except Exception as e:  # noqa: BLE001 - the tiny config does not build: not neuron_tp's
             results[mt] = {"whole": ("no tiny model", f"{type(e).__name__}: {str(e)[:200]}")}
             continue
-        entry = {"whole": _try(mt, None)}
+        entry = {"whole": _try(ref, None)}
         if entry["whole"][0] == "pass" and not _shards_experts(ref):
             entry["whole"] = ("pass (experts replicated)", "")
         plan = None
         if entry["whole"][0] != "pass":
             plan = _experts_plan(ref)
-            entry["experts_only"] = _try(mt, plan) if plan else ("refused", "no experts module")
+            entry["experts_only"] = _try(ref, plan) if plan else ("refused", "no experts module")
         if "pass" in (entry["whole"][0], entry.get("experts_only", ("",))[0]):
-            entry["ep"] = _compare_ep(mt, plan, ep_mesh)
+            entry["ep"] = _compare_ep(ref, plan, ep_mesh)  # ref's last use
         ntp.set_default_mesh(mesh)
         results[mt] = entry
         if torch.distributed.get_rank() == 0:

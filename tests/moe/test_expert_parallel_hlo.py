@@ -7,9 +7,8 @@ Neuron compiles the graph once per job)."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
+import xla_zygote
 from neuron_tp.backend.hlo import parse_collectives
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -41,9 +40,7 @@ for rank in (1, 6):
 
 def test_neuron_form_and_one_graph_for_every_rank():
     env = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONPATH": REPO}
-    proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300
-    )
+    proc = xla_zygote.python(["-c", SCRIPT], env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     one, six, _ = proc.stdout.split("=====")
     assert one.strip() == six.strip()

@@ -6,7 +6,7 @@ ring bytes and number of the micro-batch and once-per-step collectives (in total
 kind, and per kind and group size), buffer bytes, matrix-product FLOPs and saved activation
 bytes, for 1d, 1d + SP, 1d with replicated kv heads, 2d and 3d (dp, ZeRO-1, recompute varied).
 
-Executed XLA tier: the training step that really runs on 2 and 4 XLA CPU devices
+Executed XLA tier: the training step that really runs on 4 XLA CPU devices
 (``neuron_tp.train.loop.train`` on tests/helpers/xla_dist.py, see plan_xla_cases.py) records its HLO
 at the end of forward + backward (micro part) and at the step boundary (whole step; step part
 = whole minus micro, a multiset difference); every rank's collectives, by kind and by kind and
@@ -68,10 +68,10 @@ MODES = {  # name: Spec fields (layers and micro_batch set per trace)
 
 # ---- executed XLA tier: layouts run by plan_xla_cases.run_layouts ---------------------------
 
-# name: (devices, tp, tp_mode, micro_batch, train options). micro_batch = 3 b0 (k = 3).
+# name: (devices, tp, tp_mode, micro_batch, train options). micro_batch = 3 b0 (k = 3). One
+# launch of 4 devices (plain 1d tp 2 is on the CPU tier).
 XLA_LAYOUTS = {
-    "xla_1d_tp2": (2, 2, "1d", 3, []),
-    "xla_1d_sp_tp2": (2, 2, "1d", 3, ["--sequence-parallel"]),
+    "xla_1d_sp_tp2_dp2": (4, 2, "1d", 3, ["--sequence-parallel"]),
     "xla_1d_tp2_dp2_zero1": (4, 2, "1d", 3, ["--zero1"]),
     "xla_1d_tp4_full": (4, 4, "1d", 3, ["--activation-checkpointing", "full"]),
     "xla_2d_tp4_bf16": (4, 4, "2d", 6, ["--bf16"]),
@@ -199,7 +199,8 @@ def test_extension_equals_direct_trace(traces, mode):
 
 @pytest.fixture(scope="module")
 def executed(tmp_path_factory):
-    """Per layout, every rank's collectives of the step that ran (two xla_dist runs)."""
+    """Per layout, every rank's collectives of the step that ran (one xla_dist run per device
+    count)."""
     out = {}
     for devices in sorted({v[0] for v in XLA_LAYOUTS.values()}):
         layouts = [

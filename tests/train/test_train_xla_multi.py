@@ -26,7 +26,7 @@ from reference_train import reference_run  # noqa: E402
 N_PARAMS = {"tiny-llama": 21, "tiny-qwen3": 25}
 GLOO_TWO = {  # the runs of the 2-rank gloo launch
     "qwen3": cases.QWEN3,
-    "recompute-full": cases.RECOMPUTE_BASE + ["--activation-checkpointing", "full"],
+    "recompute-selective": cases.RECOMPUTE_BASE + ["--activation-checkpointing", "selective"],
 }
 
 
@@ -239,7 +239,7 @@ def no_recompute_ref(base) -> tuple[list[float], list[float]]:
 
 @pytest.mark.parametrize("case", list(cases.RECOMPUTE))
 def test_activation_recompute_trains_like_the_reference_on_xla(two, no_recompute_ref, case):
-    """--activation-checkpointing full (with SP) and selective at tp=2 on two XLA CPU devices:
+    """--activation-checkpointing full with SP at tp=2 on two XLA CPU devices:
     the losses and grad norms of the run without recompute (the independent unsharded
     reference), step by step; the recompute is really in the graph (tests/hf/test_recompute.py
     checks the compiled HLO)."""
@@ -250,10 +250,10 @@ def test_activation_recompute_trains_like_the_reference_on_xla(two, no_recompute
 
 
 def test_activation_recompute_trains_like_the_reference_on_gloo(base, no_recompute_ref):
-    """--activation-checkpointing full at tp=2 on gloo ranks: the reference's losses and grad
-    norms."""
+    """--activation-checkpointing selective at tp=2 on gloo ranks: the reference's losses and
+    grad norms."""
     losses, norms = no_recompute_ref
-    gloo = _gloo_log(base, "recompute-full")
+    gloo = _gloo_log(base, "recompute-selective")
     torch.testing.assert_close([e["loss"] for e in gloo], losses, rtol=2e-4, atol=2e-4)
     torch.testing.assert_close([e["grad_norm"] for e in gloo], norms, rtol=2e-3, atol=1e-5)
 

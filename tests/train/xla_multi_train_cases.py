@@ -149,10 +149,9 @@ QWEN3 += ["--save-every", "4"]
 DP2_SP = ["--micro-batch", "2", "--grad-accum", "2", "--steps", "6", "--sequence-parallel"]
 DP2_SP += ["--save-every", "0"]
 RECOMPUTE_BASE = ["--micro-batch", "2", "--steps", "4", "--save-every", "0"]
-RECOMPUTE = {
-    "recompute-full-sp": ["--activation-checkpointing", "full", "--sequence-parallel"],
-    "recompute-selective": ["--activation-checkpointing", "selective"],
-}
+# full (with SP) on the XLA devices, selective on gloo ranks (the XLA checkpoint wrapper is
+# the same for both: neuron_tp.hf.recompute.checkpoint)
+RECOMPUTE = {"recompute-full-sp": ["--activation-checkpointing", "full", "--sequence-parallel"]}
 # pp 2 x tp 2 (dp 1) on the rows of DP2_SP (its dp 2 x micro-batch 2 is one micro-batch of 4),
 # its first 3 steps (the same learning rates: warm-up)
 PP2_SP = ["--micro-batch", "4", "--grad-accum", "2", "--steps", "3", "--sequence-parallel"]
