@@ -22,6 +22,7 @@ sum of per-stage terms.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -163,6 +164,18 @@ class PipelineStage:
 
     def is_first_piece(self, chunk: int) -> bool:
         return self.plan.virtual_stage(self.stage, chunk) == 0
+
+    def boundary_shape(
+        self, batch: int, seq: int, sequence_parallel: bool | None = None
+    ) -> tuple[int, int, int]:
+        """The hidden states this rank sends and receives at a boundary: ``[b, s, h]``, the
+        sequence shard ``[b, s/tp, h]`` under ``sequence_parallel``."""
+        tp = self.mesh.tp_size
+        local = seq // tp if sequence_parallel else seq
+        return (batch, local, self.model.config.hidden_size)
+
+    def check_inputs(self, micro_batches: Sequence[dict]) -> None:
+        """UserError for micro-batches this stage cannot run (decoder models run them all)."""
 
     def forward(
         self,
