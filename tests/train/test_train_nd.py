@@ -160,6 +160,10 @@ def _world8(tmp: str) -> None:
     z = train(_args(f"{tmp}/z", *base, "--zero1"), mesh, printer=_quiet)
     p = train(_args(f"{tmp}/p", *base), mesh, printer=_quiet)
     res.update(z=_losses(z), z_norm=_norms(z), p=_losses(p), p_norm=_norms(p))
+    mesh = ntp.init_mesh(tp=4, tp_mode="2d", pp=2)  # pp2 x 2D q=2: the same global batch
+    pp = ["--tp", "4", "--tp-mode", "2d", "--pp", "2", "--micro-batch", "4", "--grad-accum", "2"]
+    s = train(_args(f"{tmp}/s", *pp, *RUN8), mesh, printer=_quiet)
+    res.update(s=_losses(s), s_norm=_norms(s))
     if mesh.rank == 0:
         with open(f"{tmp}/world8.json", "w") as fh:
             json.dump(res, fh)
@@ -175,7 +179,7 @@ def test_3d_q2_and_dp2_x_2d_zero1_vs_reference(tmp_path):
     ref_loss, ref_norm = reference_run(
         _args(tmp_path / "ref2", "--micro-batch", "2", "--grad-accum", "2", *RUN8), 4
     )
-    for name in ("z", "p"):
+    for name in ("z", "p", "s"):
         assert res[name] == pytest.approx(ref_loss, rel=2e-4, abs=2e-4), name
         assert res[name + "_norm"] == pytest.approx(ref_norm, **NORM_TOL), name
     assert res["z"] == pytest.approx(res["p"], rel=1e-5, abs=1e-6)
