@@ -4,14 +4,15 @@ tp 2 (with and without sequence parallelism), pp 4 on packed rows then evaluated
 models cut into stages (Mixtral at pp 2 x dp 2, Qwen2-MoE with its shared expert and a dense
 layer at pp 2 x tp 2), against the unsharded model; a stage of pp 2 x tp 2 loaded from a
 HF directory reading only its own tensors; and stacks of the layer library's blocks cut into
-stages (block_cases.py: 1D with SP at pp 2 x tp 2, 2D interleaved at pp 2 x dp 2)."""
+stages (tests/helpers/block_pipeline.py: 1D with SP at pp 2 x tp 2, 2D interleaved at
+pp 2 x dp 2)."""
 
 from __future__ import annotations
 
-import block_cases
 import pipeline_cases
 import pytest
 
+import block_pipeline
 import gloo_dist
 
 CASES = (
@@ -30,7 +31,7 @@ CASES = (
 
 def check(case: str) -> None:
     if case.startswith("blocks"):
-        checked = block_cases.run(case)
+        checked = block_pipeline.run(case)
         assert any(c.startswith("grad blocks.") for c in checked), checked
         return
     if case.startswith("load"):

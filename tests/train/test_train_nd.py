@@ -1,7 +1,9 @@
 """``neuron-tp train --tp-mode 2d|3d`` on gloo ranks vs the unsharded reference (plain
 transformers + torch AdamW / clip_grad_norm_): the global gradient norm and clipping of 2D/3D
 parameters (pieces replicated over some grid axes counted once), training losses and norms
-step by step (2D q=2; dp2 x 2D with --zero1; 3D q=2), same-layout kill-and-resume, and the
+step by step (2D q=2; dp2 x 2D with --zero1; 3D q=2; pp 2 x 2D q=2, and a stack of
+``TransformerBlockND`` cut into pipeline stages at pp 2 x 2D q=2: tests/helpers/block_pipeline.py),
+same-layout kill-and-resume, and the
 startup refusals (--sequence-parallel, a micro-batch the grid does not split, a model the
 2D/3D layers do not take) raised on every rank before any collective of the tp groups."""
 
@@ -15,6 +17,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+import block_pipeline  # noqa: E402
 import gloo_dist  # noqa: E402
 import neuron_tp as ntp  # noqa: E402
 from neuron_tp.cli.args import train_parser  # noqa: E402
@@ -164,6 +167,7 @@ def _world8(tmp: str) -> None:
     pp = ["--tp", "4", "--tp-mode", "2d", "--pp", "2", "--micro-batch", "4", "--grad-accum", "2"]
     s = train(_args(f"{tmp}/s", *pp, *RUN8), mesh, printer=_quiet)
     res.update(s=_losses(s), s_norm=_norms(s))
+    block_pipeline.run("blocks2d_pp2_tp4")  # library blocks at pp 2 x 2D q=2 (raises if off)
     if mesh.rank == 0:
         with open(f"{tmp}/world8.json", "w") as fh:
             json.dump(res, fh)

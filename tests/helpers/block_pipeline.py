@@ -1,5 +1,6 @@
 """Pipeline training of stacks of the layer library's blocks (:func:`neuron_tp.pipeline.
-stages_of_blocks`), run in the gloo launch of test_pipeline_gloo.py, against the same model
+stages_of_blocks`), run in the gloo launches of tests/pipeline/test_pipeline_gloo.py (4 ranks)
+and tests/train/test_train_nd.py (8 ranks), against the same model
 computed with plain torch ops on full weights (tests/helpers/block_reference.py,
 nd_reference.py) and trained with stock torch AdamW and clip_grad_norm_ on the same global
 batch: the step's loss, the global gradient norm, every gradient (gathered over tp) of this
@@ -8,7 +9,8 @@ stage's parameters, and every weight after the steps.
 ``blocks_pp2_tp2_sp``: 4 ``TransformerBlock`` at pp 2 x tp 2 with sequence parallelism
 (vocab-parallel embedding scattering the sequence, SP final norm, vocab-sharded classifier and
 loss). ``blocks2d_pp2_dp2_v2``: 4 ``TransformerBlockND`` on a 2D mesh at pp 2 x dp 2,
-interleaved (2 chunks a stage): 4 ranks leave a 1 x 1 grid (a 2 x 2 grid at pp 2 needs 8)."""
+interleaved (2 chunks a stage): 4 ranks leave a 1 x 1 grid; ``blocks2d_pp2_tp4``: the same
+stack on a 2 x 2 grid at pp 2 (8 ranks: the batch, features, heads and vocabulary split)."""
 
 from __future__ import annotations
 
@@ -16,7 +18,6 @@ import functools
 
 import torch
 import torch.nn.functional as F
-from pipeline_cases import BATCH, LR, MAX_NORM, SEQ, TOL, WD, micro_batches
 from torch import nn
 
 import block_reference as b1d
@@ -38,7 +39,24 @@ from neuron_tp.pipeline import BlockStack, PipelineRunner, stages_of_blocks
 from neuron_tp.pipeline import schedule as schedules
 from neuron_tp.pipeline.stages import plan_stages
 
-BLOCKS, VOCAB = 4, 64
+BLOCKS, VOCAB, BATCH, SEQ, MICRO = 4, 64, 2, 8, 4
+LR, WD, MAX_NORM = 1e-2, 0.1, 0.05
+TOL = dict(atol=2e-5, rtol=2e-4)
+
+
+def micro_batches(m: int, dp: int) -> list[list[dict]]:
+    """``m`` micro-batches ``[BATCH, SEQ]`` for each of ``dp`` replicas, some labels ignored."""
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(dp):
+        mine = []
+        for _ in range(m):
+            ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+            labels = ids.clone()
+            labels[torch.rand(BATCH, SEQ, generator=gen) < 0.25] = -100
+            mine.append({"input_ids": ids, "labels": labels})
+        out.append(mine)
+    return out
 
 
 def _whole(nd: bool, mesh, sp: bool) -> BlockStack:
@@ -117,17 +135,18 @@ def _noise(grads: list[torch.Tensor]) -> torch.Tensor:
 def run(case: str, steps: int = 2) -> list[str]:
     """Train the case's block stack for ``steps`` steps; returns what was compared."""
     nd, sp = case.startswith("blocks2d"), "_sp" in case
-    tp, v = (1, 2) if nd else (2, 1)
+    tp = 4 if "_tp4" in case else 2 if "_tp2" in case else 1
+    v = 2 if "_v2" in case else 1
     mesh = ntp.init_mesh(tp=tp, pp=2, tp_mode="2d" if nd else "1d")
     whole = _whole(nd, mesh, sp)
     start = ntp.gather_params(whole, mesh)
-    batches = micro_batches(4, mesh.dp_size)
+    batches = micro_batches(MICRO, mesh.dp_size)
     ref = _reference(nd, start, batches, steps)
     blocks = [whole.blocks[str(i)] for i in range(BLOCKS)]
     plan = plan_stages(BLOCKS, 2, v)
     stage = stages_of_blocks(blocks, mesh, plan, embedding=whole.embedding, head=whole.head)
     opt = make_optimizer(stage.model, LR, WD, torch.device("cpu"))
-    sched = schedules.build("interleaved" if v > 1 else "1f1b", 2, 4, v)
+    sched = schedules.build("interleaved" if v > 1 else "1f1b", 2, MICRO, v)
     runner = PipelineRunner(stage, sched, batch=BATCH, seq=SEQ, device="cpu")
     n = sum(int((b["labels"][:, 1:] != -100).sum()) for rep in batches for b in rep)
     checked = []
