@@ -5,10 +5,11 @@
    one: 1 - (time in tasks) / (step time), per rank, averaged.
 2. Bytes one rank receives per micro-batch crossing a stage boundary, forward activation and
    backward gradient (one exchange each), traced for a virtual rank on the XLA CPU device
-   (nothing executes), with and without sequence parallelism, next to b*s*h*dtype (/tp under
-   SP): ``permute`` (XLA collective-permute, what Neuron runs), ``gather`` (the all-gather
-   over the pp group XLA:CPU devices run: p-1 buffers received per useful one), and gloo's
-   isend/irecv (exactly the buffer).
+   (nothing executes), with and without sequence parallelism and in the 2D residual layout
+   (``--tp-mode 2d``, library 2D blocks), next to b*s*h*dtype (/tp under SP or 2D):
+   ``permute`` (XLA collective-permute, what Neuron runs), ``gather`` (the all-gather over the
+   pp group XLA:CPU devices run: p-1 buffers received per useful one), and gloo's isend/irecv
+   (exactly the buffer).
 
     .venv/bin/python benchmarks/pipeline.py [--hidden 256 --seq 128 --batch 2] [--steps 4]
 """
@@ -16,6 +17,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import statistics
@@ -159,14 +161,16 @@ def boundary_bytes(args) -> None:
         f"\nBytes one rank receives per micro-batch and boundary (forward + backward), "
         f"b={b} s={s} h={h} fp32, traced HLO"
     )
-    print("| pp | tp | SP | b*s*h*4 (/tp) x 2 | permute | gather | gloo isend/irecv |")
+    print("| pp | tp | SP / mode | b*s*h*4 (/tp) x 2 | permute | gather | gloo isend/irecv |")
     print("|---|---|---|---|---|---|---|")
-    for p, tp in ((2, 1), (4, 1), (2, 2), (4, 4)):
-        for sp in (False, True) if tp > 1 else (False,):
-            shape = (b, s // tp if sp else s, h)
-            want = 2 * b * s * h * 4 // (tp if sp else 1)
-            perm, gath = (_in_fresh_process(m, p, tp, shape) for m in ("permute", "gather"))
-            print(f"| {p} | {tp} | {'yes' if sp else 'no'} | {want} | {perm} | {gath} | {want} |")
+    rows = [(2, 1, "no"), (4, 1, "no"), (2, 2, "no"), (2, 2, "yes"), (4, 4, "no")]
+    rows += [(4, 4, "yes"), (2, 4, "2d")]  # 2d: the residual layout [b/q, s, h/q], q = 2
+    for p, tp, how in rows:
+        q = math.isqrt(tp)
+        shape = {"no": (b, s, h), "yes": (b, s // tp, h), "2d": (b // q, s, h // q)}[how]
+        want = 2 * b * s * h * 4 // (1 if how == "no" else tp)
+        perm, gath = (_in_fresh_process(m, p, tp, shape) for m in ("permute", "gather"))
+        print(f"| {p} | {tp} | {how} | {want} | {perm} | {gath} | {want} |")
 
 
 if __name__ == "__main__":

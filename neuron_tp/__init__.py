@@ -11,9 +11,10 @@ Public API::
     job = ntp.plan.Job(ntp.plan.get_instance("trn1.32xlarge"), nodes=4, seq_len=4096,
                        global_batch=1024)
     ntp.plan.make_plan(hf_config, job).recommended   # will it fit, which layout is fastest
+    stage = ntp.pipeline.stages_of_blocks(blocks, mesh, plan, embedding=emb, head=head)
 """
 
-from . import blocks, checkpoint, layers, moe, plan
+from . import blocks, checkpoint, layers, moe, pipeline, plan
 from .backend.xla import cpu_devices_env as xla_cpu_devices_env
 from .backend.xla import device as xla_device
 from .blocks import block_nd as blocks_nd
@@ -88,6 +89,7 @@ __all__ = [
     "comm",
     "layers",
     "moe",
+    "pipeline",
     "plan",
     "regions",
 ]

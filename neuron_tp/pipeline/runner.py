@@ -38,7 +38,9 @@ from .stages import PipelineStage
 class PipelineRunner:
     """Runs :meth:`step` for ``stage`` under ``schedule``; micro-batches are ``[batch, seq]``.
 
-    ``sequence_parallel``: the boundary carries this rank's sequence shard (``seq / tp``)."""
+    ``sequence_parallel``: the boundary carries this rank's sequence shard (``seq / tp``);
+    None: what the stage's own layers do (a decoder model: not; library blocks: their layout,
+    :meth:`PipelineStage.boundary_shape`)."""
 
     def __init__(
         self,
@@ -48,7 +50,7 @@ class PipelineRunner:
         batch: int,
         seq: int,
         device: torch.device,
-        sequence_parallel: bool = False,
+        sequence_parallel: bool | None = None,
         method: str | None = None,
     ):
         if schedule.stages != stage.plan.stages or schedule.virtual != stage.plan.virtual:
@@ -57,11 +59,9 @@ class PipelineRunner:
                 f"{stage.plan.stages} x {stage.plan.virtual}"
             )
         self.stage, self.schedule, self.device = stage, schedule, torch.device(device)
-        mesh = stage.mesh
-        local_seq = seq // mesh.tp_size if sequence_parallel else seq
-        hidden = stage.model.config.hidden_size
+        shape = stage.boundary_shape(batch, seq, sequence_parallel)
         dtype = next(stage.model.parameters()).dtype
-        self.exchange = Exchange(mesh.pp, (batch, local_seq, hidden), dtype, self.device, method)
+        self.exchange = Exchange(stage.mesh.pp, shape, dtype, self.device, method)
         self.mask_dtype = dtype  # packed rows' mask: the model's dtype, as at pp 1
         self.positions = torch.arange(seq, device=self.device).unsqueeze(0)
         self.busy_seconds = 0.0  # host time in tasks (eager devices: compute), for reports
@@ -106,6 +106,7 @@ class PipelineRunner:
                 f"the schedule takes {self.schedule.micro_batches} micro-batches, got "
                 f"{len(micro_batches)}"
             )
+        self.stage.check_inputs(micro_batches)
         self._grads_ready()
         state = _StepState(
             micro_batches,
@@ -119,6 +120,7 @@ class PipelineRunner:
         """``[loss sum, label tokens]`` (fp32, this dp rank's) of ``micro_batches`` (any number),
         forward only under ``no_grad`` in eval mode; the last stage's totals, summed over the
         pp group (in a graph of its own) so every stage holds them."""
+        self.stage.check_inputs(micro_batches)
         model = self.stage.model
         training = model.training
         model.eval()

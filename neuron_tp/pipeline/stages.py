@@ -22,13 +22,16 @@ sum of per-stage terms.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from ..errors import UserError
-from ..layers import parallel_cross_entropy
+from ..hf.parallelize_nd import logits_layout
+from ..layers import cross_entropy_nd, parallel_cross_entropy, split_input
+from ..layers.activation_layout import LAYOUT_3D_B, residual_layout
 from ..parallel import comm
 from ..parallel.mesh import Mesh
 from ..parallel.state import ParallelState, StageOfModel, attach, state_of
@@ -164,6 +167,23 @@ class PipelineStage:
     def is_first_piece(self, chunk: int) -> bool:
         return self.plan.virtual_stage(self.stage, chunk) == 0
 
+    def boundary_shape(
+        self, batch: int, seq: int, sequence_parallel: bool | None = None
+    ) -> tuple[int, int, int]:
+        """The hidden states this rank sends and receives at a boundary: ``[b, s, h]``, the
+        sequence shard ``[b, s/tp, h]`` under ``sequence_parallel``."""
+        hidden = self.model.config.hidden_size
+        if self.mesh.tp_mode != "1d":  # the 2D / 3D residual layout: [b/nb, s, h/nf]
+            layout = residual_layout(self.mesh.tp_mode)
+            nb, nf = layout.batch_split(self.mesh), layout.feature_split(self.mesh)
+            return (batch // nb, seq, hidden // nf)
+        tp = self.mesh.tp_size
+        local = seq // tp if sequence_parallel else seq
+        return (batch, local, hidden)
+
+    def check_inputs(self, micro_batches: Sequence[dict]) -> None:
+        """UserError for micro-batches this stage cannot run (decoder models run them all)."""
+
     def forward(
         self,
         chunk: int,
@@ -176,6 +196,10 @@ class PipelineStage:
         ``position_ids`` ``[1 or b, s]``; ``attention_mask``: a 4D additive mask (packed rows,
         :func:`neuron_tp.hf.packing.block_causal_mask`), None: causal."""
         inner = self.model.model
+        if self.mesh.tp_mode != "1d":
+            x, position_ids, attention_mask = self._batch_chunk(
+                chunk, x, position_ids, attention_mask
+            )
         h = inner.embed_tokens(x) if self.is_first_piece(chunk) else x
         b, s = h.shape[0], position_ids.shape[-1]  # the full sequence (h: a shard under SP)
         from transformers.masking_utils import create_causal_mask
@@ -198,9 +222,30 @@ class PipelineStage:
             return h
         return self.model.lm_head(inner.norm(h))
 
+    def _batch_chunk(self, chunk: int, x, position_ids, attention_mask):
+        """2D / 3D: this rank's batch chunk of the ids (first piece; later pieces receive the
+        residual stream's chunk), of per-sample positions and of a per-sample mask (3D: the
+        chunk of q/k/v, ``3d-b``, as :func:`neuron_tp.hf.parallelize_nd.parallelize_nd`)."""
+        mode = self.mesh.tp_mode
+        if self.is_first_piece(chunk):
+            x = split_input(x, residual_layout(mode), self.mesh, feature_dim=False)
+        attn = self.mesh.group((LAYOUT_3D_B if mode == "3d" else residual_layout(mode)).batch_group)
+        if position_ids.shape[0] > 1:
+            position_ids = comm.local_chunk(position_ids, attn, 0)
+        if attention_mask is not None and attention_mask.shape[0] > 1:
+            attention_mask = comm.local_chunk(attention_mask, attn, 0)
+        return x, position_ids, attention_mask
+
     def loss_sum(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The sum of the token losses of one micro-batch (HF's causal shift)."""
         labels = nn.functional.pad(labels, (0, 1), value=-100)[..., 1:].to(logits.device)
+        if self.mesh.tp_mode != "1d":  # this rank's block of the logits: its labels' chunk
+            layout = logits_layout(self.mesh)
+            local = split_input(labels, layout, self.mesh, feature_dim=False)
+            vocab = self.model.lm_head.vocab_size
+            return cross_entropy_nd(
+                logits, local, layout, self.mesh, reduction="sum", vocab_size=vocab
+            )
         if getattr(self.model.lm_head, "gather_output", True) and self.mesh.tp_size > 1:
             flat = logits.float().reshape(-1, logits.shape[-1])
             return nn.functional.cross_entropy(flat, labels.reshape(-1), reduction="sum")

@@ -193,6 +193,9 @@ def _ref_block(p: dict, pre: str, x: torch.Tensor) -> torch.Tensor:
     return x + y
 
 
+ref_block_nd = _ref_block  # the plain-torch 2D/3D block, for other test modules
+
+
 def _randomize_norms(model: nn.Module) -> None:
     with torch.no_grad():
         for m in model.modules():

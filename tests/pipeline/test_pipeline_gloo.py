@@ -2,14 +2,17 @@
 tp 2 (with and without sequence parallelism), pp 4 on packed rows then evaluated, interleaved
 (v 2) with tied embeddings then evaluated, pp 2 x dp 2 with ZeRO-1 and tied embeddings, and MoE
 models cut into stages (Mixtral at pp 2 x dp 2, Qwen2-MoE with its shared expert and a dense
-layer at pp 2 x tp 2), against the unsharded model; and a stage of pp 2 x tp 2 loaded from a
-HF directory reading only its own tensors."""
+layer at pp 2 x tp 2), against the unsharded model; a stage of pp 2 x tp 2 loaded from a
+HF directory reading only its own tensors; and stacks of the layer library's blocks cut into
+stages (tests/helpers/block_pipeline.py: 1D with SP at pp 2 x tp 2, 2D interleaved at
+pp 2 x dp 2)."""
 
 from __future__ import annotations
 
 import pipeline_cases
 import pytest
 
+import block_pipeline
 import gloo_dist
 
 CASES = (
@@ -21,10 +24,16 @@ CASES = (
     "pp2_moe",
     "pp2_tp2_qwen2moe",
     "load_pp2_tp2",
+    "blocks_pp2_tp2_sp",
+    "blocks2d_pp2_dp2_v2",
 )
 
 
 def check(case: str) -> None:
+    if case.startswith("blocks"):
+        checked = block_pipeline.run(case)
+        assert any(c.startswith("grad blocks.") for c in checked), checked
+        return
     if case.startswith("load"):
         pipeline_cases.load_stage(case)
         return

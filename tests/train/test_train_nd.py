@@ -1,7 +1,9 @@
 """``neuron-tp train --tp-mode 2d|3d`` on gloo ranks vs the unsharded reference (plain
 transformers + torch AdamW / clip_grad_norm_): the global gradient norm and clipping of 2D/3D
 parameters (pieces replicated over some grid axes counted once), training losses and norms
-step by step (2D q=2; dp2 x 2D with --zero1; 3D q=2), same-layout kill-and-resume, and the
+step by step (2D q=2; dp2 x 2D with --zero1; 3D q=2; pp 2 x 2D q=2, and a stack of
+``TransformerBlockND`` cut into pipeline stages at pp 2 x 2D q=2: tests/helpers/block_pipeline.py),
+same-layout kill-and-resume, and the
 startup refusals (--sequence-parallel, a micro-batch the grid does not split, a model the
 2D/3D layers do not take) raised on every rank before any collective of the tp groups."""
 
@@ -15,6 +17,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+import block_pipeline  # noqa: E402
 import gloo_dist  # noqa: E402
 import neuron_tp as ntp  # noqa: E402
 from neuron_tp.cli.args import train_parser  # noqa: E402
@@ -160,6 +163,11 @@ def _world8(tmp: str) -> None:
     z = train(_args(f"{tmp}/z", *base, "--zero1"), mesh, printer=_quiet)
     p = train(_args(f"{tmp}/p", *base), mesh, printer=_quiet)
     res.update(z=_losses(z), z_norm=_norms(z), p=_losses(p), p_norm=_norms(p))
+    mesh = ntp.init_mesh(tp=4, tp_mode="2d", pp=2)  # pp2 x 2D q=2: the same global batch
+    pp = ["--tp", "4", "--tp-mode", "2d", "--pp", "2", "--micro-batch", "4", "--grad-accum", "2"]
+    s = train(_args(f"{tmp}/s", *pp, *RUN8), mesh, printer=_quiet)
+    res.update(s=_losses(s), s_norm=_norms(s))
+    block_pipeline.run("blocks2d_pp2_tp4")  # library blocks at pp 2 x 2D q=2 (raises if off)
     if mesh.rank == 0:
         with open(f"{tmp}/world8.json", "w") as fh:
             json.dump(res, fh)
@@ -175,7 +183,7 @@ def test_3d_q2_and_dp2_x_2d_zero1_vs_reference(tmp_path):
     ref_loss, ref_norm = reference_run(
         _args(tmp_path / "ref2", "--micro-batch", "2", "--grad-accum", "2", *RUN8), 4
     )
-    for name in ("z", "p"):
+    for name in ("z", "p", "s"):
         assert res[name] == pytest.approx(ref_loss, rel=2e-4, abs=2e-4), name
         assert res[name + "_norm"] == pytest.approx(ref_norm, **NORM_TOL), name
     assert res["z"] == pytest.approx(res["p"], rel=1e-5, abs=1e-6)
