@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
@@ -107,15 +108,17 @@ class BlockStage(PipelineStage):
         del position_ids
         if attention_mask is not None:
             raise UserError("library blocks take no attention mask (see check_inputs)")
-        model = self.model
+        model = cast(BlockStack, self.model)
         if self.is_first_piece(chunk):
-            layout = model.embedding.output_layout
+            assert model.embedding is not None  # the first stage keeps it
+            layout = _layout(model.embedding, "output_layout")
             if isinstance(layout, ActivationLayout):
                 x = split_input(x, layout, self.mesh, feature_dim=False)
             x = model.embedding(x)
         for i in self.plan.layers(self.stage, chunk):
             x = model.blocks[str(i)](x)
         if self.is_last_piece(chunk):
+            assert model.head is not None  # the last stage keeps it
             return model.head(x)
         return x.as_subclass(torch.Tensor)  # the layout tag stays on this side of the wire
 
@@ -123,16 +126,17 @@ class BlockStage(PipelineStage):
         """The sum of the micro-batch's token losses (causal shift: position t predicts
         token t + 1; the last position and ``-100`` labels are ignored)."""
         labels = nn.functional.pad(labels, (0, 1), value=-100)[..., 1:].to(logits.device)
+        assert self.loss is not None  # stages_of_blocks sets it
         return self.loss(logits, labels)
 
 
-def _layout(module: nn.Module, which: str) -> object:
+def _layout(module: nn.Module, which: str) -> str | ActivationLayout:
     """``module``'s ``input_layout`` / ``output_layout``, or that of the first / last of its
     submodules that states one (an ``nn.Sequential`` head)."""
     found = [getattr(m, which) for m in module.modules() if hasattr(m, which)]
     if not found:
         raise UserError(f"{type(module).__name__} states no {which} (use the library's layers)")
-    return found[0] if which == "input_layout" else found[-1]
+    return cast(str | ActivationLayout, found[0] if which == "input_layout" else found[-1])
 
 
 def _classifier(head: nn.Module) -> nn.Module:
@@ -142,8 +146,8 @@ def _classifier(head: nn.Module) -> nn.Module:
 def default_loss(head: nn.Module, mesh: Mesh) -> LossSum:
     """The loss sum for the logits of ``head``'s classifier, by their layout."""
     classifier = _classifier(head)
-    layout = classifier.output_layout
-    vocab = getattr(classifier, "vocab_size", None) or classifier.out_features
+    layout = _layout(classifier, "output_layout")
+    vocab = cast(int, getattr(classifier, "vocab_size", None) or classifier.out_features)
     if layout == SHARDED_FEATURES:
         return lambda z, y: parallel_cross_entropy(z, y, mesh, vocab_size=vocab, reduction="sum")
     if layout == REPLICATED:
