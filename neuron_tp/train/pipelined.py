@@ -18,7 +18,6 @@ from ..pipeline.runner import PipelineRunner
 from ..pipeline.stages import (
     SUPPORTED,
     PipelineStage,
-    check_no_router_loss,
     plan_stages,
     sliding_window,
     split_model,
@@ -47,7 +46,6 @@ def check_options(config: TrainConfig, hf_config) -> None:
             f"--pp cuts {', '.join(SUPPORTED)} models by their decoder layers; "
             f"{type(hf_config).__name__.replace('Config', '')} is not one of them (use --pp 1)"
         )
-    check_no_router_loss(hf_config)
     window = sliding_window(hf_config)
     if window is not None and window < config.seq_len:
         raise UserError(

@@ -2,7 +2,8 @@
 tp 2 (with and without sequence parallelism), pp 4 on packed rows then evaluated, interleaved
 (v 2) with tied embeddings then evaluated, pp 2 x dp 2 with ZeRO-1 and tied embeddings, and MoE
 models cut into stages (Mixtral at pp 2 x dp 2, Qwen2-MoE with its shared expert and a dense
-layer at pp 2 x tp 2), against the unsharded model; and a stage of pp 2 x tp 2 loaded from a
+layer at pp 2 x tp 2), both also with their router load-balancing loss, against the unsharded
+model; and a stage of pp 2 x tp 2 loaded from a
 HF directory reading only its own tensors."""
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ CASES = (
     "pp2_tied_zero1",
     "pp2_moe",
     "pp2_tp2_qwen2moe",
+    "pp2_moe_aux",
+    "pp2_tp2_qwen2moe_aux",
     "load_pp2_tp2",
 )
 
