@@ -36,7 +36,6 @@ def check_options(config: TrainConfig, hf_config) -> None:
         return
     unsupported = [
         (config.tp_mode != "1d", f"--tp-mode {config.tp_mode}", "--tp-mode 1d"),
-        (config.ep > 1, "--ep", "--ep 1 (MoE experts sharded over --tp)"),
     ]
     for bad, what, works in unsupported:
         if bad:

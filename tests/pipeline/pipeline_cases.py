@@ -16,7 +16,7 @@ micro-batches' terms, the gradients are averaged over dp).
 micro-batches against the reference model's eval loss sum and label count.
 
 A case name reads
-``pp<p>[_tp<t>][_dp<d>][_sp][_tied][_v<v>][_zero1][_moe|_qwen2moe][_aux][_packed][_eval]``."""
+``pp<p>[_tp<t>][_ep<e>][_dp<d>][_sp][_tied][_v<v>][_zero1][_moe|_qwen2moe][_aux][_packed][_eval]``."""
 
 from __future__ import annotations
 
@@ -65,6 +65,7 @@ def parse(case: str) -> dict:
     return dict(
         pp=get("pp", 1),
         tp=get("tp", 1),
+        ep=get("_ep", 1),
         v=get("_v", 1),
         sp="_sp" in case,
         tied="_tied" in case,
@@ -81,12 +82,12 @@ def parse(case: str) -> dict:
 _local = threading.local()  # XLA devices are threads of one process: one mesh per thread
 
 
-def _mesh(tp: int, pp: int):
+def _mesh(tp: int, pp: int, ep: int = 1):
     meshes = _local.__dict__.setdefault("meshes", {})
-    if (tp, pp) not in meshes:
-        meshes[(tp, pp)] = ntp.init_mesh(tp=tp, pp=pp)
-    ntp.set_default_mesh(meshes[(tp, pp)])
-    return meshes[(tp, pp)]
+    if (tp, pp, ep) not in meshes:
+        meshes[(tp, pp, ep)] = ntp.init_mesh(tp=tp, pp=pp, ep=ep)
+    ntp.set_default_mesh(meshes[(tp, pp, ep)])
+    return meshes[(tp, pp, ep)]
 
 
 def micro_batches(m: int, dp: int, seed: int = 0, packed: bool = False) -> list[list[dict]]:
@@ -193,7 +194,7 @@ def run(
         global torch_xla
         import torch_xla
     cfg = parse(case)
-    mesh = _mesh(cfg["tp"], cfg["pp"])
+    mesh = _mesh(cfg["tp"], cfg["pp"], cfg["ep"])
     cfg["dp"] = mesh.dp_size
     with _lock:
         start, ref = reference(cfg, steps)
@@ -201,6 +202,7 @@ def run(
     dev = torch.device(device) if device == "cpu" else ntp.xla_device()
     parallelize(model, mesh, sequence_parallel=cfg["sp"], parallel_loss=cfg["tp"] > 1)
     stage = split_model(model, mesh, plan_stages(LAYERS, cfg["pp"], cfg["v"]))
+    _check_ep(stage.model, cfg)
     move_to(stage.model, dev).train()
     opt = make_optimizer(stage.model, LR, WD, dev, zero1_mesh=mesh if cfg["zero1"] else None)
     name = "interleaved" if cfg["v"] > 1 else "1f1b"
@@ -274,6 +276,15 @@ def run(
         torch_xla.sync()
         counts.append(_compiles(device))
     return {"checked": checked, "loss": ref["loss"], "ticks": len(sched.ticks), "compiles": counts}
+
+
+def _check_ep(model: torch.nn.Module, cfg: dict) -> None:
+    """Under ``_ep``: this rank holds ``1/ep`` of every MoE layer's experts."""
+    if cfg["ep"] == 1:
+        return
+    experts = model.config.num_local_experts
+    held = [p.shape[0] for n, p in model.named_parameters() if n.endswith("experts.gate_up_proj")]
+    assert held and all(h == experts // cfg["ep"] for h in held), (held, experts)
 
 
 def _noise(cfg: dict, grads: list[torch.Tensor]) -> torch.Tensor:
