@@ -2,10 +2,11 @@
 tp 2 (with and without sequence parallelism), pp 4 on packed rows then evaluated, interleaved
 (v 2) with tied embeddings then evaluated, pp 2 x dp 2 with ZeRO-1 and tied embeddings, and MoE
 models cut into stages (Mixtral at pp 2 x dp 2, Qwen2-MoE with its shared expert and a dense
-layer at pp 2 x tp 2), both also with their router load-balancing loss, and Mixtral at pp 2 x
-dp 2 with its experts over ep 2 inside each stage (router loss on; the trained stages saved,
-loaded back and consolidated), against the unsharded model; and a stage of pp 2 x tp 2 loaded from a
-HF directory reading only its own tensors."""
+layer at pp 2 x tp 2), both also with their router load-balancing loss (Qwen2-MoE also
+interleaved: v 2, a piece holding only the dense layer), and Mixtral at pp 2 x dp 2 with its
+experts over ep 2 inside each stage (router loss on; the trained stages saved, loaded back and
+consolidated), against the unsharded model; and a stage of pp 2 x tp 2 loaded from a HF
+directory reading only its own tensors."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ CASES = (
     "pp2_tp2_qwen2moe",
     "pp2_moe_aux",
     "pp2_tp2_qwen2moe_aux",
+    "pp2_v2_qwen2moe_aux",
     "pp2_ep2_moe_aux_ckpt",
     "load_pp2_tp2",
 )
