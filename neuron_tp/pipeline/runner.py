@@ -223,7 +223,7 @@ class PipelineRunner:
     def _backward(self, key: tuple[int, int], out: torch.Tensor, grad, state: _StepState):
         """Backward of a piece's output (the loss: ``grad`` None), with its router term."""
         routing = state.routing.pop(key, None)
-        if routing is None:
+        if routing is None or not routing.probs.requires_grad:  # (e.g. LoRA: routers frozen)
             out.backward(grad)
             return
         extra = router_loss.term(state.weights[key[0]], routing)
