@@ -10,7 +10,10 @@ buffers that exist from the start (the backward graph is the same for every micr
 
 The loss is the sum of the last stage's token losses times ``scale`` (1 / the step's loss
 tokens: the mean over every loss token of the global batch, as at pp 1); :meth:`step` returns
-it summed over the pp group, so every rank holds the step's loss.
+it summed over the pp group, so every rank holds the step's loss. An MoE model's router
+load-balancing loss (``output_router_logits``) adds ``coef * aux`` per micro-batch, as at pp 1:
+after the tick in which the last piece ran a micro-batch's forward, every rank sums that
+micro-batch's routing counts over the pp group (:mod:`neuron_tp.pipeline.router_loss`).
 
 A micro-batch is the data's batch dict: packed rows (``segment_ids``, ``position_ids``) are
 data every stage reads from its own copy (the block-diagonal mask and the per-sample positions
@@ -28,8 +31,10 @@ from dataclasses import dataclass, field
 import torch
 
 from ..backend.graphs import step_boundary
+from ..hf.moe import recorded_router_logits
 from ..hf.packing import IGNORE_INDEX, model_inputs
 from ..parallel import comm
+from . import router_loss
 from .exchange import Exchange, Sent
 from .schedule import Schedule, Task, forward_only
 from .stages import PipelineStage
@@ -65,6 +70,7 @@ class PipelineRunner:
         self.mask_dtype = dtype  # packed rows' mask: the model's dtype, as at pp 1
         self.positions = torch.arange(seq, device=self.device).unsqueeze(0)
         self.busy_seconds = 0.0  # host time in tasks (eager devices: compute), for reports
+        self.router = router_loss.router_loss_of(stage.model)
 
     def cut(self) -> None:
         """End the pending graph (XLA; nothing elsewhere)."""
@@ -157,6 +163,9 @@ class PipelineRunner:
                     sent.backward = out
                 self.cut()
             self._exchange_tick(tick, sent, state)
+            done = self._last_forward(tick)
+            if done is not None and self.router is not None and not state.forward_only:
+                self._sum_routing(done, state)
         assert not (state.saved or state.inbox_f or state.inbox_b), "schedule left work behind"
         self.exchange.meet()
 
@@ -176,6 +185,52 @@ class PipelineRunner:
         if b_from is not None:
             state.inbox_b[b_from] = got_b
         self.cut()
+
+    def _last_forward(self, tick) -> int | None:
+        """The micro-batch whose forward the last piece runs in ``tick``, or None."""
+        task = tick[-1]
+        if task is None or task.kind != "F":
+            return None
+        last = self.schedule.virtual_stage(self.schedule.stages - 1, task.chunk)
+        return task.micro if last == self.schedule.last_virtual else None
+
+    def _sum_routing(self, micro: int, state: _StepState) -> None:
+        """Micro-batch ``micro``'s routing counts summed over the pp group, in a graph of its
+        own every rank begins together; from them the weights of this stage's router terms,
+        whose values join the step's loss (the gradients follow with each piece's backward)."""
+        self.meet()
+        total = comm.all_reduce(state.counts.pop(micro), self.stage.mesh.pp)
+        w = router_loss.weights(self.router, total)
+        state.weights[micro] = w
+        for (m, _), routing in state.routing.items():
+            if m == micro:
+                state.loss = state.loss + (w * routing.probs.detach()).sum().reshape(1)
+        self.cut()
+
+    def _routed_forward(self, task: Task, state: _StepState, *args) -> torch.Tensor:
+        """The piece's forward; under a router loss its routing sums kept for the step."""
+        st = self.stage
+        if self.router is None or state.forward_only:
+            return st.forward(task.chunk, *args)
+        with recorded_router_logits(st.model) as logits:
+            out = st.forward(task.chunk, *args)
+        routing = router_loss.piece_routing(self.router, logits, self.device)
+        if logits:  # (a piece of dense layers only: zero counts, no term)
+            key = (task.micro, self.schedule.virtual_stage(st.stage, task.chunk))
+            state.routing[key] = routing
+        before = state.counts.get(task.micro)
+        state.counts[task.micro] = routing.counts if before is None else before + routing.counts
+        return out
+
+    def _backward(self, key: tuple[int, int], out: torch.Tensor, grad, state: _StepState):
+        """Backward of a piece's output (the loss: ``grad`` None), with its router term."""
+        routing = state.routing.pop(key, None)
+        if routing is None or not routing.probs.requires_grad:  # (e.g. LoRA: routers frozen)
+            out.backward(grad)
+            return
+        extra = router_loss.term(state.weights[key[0]], routing)
+        grad = torch.ones_like(out) if grad is None else grad
+        torch.autograd.backward([out, extra], [grad, torch.ones_like(extra)])
 
     def _sends_forward(self, task: Task | None, stage: int) -> tuple[int, int] | None:
         """(micro-batch, receiving virtual stage) when ``stage`` sends an activation now."""
@@ -210,7 +265,7 @@ class PipelineRunner:
                 if not state.forward_only:
                     x.requires_grad_(True)
             mask = inputs.get("attention_mask")
-            out = st.forward(task.chunk, x, inputs["position_ids"], mask)
+            out = self._routed_forward(task, state, x, inputs["position_ids"], mask)
             if not st.is_last_piece(task.chunk):
                 if not state.forward_only:
                     state.saved[key] = (x, out)
@@ -225,10 +280,8 @@ class PipelineRunner:
             state.loss = state.loss + loss.detach()
             return None
         x, out = state.saved.pop(key)
-        if st.is_last_piece(task.chunk):
-            out.backward()
-        else:
-            out.backward(state.inbox_b.pop(key))
+        grad = None if st.is_last_piece(task.chunk) else state.inbox_b.pop(key)
+        self._backward(key, out, grad, state)
         return None if st.is_first_piece(task.chunk) else x.grad
 
 
@@ -244,3 +297,6 @@ class _StepState:
     inbox_f: dict = field(default_factory=dict)
     inbox_b: dict = field(default_factory=dict)
     saved: dict = field(default_factory=dict)
+    routing: dict = field(default_factory=dict)  # router loss: (micro, piece) -> PieceRouting
+    counts: dict = field(default_factory=dict)  # micro -> this stage's counts so far
+    weights: dict = field(default_factory=dict)  # micro -> the global weights of its terms

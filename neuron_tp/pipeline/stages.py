@@ -15,9 +15,8 @@ global gradient norm (``distinct_row_weights``), each element once.
 
 MoE models (Mixtral, Qwen2-MoE, Qwen3-MoE) are cut the same way: an MoE decoder layer is a
 layer like any other, its experts sharded over tp as at pp 1. Their router load-balancing loss
-is off at pp (refused when the config asks for it, ``output_router_logits``): transformers
-computes it as a product of means over the routing of every layer of the model, so it is not a
-sum of per-stage terms.
+(``output_router_logits``), a product of means over the routing of every layer of the model, is
+summed over the stages by the runner (:mod:`neuron_tp.pipeline.router_loss`).
 """
 
 from __future__ import annotations
@@ -264,24 +263,12 @@ def _check_model(model: nn.Module) -> None:
             f"pipeline parallelism cuts {', '.join(SUPPORTED)} models by their decoder layers; "
             f"{name} is not one of them (train it with --pp 1)"
         )
-    check_no_router_loss(model.config)
 
 
 def sliding_window(hf_config) -> int | None:
     """The model's attention window (None: it attends over the whole sequence)."""
     window = getattr(hf_config, "sliding_window", None)
     return window if window and getattr(hf_config, "use_sliding_window", True) else None
-
-
-def check_no_router_loss(config) -> None:
-    """UserError when an MoE config adds the router load-balancing loss to the loss (its
-    ``output_router_logits``): pipeline stages do not compute it."""
-    if getattr(config, "output_router_logits", False):
-        raise UserError(
-            "pipeline parallelism does not compute the MoE router load-balancing loss (a "
-            "product of means over every layer's routing, not a sum over stages): set "
-            "output_router_logits=False in the model config, or train with --pp 1"
-        )
 
 
 def split_model(model: nn.Module, mesh: Mesh, plan: StagePlan) -> PipelineStage:

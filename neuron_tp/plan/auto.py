@@ -63,8 +63,6 @@ def excluded_axes(config, model_config) -> dict[str, str]:
     if name not in staged:
         cut = ", ".join(sorted(n.replace("Config", "") for n in staged))
         why["pp"].append(f"{name.replace('Config', '')} models are not cut into stages ({cut} are)")
-    if getattr(model_config, "output_router_logits", False):
-        why["pp"].append("the MoE router load-balancing loss (output_router_logits)")
     pp_window = sliding_window(model_config)
     if pp_window is not None and pp_window < config.seq_len:
         why["pp"].append(f"sliding_window={pp_window} < --seq-len {config.seq_len}")

@@ -18,7 +18,6 @@ from ..pipeline.runner import PipelineRunner
 from ..pipeline.stages import (
     SUPPORTED,
     PipelineStage,
-    check_no_router_loss,
     plan_stages,
     sliding_window,
     split_model,
@@ -35,18 +34,11 @@ def check_options(config: TrainConfig, hf_config) -> None:
         if pipe.virtual_stages != 1 or pipe.pp_schedule != "1f1b":
             raise UserError("--pp-schedule interleaved / --virtual-stages need --pp > 1")
         return
-    unsupported = [
-        (config.ep > 1, "--ep", "--ep 1 (MoE experts sharded over --tp)"),
-    ]
-    for bad, what, works in unsupported:
-        if bad:
-            raise UserError(f"--pp {pipe.pp} does not run with {what} yet; use {works}")
     if type(hf_config).__name__ not in _CONFIGS:
         raise UserError(
             f"--pp cuts {', '.join(SUPPORTED)} models by their decoder layers; "
             f"{type(hf_config).__name__.replace('Config', '')} is not one of them (use --pp 1)"
         )
-    check_no_router_loss(hf_config)
     window = sliding_window(hf_config)
     if window is not None and window < config.seq_len:
         raise UserError(

@@ -7,13 +7,16 @@ global norm, and the weights after the AdamW steps.
 ``_packed``: packed micro-batches (tests/helpers/packing_ref.py: several samples a row,
 positions restarting per sample, padding), the reference running each sample on its own.
 ``_moe``: the tiny Mixtral of tests/helpers/moe_archs.py (6 experts, top-2, experts scaled
-so they decide the logits; no router load-balancing loss: pipeline stages refuse it) instead of
-Llama; ``_qwen2moe``: its Qwen2-MoE (shared expert with its gate, layer 1 dense).
+so they decide the logits) instead of Llama; ``_qwen2moe``: its Qwen2-MoE (shared expert with
+its gate, layer 1 dense). ``_aux``: with the router load-balancing loss
+(``output_router_logits``, coefficient :data:`AUX`), per micro-batch as at pp 1: the reference
+adds transformers' ``aux_loss`` of each micro-batch times ``AUX / dp`` (each dp replica adds its
+micro-batches' terms, the gradients are averaged over dp).
 ``_eval``: after training, :meth:`PipelineRunner.evaluate` (forward-only schedule) of the
 micro-batches against the reference model's eval loss sum and label count.
 
 A case name reads
-``pp<p>[_tp<t>][_dp<d>][_sp][_tied][_v<v>][_zero1][_moe|_qwen2moe][_packed][_eval]``."""
+``pp<p>[_tp<t>][_ep<e>][_dp<d>][_sp][_tied][_v<v>][_zero1][_moe|_qwen2moe][_aux][_packed][_eval]``."""
 
 from __future__ import annotations
 
@@ -42,6 +45,10 @@ from tiny_configs import nd_config
 
 LAYERS, BATCH, SEQ, LR, WD, MAX_NORM = 4, 2, 8, 1e-2, 0.1, 0.05
 TOL = dict(atol=2e-5, rtol=2e-4)
+AUX = 0.02  # the router load-balancing loss coefficient of the _aux cases
+# _aux cases clip at a norm they never reach: the router terms' gradients (~1e-3) are then
+# compared at full size, not scaled by MAX_NORM / norm to the tolerance's size.
+AUX_MAX_NORM = 1e3
 _lock = threading.Lock()
 
 
@@ -58,6 +65,7 @@ def parse(case: str) -> dict:
     return dict(
         pp=get("pp", 1),
         tp=get("tp", 1),
+        ep=get("_ep", 1),
         v=get("_v", 1),
         sp="_sp" in case,
         tied="_tied" in case,
@@ -65,6 +73,8 @@ def parse(case: str) -> dict:
         m=get("_m", 4),
         packed="_packed" in case,
         eval="_eval" in case,
+        aux="_aux" in case,
+        max_norm=AUX_MAX_NORM if "_aux" in case else MAX_NORM,
         moe="qwen2_moe" if "_qwen2moe" in case else "mixtral" if "_moe" in case else None,
     )
 
@@ -72,12 +82,12 @@ def parse(case: str) -> dict:
 _local = threading.local()  # XLA devices are threads of one process: one mesh per thread
 
 
-def _mesh(tp: int, pp: int):
+def _mesh(tp: int, pp: int, ep: int = 1):
     meshes = _local.__dict__.setdefault("meshes", {})
-    if (tp, pp) not in meshes:
-        meshes[(tp, pp)] = ntp.init_mesh(tp=tp, pp=pp)
-    ntp.set_default_mesh(meshes[(tp, pp)])
-    return meshes[(tp, pp)]
+    if (tp, pp, ep) not in meshes:
+        meshes[(tp, pp, ep)] = ntp.init_mesh(tp=tp, pp=pp, ep=ep)
+    ntp.set_default_mesh(meshes[(tp, pp, ep)])
+    return meshes[(tp, pp, ep)]
 
 
 def micro_batches(m: int, dp: int, seed: int = 0, packed: bool = False) -> list[list[dict]]:
@@ -123,10 +133,14 @@ def reference(cfg: dict, steps: int) -> dict:
         opt.zero_grad()
         total = 0.0
         for b in _pieces(batches, cfg["packed"]):
-            loss = model(**b, num_items_in_batch=n).loss
+            res = model(**b, num_items_in_batch=n)
+            loss = res.loss
+            if cfg["aux"]:  # each replica's micro-batches: AUX * aux, averaged over dp
+                loss = loss - AUX * res.aux_loss * (1 - 1 / cfg["dp"])
             loss.backward()
-            total += float(loss)
-        out["norm"].append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
+            total += float(loss.detach())
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["max_norm"])
+        out["norm"].append(float(norm))
         out["grads"].append({k: p.grad.clone() for k, p in model.named_parameters()})
         out["loss"].append(total)
         opt.step()
@@ -142,8 +156,9 @@ def reference(cfg: dict, steps: int) -> dict:
 def _model(cfg: dict) -> torch.nn.Module:
     """The case's unsharded model (random weights from the current seed)."""
     if cfg["moe"]:
+        aux = dict(output_router_logits=True, router_aux_loss_coef=AUX) if cfg["aux"] else {}
         config = MOE_ARCHS[cfg["moe"]](
-            num_hidden_layers=LAYERS, vocab_size=64, tie_word_embeddings=cfg["tied"]
+            num_hidden_layers=LAYERS, vocab_size=64, tie_word_embeddings=cfg["tied"], **aux
         )
         return loud_experts(transformers.AutoModelForCausalLM.from_config(config).float(), 2.0)
     config = nd_config("llama", num_hidden_layers=LAYERS, tie_word_embeddings=cfg["tied"])
@@ -179,7 +194,7 @@ def run(
         global torch_xla
         import torch_xla
     cfg = parse(case)
-    mesh = _mesh(cfg["tp"], cfg["pp"])
+    mesh = _mesh(cfg["tp"], cfg["pp"], cfg["ep"])
     cfg["dp"] = mesh.dp_size
     with _lock:
         start, ref = reference(cfg, steps)
@@ -187,6 +202,7 @@ def run(
     dev = torch.device(device) if device == "cpu" else ntp.xla_device()
     parallelize(model, mesh, sequence_parallel=cfg["sp"], parallel_loss=cfg["tp"] > 1)
     stage = split_model(model, mesh, plan_stages(LAYERS, cfg["pp"], cfg["v"]))
+    _check_ep(stage.model, cfg)
     move_to(stage.model, dev).train()
     opt = make_optimizer(stage.model, LR, WD, dev, zero1_mesh=mesh if cfg["zero1"] else None)
     name = "interleaved" if cfg["v"] > 1 else "1f1b"
@@ -204,7 +220,7 @@ def run(
         sum_tied_grads(stage)
         runner.cut()
         norm = reduce_gradients(
-            stage.model, opt, mesh, MAX_NORM, cfg["zero1"], pp_sum=runner.pp_sum
+            stage.model, opt, mesh, cfg["max_norm"], cfg["zero1"], pp_sum=runner.pp_sum
         )
         if cfg["zero1"]:
             _zero1_grads(opt)
@@ -253,11 +269,22 @@ def run(
         runner.step(batches[mesh.dp_rank], torch.tensor([mesh.dp_size / _tokens(batches)]))
         sum_tied_grads(stage)
         runner.cut()
-        reduce_gradients(stage.model, opt, mesh, MAX_NORM, cfg["zero1"], pp_sum=runner.pp_sum)
+        reduce_gradients(
+            stage.model, opt, mesh, cfg["max_norm"], cfg["zero1"], pp_sum=runner.pp_sum
+        )
         opt.step()
         torch_xla.sync()
         counts.append(_compiles(device))
     return {"checked": checked, "loss": ref["loss"], "ticks": len(sched.ticks), "compiles": counts}
+
+
+def _check_ep(model: torch.nn.Module, cfg: dict) -> None:
+    """Under ``_ep``: this rank holds ``1/ep`` of every MoE layer's experts."""
+    if cfg["ep"] == 1:
+        return
+    experts = model.config.num_local_experts
+    held = [p.shape[0] for n, p in model.named_parameters() if n.endswith("experts.gate_up_proj")]
+    assert held and all(h == experts // cfg["ep"] for h in held), (held, experts)
 
 
 def _noise(cfg: dict, grads: list[torch.Tensor]) -> torch.Tensor:

@@ -1,9 +1,10 @@
 """What ``--pp`` accepts of MoE models (and of windowed attention), in-process, before any
 collective: the MoE families
-whose decoder layers it cuts (Mixtral, Qwen2-MoE, Qwen3-MoE) pass ``check_options``; ``--ep``
-at ``--pp`` and a config that adds the router load-balancing loss (``output_router_logits``)
-are refused with what would work, by train's checks and by the cut itself. The numerics of a
-cut MoE model are tests/pipeline/test_pipeline_gloo.py's ``pp2_moe`` cases."""
+whose decoder layers it cuts (Mixtral, Qwen2-MoE, Qwen3-MoE) pass ``check_options``, with or
+without their router load-balancing loss (``output_router_logits``), and with ``--ep`` (the
+mesh's ep groups are dp ranks of one stage). The numerics of a cut MoE model (with its router
+loss, with ep) are tests/pipeline/test_pipeline_gloo.py's ``pp2_moe`` / ``_aux`` / ``_ep``
+cases."""
 
 from __future__ import annotations
 
@@ -26,20 +27,14 @@ def _config(*argv: str) -> TrainConfig:
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe"])
 def test_moe_families_are_cut_at_pp(family):
     pipelined.check_options(_config(), MOE_ARCHS[family]())
+    pipelined.check_options(_config(), MOE_ARCHS[family](output_router_logits=True))
 
 
-def test_ep_at_pp_is_refused_naming_what_works():
-    with pytest.raises(UserError, match=r"--pp 2 does not run with --ep yet; use --ep 1"):
-        pipelined.check_options(_config("--ep", "2"), MOE_ARCHS["mixtral"]())
-
-
-def test_router_aux_loss_at_pp_is_refused():
-    hf = MOE_ARCHS["mixtral"](output_router_logits=True)
-    with pytest.raises(UserError, match="output_router_logits=False"):
-        pipelined.check_options(_config(), hf)
-    model = build_moe("mixtral", output_router_logits=True)
-    with pytest.raises(UserError, match="load-balancing loss"):
-        split_model(model, Mesh.virtual(1, 0, 1), plan_stages(2, 1))
+def test_ep_at_pp_is_accepted_inside_a_stage():
+    pipelined.check_options(_config("--ep", "2"), MOE_ARCHS["mixtral"]())
+    mesh = Mesh.virtual(8, 0, 1, pp=2, ep=2)  # pp 2 x dp 4: ep groups of one stage's dp ranks
+    for group in mesh.group("ep").all_groups:
+        assert len({r // 4 for r in group}) == 1, group
 
 
 def test_other_moe_families_are_refused_at_pp():

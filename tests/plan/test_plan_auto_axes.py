@@ -99,9 +99,7 @@ def test_the_excluded_axes_and_why(tmp_path):
     gpt2 = excluded_axes(_config(), GPT2Config())
     assert list(gpt2) == ["pp"] and "GPT2 models are not cut into stages" in gpt2["pp"]
     assert excluded_axes(_config(), MixtralConfig()) == {}
-    assert excluded_axes(_config(), MixtralConfig(output_router_logits=True)) == {
-        "pp": "the MoE router load-balancing loss (output_router_logits)"
-    }
+    assert excluded_axes(_config(), MixtralConfig(output_router_logits=True)) == {}
 
 
 def test_pp_with_cp_or_2d_pins_are_refused_before_tracing():
