@@ -105,7 +105,17 @@ def _run_packed(tp: int, cp: int):
     batch = packing_ref.packed_batch(PACKED, V, 3, length=64)
     inputs, want_in = model_inputs(batch, segments=True), _reference_inputs(batch)
     assert "attention_mask" not in inputs and "segment_ids" in inputs
+    seen = []  # the positions RoPE gets: this rank's chunks of the per-sample positions
+    rope = model.model.rotary_emb
+    hook = rope.register_forward_hook(
+        lambda _m, a, kw, _o: seen.append(kw.get("position_ids", a[1:2] and a[1])),
+        with_kwargs=True,
+    )
     out, want = model(**inputs), ref(**want_in)
+    hook.remove()
+    chunks = want_in["position_ids"].unflatten(1, (2 * cp, 64 // (2 * cp)))
+    r = mesh.cp.rank
+    torch.testing.assert_close(seen[0], chunks[:, [r, 2 * cp - 1 - r]].flatten(1))
     _close(out.loss, want.loss, "loss")
     with torch.no_grad():
         _close(want.loss, packing_ref.reference_loss(ref, batch), "per-sample loss")
