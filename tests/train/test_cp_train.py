@@ -178,11 +178,11 @@ def _packed_log(base: str, name: str) -> list[dict]:
     return torch.load(f"{base}/{name}.pt")
 
 
-def _same_run(log, want):
+def _same_run(log, want, keys=("loss", "grad_norm", "eval_loss")):
     def values(entries):
-        return [[e.get(k, math.nan) for k in ("loss", "grad_norm", "eval_loss")] for e in entries]
+        return [[e.get(k, math.nan) for k in keys] for e in entries]
 
-    assert [e["step"] for e in log if "eval_loss" in e] == [2]
+    assert [e["step"] for e in log if "eval_loss" in e] == ([2] if "eval_loss" in keys else [])
     torch.testing.assert_close(values(log), values(want), rtol=2e-4, atol=2e-4, equal_nan=True)
 
 
@@ -211,7 +211,8 @@ def test_long_context_recipe_trains_like_one_rank_on_xla(on_xla4, recipe_ref):
 def test_packed_rows_at_cp2_tp2_on_xla_train_like_tp2_on_gloo(on_xla4, base):
     """The same packed run on 4 XLA CPU devices (segment chunks picked by the device-side
     rank) equal to the gloo tp 2 x dp 2 run."""
-    _same_run(on_xla4.get("packed")[0]["log"], _packed_log(base, "tp2-dp2-packed"))
+    want = _packed_log(base, "tp2-dp2-packed")
+    _same_run(on_xla4.get("packed")[0]["log"], want, ("loss", "grad_norm"))
 
 
 STEP2 = "bf16-cp2/checkpoints/step-00000002"
