@@ -107,7 +107,8 @@ FOUR = {
 # packed prompt/completion rows (answer-only loss) at cp 2 x tp 2 against tp 2 x dp 2 (global
 # batch 2 both), eval on packed rows too; compared with each other (the reference run of
 # reference_train does not pack)
-SFT = ("--data", cases.SFT_DATA, "--steps", "2", "--eval-data", cases.SFT_DATA)
+SFT = ("--data", cases.SFT_DATA, "--steps", "2", "--seq-len", "128", "--attention-block", "32")
+SFT += ("--eval-data", cases.SFT_DATA)
 SFT += ("--eval-every", "2", "--eval-batches", "1")
 PACKED = {
     "cp2-tp2-packed": (2, 2, (*SFT, "--sequence-parallel")),

@@ -46,7 +46,7 @@ def recipe_options() -> list[str]:
 # eval): one attention block per chunk, a small step graph (XLA:CPU ends a collective whose
 # peer thread is still compiling after 10 s: the 2 busy cores make big compiles diverge)
 PACKED = [*CP, "--cp", "2", "--sequence-parallel", "--data", SFT_DATA, "--steps", "2"]
-PACKED += ["--attention-block", "64"]
+PACKED += ["--seq-len", "128", "--attention-block", "32"]
 
 
 def on_devices(case: str, base: str) -> object:
