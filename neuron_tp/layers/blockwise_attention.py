@@ -120,7 +120,7 @@ class Segments(NamedTuple):
         return Segments(_pad_to(self.q, 1, t.sq), _pad_to(self.k, 1, t.sk))
 
 
-def _tile_scores(t: _Tiling, qf, kb, mask_i, q0, k0, segments: Segments | None = None):  # noqa: PLR0917
+def _tile_scores(t: _Tiling, qf, kb, mask_i, q0, k0, *, segments: Segments | None = None):
     """Scores of one tile [b, hkv, g, Bq, Bk] (fp32, masked), the tanh of the softcap (or
     None) and the bool mask (or None)."""
     b, hkv, g, rows, _ = qf.shape
@@ -150,7 +150,7 @@ def _kv(x, k0, bk):
     return x[:, :, k0 : k0 + bk].float().unsqueeze(2)  # [b, hkv, 1, Bk, d]
 
 
-def _forward(t: _Tiling, q, k, v, mask, segments: Segments | None = None):  # noqa: PLR0917
+def _forward(t: _Tiling, q, k, v, mask, *, segments: Segments | None = None):
     """q [b, hkv, g, Sq, d] (padded), k/v [b, hkv, Sk, d]: the fp32 output and the fp32
     log-sum-exp of each row [b, hkv, g, Sq, 1]."""
     b, hkv, g, _, _ = q.shape
@@ -165,7 +165,7 @@ def _forward(t: _Tiling, q, k, v, mask, segments: Segments | None = None):  # no
         acc = qf.new_zeros((b, hkv, g, t.bq, v.shape[-1]))
         for k0 in t.kv_blocks(q0):
             kb = _kv(k, k0, t.bk)
-            scores, _, allowed = _tile_scores(t, qf, kb, mask_i, q0, k0, segments)
+            scores, _, allowed = _tile_scores(t, qf, kb, mask_i, q0, k0, segments=segments)
             m_new = torch.maximum(m, scores.amax(-1, keepdim=True))
             p = torch.exp(scores - m_new)
             if allowed is not None:  # rows with nothing allowed yet: no weight on masked keys
@@ -200,7 +200,7 @@ def _backward(t: _Tiling, q, k, v, *, mask, out, lse, dout, segments=None):
         for k0 in t.kv_blocks(q0):
             j = k0 // t.bk
             kb, vb = _kv(k, k0, t.bk), _kv(v, k0, t.bk)
-            scores, tanh, allowed = _tile_scores(t, qf, kb, mask_i, q0, k0, segments)
+            scores, tanh, allowed = _tile_scores(t, qf, kb, mask_i, q0, k0, segments=segments)
             p = torch.exp(scores - lse_i)
             if allowed is not None:
                 p = torch.where(allowed, p, 0.0)
@@ -315,13 +315,13 @@ def tile_forward(q, k, v, *, causal: bool, scale: float, block: int, segments=No
     sq = q.shape[3]
     seg = None if segments is None else segments.padded(t)
     q, k, v = _pad_to(q, 3, t.sq), _pad_to(k, 2, t.sk), _pad_to(v, 2, t.sk)
-    out, lse = _forward(t, q, k, v, None, seg)
+    out, lse = _forward(t, q, k, v, None, segments=seg)
     return out[:, :, :, :sq], lse[:, :, :, :sq]
 
 
 def tile_backward(
     q, k, v, out, lse, dout, *, causal: bool, scale: float, block: int, segments=None
-):  # noqa: E501
+):
     """The gradients (fp32) of q, k, v through one tile pair of :func:`tile_forward`, given the
     rows' FINAL output ``out`` and log-sum-exp ``lse`` over every key (FlashAttention-2: the
     tile's probabilities are exp(scores - lse), so the tiles' gradients simply add up)."""

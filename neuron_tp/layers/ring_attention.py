@@ -101,7 +101,7 @@ class _Ring:
     scale: float
     block: int
 
-    def tile(self, q, k, v, causal=False, segments=None):  # noqa: PLR0917
+    def tile(self, q, k, v, causal=False, *, segments=None):
         return tile_forward(
             q, k, v, causal=causal, scale=self.scale, block=self.block, segments=segments
         )
@@ -176,7 +176,7 @@ def _where(a, x, y):
     return torch.where(a.view([1] * x.dim()), x, y)
 
 
-def _ring_forward(ring: _Ring, q, k, v, segments: _RingSegments | None = None):  # noqa: PLR0917
+def _ring_forward(ring: _Ring, q, k, v, *, segments: _RingSegments | None = None):
     out, lse = ring.tile(q, k, v, causal=True, segments=_own(segments))
     (out_f, out_b), (lse_f, lse_b) = _halves(out), _halves(lse)
     q_f, q_b = _halves(q)
@@ -232,7 +232,7 @@ def _ring_backward(ring: _Ring, q, k, v, *, out, lse, dout, segments=None):
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, ring, segments):  # noqa: PLR0917
-        out, lse = _ring_forward(ring, q, k, v, segments)
+        out, lse = _ring_forward(ring, q, k, v, segments=segments)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring, ctx.segments = ring, segments
