@@ -8,7 +8,12 @@ runs the model on 1/cp of every sequence, attention by ring attention over the r
   transformers builds no mask: the ring is causal by construction);
 - its ``forward`` takes the GLOBAL ``input_ids`` / ``labels`` (every rank of the ring the same
   rows) and runs on this rank's part (:func:`~neuron_tp.layers.ring_attention.split_sequence`:
-  chunks r and 2cp-1-r), with ``position_ids`` the global positions of those tokens (RoPE);
+  chunks r and 2cp-1-r), with ``position_ids`` the positions of those tokens (RoPE): the
+  global ones, or the given ones (packed rows: restarting with each sample);
+- packed rows (several samples per row, :mod:`neuron_tp.hf.packing`) come as the GLOBAL
+  ``segment_ids`` ``[b, S]`` (``model_inputs(..., segments=True)``) instead of a 4D mask: ring
+  attention masks each tile by segment (a token attends the earlier tokens of its own sample,
+  a padding token only itself), so no ``s x s`` mask is ever built;
 - the labels are shifted on the global sequence first (the label of a chunk's last token is
   the next chunk's first token) and the loss is summed over this rank's label tokens, divided
   by the number of label tokens of the global rows (or ``num_items_in_batch``), then summed
@@ -17,9 +22,10 @@ runs the model on 1/cp of every sequence, attention by ring attention over the r
   are summed over ``mesh.replicas`` (dp x cp), as :mod:`neuron_tp.optim.grads` does.
 
 Outputs (``logits``) are this rank's part, in the split order; gather them with
-:func:`~neuron_tp.layers.ring_attention.gather_sequence`. Refused: attention masks (padding or
-packed rows), sliding-window or softcapped attention, attention dropout, and attention
-implementations other than sdpa / eager / blockwise.
+:func:`~neuron_tp.layers.ring_attention.gather_sequence`. Refused: attention masks (packed rows
+come as ``segment_ids``; padding at the end of a row needs no mask: its labels are -100),
+sliding-window or softcapped attention, attention dropout, and attention implementations other
+than sdpa / eager / blockwise.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ __all__ = ["context_parallel", "ring_name", "RING"]
 
 RING = "ntp-ring"  # registered as f"{RING}-{block}"
 IGNORE_INDEX = -100
+SEGMENTS_KW = "ring_segment_ids"  # passed down to the attention function by transformers
 
 
 def _ring_forward(block: int):
@@ -66,7 +73,15 @@ def _ring_forward(block: int):
                 )
         if is_causal is False or not getattr(module, "is_causal", True):
             raise UserError(f"{where}: ring attention (--cp) is causal only")
-        out = ring_attention(query, key, value, module.cp_group, scale=scaling, block=block)
+        out = ring_attention(
+            query,
+            key,
+            value,
+            module.cp_group,
+            scale=scaling,
+            block=block,
+            segment_ids=kw.get(SEGMENTS_KW),
+        )
         return out.transpose(1, 2).contiguous(), None
 
     return attention
@@ -135,17 +150,32 @@ def context_parallel(model: nn.Module, mesh: Mesh, block: int = DEFAULT_BLOCK) -
 
 def _split_forward(forward, group: Group):
     @functools.wraps(forward)
-    def wrapped(input_ids=None, labels=None, *, position_ids=None, attention_mask=None, **kw):
+    def wrapped(  # noqa: PLR0913
+        input_ids=None,
+        labels=None,
+        *,
+        position_ids=None,
+        attention_mask=None,
+        segment_ids=None,
+        **kw,
+    ):
         if input_ids is None or kw.get("inputs_embeds") is not None:
             raise UserError("a context-parallel model takes input_ids (not inputs_embeds)")
         if attention_mask is not None:
             raise UserError(
-                "a context-parallel model (--cp) takes no attention_mask: padded or packed "
-                "rows are not supported yet; train on full rows (text streams, --packing off "
-                "is refused too) or use --cp 1"
+                "a context-parallel model (--cp) takes no attention_mask: give packed rows "
+                "as segment_ids [batch, seq] (neuron_tp.hf.packing.model_inputs(batch, "
+                "segments=True)); padding at the end of a row needs no mask"
             )
         b, s = input_ids.shape
         check_length(s, group.size)
+        if segment_ids is not None:
+            if segment_ids.shape != input_ids.shape or segment_ids.is_floating_point():
+                raise UserError(
+                    f"segment_ids must be an integer tensor of input_ids' shape {(b, s)}, "
+                    f"got {segment_ids.dtype} {tuple(segment_ids.shape)}"
+                )
+            kw[SEGMENTS_KW] = segment_ids
         if position_ids is None:
             position_ids = torch.arange(s, device=input_ids.device).expand(b, s)
         local = {

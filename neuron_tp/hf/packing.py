@@ -87,6 +87,8 @@ def model_inputs(
     batch: Mapping[str, torch.Tensor],
     device: torch.device | str | None = None,
     dtype: torch.dtype = torch.float32,
+    *,
+    segments: bool = False,
 ) -> dict[str, torch.Tensor]:
     """The forward kwargs of a transformers causal LM (parallelized or not) for ``batch``:
     ``input_ids`` and ``labels``, plus for a packed batch ``position_ids`` and the
@@ -95,7 +97,9 @@ def model_inputs(
 
     ``device``: move the batch there first (the mask is built where ``segment_ids`` is, so
     build it on the XLA device, not on the host). ``dtype``: the mask's dtype (float32 works
-    with every model dtype; the model's dtype saves memory in eager attention)."""
+    with every model dtype; the model's dtype saves memory in eager attention). ``segments``:
+    pass a packed batch's ``segment_ids`` instead of building the mask (a context-parallel
+    model masks each ring tile by them, :mod:`neuron_tp.hf.context_parallel`)."""
     _check(batch)
     if device is not None:
         batch = {k: v.to(device) for k, v in batch.items()}
@@ -105,7 +109,10 @@ def model_inputs(
         out["labels"] = packed_labels(batch["labels"], seg)
         # padding at position 0: whatever the data put there stays inside the position table
         out["position_ids"] = batch["position_ids"].masked_fill(seg == 0, 0)
-        out["attention_mask"] = block_causal_mask(seg, dtype)
+        if segments:
+            out["segment_ids"] = seg
+        else:
+            out["attention_mask"] = block_causal_mask(seg, dtype)
     return out
 
 

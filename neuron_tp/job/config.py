@@ -238,7 +238,7 @@ class ContextConfig:
         "context-parallel degree: every sequence split over --cp ranks (2 x cp load-"
         "balanced chunks: --seq-len divisible by 2 x cp), K/V passed around the ring; "
         "parameters replicated over cp (gradients reduce over dp x cp); Llama-family "
-        "models (ring attention over blockwise tiles)",
+        "models (ring attention over blockwise tiles); packed rows masked by segment ids",
         type=pos(int),
     )
 

@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from ..backend.xla import is_xla
 
-__all__ = ["blockwise_attention", "tile_forward", "tile_backward"]
+__all__ = ["blockwise_attention", "tile_forward", "tile_backward", "Segments"]
 
 _NEG = torch.finfo(torch.float32).min
 
@@ -96,7 +97,30 @@ class _Tiling:
         return allowed
 
 
-def _tile_scores(t: _Tiling, qf, kb, mask_i, q0, k0):
+class Segments(NamedTuple):
+    """Segment ids of packed rows for one tile pair: ``q`` [b, sq] of the queries, ``k``
+    [b, sk] of the keys (0: padding). A query attends only the keys of its own non-zero
+    segment; under ``causal`` (the queries are the keys) a token also attends itself, so a
+    padding row is never fully masked."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+
+    def allowed(self, t: _Tiling, q0: int, k0: int) -> torch.Tensor:
+        """Bool [b, 1, 1, Bq, Bk] of the tile."""
+        sq, sk = self.q[:, q0 : q0 + t.bq], self.k[:, k0 : k0 + t.bk]
+        allowed = (sq[:, :, None] == sk[:, None, :]) & (sk != 0)[:, None, :]
+        if t.causal and k0 + t.bk > q0 and k0 < q0 + t.bq:
+            q_pos = torch.arange(q0, q0 + t.bq, device=sq.device).view(-1, 1)
+            k_pos = torch.arange(k0, k0 + t.bk, device=sq.device).view(1, -1)
+            allowed = allowed | (q_pos == k_pos)
+        return allowed[:, None, None]
+
+    def padded(self, t: _Tiling) -> Segments:
+        return Segments(_pad_to(self.q, 1, t.sq), _pad_to(self.k, 1, t.sk))
+
+
+def _tile_scores(t: _Tiling, qf, kb, mask_i, q0, k0, *, segments: Segments | None = None):
     """Scores of one tile [b, hkv, g, Bq, Bk] (fp32, masked), the tanh of the softcap (or
     None) and the bool mask (or None)."""
     b, hkv, g, rows, _ = qf.shape
@@ -106,6 +130,9 @@ def _tile_scores(t: _Tiling, qf, kb, mask_i, q0, k0):
         tanh = torch.tanh(scores / t.softcap)
         scores = tanh * t.softcap
     allowed = t.allowed(q0, k0, qf.device)
+    if segments is not None:
+        seg = segments.allowed(t, q0, k0)
+        allowed = seg if allowed is None else allowed & seg
     if mask_i is not None:
         mb = mask_i[..., k0 : k0 + t.bk]  # [b, h|1, Bq, Bk]
         shape = (b, 1, 1, rows, t.bk) if mb.shape[1] == 1 else (b, hkv, g, rows, t.bk)
@@ -123,7 +150,7 @@ def _kv(x, k0, bk):
     return x[:, :, k0 : k0 + bk].float().unsqueeze(2)  # [b, hkv, 1, Bk, d]
 
 
-def _forward(t: _Tiling, q, k, v, mask):
+def _forward(t: _Tiling, q, k, v, mask, *, segments: Segments | None = None):
     """q [b, hkv, g, Sq, d] (padded), k/v [b, hkv, Sk, d]: the fp32 output and the fp32
     log-sum-exp of each row [b, hkv, g, Sq, 1]."""
     b, hkv, g, _, _ = q.shape
@@ -137,7 +164,8 @@ def _forward(t: _Tiling, q, k, v, mask):
         s_sum = qf.new_zeros((b, hkv, g, t.bq, 1))
         acc = qf.new_zeros((b, hkv, g, t.bq, v.shape[-1]))
         for k0 in t.kv_blocks(q0):
-            scores, _, allowed = _tile_scores(t, qf, _kv(k, k0, t.bk), mask_i, q0, k0)
+            kb = _kv(k, k0, t.bk)
+            scores, _, allowed = _tile_scores(t, qf, kb, mask_i, q0, k0, segments=segments)
             m_new = torch.maximum(m, scores.amax(-1, keepdim=True))
             p = torch.exp(scores - m_new)
             if allowed is not None:  # rows with nothing allowed yet: no weight on masked keys
@@ -154,7 +182,7 @@ def _forward(t: _Tiling, q, k, v, mask):
     return torch.cat(outs, dim=3), torch.cat(lses, dim=3)
 
 
-def _backward(t: _Tiling, q, k, v, *, mask, out, lse, dout):
+def _backward(t: _Tiling, q, k, v, *, mask, out, lse, dout, segments=None):
     b, hkv, g, _, d = q.shape
     dk: list[torch.Tensor | None] = [None] * (t.sk // t.bk)
     dv: list[torch.Tensor | None] = [None] * (t.sk // t.bk)
@@ -172,7 +200,7 @@ def _backward(t: _Tiling, q, k, v, *, mask, out, lse, dout):
         for k0 in t.kv_blocks(q0):
             j = k0 // t.bk
             kb, vb = _kv(k, k0, t.bk), _kv(v, k0, t.bk)
-            scores, tanh, allowed = _tile_scores(t, qf, kb, mask_i, q0, k0)
+            scores, tanh, allowed = _tile_scores(t, qf, kb, mask_i, q0, k0, segments=segments)
             p = torch.exp(scores - lse_i)
             if allowed is not None:
                 p = torch.where(allowed, p, 0.0)
@@ -275,25 +303,32 @@ def _tiling(q: torch.Tensor, k: torch.Tensor, *, causal: bool, scale: float, blo
     return _Tiling(bq, bk, sq_p, sk_p, sk, causal, None, scale, None)
 
 
-def tile_forward(q, k, v, *, causal: bool, scale: float, block: int):
+def tile_forward(q, k, v, *, causal: bool, scale: float, block: int, segments=None):
     """One (queries, keys) tile pair for an outer merge (ring attention): ``q`` [b, hkv, g, sq,
-    d] (GQA groups in dim 2), ``k``/``v`` [b, hkv, sk, d]; ``causal`` top-left aligned.
-    Returns the fp32 output [b, hkv, g, sq, dv] and the fp32 log-sum-exp [b, hkv, g, sq, 1]
-    of each row over these keys (outputs of two key sets combine by their log-sum-exps)."""
+    d] (GQA groups in dim 2), ``k``/``v`` [b, hkv, sk, d]; ``causal`` top-left aligned;
+    ``segments`` (:class:`Segments`, or None) masks across packed samples. Returns the fp32
+    output [b, hkv, g, sq, dv] and the fp32 log-sum-exp [b, hkv, g, sq, 1] of each row over
+    these keys (outputs of two key sets combine by their log-sum-exps). A row with no allowed
+    key here gets output 0 and a log-sum-exp near the fp32 minimum (finite: it weighs nothing
+    in a merge with any row that has a key)."""
     t = _tiling(q, k, causal=causal, scale=scale, block=block)
     sq = q.shape[3]
-    out, lse = _forward(t, _pad_to(q, 3, t.sq), _pad_to(k, 2, t.sk), _pad_to(v, 2, t.sk), None)
+    seg = None if segments is None else segments.padded(t)
+    q, k, v = _pad_to(q, 3, t.sq), _pad_to(k, 2, t.sk), _pad_to(v, 2, t.sk)
+    out, lse = _forward(t, q, k, v, None, segments=seg)
     return out[:, :, :, :sq], lse[:, :, :, :sq]
 
 
-def tile_backward(q, k, v, out, lse, dout, *, causal: bool, scale: float, block: int):
+def tile_backward(
+    q, k, v, out, lse, dout, *, causal: bool, scale: float, block: int, segments=None
+):
     """The gradients (fp32) of q, k, v through one tile pair of :func:`tile_forward`, given the
     rows' FINAL output ``out`` and log-sum-exp ``lse`` over every key (FlashAttention-2: the
     tile's probabilities are exp(scores - lse), so the tiles' gradients simply add up)."""
     t = _tiling(q, k, causal=causal, scale=scale, block=block)
     sq, sk = q.shape[3], k.shape[2]
+    seg = None if segments is None else segments.padded(t)
     q, out, lse, dout = (_pad_to(x, 3, t.sq) for x in (q, out, lse, dout))
-    dq, dk, dv = _backward(
-        t, q, _pad_to(k, 2, t.sk), _pad_to(v, 2, t.sk), mask=None, out=out, lse=lse, dout=dout
-    )
+    k, v = _pad_to(k, 2, t.sk), _pad_to(v, 2, t.sk)
+    dq, dk, dv = _backward(t, q, k, v, mask=None, out=out, lse=lse, dout=dout, segments=seg)
     return dq[:, :, :, :sq], dk[:, :, :sk], dv[:, :, :sk]

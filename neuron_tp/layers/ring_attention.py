@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -39,7 +40,7 @@ from ..backend.xla import is_xla
 from ..errors import UserError
 from ..parallel import comm
 from ..parallel.mesh import Group
-from .blockwise_attention import tile_backward, tile_forward
+from .blockwise_attention import Segments, tile_backward, tile_forward
 
 __all__ = ["ring_attention", "split_sequence", "gather_sequence", "chunk_order"]
 
@@ -100,17 +101,60 @@ class _Ring:
     scale: float
     block: int
 
-    def tile(self, q, k, v, causal=False):
-        return tile_forward(q, k, v, causal=causal, scale=self.scale, block=self.block)
+    def tile(self, q, k, v, causal=False, *, segments=None):
+        return tile_forward(
+            q, k, v, causal=causal, scale=self.scale, block=self.block, segments=segments
+        )
 
-    def tile_grad(self, q, k, v, out, lse, dout, *, causal=False):  # noqa: PLR0917 (tile_backward's order)
+    def tile_grad(self, q, k, v, out, lse, dout, *, causal=False, segments=None):  # noqa: PLR0917 (tile_backward's order)
         return tile_backward(
-            q, k, v, out, lse, dout, causal=causal, scale=self.scale, block=self.block
+            q,
+            k,
+            v,
+            out,
+            lse,
+            dout,
+            causal=causal,
+            scale=self.scale,
+            block=self.block,
+            segments=segments,
         )
 
     def front_hop(self, j: int, device) -> torch.Tensor:
         """Bool [1]: at hop j the extra tile is (front queries, source's front keys)."""
         return self.group.rank_tensor(device) >= j
+
+
+class _RingSegments(NamedTuple):
+    """Packed rows under the ring: every rank holds the GLOBAL segment ids ``[b, S]`` and
+    picks the chunks of the keys it holds at each hop (no message: the keys' owner at hop j
+    is known), so each tile masks by segment; the causal order comes from the layout."""
+
+    chunks: torch.Tensor  # [b, 2cp, c]
+    group: Group
+
+    def hop(self, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Segment ids [b, c] of the front and back chunks of the keys held at hop ``j`` (those
+        of ring rank r - j mod cp; hop 0: this rank's own tokens)."""
+        n = self.group.size
+        src = (self.group.rank_tensor(self.chunks.device) - j) % n
+        picked = self.chunks.index_select(1, torch.cat([src, 2 * n - 1 - src]))
+        return picked[:, 0], picked[:, 1]
+
+    def tiles(self, j: int, front: torch.Tensor) -> tuple[Segments, Segments]:
+        """The segments of hop ``j``'s two tiles: (back queries, source's front keys) and the
+        extra tile chosen by ``front`` (see :func:`_ring_forward`)."""
+        q_f, q_b = self.hop(0)
+        k_f, k_b = self.hop(j)
+        extra = Segments(_where(front, q_f, q_b), _where(front, k_f, k_b))
+        return Segments(q_b, k_f), extra
+
+
+def _own(segments: _RingSegments | None) -> Segments | None:
+    if segments is None:
+        return None
+    mine = torch.cat(segments.hop(0), 1)
+    return Segments(mine, mine)
 
 
 def _merge(out1, lse1, out2, lse2):
@@ -132,8 +176,8 @@ def _where(a, x, y):
     return torch.where(a.view([1] * x.dim()), x, y)
 
 
-def _ring_forward(ring: _Ring, q, k, v):
-    out, lse = ring.tile(q, k, v, causal=True)
+def _ring_forward(ring: _Ring, q, k, v, *, segments: _RingSegments | None = None):
+    out, lse = ring.tile(q, k, v, causal=True, segments=_own(segments))
     (out_f, out_b), (lse_f, lse_b) = _halves(out), _halves(lse)
     q_f, q_b = _halves(q)
     kv, dk = torch.cat([k, v], -1), k.shape[-1]
@@ -141,17 +185,23 @@ def _ring_forward(ring: _Ring, q, k, v):
     for j in range(1, ring.group.size):
         kv = comm.ring_shift(kv, ring.group)
         (k_f, k_b), (v_f, v_b) = _halves(kv[..., :dk], 2), _halves(kv[..., dk:], 2)
-        o, s = ring.tile(q_b, k_f, v_f)
-        out_b, lse_b = _merge(out_b, lse_b, o, s)
         front = ring.front_hop(j, q.device)
-        o, s = ring.tile(_where(front, q_f, q_b), _where(front, k_f, k_b), _where(front, v_f, v_b))
+        seg_b, seg_x = (None, None) if segments is None else segments.tiles(j, front)
+        o, s = ring.tile(q_b, k_f, v_f, segments=seg_b)
+        out_b, lse_b = _merge(out_b, lse_b, o, s)
+        o, s = ring.tile(
+            _where(front, q_f, q_b),
+            _where(front, k_f, k_b),
+            _where(front, v_f, v_b),
+            segments=seg_x,
+        )
         out_f, lse_f = _merge(out_f, lse_f, o, _where(front, s, none))
         out_b, lse_b = _merge(out_b, lse_b, o, _where(front, none, s))
     return torch.cat([out_f, out_b], 3), torch.cat([lse_f, lse_b], 3)
 
 
-def _ring_backward(ring: _Ring, q, k, v, *, out, lse, dout):
-    dq, dk, dv = ring.tile_grad(q, k, v, out, lse, dout, causal=True)
+def _ring_backward(ring: _Ring, q, k, v, *, out, lse, dout, segments=None):
+    dq, dk, dv = ring.tile_grad(q, k, v, out, lse, dout, causal=True, segments=_own(segments))
     if ring.group.size == 1:
         return dq, dk, dv
     (q_f, q_b), (o_f, o_b), (l_f, l_b), (g_f, g_b) = (_halves(x) for x in (q, out, lse, dout))
@@ -162,12 +212,14 @@ def _ring_backward(ring: _Ring, q, k, v, *, out, lse, dout):
         kv, dkv = comm.ring_shift(kv, ring.group), comm.ring_shift(dkv, ring.group)
         (k_f, k_b), (v_f, v_b) = _halves(kv[..., :d], 2), _halves(kv[..., d:], 2)
         dkv_f, dkv_b = _halves(dkv, 2)
-        gq, gk, gv = ring.tile_grad(q_b, k_f, v_f, o_b, l_b, g_b)
-        dq_b, dkv_f = dq_b + gq, dkv_f + torch.cat([gk, gv], -1)
         front = ring.front_hop(j, q.device)
+        seg_b, seg_x = (None, None) if segments is None else segments.tiles(j, front)
+        gq, gk, gv = ring.tile_grad(q_b, k_f, v_f, o_b, l_b, g_b, segments=seg_b)
+        dq_b, dkv_f = dq_b + gq, dkv_f + torch.cat([gk, gv], -1)
         gq, gk, gv = ring.tile_grad(
             *(_where(front, a, b) for a, b in ((q_f, q_b), (k_f, k_b), (v_f, v_b))),
             *(_where(front, a, b) for a, b in ((o_f, o_b), (l_f, l_b), (g_f, g_b))),
+            segments=seg_x,
         )
         zero, gkv = torch.zeros_like(gq), torch.cat([gk, gv], -1)
         dq_f, dq_b = dq_f + _where(front, gq, zero), dq_b + _where(front, zero, gq)
@@ -179,18 +231,20 @@ def _ring_backward(ring: _Ring, q, k, v, *, out, lse, dout):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, ring):
-        out, lse = _ring_forward(ring, q, k, v)
+    def forward(ctx, q, k, v, ring, segments):  # noqa: PLR0917
+        out, lse = _ring_forward(ring, q, k, v, segments=segments)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring = ring
+        ctx.ring, ctx.segments = ring, segments
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(ctx.ring, q, k, v, out=out, lse=lse, dout=dout.contiguous())
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+        dq, dk, dv = _ring_backward(
+            ctx.ring, q, k, v, out=out, lse=lse, dout=dout.contiguous(), segments=ctx.segments
+        )
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
 def ring_attention(
@@ -201,6 +255,7 @@ def ring_attention(
     *,
     scale: float | None = None,
     block: int = 512,
+    segment_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal softmax(q k^T * scale) v over a sequence split across the ring ``group``.
 
@@ -208,6 +263,10 @@ def ring_attention(
     ``s`` is this rank's part of the global sequence as :func:`split_sequence` lays it out
     (chunks r and 2cp-1-r). Returns this rank's rows of the output [b, h, s, d_v] in
     ``query``'s dtype. Every rank of ``group`` must call it (it exchanges keys/values).
+
+    ``segment_ids``: packed rows, the GLOBAL segment ids ``[b, S]`` (S = s x cp; 1..k the
+    samples of a row, 0 padding; the same on every rank): a token attends only the earlier
+    tokens of its own sample (a padding token only itself), in forward and backward.
     """
     b, h, s, d = query.shape
     hkv = key.shape[1]
@@ -219,6 +278,16 @@ def ring_attention(
             "split the global sequence with split_sequence"
         )
     ring = _Ring(group, 1.0 / math.sqrt(d) if scale is None else scale, block)
+    segments = None
+    if segment_ids is not None:
+        if tuple(segment_ids.shape) != (b, s * group.size) or segment_ids.is_floating_point():
+            raise UserError(
+                f"ring attention: segment_ids must be integer [batch, global length] = "
+                f"[{b}, {s * group.size}] (this rank's {s} tokens x cp {group.size}), got "
+                f"{segment_ids.dtype} {tuple(segment_ids.shape)}"
+            )
+        chunks = segment_ids.detach().unflatten(1, (2 * group.size, s // 2))
+        segments = _RingSegments(chunks, group)
     q = query.reshape(b, hkv, h // hkv, s, d)
-    out = _RingAttention.apply(q, key, value, ring)
+    out = _RingAttention.apply(q, key, value, ring, segments)
     return out.reshape(b, h, s, -1)

@@ -34,21 +34,10 @@ def _model_config(config):
     return plan_config(config.model, config.seq_len)
 
 
-def packed_rows(path: str | None, packing: bool) -> bool:
-    """Whether the data at ``path`` becomes packed rows (instruction records, several
-    samples per row with a block-diagonal mask): text streams and ``--no-packing`` do not."""
-    if not path or not packing:
-        return False
-    from ..job.samples import TEXT, read_records
-
-    formats, _ = read_records(path)
-    return any(kind != TEXT for kind in formats.values())
-
-
 def excluded_axes(config, model_config) -> dict[str, str]:
     """The parallel axes (pp, cp) ``--plan auto`` keeps at 1 for this job, each with why:
-    what ``neuron-tp train`` refuses next to the job's other options (its model, --ep,
-    packed rows), so the plan never picks a layout the job then refuses."""
+    what ``neuron-tp train`` refuses next to the job's other options (its model, --ep),
+    so the plan never picks a layout the job then refuses."""
     from ..job.config import AUTO_PLAN_AXES
     from ..pipeline.stages import SUPPORTED, sliding_window
 
@@ -66,8 +55,6 @@ def excluded_axes(config, model_config) -> dict[str, str]:
     pp_window = sliding_window(model_config)
     if pp_window is not None and pp_window < config.seq_len:
         why["pp"].append(f"sliding_window={pp_window} < --seq-len {config.seq_len}")
-    if packed_rows(config.data, config.packing) or packed_rows(config.eval.data, config.packing):
-        why["cp"].append("packed instruction rows (--no-packing pads them instead)")
     window = getattr(model_config, "sliding_window", None)
     if window is not None and getattr(model_config, "use_sliding_window", True):
         why["cp"].append(f"sliding_window={window}")

@@ -94,7 +94,7 @@ def evaluation_totals(
             for _ in range(batches):
                 batch = {k: v.to(device) for k, v in data.next_batch().items()}
                 # the training step's masking and packing
-                inputs = model_inputs(batch, dtype=mask_dtype)
+                inputs = model_inputs(batch, dtype=mask_dtype, segments=mesh.cp_size > 1)
                 n = label_count(inputs["labels"]).float()
                 loss = model(**inputs).loss.float()
                 # a batch without label tokens has a NaN mean: it adds nothing

@@ -135,7 +135,7 @@ def _check_cp(config: TrainConfig) -> None:
             f"--cp {cp} does not combine with {', '.join(unsupported)} yet; it works with "
             "--tp (1d, with or without --sequence-parallel), data parallelism, ZeRO-1 "
             "(--zero1, --bf16), LoRA (--lora-r), activation checkpointing, --eval-data, and "
-            "text or padded (--no-packing) data"
+            "text, packed or padded (--no-packing) instruction data"
         )
 
 
@@ -175,13 +175,7 @@ def setup(args: TrainConfig | argparse.Namespace, mesh: Mesh | None = None) -> R
         evaluation = eval_data(config, tokenizer, layout)
         pipelined.check_options(config, hf_config)
         if any("segment_ids" in d.rows for d in (data, evaluation) if d is not None):
-            check_packable(hf_config, config.seq_len)  # packed rows: a given 4D mask
-            if config.context.cp > 1:
-                raise UserError(
-                    f"--cp {config.context.cp}: packed rows (a block-diagonal mask) do not "
-                    "cross the ring yet; pass --no-packing (one sample per row, padded) or "
-                    "train on text, or use --cp 1"
-                )
+            check_packable(hf_config, config.seq_len)  # a 4D mask, or segment ids at --cp
         agree.values, agree.details = startup_values(config, tokenizer, data)
         record, files = checkpoint_assets(resolved, config.model)
     device = rank_device(config.device)  # before any backward (see neuron_tp.xla_device)
@@ -349,7 +343,7 @@ def train_step(run: Run, log_this_step: bool, on_log: Callable | None) -> None:
     for _ in range(config.grad_accum if run.pipeline is None else 0):
         batch = {k: t.to(dev) for k, t in run.data.next_batch().items()}
         # a packed batch's 4D mask in the model's dtype (half the bytes of fp32 under --bf16)
-        inputs = model_inputs(batch, dtype=config.model_dtype)
+        inputs = model_inputs(batch, dtype=config.model_dtype, segments=mesh.cp_size > 1)
         loss = model(**inputs, num_items_in_batch=per_rank).loss
         loss.backward()
         loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()

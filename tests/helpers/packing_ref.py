@@ -16,9 +16,13 @@ LAYOUTS = {
 }
 
 
-def packed_batch(layout: list[list[int]], vocab: int, seed: int) -> dict[str, torch.Tensor]:
-    """A packed batch dict (the data interface): random tokens, labels = tokens with -100 at
-    each sample's first token and on padding, positions restarting per sample."""
+def packed_batch(
+    layout: list[list[int]], vocab: int, seed: int, length: int = S
+) -> dict[str, torch.Tensor]:
+    """A packed batch dict (the data interface) of rows of ``length`` tokens: random tokens,
+    labels = tokens with -100 at each sample's first token and on padding, positions
+    restarting per sample."""
+    S = length  # noqa: N806
     g = torch.Generator().manual_seed(seed)
     b = len(layout)
     ids = torch.randint(1, vocab, (b, S), generator=g)

@@ -85,10 +85,8 @@ def test_the_excluded_axes_and_why(tmp_path):
     assert excluded_axes(_config("--data", text, "--eval-data", text), llama) == {}
     assert excluded_axes(_config("--lora-r", "8"), llama) == {}
     assert excluded_axes(_config("--ep", "2"), llama) == {"pp": "--ep 2", "cp": "--ep 2"}
-    packed = "packed instruction rows (--no-packing pads them instead)"
-    assert excluded_axes(_config("--data", chat), llama) == {"cp": packed}
-    assert excluded_axes(_config("--eval-data", chat), llama) == {"cp": packed}
-    assert excluded_axes(_config("--data", chat, "--no-packing"), llama) == {}
+    assert excluded_axes(_config("--data", chat), llama) == {}  # packed rows cross the ring
+    assert excluded_axes(_config("--eval-data", chat), llama) == {}
     assert excluded_axes(_config(), MistralConfig(sliding_window=4096)) == {
         "pp": f"sliding_window=4096 < --seq-len {LONG}",  # stages build a plain causal mask
         "cp": "sliding_window=4096",

@@ -6,8 +6,9 @@ eval rows), --cp 2 --tp 2 with sequence parallelism, --cp 4, --cp 2 x dp 2 with 
 LoRA at --cp 2 x tp 2 (against the unsharded peft model; the saved adapter equal to its
 adapters) (on 4 XLA CPU devices: cp 2 x tp 2 with SP and ZeRO-1, no compile after the second
 step); --bf16 (fp32 masters) at cp 2 equal to the dp 2 run of the same ZeRO-1 layout, whose
-checkpoint files it resumes; a --cp 2 ZeRO-1 checkpoint resumes at --cp 1; refusals naming
-what works."""
+checkpoint files it resumes; a --cp 2 ZeRO-1 checkpoint resumes at --cp 1; packed
+prompt/completion rows (answer-only loss, --eval-data of them too) at --cp 2 --tp 2 equal to
+--tp 2 (x dp 2) on gloo, and on 4 XLA CPU devices; refusals naming what works."""
 
 from __future__ import annotations
 
@@ -103,6 +104,17 @@ FOUR = {
     "recipe": (2, 2, tuple(cases.recipe_options()[1:])),  # the long-context recipe's options
     "cp2-tp2-lora": (2, 2, tuple(LORA)),
 }
+# packed prompt/completion rows (answer-only loss) at cp 2 x tp 2 against tp 2 x dp 2 (global
+# batch 2 both), eval on packed rows too; compared with each other (the reference run of
+# reference_train does not pack)
+SFT = ("--data", cases.SFT_DATA, "--steps", "2", "--seq-len", "128", "--attention-block", "32")
+SFT += ("--eval-data", cases.SFT_DATA)
+SFT += ("--eval-every", "2", "--eval-batches", "1")
+PACKED = {
+    "cp2-tp2-packed": (2, 2, (*SFT, "--sequence-parallel")),
+    "tp2-dp2-packed": (2, 1, (*SFT, "--micro-batch", "1")),
+}
+LAUNCH = [*FOUR, *PACKED]
 
 
 @pytest.mark.parametrize("name", list(GLOO))
@@ -118,7 +130,7 @@ def test_cp2_trains_like_one_rank_on_gloo(base, ref, name):
 
 
 def _four(name: str, base: str) -> None:
-    _gloo(base, name, *FOUR[name])
+    _gloo(base, name, *{**FOUR, **PACKED}[name])
 
 
 @pytest.fixture(scope="module")
@@ -150,7 +162,7 @@ def test_cp4_cp2_dp2_lora_and_the_recipe_train_like_one_rank_on_gloo(
 ):
     """LoRA at cp 2 x tp 2: the adapters train like the unsharded peft model's and are saved
     once (rank 0), equal to the reference's."""
-    gloo_dist.run_case(_four, name, base, cases=list(FOUR), world_size=4)
+    gloo_dist.run_case(_four, name, base, cases=LAUNCH, world_size=4)
     want = {"recipe": recipe_ref, "cp2-tp2-lora": lora_ref.ref}.get(name, ref)
     _check(torch.load(f"{base}/{name}.pt"), want)
     if name == "cp2-tp2-lora":
@@ -162,10 +174,30 @@ def test_cp4_cp2_dp2_lora_and_the_recipe_train_like_one_rank_on_gloo(
             torch.testing.assert_close(saved[k], w, atol=1e-5, rtol=1e-4, msg=k)
 
 
+def _packed_log(base: str, name: str) -> list[dict]:
+    gloo_dist.run_case(_four, name, base, cases=LAUNCH, world_size=4)
+    return torch.load(f"{base}/{name}.pt")
+
+
+def _same_run(log, want, keys=("loss", "grad_norm", "eval_loss")):
+    def values(entries):
+        return [[e.get(k, math.nan) for k in keys] for e in entries]
+
+    assert [e["step"] for e in log if "eval_loss" in e] == ([2] if "eval_loss" in keys else [])
+    torch.testing.assert_close(values(log), values(want), rtol=2e-4, atol=2e-4, equal_nan=True)
+
+
+def test_packed_rows_at_cp2_tp2_train_like_tp2_on_gloo(base):
+    """Packed rows cross the ring: the block-diagonal mask by segment ids in every tile,
+    positions restarting per sample, the loss over the completions of the global batch."""
+    want = _packed_log(base, "tp2-dp2-packed")
+    _same_run(_packed_log(base, "cp2-tp2-packed"), want)
+
+
 @pytest.fixture(scope="module")
 def on_xla4(base) -> xla_dist.Cases:
     devices, *_ = cases.recipe_options()
-    return xla_dist.run_cases(cases.on_devices, ["recipe"], base, devices=int(devices))
+    return xla_dist.run_cases(cases.on_devices, ["recipe", "packed"], base, devices=int(devices))
 
 
 def test_long_context_recipe_trains_like_one_rank_on_xla(on_xla4, recipe_ref):
@@ -175,6 +207,13 @@ def test_long_context_recipe_trains_like_one_rank_on_xla(on_xla4, recipe_ref):
     _check(got[0]["log"], recipe_ref)
     compiles = [p["compiles"] // 4 for p in got[0]["per_step"]]  # process-wide / 4 ranks
     assert compiles[1:] == [compiles[1]] * (len(compiles) - 1), compiles
+
+
+def test_packed_rows_at_cp2_tp2_on_xla_train_like_tp2_on_gloo(on_xla4, base):
+    """The same packed run on 4 XLA CPU devices (segment chunks picked by the device-side
+    rank) equal to the gloo tp 2 x dp 2 run."""
+    want = _packed_log(base, "tp2-dp2-packed")
+    _same_run(on_xla4.get("packed")[0]["log"], want, ("loss", "grad_norm"))
 
 
 STEP2 = "bf16-cp2/checkpoints/step-00000002"
@@ -225,10 +264,6 @@ def _save_cp2(out: str) -> None:
     from neuron_tp.train.loop import train
 
     mesh = gloo_dist.shared_mesh(1, cp=2)
-    packed = args_for(f"{out}-packed", "--cp", "2", *cases.CP, "--data", cases.SFT_DATA)
-    packed.device = "cpu"
-    with pytest.raises(UserError, match="packed rows .* do not cross the ring.*--no-packing"):
-        train(packed, mesh, printer=lambda *a, **k: None)  # refused on every rank, at setup
     args = args_for(out, "--cp", "2", "--zero1", *cases.CP)
     args.device, args.save_every, args.steps = "cpu", 2, 2
     train(args, mesh, printer=lambda *a, **k: None)
@@ -243,7 +278,7 @@ def _resume_cp1(out: str, log_path: str) -> None:
     torch.save(s["log"], log_path)
 
 
-def test_cp2_zero1_checkpoint_resumes_at_cp1_packed_rows_refused(base, ref):
+def test_cp2_zero1_checkpoint_resumes_at_cp1(base, ref):
     out = f"{base}/resume"
     gloo_dist.run(_save_cp2, out, world_size=2)
     gloo_dist.run(_resume_cp1, out, f"{base}/resume.pt", world_size=1)

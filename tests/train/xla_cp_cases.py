@@ -1,7 +1,7 @@
 """The context-parallel training runs executed on XLA CPU devices (one launch per device
 count, see tests/helpers/xla_dist.py), used by test_cp_train.py: the long-context recipe's
 command line (examples/long-context/README.md: cp 2 x tp 2 with SP, ZeRO-1, blockwise
-attention, long documents), read from that page."""
+attention, long documents), read from that page; and packed prompt/completion rows."""
 
 from __future__ import annotations
 
@@ -42,7 +42,16 @@ def recipe_options() -> list[str]:
     return [str(devices), *out]
 
 
+# packed prompt/completion rows at cp 2 x tp 2 (test_cp_train.py's gloo PACKED runs, without
+# eval): one attention block per chunk, a small step graph (XLA:CPU ends a collective whose
+# peer thread is still compiling after 10 s: the 2 busy cores make big compiles diverge)
+PACKED = [*CP, "--cp", "2", "--sequence-parallel", "--data", SFT_DATA, "--steps", "2"]
+PACKED += ["--seq-len", "128", "--attention-block", "32"]
+
+
 def on_devices(case: str, base: str) -> object:
+    if case == "packed":
+        return run_train(2, os.path.join(base, "xla-packed"), PACKED, cp=2)
     assert case == "recipe", case
     _, *options = recipe_options()
     # its own output dir: the gloo run of the same case writes (and would resume) {base}/recipe
