@@ -50,8 +50,9 @@ class PieceRouting:
 
 def router_loss_of(model: nn.Module) -> RouterLoss | None:
     """The router loss ``model`` (a causal LM) adds to its loss, or None: none asked for
-    (``output_router_logits`` off, or a zero ``router_aux_loss_coef``)."""
-    cfg: Any = model.config
+    (``output_router_logits`` off, or a zero ``router_aux_loss_coef``) or no config at all (a
+    stack of library blocks)."""
+    cfg: Any = getattr(model, "config", None)  # none: a stack of library blocks
     if not getattr(cfg, "output_router_logits", False):
         return None
     on_model = getattr(model, "router_aux_loss_coef", None)  # transformers copies it there

@@ -167,6 +167,10 @@ def _world8(tmp: str) -> None:
     pp = ["--tp", "4", "--tp-mode", "2d", "--pp", "2", "--micro-batch", "4", "--grad-accum", "2"]
     s = train(_args(f"{tmp}/s", *pp, *RUN8), mesh, printer=_quiet)
     res.update(s=_losses(s), s_norm=_norms(s))
+    mesh = ntp.init_mesh(tp=2, pp=2)  # pp2 x tp2 x dp2 (1d + SP), ZeRO-1 over each stage's dp
+    pp = ["--tp", "2", "--pp", "2", "--sequence-parallel", "--zero1", "--micro-batch", "2"]
+    q = train(_args(f"{tmp}/q", *pp, "--grad-accum", "2", *RUN8), mesh, printer=_quiet)
+    res.update(q=_losses(q), q_norm=_norms(q))
     block_pipeline.run("blocks2d_pp2_tp4")  # library blocks at pp 2 x 2D q=2 (raises if off)
     if mesh.rank == 0:
         with open(f"{tmp}/world8.json", "w") as fh:
@@ -183,7 +187,7 @@ def test_3d_q2_and_dp2_x_2d_zero1_vs_reference(tmp_path):
     ref_loss, ref_norm = reference_run(
         _args(tmp_path / "ref2", "--micro-batch", "2", "--grad-accum", "2", *RUN8), 4
     )
-    for name in ("z", "p", "s"):
+    for name in ("z", "p", "s", "q"):
         assert res[name] == pytest.approx(ref_loss, rel=2e-4, abs=2e-4), name
         assert res[name + "_norm"] == pytest.approx(ref_norm, **NORM_TOL), name
     assert res["z"] == pytest.approx(res["p"], rel=1e-5, abs=1e-6)
