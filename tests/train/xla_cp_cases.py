@@ -49,10 +49,15 @@ PACKED = [*CP, "--cp", "2", "--sequence-parallel", "--data", SFT_DATA, "--steps"
 PACKED += ["--seq-len", "128", "--attention-block", "32"]
 
 
+# the recipe's layout on the XLA devices at seq 512 and 3 steps (the gloo tier runs its exact
+# command): chunks of one attention block, a step graph a quarter the size (see PACKED)
+RECIPE_XLA = ["--seq-len", "512", "--steps", "3", "--save-every", "0"]
+
+
 def on_devices(case: str, base: str) -> object:
     if case == "packed":
         return run_train(2, os.path.join(base, "xla-packed"), PACKED, cp=2)
     assert case == "recipe", case
     _, *options = recipe_options()
     # its own output dir: the gloo run of the same case writes (and would resume) {base}/recipe
-    return run_train(2, os.path.join(base, f"xla-{case}"), [*options, "--save-every", "0"], cp=2)
+    return run_train(2, os.path.join(base, f"xla-{case}"), [*options, *RECIPE_XLA], cp=2)
