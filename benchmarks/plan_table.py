@@ -134,6 +134,15 @@ def _longest(model: str, nodes: int) -> str:
     return best
 
 
+def _longest_cell(fits: list[int], shortest_row: str) -> str:
+    """The longest of :data:`LONG_SEQS` that fits, or why the shortest does not (its row)."""
+    if fits:
+        top = max(fits)
+        return f"{top // 1024}k" + (" or more" if top == LONG_SEQS[-1] else "")
+    why = shortest_row.split(" | ")[3]
+    return f"none of {', '.join(f'{s // 1024}k' for s in LONG_SEQS)}: {why}"
+
+
 def _write(args, name: str, rows: list[str]) -> None:
     if args.out:
         from tp_scaling import _write_table
@@ -173,16 +182,8 @@ def main() -> None:
                     fits += [seq] if " - |" not in rows[-1] else []
                     print(rows[-1], flush=True)
                     _write(args, "long", rows)  # row by row: a stopped run keeps its rows
-                top = max(fits, default=0)
-                longest.append(
-                    f"| {model} | {nodes} | "
-                    + (
-                        f"{top // 1024}k" + (" or more" if top == LONG_SEQS[-1] else "")
-                        if top
-                        else f"under {LONG_SEQS[0] // 1024}k"
-                    )
-                    + " |"
-                )
+                cell = _longest_cell(fits, rows[-len(LONG_SEQS)])
+                longest.append(f"| {model} | {nodes} | {cell} |")
                 _write(args, "longest", longest)
     if "longest" in args.tables:  # a doubling scan (slow: one plan per length)
         scan = ["| model | nodes | longest trainable sequence (power of two) |", "|---|---|---|"]
