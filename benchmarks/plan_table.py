@@ -191,7 +191,7 @@ def main() -> None:
             for nodes in node_counts:
                 scan.append(f"| {model} | {nodes} | {_longest(model, nodes)} |")
                 print(scan[-1], flush=True)
-        _write(args, "longest", scan)
+        _write(args, "longest-scan", scan)
     if "base" in args.tables:
         rows = list(HEAD)
         for model, seq, batch in TABLE:
