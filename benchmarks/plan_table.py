@@ -6,6 +6,11 @@ Llama-3.1-405B; long context (Llama-3-8B / 70B at 8k, 32k, 128k on 1 and 4 nodes
 blockwise attention in the search) with the longest trainable sequence.
 
     .venv/bin/python benchmarks/plan_table.py [--out docs] [--tables base published pipeline long]
+        [--trace-cache FILE]
+
+Rows at the same traced shapes share their traces (neuron_tp.plan.trace_store); with
+``--trace-cache`` the traces are also kept in FILE after every row, so an interrupted run
+resumes where it stopped (a file written by other code is ignored).
 """
 
 from __future__ import annotations
@@ -19,11 +24,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from neuron_tp.plan import trace_store  # noqa: E402
 from neuron_tp.plan.hardware import get_instance  # noqa: E402
 from neuron_tp.plan.models import plan_config  # noqa: E402
 from neuron_tp.plan.search import Job, make_plan  # noqa: E402
 
 GIB = 2**30
+TRACE_CACHE: list[str] = []  # the --trace-cache file, if any
 TABLE = [  # model, seq len, global batch (NxD's published runs use 1024 sequences)
     ("llama-3-8b", 8192, 1024),
     ("llama-2-7b", 4096, 1024),
@@ -68,6 +75,8 @@ def _plan(model: str, seq: int, nodes: int, batch: int, **pins):
     job = Job(get_instance("trn1.32xlarge"), nodes, seq, batch)
     start = time.perf_counter()
     plan = make_plan(plan_config(model, seq), job, **pins)
+    for path in TRACE_CACHE:
+        trace_store.save(path)
     return plan, time.perf_counter() - start
 
 
@@ -125,6 +134,15 @@ def _longest(model: str, nodes: int) -> str:
     return best
 
 
+def _longest_cell(fits: list[int], shortest_row: str) -> str:
+    """The longest of :data:`LONG_SEQS` that fits, or why the shortest does not (its row)."""
+    if fits:
+        top = max(fits)
+        return f"{top // 1024}k" + (" or more" if top == LONG_SEQS[-1] else "")
+    why = shortest_row.split(" | ")[3]
+    return f"none of {', '.join(f'{s // 1024}k' for s in LONG_SEQS)}: {why}"
+
+
 def _write(args, name: str, rows: list[str]) -> None:
     if args.out:
         from tp_scaling import _write_table
@@ -137,7 +155,11 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="directory holding plan.md (tables replaced)")
     ap.add_argument("--nodes", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--tables", nargs="+", default=["base", "published", "pipeline", "long"])
+    ap.add_argument("--trace-cache", default=None, help="JSON file keeping the traces")
     args = ap.parse_args()
+    if args.trace_cache:
+        TRACE_CACHE.append(args.trace_cache)
+        print(f"{trace_store.load(args.trace_cache)} traces from {args.trace_cache}", flush=True)
     if "pipeline" in args.tables:
         rows = list(HEAD)
         for model, seq in PIPELINE:
@@ -159,25 +181,17 @@ def main() -> None:
                     rows.append(_row(model, seq, nodes, 64, **LARGE_PINS))
                     fits += [seq] if " - |" not in rows[-1] else []
                     print(rows[-1], flush=True)
-                top = max(fits, default=0)
-                longest.append(
-                    f"| {model} | {nodes} | "
-                    + (
-                        f"{top // 1024}k" + (" or more" if top == LONG_SEQS[-1] else "")
-                        if top
-                        else f"under {LONG_SEQS[0] // 1024}k"
-                    )
-                    + " |"
-                )
-        _write(args, "long", rows)
-        _write(args, "longest", longest)
+                    _write(args, "long", rows)  # row by row: a stopped run keeps its rows
+                cell = _longest_cell(fits, rows[-len(LONG_SEQS)])
+                longest.append(f"| {model} | {nodes} | {cell} |")
+                _write(args, "longest", longest)
     if "longest" in args.tables:  # a doubling scan (slow: one plan per length)
         scan = ["| model | nodes | longest trainable sequence (power of two) |", "|---|---|---|"]
         for model, node_counts in LONG:
             for nodes in node_counts:
                 scan.append(f"| {model} | {nodes} | {_longest(model, nodes)} |")
                 print(scan[-1], flush=True)
-        _write(args, "longest", scan)
+        _write(args, "longest-scan", scan)
     if "base" in args.tables:
         rows = list(HEAD)
         for model, seq, batch in TABLE:

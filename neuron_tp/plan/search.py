@@ -10,23 +10,21 @@ fastest first.
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 from ..job.config import TrainConfig
 from ..job.options import option_flags
 from ..parallel.mesh import divisors, grid_side
+from . import trace_store
 from .hardware import Instance
 from .moe import dense_standin, flops_per_token, moe_shape, param_counts, summary, tp_refusal
 from .pipeline import pipeline_refusal
 from .predict import Memory, Timing
 from .stages import TRACED_DP, model_shape, stage_memories, stage_timing
 from .state import StateBytes, stage_state_bytes
-from .trace import Spec, Trace, trace_in_subprocess
+from .trace import Spec
 
 RECOMPUTE = ("none", "selective", "full")
 CP_STEPS = (1, 2, 4, 8)  # context-parallel degrees searched (the ring inside a node)
@@ -357,7 +355,7 @@ def _trace_all(config, job: Job, layouts: list[Layout]) -> dict[tuple, dict | st
                     )
                 )
                 owners.append((key, (layers, k)))
-    flat = _traces(config, specs)
+    flat = trace_store.traces(config, specs)
     traced: dict[tuple, dict | str] = {}
     for (key, where), res in zip(owners, flat):
         if isinstance(res, str):
@@ -365,24 +363,6 @@ def _trace_all(config, job: Job, layouts: list[Layout]) -> dict[tuple, dict | st
         elif not isinstance(traced.get(key), str):
             traced.setdefault(key, {})[where] = res
     return traced
-
-
-_TRACES: dict[tuple[str, Spec], Trace | str] = {}  # this process's traces (plans share them)
-
-
-def _traces(config, specs: list[Spec]) -> list[Trace | str]:
-    """The traces of ``specs``: those this process has not traced yet in child processes
-    (up to 4 in parallel), the rest from :data:`_TRACES`."""
-    name = json.dumps(config.to_dict(), sort_keys=True, default=str)
-    todo = list(dict.fromkeys(s for s in specs if (name, s) not in _TRACES))
-    workers = max(1, min(4, (os.cpu_count() or 1), len(todo)))
-    chunks = [todo[i::workers] for i in range(workers)]
-    if todo:
-        with ThreadPoolExecutor(workers) as pool:
-            results = list(pool.map(lambda c: trace_in_subprocess(config, c), chunks))
-        for chunk, res in zip(chunks, results):
-            _TRACES.update({(name, s): r for s, r in zip(chunk, res)})
-    return [_TRACES[(name, s)] for s in specs]
 
 
 def _why_not(mem: Memory, usable: int) -> str:

@@ -201,13 +201,19 @@ def _child() -> None:
     config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
     for raw in request["specs"]:
         try:
-            trace = trace_step(config, Spec(**raw))
-            print("TRACE " + json.dumps({"ok": asdict(trace)}), flush=True)
+            trace: Trace | str = trace_step(config, Spec(**raw))
         except (ValueError, NotImplementedError) as e:
-            print("TRACE " + json.dumps({"error": str(e)}), flush=True)
+            trace = str(e)
+        print("TRACE " + json.dumps(to_json(trace)), flush=True)
 
 
-def _from_json(d: dict) -> Trace | str:
+def to_json(trace: Trace | str) -> dict:
+    """``trace`` (or the message that refused its layout) as JSON-ready data."""
+    return {"error": trace} if isinstance(trace, str) else {"ok": asdict(trace)}
+
+
+def from_json(d: dict) -> Trace | str:
+    """The inverse of :func:`to_json`."""
     if "error" in d:
         return d["error"]
     t = d["ok"]
@@ -246,7 +252,7 @@ def trace_in_subprocess(config, specs: list[Spec], timeout: float = 1800) -> lis
     lines = [ln[6:] for ln in out.stdout.splitlines() if ln.startswith("TRACE ")]
     if out.returncode or len(lines) != len(specs):
         raise RuntimeError(f"tracing failed:\n{out.stderr[-3000:]}")
-    return [_from_json(json.loads(ln)) for ln in lines]
+    return [from_json(json.loads(ln)) for ln in lines]
 
 
 if __name__ == "__main__":
