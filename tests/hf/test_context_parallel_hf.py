@@ -37,6 +37,16 @@ def _grads(model):
     return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
+def _check_grads(model, ref, mesh, tp: int) -> None:
+    """Every gradient, summed over dp x cp (and gathered over tp), equals the reference's."""
+    allreduce_data_parallel_grads(model, mesh)  # the sum over dp x cp
+    grads = gather_hf_state_dict(model, grads=True) if tp > 1 else _grads(model)
+    expected = _grads(ref)
+    assert set(grads) == set(expected)
+    for n, g in expected.items():
+        _close(grads[n], g, f"grad {n}")
+
+
 def _data(seq=64):
     g = torch.Generator().manual_seed(5)
     ids = torch.randint(0, V, (2, seq), generator=g)
@@ -58,12 +68,7 @@ def _run(tp: int, sp: bool):
     out.loss.backward()
     want.loss.backward()
     ntp.sync_sequence_parallel_grads(model, mesh)
-    allreduce_data_parallel_grads(model, mesh)  # the sum over dp x cp
-    grads = gather_hf_state_dict(model, grads=True) if tp > 1 else _grads(model)
-    expected = _grads(ref)
-    assert set(grads) == set(expected)
-    for n, g in expected.items():
-        _close(grads[n], g, f"grad {n}")
+    _check_grads(model, ref, mesh, tp)
     model.eval()
     if tp > 1:
         with full_logits(model):
@@ -121,12 +126,7 @@ def _run_packed(tp: int, cp: int):
         _close(want.loss, packing_ref.reference_loss(ref, batch), "per-sample loss")
     out.loss.backward()
     want.loss.backward()
-    allreduce_data_parallel_grads(model, mesh)  # the sum over dp x cp
-    grads = gather_hf_state_dict(model, grads=True) if tp > 1 else _grads(model)
-    expected = _grads(ref)
-    assert set(grads) == set(expected)
-    for n, g in expected.items():
-        _close(grads[n], g, f"grad {n}")
+    _check_grads(model, ref, mesh, tp)
     model.eval()
     inputs.pop("labels")
     if tp > 1:
