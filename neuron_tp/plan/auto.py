@@ -52,11 +52,10 @@ def excluded_axes(config, model_config) -> dict[str, str]:
     if name not in staged:
         cut = ", ".join(sorted(n.replace("Config", "") for n in staged))
         why["pp"].append(f"{name.replace('Config', '')} models are not cut into stages ({cut} are)")
-    pp_window = sliding_window(model_config)
-    if pp_window is not None and pp_window < config.seq_len:
-        why["pp"].append(f"sliding_window={pp_window} < --seq-len {config.seq_len}")
-    window = getattr(model_config, "sliding_window", None)
-    if window is not None and getattr(model_config, "use_sliding_window", True):
+    window = sliding_window(model_config)
+    if window is not None and window < config.seq_len:
+        why["pp"].append(f"sliding_window={window} < --seq-len {config.seq_len}")
+    if window is not None:
         why["cp"].append(f"sliding_window={window}")
     return {axis: "; ".join(reasons) for axis, reasons in why.items() if reasons}
 
