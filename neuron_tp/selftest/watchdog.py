@@ -88,18 +88,18 @@ class Watchdog:
                     if self._bound(t, start, now)
                 ]
             if stuck:
-                for rank, name, what, bound in sorted(stuck):
-                    print(
-                        f"FAIL {name:<12} TIMEOUT after {bound:g} s on rank {rank}: "
-                        f"{what} did not return",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-                print(
-                    f"     what to try: {HINT}; raise --timeout if the check is only slow",
-                    file=sys.stderr,
-                    flush=True,
+                # One write per report, so the reports of ranks in other processes sharing
+                # the stream interleave by whole lines, never inside one.
+                lines = [
+                    f"FAIL {name:<12} TIMEOUT after {bound:g} s on rank {rank}: "
+                    f"{what} did not return"
+                    for rank, name, what, bound in sorted(stuck)
+                ]
+                lines.append(
+                    f"     what to try: {HINT}; raise --timeout if the check is only slow"
                 )
-                print("selftest: FAIL (timeout)", file=sys.stderr, flush=True)
+                lines.append("selftest: FAIL (timeout)")
                 sys.stdout.flush()
+                sys.stderr.flush()
+                os.write(2, ("\n".join(lines) + "\n").encode())
                 os._exit(1)
