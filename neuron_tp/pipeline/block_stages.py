@@ -100,13 +100,15 @@ class BlockStage(PipelineStage):
         x: torch.Tensor,
         position_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
+        *,
+        segment_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Piece ``chunk``: token ids ``[b, s]`` (first piece: this rank's batch shard goes
         through the embedding) or the residual stream in; the residual stream out (a plain
         tensor), or the logits on the last piece. ``position_ids`` are not read (the blocks
         hold no position embedding)."""
         del position_ids
-        if attention_mask is not None:
+        if attention_mask is not None or segment_ids is not None:
             raise UserError("library blocks take no attention mask (see check_inputs)")
         model = cast(BlockStack, self.model)
         if self.is_first_piece(chunk):
@@ -122,12 +124,11 @@ class BlockStage(PipelineStage):
             return model.head(x)
         return x.as_subclass(torch.Tensor)  # the layout tag stays on this side of the wire
 
-    def loss_sum(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """The sum of the micro-batch's token losses (causal shift: position t predicts
-        token t + 1; the last position and ``-100`` labels are ignored)."""
-        labels = nn.functional.pad(labels, (0, 1), value=-100)[..., 1:].to(logits.device)
+    def loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The sum of the micro-batch's token losses; ``targets``: the token each position
+        predicts (the labels shifted by one), ``-100``: none."""
         assert self.loss is not None  # stages_of_blocks sets it
-        return self.loss(logits, labels)
+        return self.loss(logits, targets.to(logits.device))
 
 
 def _layout(module: nn.Module, which: str) -> str | ActivationLayout:

@@ -19,6 +19,15 @@ A micro-batch is the data's batch dict: packed rows (``segment_ids``, ``position
 data every stage reads from its own copy (the block-diagonal mask and the per-sample positions
 are built on each stage, the labels of sample starts and padding ignored on the last: as
 :func:`neuron_tp.hf.packing.model_inputs` at pp 1); only hidden states cross stages.
+
+Context parallelism inside the stages (``mesh.cp`` > 1, the stage's attention made ring
+attention by :func:`neuron_tp.hf.context_parallel.context_parallel`): every rank of a cp ring
+holds the same micro-batches and runs its part of each sequence (chunks r and 2cp-1-r of the
+ids, the global positions, the targets shifted on the whole sequence first); packed rows give
+the ring their global ``segment_ids`` instead of a mask; the boundary carries ``seq / cp``
+positions (``/ tp`` more under SP). Each rank's loss is the sum over its own targets (its
+backward is its part of the gradient, as at pp 1); the step's loss and eval totals are summed
+over cp with the pp sum.
 :meth:`evaluate` walks a forward-only schedule (no gradients) and returns the eval totals.
 """
 
@@ -33,6 +42,7 @@ import torch
 from ..backend.graphs import step_boundary
 from ..hf.moe import recorded_router_logits
 from ..hf.packing import IGNORE_INDEX, model_inputs
+from ..layers.ring_attention import split_sequence
 from ..parallel import comm
 from . import router_loss
 from .exchange import Exchange, Sent
@@ -64,7 +74,8 @@ class PipelineRunner:
                 f"{stage.plan.stages} x {stage.plan.virtual}"
             )
         self.stage, self.schedule, self.device = stage, schedule, torch.device(device)
-        shape = stage.boundary_shape(batch, seq, sequence_parallel)
+        self.ring = stage.mesh.cp  # context parallelism: this rank's part of each sequence
+        shape = stage.boundary_shape(batch, seq // self.ring.size, sequence_parallel)
         dtype = next(stage.model.parameters()).dtype
         self.exchange = Exchange(stage.mesh.pp, shape, dtype, self.device, method)
         self.mask_dtype = dtype  # packed rows' mask: the model's dtype, as at pp 1
@@ -120,7 +131,13 @@ class PipelineRunner:
             torch.zeros(1, dtype=torch.float32, device=self.device),
         )
         self._walk(self.schedule, state)
-        return comm.all_reduce(state.loss, self.stage.mesh.pp)
+        return self._whole(state.loss)
+
+    def _whole(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (the last stage's, this rank's part of the sequences) summed over the pp
+        group and the cp ring: the micro-batches' totals, on every rank."""
+        t = comm.all_reduce(t, self.stage.mesh.pp)
+        return comm.all_reduce(t, self.ring) if self.ring.size > 1 else t
 
     def evaluate(self, micro_batches: Sequence[dict]) -> torch.Tensor:
         """``[loss sum, label tokens]`` (fp32, this dp rank's) of ``micro_batches`` (any number),
@@ -142,7 +159,7 @@ class PipelineRunner:
                 self._walk(sched, state)
         finally:
             model.train(training)
-        total = comm.all_reduce(state.loss, self.stage.mesh.pp)
+        total = self._whole(state.loss)
         self.cut()
         return total
 
@@ -207,13 +224,13 @@ class PipelineRunner:
                 state.loss = state.loss + (w * routing.probs.detach()).sum().reshape(1)
         self.cut()
 
-    def _routed_forward(self, task: Task, state: _StepState, *args) -> torch.Tensor:
+    def _routed_forward(self, task: Task, state: _StepState, *args, **kw) -> torch.Tensor:
         """The piece's forward; under a router loss its routing sums kept for the step."""
         st = self.stage
         if self.router is None or state.forward_only:
-            return st.forward(task.chunk, *args)
+            return st.forward(task.chunk, *args, **kw)
         with recorded_router_logits(st.model) as logits:
-            out = st.forward(task.chunk, *args)
+            out = st.forward(task.chunk, *args, **kw)
         routing = router_loss.piece_routing(self.router, logits, self.device)
         if logits:  # (a piece of dense layers only: zero counts, no term)
             key = (task.micro, self.schedule.virtual_stage(st.stage, task.chunk))
@@ -246,10 +263,18 @@ class PipelineRunner:
         return (task.micro, j - 1) if j > 0 else None
 
     def _inputs(self, batch: dict) -> dict:
-        """The micro-batch on this device as the model takes it (packed rows: positions per
-        sample, the block-diagonal mask, labels of sample starts and padding ignored)."""
-        inputs = model_inputs(batch, device=self.device, dtype=self.mask_dtype)
+        """The micro-batch on this device as this rank's stage takes it (packed rows:
+        positions per sample, the block-diagonal mask, labels of sample starts and padding
+        ignored), with ``targets`` (the token each position predicts, -100: none) instead
+        of ``labels``; at cp > 1 this rank's part of every sequence (module doc)."""
+        ring = self.ring.size > 1
+        inputs = model_inputs(batch, device=self.device, dtype=self.mask_dtype, segments=ring)
         inputs.setdefault("position_ids", self.positions)
+        labels = inputs.pop("labels")
+        inputs["targets"] = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+        if ring:
+            for name in ("input_ids", "position_ids", "targets"):
+                inputs[name] = split_sequence(inputs[name], self.ring, 1)
         return inputs
 
     def _run(self, task: Task, state: _StepState) -> torch.Tensor | None:
@@ -264,15 +289,17 @@ class PipelineRunner:
                 x = state.inbox_f.pop(key)
                 if not state.forward_only:
                     x.requires_grad_(True)
+            # packed rows at cp: the ring masks by segment (no mask)
+            ring = {"segment_ids": inputs["segment_ids"]} if "segment_ids" in inputs else {}
             mask = inputs.get("attention_mask")
-            out = self._routed_forward(task, state, x, inputs["position_ids"], mask)
+            out = self._routed_forward(task, state, x, inputs["position_ids"], mask, **ring)
             if not st.is_last_piece(task.chunk):
                 if not state.forward_only:
                     state.saved[key] = (x, out)
                 return out.detach()
-            loss = st.loss_sum(out, inputs["labels"]).float().reshape(1)
+            loss = st.loss_sum(out, inputs["targets"]).float().reshape(1)
             if state.forward_only:
-                count = (inputs["labels"][..., 1:] != IGNORE_INDEX).sum().float().reshape(1)
+                count = (inputs["targets"] != IGNORE_INDEX).sum().float().reshape(1)
                 state.loss = state.loss + torch.cat([loss, count])
                 return None
             loss = loss * state.scale

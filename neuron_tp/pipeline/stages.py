@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from ..errors import UserError
+from ..hf.context_parallel import SEGMENTS_KW
 from ..hf.parallelize_nd import logits_layout
 from ..layers import cross_entropy_nd, parallel_cross_entropy, split_input
 from ..layers.activation_layout import LAYOUT_3D_B, residual_layout
@@ -189,37 +190,50 @@ class PipelineStage:
         x: torch.Tensor,
         position_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
+        *,
+        segment_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Piece ``chunk`` of this stage: token ids (first piece) or the previous piece's hidden
         states in; hidden states out, or the (vocab-sharded) logits on the last piece.
         ``position_ids`` ``[1 or b, s]``; ``attention_mask``: a 4D additive mask (packed rows,
-        :func:`neuron_tp.hf.packing.block_causal_mask`), None: causal."""
+        :func:`neuron_tp.hf.packing.block_causal_mask`), None: causal. At cp > 1 (ring
+        attention) ``x`` and ``position_ids`` are this rank's part of the sequence, no mask is
+        built and packed rows come as the global ``segment_ids`` ``[b, S]``."""
         inner = self.model.model
         if self.mesh.tp_mode != "1d":
             x, position_ids, attention_mask = self._batch_chunk(
                 chunk, x, position_ids, attention_mask
             )
         h = inner.embed_tokens(x) if self.is_first_piece(chunk) else x
-        b, s = h.shape[0], position_ids.shape[-1]  # the full sequence (h: a shard under SP)
+        ring = {} if segment_ids is None else {SEGMENTS_KW: segment_ids}
+        mask = None if self.mesh.cp_size > 1 else self._mask(h, position_ids, attention_mask)
+        cos_sin = inner.rotary_emb(h, position_ids=position_ids)
+        for i in self.plan.layers(self.stage, chunk):
+            out = inner.layers[str(i)](
+                h,
+                attention_mask=mask,
+                position_ids=position_ids,
+                position_embeddings=cos_sin,
+                **ring,
+            )
+            h = out[0] if isinstance(out, tuple) else out
+        if not self.is_last_piece(chunk):
+            return h
+        return self.model.lm_head(inner.norm(h))
+
+    def _mask(self, h, position_ids, attention_mask):
+        """transformers' causal mask for the layers (a given 4D mask comes back as it is)."""
         from transformers.masking_utils import create_causal_mask
 
+        b, s = h.shape[0], position_ids.shape[-1]  # the full sequence (h: a shard under SP)
         proxy = torch.zeros(b, s, 1, dtype=h.dtype, device=h.device)  # only its shape is read
-        mask = create_causal_mask(  # a given 4D mask comes back as it is
+        return create_causal_mask(
             config=self.model.config,
             inputs_embeds=proxy,
             attention_mask=attention_mask,
             past_key_values=None,
             position_ids=position_ids,
         )
-        cos_sin = inner.rotary_emb(h, position_ids=position_ids)
-        for i in self.plan.layers(self.stage, chunk):
-            out = inner.layers[str(i)](
-                h, attention_mask=mask, position_ids=position_ids, position_embeddings=cos_sin
-            )
-            h = out[0] if isinstance(out, tuple) else out
-        if not self.is_last_piece(chunk):
-            return h
-        return self.model.lm_head(inner.norm(h))
 
     def _batch_chunk(self, chunk: int, x, position_ids, attention_mask):
         """2D / 3D: this rank's batch chunk of the ids (first piece; later pieces receive the
@@ -235,9 +249,10 @@ class PipelineStage:
             attention_mask = comm.local_chunk(attention_mask, attn, 0)
         return x, position_ids, attention_mask
 
-    def loss_sum(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """The sum of the token losses of one micro-batch (HF's causal shift)."""
-        labels = nn.functional.pad(labels, (0, 1), value=-100)[..., 1:].to(logits.device)
+    def loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The sum of the token losses of one micro-batch; ``targets``: the token each
+        position predicts (the labels shifted by one: HF's causal shift), -100: none."""
+        labels = targets.to(logits.device)
         if self.mesh.tp_mode != "1d":  # this rank's block of the logits: its labels' chunk
             layout = logits_layout(self.mesh)
             local = split_input(labels, layout, self.mesh, feature_dim=False)

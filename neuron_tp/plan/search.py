@@ -186,8 +186,7 @@ def _axes(job: Job, layers: int, tp: int, pins: dict) -> list[tuple[int, int]]:
         if rest % cp or job.seq_len % (2 * cp):
             continue
         pps = [pins["pp"]] if pins.get("pp") else [p for p in divisors(layers) if p <= MAX_PP]
-        # train runs cp and pp one at a time
-        out += [(cp, pp) for pp in pps if (rest // cp) % pp == 0 and (cp == 1 or pp == 1)]
+        out += [(cp, pp) for pp in pps if (rest // cp) % pp == 0]
     return out
 
 
@@ -225,8 +224,6 @@ def _check_pins(job: Job, layers: int, pins: dict) -> None:
     if why:
         raise ValueError(f"--pp {pp}: {why}")
     cp = pins.get("cp") or 1
-    if pp > 1 and cp > 1:
-        raise ValueError(f"--pp {pp} with --cp {cp}: train runs one of them at a time")
     if pp * cp > 1 and pins.get("tp_mode") not in (None, "1d"):
         raise ValueError(f"--pp / --cp > 1 run over --tp-mode 1d, not {pins['tp_mode']}")
     if cp > 1 and pins.get("attention") == "sdpa":

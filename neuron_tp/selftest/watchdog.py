@@ -95,9 +95,7 @@ class Watchdog:
                     f"{what} did not return"
                     for rank, name, what, bound in sorted(stuck)
                 ]
-                lines.append(
-                    f"     what to try: {HINT}; raise --timeout if the check is only slow"
-                )
+                lines.append(f"     what to try: {HINT}; raise --timeout if the check is only slow")
                 lines.append("selftest: FAIL (timeout)")
                 sys.stdout.flush()
                 sys.stderr.flush()

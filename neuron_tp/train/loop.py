@@ -126,14 +126,13 @@ def _check_cp(config: TrainConfig) -> None:
     for bad, what in (
         (config.tp_mode != "1d", f"--tp-mode {config.tp_mode}"),
         (config.ep > 1, "--ep"),
-        (config.pipeline.pp > 1, "--pp (pipeline stages)"),
     ):
         if bad:
             unsupported.append(what)
     if unsupported:
         raise UserError(
             f"--cp {cp} does not combine with {', '.join(unsupported)} yet; it works with "
-            "--tp (1d, with or without --sequence-parallel), data parallelism, ZeRO-1 "
+            "--tp (1d, with or without --sequence-parallel), --pp, data parallelism, ZeRO-1 "
             "(--zero1, --bf16), LoRA (--lora-r), activation checkpointing, --eval-data, and "
             "text, packed or padded (--no-packing) instruction data"
         )

@@ -1,6 +1,7 @@
 """Pipeline training EXECUTED on 4 XLA CPU devices (one launch, pipeline_cases.py): pp 2 x tp 2
 with sequence parallelism, pp 2 x dp 2 with ZeRO-1 and tied embeddings, and pp 4 on packed
-rows then evaluated (forward-only schedule), against the unsharded model (loss, clipped
+rows then evaluated (forward-only schedule), pp 2 x cp 2 (ring attention inside the stages) on
+packed rows then evaluated, against the unsharded model (loss, clipped
 gradients, global norm, weights after two steps); the trained AdamW stages saved as one
 checkpoint, loaded back (weights, AdamW state) and consolidated (the unsharded model's
 weights); and the graphs: from the second step on nothing compiles, at M = 4 or M = 8
@@ -17,7 +18,7 @@ import pytest
 
 import xla_dist
 
-CASES = ("pp2_tp2_sp", "pp2_tied_zero1", "pp4_packed_eval")
+CASES = ("pp2_tp2_sp", "pp2_tied_zero1", "pp4_packed_eval", "pp2_cp2_packed_eval")
 
 
 def job(case: str, root: str):

@@ -100,11 +100,11 @@ def test_the_excluded_axes_and_why(tmp_path):
     assert excluded_axes(_config(), MixtralConfig(output_router_logits=True)) == {}
 
 
-def test_pp_with_cp_or_2d_pins_are_refused_before_tracing():
+def test_pp_with_2d_pins_are_refused_before_tracing_and_pp_with_cp_is_searched():
     job = search.Job(get_instance("trn1.32xlarge"), 1, LONG, 32)
-    for pins, message in (
-        ({"pp": 2, "cp": 2}, "--pp 2 with --cp 2: train runs one of them at a time"),
-        ({"pp": 2, "tp_mode": "2d"}, "run over --tp-mode 1d, not 2d"),
-    ):
-        with pytest.raises(ValueError, match=message):
-            search._layouts(job, pins, 32)
+    with pytest.raises(ValueError, match="run over --tp-mode 1d, not 2d"):
+        search._layouts(job, {"pp": 2, "tp_mode": "2d"}, 32)
+    both, _ = search._layouts(job, {"pp": 2, "cp": 2}, 32)  # stages around a ring
+    assert both and {(lay.pp, lay.cp, lay.tp_mode) for lay in both} == {(2, 2, "1d")}
+    free, _ = search._layouts(job, {}, 32)
+    assert any(lay.pp > 1 and lay.cp > 1 for lay in free)

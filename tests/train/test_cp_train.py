@@ -83,7 +83,8 @@ def _check(log, ref: Ref, steps=slice(None)):
 def _gloo(base: str, name: str, tp: int, cp: int, extra: tuple) -> None:
     from neuron_tp.train.loop import train
 
-    mesh = gloo_dist.shared_mesh(tp, cp=cp)
+    pp = int(extra[extra.index("--pp") + 1]) if "--pp" in extra else 1
+    mesh = gloo_dist.shared_mesh(tp, cp=cp, pp=pp)
     args = args_for(f"{base}/{name}", "--tp", str(tp), "--cp", str(cp), *cases.CP, *extra)
     args.device = "cpu"
     s = train(args, mesh, printer=lambda *a, **k: None)
@@ -103,6 +104,7 @@ FOUR = {
     "cp2-dp2-zero1": (1, 2, ("--micro-batch", "1", "--zero1")),
     "recipe": (2, 2, tuple(cases.recipe_options()[1:])),  # the long-context recipe's options
     "cp2-tp2-lora": (2, 2, tuple(LORA)),
+    "pp2-cp2": (1, 2, ("--pp", "2", "--micro-batch", "1", "--grad-accum", "2")),
 }
 # packed prompt/completion rows (answer-only loss) at cp 2 x tp 2 against tp 2 x dp 2 (global
 # batch 2 both), eval on packed rows too; compared with each other (the reference run of
@@ -113,6 +115,12 @@ SFT += ("--eval-every", "2", "--eval-batches", "1")
 PACKED = {
     "cp2-tp2-packed": (2, 2, (*SFT, "--sequence-parallel")),
     "tp2-dp2-packed": (2, 1, (*SFT, "--micro-batch", "1")),
+    # pipeline stages around the ring: 2 micro-batches of 1 row (2 eval batches: the same rows)
+    "pp2-cp2-packed": (
+        1,
+        2,
+        (*SFT, "--pp", "2", "--micro-batch", "1", "--grad-accum", "2", "--eval-batches", "2"),
+    ),
 }
 LAUNCH = [*FOUR, *PACKED]
 
@@ -187,11 +195,13 @@ def _same_run(log, want, keys=("loss", "grad_norm", "eval_loss")):
     torch.testing.assert_close(values(log), values(want), rtol=2e-4, atol=2e-4, equal_nan=True)
 
 
-def test_packed_rows_at_cp2_tp2_train_like_tp2_on_gloo(base):
+@pytest.mark.parametrize("name", ["cp2-tp2-packed", "pp2-cp2-packed"])
+def test_packed_rows_at_cp2_train_like_tp2_on_gloo(base, name):
     """Packed rows cross the ring: the block-diagonal mask by segment ids in every tile,
-    positions restarting per sample, the loss over the completions of the global batch."""
+    positions restarting per sample, the loss over the completions of the global batch; also
+    inside pipeline stages (each stage its part of the ring, the targets split on the last)."""
     want = _packed_log(base, "tp2-dp2-packed")
-    _same_run(_packed_log(base, "cp2-tp2-packed"), want)
+    _same_run(_packed_log(base, name), want)
 
 
 @pytest.fixture(scope="module")
