@@ -3,12 +3,14 @@ devices: step by step the losses and grad norms of the independent unsharded ref
 (transformers' sdpa on the full sequence, one process): --cp 2 with ZeRO-1 (the optimizer
 state cut over dp x cp) and --eval-data (the eval loss of the reference model on the same
 eval rows), --cp 2 --tp 2 with sequence parallelism, --cp 4, --cp 2 x dp 2 with ZeRO-1,
-LoRA at --cp 2 x tp 2 (against the unsharded peft model; the saved adapter equal to its
-adapters) (on 4 XLA CPU devices: cp 2 x tp 2 with SP and ZeRO-1, no compile after the second
-step); --bf16 (fp32 masters) at cp 2 equal to the dp 2 run of the same ZeRO-1 layout, whose
-checkpoint files it resumes; a --cp 2 ZeRO-1 checkpoint resumes at --cp 1; packed
-prompt/completion rows (answer-only loss, --eval-data of them too) at --cp 2 --tp 2 equal to
---tp 2 (x dp 2) on gloo, and on 4 XLA CPU devices; refusals naming what works."""
+--pp 2 --cp 2 (pipeline stages around the ring), the long-context recipe's command, LoRA at
+--cp 2 x tp 2 and at --cp 4 on 4 XLA CPU devices (against the unsharded peft model; the saved
+adapter equal to its adapters; on XLA no compile after the second step); --bf16 (fp32
+masters) at cp 2 equal to the dp 2 run of the same ZeRO-1 layout, whose checkpoint files it
+resumes; a --cp 2 ZeRO-1 checkpoint resumes at --cp 1; packed prompt/completion rows
+(answer-only loss, --eval-data of them too) at --cp 2 --tp 2 and at --pp 2 --cp 2 equal to
+--tp 2 (x dp 2) on gloo, and (cp 2 x tp 2 with ZeRO-1) on 4 XLA CPU devices; refusals naming
+what works."""
 
 from __future__ import annotations
 
@@ -92,7 +94,7 @@ def _gloo(base: str, name: str, tp: int, cp: int, extra: tuple) -> None:
         torch.save(s["log"], f"{base}/{name}.pt")
 
 
-LORA = ["--lora-r", "4", "--lora-alpha", "8", "--lora-target-modules", "q_proj,v_proj,down_proj"]
+LORA = cases.LORA
 
 # name: (tp, cp, extra options); every one runs on tp x cp x dp gloo ranks, global batch 2
 GLOO = {
@@ -206,26 +208,29 @@ def test_packed_rows_at_cp2_train_like_tp2_on_gloo(base, name):
 
 @pytest.fixture(scope="module")
 def on_xla4(base) -> xla_dist.Cases:
-    devices, *_ = cases.recipe_options()
-    return xla_dist.run_cases(cases.on_devices, ["recipe", "packed"], base, devices=int(devices))
+    return xla_dist.run_cases(cases.on_devices, ["cp4-lora", "packed"], base, devices=4)
 
 
-def test_long_context_recipe_trains_like_one_rank_on_xla(on_xla4, base):
-    """examples/long-context/README.md's layout at seq 512 (cases.RECIPE_XLA): cp 2 x tp 2
-    with SP and ZeRO-1 (its state cut over the 2 cp ranks), blockwise attention, long
-    documents; against the unsharded reference of the same options."""
-    _, *options = cases.recipe_options()
-    args = args_for(f"{base}/recipe-xla-ref", *options, *cases.RECIPE_XLA)
-    want = Ref(*reference_run(args, global_micro_batch=2))
-    got = on_xla4.get("recipe")
-    _check(got[0]["log"], want)
+def test_cp4_lora_on_xla_trains_like_the_unsharded_peft_model(on_xla4, base, lora_ref):
+    """A ring of 4 XLA CPU devices (3 hops a layer, the chunk pair picked by the device-side
+    rank) with LoRA: every step's loss and norm those of the unsharded peft model, the adapter
+    saved once and equal to its adapters, nothing compiled after the second step."""
+    from safetensors.torch import load_file
+
+    got = on_xla4.get("cp4-lora")
+    _check(got[0]["log"], lora_ref.ref)
+    saved = load_file(f"{base}/xla-cp4-lora/adapter/adapter_model.safetensors")
+    assert sorted(saved) == sorted(lora_ref.adapter)
+    for k, w in lora_ref.adapter.items():
+        torch.testing.assert_close(saved[k], w, atol=1e-5, rtol=1e-4, msg=k)
     compiles = [p["compiles"] // 4 for p in got[0]["per_step"]]  # process-wide / 4 ranks
-    assert compiles[1:] == [compiles[1]] * (len(compiles) - 1), compiles
+    assert len(compiles) == 4 and compiles[1:] == [compiles[1]] * 3, compiles
 
 
 def test_packed_rows_at_cp2_tp2_on_xla_train_like_tp2_on_gloo(on_xla4, base):
     """The same packed run on 4 XLA CPU devices (segment chunks picked by the device-side
-    rank) equal to the gloo tp 2 x dp 2 run."""
+    rank), with ZeRO-1 (its state cut over the 2 cp ranks), equal to the gloo tp 2 x dp 2
+    run."""
     want = _packed_log(base, "tp2-dp2-packed")
     _same_run(on_xla4.get("packed")[0]["log"], want, ("loss", "grad_norm"))
 

@@ -1,7 +1,8 @@
-"""The context-parallel training runs executed on XLA CPU devices (one launch per device
-count, see tests/helpers/xla_dist.py), used by test_cp_train.py: the long-context recipe's
-command line (examples/long-context/README.md: cp 2 x tp 2 with SP, ZeRO-1, blockwise
-attention, long documents), read from that page; and packed prompt/completion rows."""
+"""The context-parallel training runs executed on XLA CPU devices (one launch of 4 devices, see
+tests/helpers/xla_dist.py), used by test_cp_train.py: cp 4 with LoRA, and packed
+prompt/completion rows at cp 2 x tp 2 with SP and ZeRO-1; and the long-context recipe's command
+line (examples/long-context/README.md: cp 2 x tp 2 with SP, ZeRO-1, blockwise attention, long
+documents), read from that page (run on gloo ranks)."""
 
 from __future__ import annotations
 
@@ -45,19 +46,18 @@ def recipe_options() -> list[str]:
 # packed prompt/completion rows at cp 2 x tp 2 (test_cp_train.py's gloo PACKED runs, without
 # eval): one attention block per chunk, a small step graph (XLA:CPU ends a collective whose
 # peer thread is still compiling after 10 s: the 2 busy cores make big compiles diverge)
+# ZeRO-1 with its state cut over the 2 cp ranks (the recipe's layout)
 PACKED = [*CP, "--cp", "2", "--sequence-parallel", "--data", SFT_DATA, "--steps", "2"]
-PACKED += ["--seq-len", "128", "--attention-block", "32"]
+PACKED += ["--seq-len", "128", "--attention-block", "32", "--zero1"]
 
-
-# the recipe's layout on the XLA devices at seq 512 and 3 steps (the gloo tier runs its exact
-# command): chunks of one attention block, a step graph a quarter the size (see PACKED)
-RECIPE_XLA = ["--seq-len", "512", "--steps", "3", "--save-every", "0"]
+LORA = ["--lora-r", "4", "--lora-alpha", "8", "--lora-target-modules", "q_proj,v_proj,down_proj"]
+# a ring of 4: chunks of 32 tokens (one attention block), 3 hops per layer
+CP4_LORA = [*CP, "--cp", "4", *LORA]
 
 
 def on_devices(case: str, base: str) -> object:
     if case == "packed":
         return run_train(2, os.path.join(base, "xla-packed"), PACKED, cp=2)
-    assert case == "recipe", case
-    _, *options = recipe_options()
-    # its own output dir: the gloo run of the same case writes (and would resume) {base}/recipe
-    return run_train(2, os.path.join(base, f"xla-{case}"), [*options, *RECIPE_XLA], cp=2)
+    assert case == "cp4-lora", case
+    # its own output dir: a gloo run of the same options writes (and would resume) its own
+    return run_train(1, os.path.join(base, f"xla-{case}"), CP4_LORA, cp=4)
