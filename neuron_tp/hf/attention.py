@@ -17,7 +17,18 @@ from ..parallel.mesh import Mesh, divisors, valid_tp_degrees
 
 SUPPORTED_ATTN = ("eager", "sdpa", None)
 BLOCKWISE = "ntp-blockwise"  # registered as f"{BLOCKWISE}-{block}" (the block size in the name)
+RING = "ntp-ring"  # ring attention (:mod:`.context_parallel`), registered as f"{RING}-{block}"
 DEFAULT_BLOCK = 512
+# Packed rows' segment ids [b, s], passed by the model's forward down to the attention function
+# of an implementation that masks by them (blockwise, ring) instead of a [b, 1, s, s] mask.
+SEGMENTS_KW = "segment_ids"
+
+
+def takes_segments(config) -> bool:
+    """Whether the model's attention masks packed rows by segment ids (blockwise or ring
+    attention: give ``model_inputs(batch, segments=True)``), not by a 4D mask."""
+    impl = getattr(config, "_attn_implementation", None)
+    return isinstance(impl, str) and impl.startswith((BLOCKWISE + "-", RING + "-"))
 
 
 def is_supported_attention(impl: str | None) -> bool:
@@ -157,7 +168,8 @@ def patch_attention_module(attn: nn.Module, heads: Heads, tp: int, slots_per_ran
 
 def _blockwise_forward(block: int):
     """transformers' AttentionInterface function running :func:`blockwise_attention` with
-    ``block``; gets sdpa's masks (None for plain causal, bool otherwise)."""
+    ``block``; gets sdpa's masks (None for plain causal, bool otherwise), and packed rows'
+    segment ids (``SEGMENTS_KW``) instead of a mask."""
 
     def attention(
         module,
@@ -187,6 +199,12 @@ def _blockwise_forward(block: int):
         if attention_mask is None and causal and kv_len > q_len:
             key, value = key[:, :, :q_len], value[:, :, :q_len]
         window = kw.get("sliding_window") if causal and q_len == kv_len else None
+        segments = kw.get(SEGMENTS_KW)
+        if segments is not None and not (causal and q_len == kv_len):
+            raise UserError(
+                "packed rows' segment ids mask a causal self-attention over the whole row "
+                f"(got {q_len} queries over {kv_len} keys, causal={causal})"
+            )
         out = blockwise_attention(
             query,
             key,
@@ -197,6 +215,7 @@ def _blockwise_forward(block: int):
             block=block,
             sliding_window=window,
             softcap=kw.get("softcap"),
+            segment_ids=segments,
         )
         return out.transpose(1, 2).contiguous(), None
 

@@ -40,13 +40,11 @@ from ..errors import UserError
 from ..layers.ring_attention import check_length, ring_attention, split_sequence
 from ..parallel import regions
 from ..parallel.mesh import Group, Mesh
-from .attention import DEFAULT_BLOCK, is_supported_attention
+from .attention import DEFAULT_BLOCK, RING, SEGMENTS_KW, is_supported_attention
 
 __all__ = ["context_parallel", "ring_name", "RING"]
 
-RING = "ntp-ring"  # registered as f"{RING}-{block}"
 IGNORE_INDEX = -100
-SEGMENTS_KW = "ring_segment_ids"  # passed down to the attention function by transformers
 
 
 def _ring_forward(block: int):

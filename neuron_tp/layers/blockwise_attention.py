@@ -227,20 +227,30 @@ def _backward(t: _Tiling, q, k, v, *, mask, out, lse, dout, segments=None):
 
 class _BlockwiseAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, mask, tiling):
-        out, lse = _forward(tiling, q, k, v, mask)
+    def forward(ctx, q, k, v, mask, tiling, segments):  # noqa: PLR0917 (autograd's order)
+        out, lse = _forward(tiling, q, k, v, mask, segments=segments)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, mask, out, lse)
+        seg = (None, None) if segments is None else segments
+        ctx.save_for_backward(q, k, v, mask, out, lse, *seg)
         ctx.tiling = tiling
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, mask, out, lse = ctx.saved_tensors
+        q, k, v, mask, out, lse, seg_q, seg_k = ctx.saved_tensors
+        segments = None if seg_q is None else Segments(seg_q, seg_k)
         dq, dk, dv = _backward(
-            ctx.tiling, q, k, v, mask=mask, out=out, lse=lse, dout=dout.contiguous()
+            ctx.tiling,
+            q,
+            k,
+            v,
+            mask=mask,
+            out=out,
+            lse=lse,
+            dout=dout.contiguous(),
+            segments=segments,
         )
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
 def blockwise_attention(
@@ -254,6 +264,7 @@ def blockwise_attention(
     block: int = 512,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    segment_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """softmax(q k^T * scale + mask) v without materialising the scores.
 
@@ -262,8 +273,10 @@ def blockwise_attention(
     gradient flows into a mask); ``causal`` masks key j > query i (top-left aligned, as sdpa's
     ``is_causal``) and skips the blocks above the diagonal; ``sliding_window`` w (with
     ``causal``) also masks j <= i - w; ``softcap`` c: scores c * tanh(scores / c). Sequence
-    lengths that ``block`` does not divide are padded inside. Returns [b, h, sq, d_v] in
-    ``query``'s dtype.
+    lengths that ``block`` does not divide are padded inside. ``segment_ids`` [b, s] (packed
+    rows, self-attention only: sq == sk; 0 = padding): a query attends only the keys of its own
+    sample (a padding token itself), each tile masked from the ids, so no [s, s] mask exists.
+    Returns [b, h, sq, d_v] in ``query``'s dtype.
     """
     b, h, sq, d = query.shape
     hkv, sk = key.shape[1], key.shape[2]
@@ -271,6 +284,11 @@ def blockwise_attention(
         raise ValueError(f"query heads {h} are not a multiple of key/value heads {hkv}")
     if sliding_window is not None and not causal:
         raise ValueError("sliding_window needs causal=True")
+    if segment_ids is not None and (tuple(segment_ids.shape) != (b, sq) or sk != sq):
+        raise ValueError(
+            f"segment_ids must be [batch, seq] = {(b, sq)} of a self-attention (as many keys "
+            f"as queries, got {sk}), got {tuple(segment_ids.shape)}"
+        )
     g = h // hkv
     bq, bk = min(block, sq), min(block, sk)
     sq_p, sk_p = math.ceil(sq / bq) * bq, math.ceil(sk / bk) * bk
@@ -292,7 +310,11 @@ def blockwise_attention(
         mask = mask.detach()
         fill = False if mask.dtype == torch.bool else torch.finfo(mask.dtype).min
         mask = _pad_to(_pad_to(mask, 3, sk_p, fill), 2, sq_p, fill)
-    out = _BlockwiseAttention.apply(q, k, v, mask, tiling)
+    segments = None
+    if segment_ids is not None:
+        seg = segment_ids.detach()
+        segments = Segments(seg, seg).padded(tiling)
+    out = _BlockwiseAttention.apply(q, k, v, mask, tiling, segments)
     return out.reshape(b, h, sq_p, -1)[:, :, :sq]
 
 

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..backend.graphs import step_boundary
+from ..hf.attention import takes_segments
 from ..hf.moe import recorded_router_logits
 from ..hf.packing import IGNORE_INDEX, model_inputs
 from ..layers.ring_attention import split_sequence
@@ -268,7 +269,9 @@ class PipelineRunner:
         ignored), with ``targets`` (the token each position predicts, -100: none) instead
         of ``labels``; at cp > 1 this rank's part of every sequence (module doc)."""
         ring = self.ring.size > 1
-        inputs = model_inputs(batch, device=self.device, dtype=self.mask_dtype, segments=ring)
+        # blockwise / ring attention: segment ids, no 4D mask
+        segments = takes_segments(getattr(self.stage.model, "config", None))
+        inputs = model_inputs(batch, device=self.device, dtype=self.mask_dtype, segments=segments)
         inputs.setdefault("position_ids", self.positions)
         labels = inputs.pop("labels")
         inputs["targets"] = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
@@ -289,7 +292,7 @@ class PipelineRunner:
                 x = state.inbox_f.pop(key)
                 if not state.forward_only:
                     x.requires_grad_(True)
-            # packed rows at cp: the ring masks by segment (no mask)
+            # packed rows under blockwise / ring attention: masked by segment (no 4D mask)
             ring = {"segment_ids": inputs["segment_ids"]} if "segment_ids" in inputs else {}
             mask = inputs.get("attention_mask")
             out = self._routed_forward(task, state, x, inputs["position_ids"], mask, **ring)

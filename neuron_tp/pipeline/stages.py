@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from ..errors import UserError
-from ..hf.context_parallel import SEGMENTS_KW
+from ..hf.attention import SEGMENTS_KW
 from ..hf.parallelize_nd import logits_layout
 from ..layers import cross_entropy_nd, parallel_cross_entropy, split_input
 from ..layers.activation_layout import LAYOUT_3D_B, residual_layout
@@ -196,9 +196,10 @@ class PipelineStage:
         """Piece ``chunk`` of this stage: token ids (first piece) or the previous piece's hidden
         states in; hidden states out, or the (vocab-sharded) logits on the last piece.
         ``position_ids`` ``[1 or b, s]``; ``attention_mask``: a 4D additive mask (packed rows,
-        :func:`neuron_tp.hf.packing.block_causal_mask`), None: causal. At cp > 1 (ring
-        attention) ``x`` and ``position_ids`` are this rank's part of the sequence, no mask is
-        built and packed rows come as the global ``segment_ids`` ``[b, S]``."""
+        :func:`neuron_tp.hf.packing.block_causal_mask`), None: causal; or, for blockwise and
+        ring attention, packed rows as ``segment_ids`` ``[b, S]`` instead (no mask built). At
+        cp > 1 (ring attention) ``x`` and ``position_ids`` are this rank's part of the sequence
+        and ``segment_ids`` the global ones."""
         inner = self.model.model
         if self.mesh.tp_mode != "1d":
             x, position_ids, attention_mask = self._batch_chunk(
@@ -206,7 +207,8 @@ class PipelineStage:
             )
         h = inner.embed_tokens(x) if self.is_first_piece(chunk) else x
         ring = {} if segment_ids is None else {SEGMENTS_KW: segment_ids}
-        mask = None if self.mesh.cp_size > 1 else self._mask(h, position_ids, attention_mask)
+        masked = segment_ids is not None or self.mesh.cp_size > 1  # by segment / ring: no mask
+        mask = None if masked else self._mask(h, position_ids, attention_mask)
         cos_sin = inner.rotary_emb(h, position_ids=position_ids)
         for i in self.plan.layers(self.stage, chunk):
             out = inner.layers[str(i)](

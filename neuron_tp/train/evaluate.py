@@ -20,6 +20,7 @@ import torch
 
 from ..backend.graphs import step_boundary
 from ..errors import UserError
+from ..hf.attention import takes_segments
 from ..hf.packing import IGNORE_INDEX, model_inputs
 from ..job.config import TrainConfig
 from ..job.data import RowData
@@ -89,12 +90,13 @@ def evaluation_totals(
     training = model.training
     model.eval()
     totals = torch.zeros(2).to(device)  # device data: every batch traces the same graph
+    segments = takes_segments(model.config)  # blockwise / ring attention: no 4D mask
     try:
         with torch.no_grad():
             for _ in range(batches):
                 batch = {k: v.to(device) for k, v in data.next_batch().items()}
                 # the training step's masking and packing
-                inputs = model_inputs(batch, dtype=mask_dtype, segments=mesh.cp_size > 1)
+                inputs = model_inputs(batch, dtype=mask_dtype, segments=segments)
                 n = label_count(inputs["labels"]).float()
                 loss = model(**inputs).loss.float()
                 # a batch without label tokens has a NaN mean: it adds nothing

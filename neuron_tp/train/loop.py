@@ -24,7 +24,7 @@ from ..backend.graphs import (
     step_boundary,
 )
 from ..errors import UserError
-from ..hf.attention import use_blockwise_attention
+from ..hf.attention import takes_segments, use_blockwise_attention
 from ..hf.context_parallel import context_parallel
 from ..hf.packing import check_packable, model_inputs
 from ..hf.recompute import apply_activation_checkpointing
@@ -339,10 +339,11 @@ def train_step(run: Run, log_this_step: bool, on_log: Callable | None) -> None:
     per_rank = torch.tensor(tokens / mesh.dp_size, dtype=torch.float32).to(dev)
     if run.pipeline is not None:
         loss_sum = pipelined.forward_backward(run.pipeline, run.data, per_rank)
+    segments = takes_segments(model.config)  # blockwise / ring attention: no [b, 1, s, s] mask
     for _ in range(config.grad_accum if run.pipeline is None else 0):
         batch = {k: t.to(dev) for k, t in run.data.next_batch().items()}
         # a packed batch's 4D mask in the model's dtype (half the bytes of fp32 under --bf16)
-        inputs = model_inputs(batch, dtype=config.model_dtype, segments=mesh.cp_size > 1)
+        inputs = model_inputs(batch, dtype=config.model_dtype, segments=segments)
         loss = model(**inputs, num_items_in_batch=per_rank).loss
         loss.backward()
         loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()

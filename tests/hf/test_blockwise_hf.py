@@ -1,6 +1,7 @@
 """Blockwise attention as a transformers attention implementation: a tiny Llama (GQA) with it
-against the same model with sdpa (logits, loss, every gradient, padded batches, greedy
-generation with a KV cache), and at tp 2 with sequence parallelism on gloo ranks against the
+against the same model with sdpa (logits, loss, every gradient, padded batches, packed rows
+given as segment ids against sdpa given the 4D block-diagonal mask, greedy generation with a KV
+cache), and at tp 2 with sequence parallelism on gloo ranks against the
 unsharded sdpa model."""
 
 from __future__ import annotations
@@ -47,6 +48,30 @@ def test_plain_model_matches_sdpa(seq):
     assert set(got) == set(expected)
     for n, g in expected.items():
         _close(got[n], g, f"grad {n}")
+
+
+def test_packed_rows_by_segment_ids_match_sdpa_with_the_block_diagonal_mask():
+    """``model_inputs(batch, segments=True)`` for a blockwise model: the segment ids go down to
+    the attention (no [b, 1, s, s] mask is built) and the loss, logits and every gradient are
+    those of the sdpa model given the packed rows' 4D mask."""
+    from neuron_tp.hf.attention import takes_segments
+    from neuron_tp.hf.packing import model_inputs
+    from packing_ref import LAYOUTS, packed_batch
+
+    ref = build_model("tiny-llama", V, 0).train()
+    model = copy.deepcopy(ref)
+    use_blockwise_attention(model, block=4)  # 16-token rows: samples cross blocks
+    assert takes_segments(model.config) and not takes_segments(ref.config)
+    batch = packed_batch(list(LAYOUTS.values())[0], V, 5)
+    given = model_inputs(batch, segments=True)
+    assert "attention_mask" not in given and "segment_ids" in given
+    out, want = model(**given), ref(**model_inputs(batch))
+    _close(out.logits, want.logits, "logits")
+    _close(out.loss, want.loss, "loss")
+    out.loss.backward()
+    want.loss.backward()
+    for n, g in _grads(ref).items():
+        _close(_grads(model)[n], g, f"grad {n}")
 
 
 def test_padded_batch_and_generation():

@@ -1,7 +1,8 @@
 """Blockwise attention (neuron_tp.layers.blockwise_attention) against sdpa on the same inputs:
 the output and the gradients of q, k and v to fp32 rounding; causal and not, GQA, padding masks
-(bool and additive), sliding window, softcap, lengths that are and are not multiples of the
-block; backward recomputes the tiles: nothing of size s x s is saved."""
+(bool and additive), packed rows' segment ids (against sdpa given the block-diagonal causal
+mask), sliding window, softcap, lengths that are and are not multiples of the block, on the CPU
+and on the XLA device; backward recomputes the tiles: nothing of size s x s is saved."""
 
 from __future__ import annotations
 
@@ -78,6 +79,39 @@ def test_padding_mask(kind):
     _check(q, k, v, out, ref)
 
 
+def packed_segments(b: int, s: int) -> torch.Tensor:
+    """Segment ids [b, s] of packed rows: samples crossing block boundaries and starting on
+    one, a one-token sample, padding (0) at the end of a row."""
+    lengths = [[16, 7, 1, 12, 5], [3, 29, 9]]  # row 0: 41 tokens + 4 padding
+    seg = torch.zeros(b, s, dtype=torch.long)
+    for r in range(b):
+        at = 0
+        for i, n in enumerate(lengths[r % 2]):
+            seg[r, at : at + n] = i + 1
+            at += n
+    return seg
+
+
+def block_diagonal(seg: torch.Tensor) -> torch.Tensor:
+    """The bool [b, 1, s, s] mask packing gives sdpa: causal, same sample, padding keys
+    ignored; a padding token attends itself only."""
+    s = seg.shape[1]
+    causal = torch.tril(torch.ones(s, s, dtype=torch.bool))
+    same = (seg[:, :, None] == seg[:, None, :]) & (seg != 0)[:, None, :]
+    return ((causal & same) | torch.eye(s, dtype=torch.bool))[:, None]
+
+
+@pytest.mark.parametrize("heads", [(4, 4), (4, 1)])
+def test_segment_ids_equal_the_block_diagonal_mask(heads):
+    """Packed rows by segment ids (each tile masked from the ids, no [s, s] mask) equal sdpa
+    given the packed rows' 4D mask: every row, padding included; 45 tokens in blocks of 16."""
+    s, b = 45, 2
+    q, k, v = _inputs(b, *heads, s, seed=3)
+    seg = packed_segments(b, s)
+    out = blockwise_attention(q, k, v, causal=True, block=16, segment_ids=seg)
+    _check(q, k, v, out, _reference(q, k, v, mask=block_diagonal(seg)))
+
+
 def test_scale_window_softcap():
     q, k, v = _inputs(1, 4, 2, 70, seed=2)
     out = blockwise_attention(
@@ -121,16 +155,23 @@ _ON_XLA = r"""
 import torch, torch.nn.functional as F, torch_xla
 import neuron_tp as ntp
 from neuron_tp.layers.blockwise_attention import blockwise_attention
+from test_blockwise_attention import block_diagonal, packed_segments
 dev = ntp.xla_device()
 g = torch.Generator().manual_seed(0)
-for s, causal in ((40, True), (64, False)):
+seg = packed_segments(2, 45)
+for s, causal in ((40, True), (64, False), (45, "packed")):
     cpu = [3 * torch.randn(2, n, s, 8, generator=g) for n in (4, 2, 2)]
     go = torch.randn(2, 4, s, 8, generator=g)
     ref_in = [t.clone().requires_grad_() for t in cpu]
-    ref = F.scaled_dot_product_attention(*ref_in, is_causal=causal, enable_gqa=True)
+    packed = causal == "packed"  # segment ids against the block-diagonal mask
+    mask = block_diagonal(seg) if packed else None
+    ref = F.scaled_dot_product_attention(
+        *ref_in, attn_mask=mask, is_causal=causal is True, enable_gqa=True
+    )
     want = [ref.detach(), *torch.autograd.grad(ref, ref_in, go)]
     x_in = [t.to(dev).requires_grad_() for t in cpu]
-    out = blockwise_attention(*x_in, causal=causal, block=16)
+    ids = seg.to(dev) if packed else None
+    out = blockwise_attention(*x_in, causal=bool(causal), block=16, segment_ids=ids)
     (out * go.to(dev)).sum().backward()
     got = [out, *(t.grad for t in x_in)]
     torch_xla.sync()
@@ -143,13 +184,14 @@ print("ok")
 def test_matches_sdpa_on_the_xla_device():
     """On the XLA CPU device (query blocks ordered by optimization barriers): output and the
     gradients of q, k, v equal CPU sdpa's (scores large enough that the running-max rescale
-    matters)."""
+    matters), packed rows by segment ids too."""
     import os
 
     import xla_zygote
 
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONPATH": repo}
+    here = os.path.dirname(os.path.abspath(__file__))
+    repo = os.path.dirname(os.path.dirname(here))
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONPATH": f"{repo}{os.pathsep}{here}"}
     proc = xla_zygote.python(["-c", _ON_XLA], env, 300)
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
 

@@ -16,9 +16,10 @@ micro-batches' terms, the gradients are averaged over dp).
 micro-batches against the reference model's eval loss sum and label count.
 
 A case name reads
-``pp<p>[_tp<t>][_ep<e>][_cp<c>][_dp<d>][_sp][_tied][_v<v>][_zero1][_moe|_qwen2moe][_aux][_packed]
-[_eval]``; ``_cp``: context parallelism inside the stages (ring attention over 2 x cp chunks of
-each row, blocks of 2 tokens: several blocks per chunk)."""
+``pp<p>[_tp<t>][_ep<e>][_cp<c>][_dp<d>][_sp][_tied][_v<v>][_zero1][_moe|_qwen2moe][_aux][_bw]
+[_packed][_eval]``; ``_cp``: context parallelism inside the stages (ring attention over 2 x cp
+chunks of each row, blocks of 2 tokens: several blocks per chunk); ``_bw``: blockwise attention
+(blocks of 4), packed rows masked by segment ids instead of the 4D mask."""
 
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ import transformers  # noqa: F401  (imported before XLA device threads start)
 import neuron_tp as ntp
 from moe_archs import MOE_ARCHS, loud_experts
 from neuron_tp.hf import gather_hf_state_dict, parallelize
+from neuron_tp.hf.attention import use_blockwise_attention
 from neuron_tp.hf.context_parallel import context_parallel
 from neuron_tp.optim.adamw import make_optimizer
 from neuron_tp.optim.grads import reduce_gradients
@@ -70,6 +72,7 @@ def parse(case: str) -> dict:
         tp=get("tp", 1),
         ep=get("_ep", 1),
         cp=get("_cp", 1),
+        blockwise="_bw" in case,
         v=get("_v", 1),
         sp="_sp" in case,
         tied="_tied" in case,
@@ -207,6 +210,8 @@ def run(
     parallelize(model, mesh, sequence_parallel=cfg["sp"], parallel_loss=cfg["tp"] > 1)
     stage = split_model(model, mesh, plan_stages(LAYERS, cfg["pp"], cfg["v"]))
     context_parallel(stage.model, mesh, block=2)  # cp 1: unchanged
+    if cfg["blockwise"]:  # packed rows by segment ids, no 4D mask
+        use_blockwise_attention(stage.model, block=4)
     _check_ep(stage.model, cfg)
     move_to(stage.model, dev).train()
     opt = make_optimizer(stage.model, LR, WD, dev, zero1_mesh=mesh if cfg["zero1"] else None)

@@ -27,6 +27,7 @@ CASES = (
     "pp2_tp2_sp",
     "pp4_packed_eval",
     "pp2_cp2_packed_eval",
+    "pp2_tp2_bw_packed_eval",
     "pp2_cp2_tied_zero1",
     "pp2_tp2_tied_v2_eval",
     "pp2_tied_zero1",

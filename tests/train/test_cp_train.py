@@ -117,6 +117,8 @@ SFT += ("--eval-every", "2", "--eval-batches", "1")
 PACKED = {
     "cp2-tp2-packed": (2, 2, (*SFT, "--sequence-parallel")),
     "tp2-dp2-packed": (2, 1, (*SFT, "--micro-batch", "1")),
+    # at cp 1: blockwise attention masks the rows by segment ids (no [b, 1, s, s] mask)
+    "tp2-dp2-packed-blockwise": (2, 1, (*SFT, "--micro-batch", "1", "--attention", "blockwise")),
     # pipeline stages around the ring: 2 micro-batches of 1 row (2 eval batches: the same rows)
     "pp2-cp2-packed": (
         1,
@@ -197,11 +199,12 @@ def _same_run(log, want, keys=("loss", "grad_norm", "eval_loss")):
     torch.testing.assert_close(values(log), values(want), rtol=2e-4, atol=2e-4, equal_nan=True)
 
 
-@pytest.mark.parametrize("name", ["cp2-tp2-packed", "pp2-cp2-packed"])
-def test_packed_rows_at_cp2_train_like_tp2_on_gloo(base, name):
+@pytest.mark.parametrize("name", ["cp2-tp2-packed", "pp2-cp2-packed", "tp2-dp2-packed-blockwise"])
+def test_packed_rows_by_segment_ids_train_like_the_4d_mask_on_gloo(base, name):
     """Packed rows cross the ring: the block-diagonal mask by segment ids in every tile,
     positions restarting per sample, the loss over the completions of the global batch; also
-    inside pipeline stages (each stage its part of the ring, the targets split on the last)."""
+    inside pipeline stages (each stage its part of the ring, the targets split on the last),
+    and at cp 1 under blockwise attention; all equal to sdpa given the 4D mask (tp 2 x dp 2)."""
     want = _packed_log(base, "tp2-dp2-packed")
     _same_run(_packed_log(base, name), want)
 
