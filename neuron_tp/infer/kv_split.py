@@ -86,7 +86,7 @@ def kv_replication(config, tp: int) -> int:
 def resolve(mode: str, config, tp: int, *, refused_by: str | None = None) -> str:
     """``heads`` or ``sequence`` for ``--kv-split mode``: ``auto`` is ``sequence`` when kv heads
     would be replicated (fewer than tp) and nothing that needs whole-head caches is on
-    (``refused_by``: e.g. the prefix cache); an explicit ``sequence`` with such a feature, or
+    (``refused_by``: e.g. speculative decoding); an explicit ``sequence`` with such a feature, or
     where no kv head is replicated, is a UserError."""
     check_mode(mode, refused_by)
     r = kv_replication(config, tp)

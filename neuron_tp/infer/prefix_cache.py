@@ -9,6 +9,12 @@ copied into the slot of every later request whose prompt starts with the same to
   the host index (:class:`PrefixIndex`: key -> pool block, reference counts, LRU eviction) and
   decides, per admitted request, a :class:`PrefixPlan` sent in the lease: the pool blocks to copy
   into the slot (hits) and the pool blocks its next full blocks are written to once prefilled.
+- A KV cache split by sequence (:mod:`.kv_split`: the ``r`` ranks sharing a kv head each hold
+  positions ``p`` with ``p % r`` their group rank, at local index ``p // r``): a block of
+  ``block`` tokens (a multiple of ``r``, so every block starts on a multiple of ``r``) is
+  ``block / r`` consecutive local rows on each of them, and each rank's pool holds its own
+  rows of every block, ``[blocks + 1, local kv heads, block / r, head dim]``: the same plan
+  and index, copies of ``1/r`` the size.
 - With a draft model (:class:`~.speculative.SpeculativeGenerator`) the pool has a second part,
   the draft's layers, for the same blocks: one plan (the same block ids, reference counts and
   LRU) copies both, so a hit skips the draft's prefill too.
@@ -227,15 +233,22 @@ class PrefixCache:
     def __init__(self, gen, *, blocks: int, block: int, index: bool):
         from .slot_cache import kv_shapes
 
-        if getattr(gen, "kv_split", "heads") != "heads":
-            raise UserError("the prefix cache needs a KV cache split by heads (--kv-split heads)")
         if gen.chunk % block:
             raise UserError(f"the prefix block {block} must divide the chunk {gen.chunk}")
+        for part in gen.cache_parts():
+            if block % _ranks_per_head(part):
+                r = _ranks_per_head(part)
+                raise UserError(
+                    f"the prefix block {block} must be a multiple of the {r} ranks that split "
+                    f"each kv head's positions (--kv-split sequence): e.g. {r * max(1, block // r)}"
+                )
         self.block, self.blocks, self.per_call = block, blocks, gen.chunk // block
         self.index = PrefixIndex(blocks, block) if index else None
         self.pools = [
             [
-                torch.zeros(blocks + 1, heads, block, dim, dtype=dtype).to(part.device)
+                torch.zeros(blocks + 1, heads, held_per_block(part, block), dim, dtype=dtype).to(
+                    part.device
+                )
                 for heads, dim, dtype in kv_shapes(part.model)
                 for _ in range(2)
             ]
@@ -323,21 +336,23 @@ class PrefixCache:
                 *pool,
             ]
             build = self._load_fn if kind == "load" else self._store_fn
-            make = partial(build, part.max_len, len(pool))
+            make = partial(build, _Rows.of(part, self.block), len(pool))
             out = part.run_on_cache(("prefix", kind), make, args, writes=kind == "load")
             if kind == "store":
                 self.pools[i] = out
 
-    def _positions(self, meta: torch.Tensor, scratch: int) -> torch.Tensor:
-        """The slot positions a copy touches: ``start ..`` for its blocks, scratch after."""
-        j = torch.arange(self.per_call * self.block, device=meta.device)
-        valid = j < meta[2:3] * self.block
-        return torch.where(valid, meta[1:2] + j, torch.full_like(j, scratch))
+    def _positions(self, meta: torch.Tensor, rows: _Rows) -> torch.Tensor:
+        """The slot's cache rows a copy touches: from ``start`` (local: ``start / r``) on for
+        its blocks, scratch after."""
+        j = torch.arange(self.per_call * rows.per_block, device=meta.device)
+        valid = j < meta[2:3] * rows.per_block
+        first = meta[1:2] // rows.r
+        return torch.where(valid, first + j, torch.full_like(j, rows.scratch))
 
-    def _load_fn(self, scratch: int, n: int):
+    def _load_fn(self, where: _Rows, n: int):
         def step(ids, meta, *rest):
             pool, kv = rest[:n], rest[n:]
-            pos = self._positions(meta, scratch)[None]  # [1, Q]
+            pos = self._positions(meta, where)[None]  # [1, Q]
             row = meta[0:1][:, None]  # [1, 1]
             for p, c in zip(pool, kv):
                 src = p.index_select(0, ids)  # [C, H, T, D]
@@ -347,12 +362,12 @@ class PrefixCache:
 
         return step
 
-    def _store_fn(self, scratch: int, n: int):
-        calls, block = self.per_call, self.block
+    def _store_fn(self, where: _Rows, n: int):
+        calls, block = self.per_call, where.per_block
 
         def step(ids, meta, *rest):
             pool, kv = rest[:n], rest[n:]
-            pos = self._positions(meta, scratch)
+            pos = self._positions(meta, where)
             for p, c in zip(pool, kv):
                 rows = c.index_select(0, meta[0:1])[0].index_select(1, pos)  # [H, Q, D]
                 vals = rows.reshape(p.shape[1], calls, block, p.shape[3]).permute(1, 0, 2, 3)
@@ -360,3 +375,29 @@ class PrefixCache:
             return list(pool)
 
         return step
+
+
+def _ranks_per_head(part) -> int:
+    """``r``: the ranks that split each kv head's positions in ``part``'s cache (1: by heads)."""
+    split = getattr(part, "split", None)
+    return 1 if split is None else split.r
+
+
+def held_per_block(part, block: int) -> int:
+    """The positions of a ``block``-token block one rank holds in ``part``'s cache."""
+    return block // _ranks_per_head(part)
+
+
+class _Rows(NamedTuple):
+    """Where a copy's positions live in one part's cache on this rank: ``per_block`` rows a
+    block, local index = global position // ``r``, the ``scratch`` row."""
+
+    per_block: int
+    r: int
+    scratch: int
+
+    @classmethod
+    def of(cls, part, block: int) -> _Rows:
+        split = getattr(part, "split", None)
+        scratch = part.max_len if split is None else split.local_len
+        return cls(held_per_block(part, block), _ranks_per_head(part), scratch)

@@ -27,7 +27,7 @@ from .completion_request import BadRequest, CompletionRequest, prepare
 from .engine import Engine, NotReady, QueueFull
 from .limits import API_KEY_ENV, Guard, RequestError, ServeLimits, parse_json, read_body
 from .metrics import LOG, RequestTrace, ServerMetrics
-from .prefix_cache import PrefixCache, pool_blocks, resolve_block
+from .prefix_cache import PrefixCache, held_per_block, pool_blocks, resolve_block
 from .schedule import Delta, Done, Failed
 from .speculation_setup import check_speculation_options, speculating_generator
 from .speculative import SpeculativeGenerator
@@ -494,7 +494,7 @@ def _prefix_cache(config, gen, rank0: bool) -> PrefixCache | None:
     blocks = pool_blocks(
         gen.model,
         draft=draft,
-        block=block,
+        block=held_per_block(gen, block),  # split by sequence: a rank holds 1/r of a block
         blocks=config.prefix_cache_blocks,
         budget_mib=config.prefix_cache_mib,
         default=gen.slots * gen.max_len // block,

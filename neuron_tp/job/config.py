@@ -443,8 +443,8 @@ _KV_SPLIT_HELP = (
     "the KV cache of a model with fewer kv heads than --tp (each kv head replicated on tp/kv "
     "ranks): sequence: the ranks sharing a kv head each hold 1/r of the positions (long "
     "prompts; attention combined across them); heads: each rank holds its heads' whole "
-    "cache; auto: in serve, sequence when kv heads are replicated and neither a prefix cache "
-    "nor speculation is on; in generate, heads (its static batches)"
+    "cache; auto: in serve, sequence when kv heads are replicated and speculation is off; in "
+    "generate, heads (its static batches)"
 )
 
 
@@ -544,12 +544,12 @@ class ServeConfig(_CommonConfig):
         "prompt is prefilled over several steps, between the running requests' tokens",
         type=pos(int),
     )
-    prefix_caching: bool | None = opt(  # neuron_tp.infer.prefix_cache; None: prefix_cache_on
+    prefix_caching: bool = opt(  # neuron_tp.infer.prefix_cache
         "--prefix-caching",
-        None,
+        True,
         "copy the KV of prompt blocks computed before (same tokens from the start) into a "
         "new request's slot instead of prefilling them again (tokens unchanged; with "
-        "--draft-model the draft's KV too); default: on, off with --kv-split sequence",
+        "--draft-model the draft's KV too; split by sequence, each rank its own positions)",
         action=argparse.BooleanOptionalAction,
     )
     prefix_block: int = opt(  # 0: the largest divisor of the chunk <= 32
@@ -615,18 +615,15 @@ class ServeConfig(_CommonConfig):
 
     @property
     def prefix_cache_on(self) -> bool:
-        """Whether the server caches prompt blocks (``--prefix-caching``, by default unless
-        the KV cache is split by sequence)."""
-        if self.prefix_caching is not None:
-            return self.prefix_caching
-        return self.kv_split != "sequence"
+        """Whether the server caches prompt blocks (``--prefix-caching``, on by default)."""
+        return self.prefix_caching
 
     @property
     def kv_split_refused_by(self) -> str | None:
         """What keeps the KV cache from splitting by sequence (None: nothing)."""
         if self.draft_model or self.speculation_method:
             return "speculative decoding (--draft-model / --speculation-method ngram)"
-        return "the prefix cache (--prefix-caching)" if self.prefix_cache_on else None
+        return None
 
     def generate_config(self) -> GenerateConfig:
         """The equivalent ``neuron-tp generate`` options (for loading the model): the shared

@@ -48,10 +48,13 @@ def make_trace(seed: int, n: int, cancel: float = 0.1, vocab: int = 256) -> list
     return items
 
 
-def engine(model, group=None, *, blocks: int | None, rank0: bool = True, draft=None, **kw):
+def engine(  # noqa: PLR0913
+    model, group=None, *, blocks: int | None, rank0: bool = True, draft=None, kv_split="heads", **kw
+):
     """An Engine over ``model`` with ec.SHAPES slots and a prefix cache of ``blocks`` blocks
     (None: no prefix caching); ``draft``: plain decoding (None), a draft model (speculation
-    with K=3, its KV pooled too) or ``"ngram"`` (prompt lookup, K=3)."""
+    with K=3, its KV pooled too) or ``"ngram"`` (prompt lookup, K=3); ``kv_split``: the slot
+    cache's layout (``sequence``: each rank of a kv head's group holds 1/r of the positions)."""
     from neuron_tp.infer.engine import Engine
     from neuron_tp.infer.ngram import NgramGenerator
     from neuron_tp.infer.prefix_cache import PrefixCache
@@ -62,7 +65,7 @@ def engine(model, group=None, *, blocks: int | None, rank0: bool = True, draft=N
     replay = kw.pop("replay", True)
     eng = Engine(group, **kw)
     if draft is None:
-        gen = SlotGenerator(model, **ec.SHAPES, replay=replay)
+        gen = SlotGenerator(model, **ec.SHAPES, replay=replay, kv_split=kv_split)
     elif draft == "ngram":
         gen = NgramGenerator(model, **ec.SHAPES, k=3, replay=replay)
     else:
@@ -92,14 +95,25 @@ def check_greedy(results: list[dict], items: list[dict], full) -> None:
 
 def tp2_gloo(case: str) -> None:
     """tp=2 on gloo ranks: a shared-prefix trace through a small pool equals transformers per
-    request, with hits and evictions."""
+    request, with hits and evictions. ``split``: a model with one kv head, its slot cache split
+    by sequence (each rank's pool holds its half of every block's positions)."""
     from neuron_tp import hf, init_mesh
     from neuron_tp.job.presets import build_model
+    from slot_trace import kv1_llama
 
     mesh = init_mesh(tp=2)
-    full = build_model("tiny-llama", ec.VOCAB, ec.SEED).eval()
+    split = case == "split"
+    full = (kv1_llama() if split else build_model("tiny-llama", ec.VOCAB, ec.SEED)).eval()
     model = hf.parallelize(copy.deepcopy(full), mesh).eval()
-    eng = engine(model, mesh.group("world"), blocks=6, rank0=mesh.rank == 0, lease_steps=3)
+    eng = engine(
+        model,
+        mesh.group("world"),
+        blocks=6,
+        rank0=mesh.rank == 0,
+        lease_steps=3,
+        kv_split="sequence" if split else "heads",
+    )
+    assert eng.gen.kv_split == ("sequence" if split else "heads")
     eng.warmup()
     if mesh.rank != 0:
         eng.follow()

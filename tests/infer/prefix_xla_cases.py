@@ -4,8 +4,10 @@ trace, graphs replayed and all captured at ``--warmup all``; every request equal
 transformers alone, no graph compiled or traced while serving.
 
 - ``tp1``: one device, a pool large enough for the trace;
-- ``tp2_int8``: tp=2 with int8 weights, a pool smaller than the working set (evictions); the
-  reference is transformers on the dequantized-int8 weights (tests/helpers/int8_reference.py);
+- ``tp2_int8``: tp=2 with int8 weights, a model with one kv head whose slot cache and pool are
+  split by sequence (each rank its half of every block's positions), a pool smaller than the
+  working set (evictions); the reference is transformers on the dequantized-int8 weights
+  (tests/helpers/int8_reference.py);
 - ``tp2_draft``: tp=2, speculative decoding with the model as its own draft (the draft's KV in
   the pool too), greedy requests, the same small pool.
 """
@@ -26,6 +28,7 @@ from neuron_tp import hf
 from neuron_tp.backend.graphs import graph_counters
 from neuron_tp.job.presets import build_model
 from neuron_tp.parallel.sharding import move_to
+from slot_trace import kv1_llama
 from xla_dist import serial
 
 BARRIER = threading.Barrier(2)
@@ -37,7 +40,8 @@ def job(case: str) -> dict:
     mesh = ntp.init_mesh(tp=tp)
     rank = mesh.rank
     with serial():
-        full = build_model("tiny-llama", ec.VOCAB, ec.SEED).eval()
+        split = case == "tp2_int8"
+        full = (kv1_llama() if split else build_model("tiny-llama", ec.VOCAB, ec.SEED)).eval()
         ref = reference_model(full).eval() if case == "tp2_int8" else full
     model = hf.parallelize(copy.deepcopy(full), mesh).eval()  # collective: not under serial
     if case == "tp2_int8":
@@ -47,7 +51,15 @@ def job(case: str) -> dict:
     blocks, group = (40, None) if tp == 1 else (6, mesh.group("world"))
     move_to(model, dev)
     draft = model if case == "tp2_draft" else None  # the model drafts for itself
-    eng = pc.engine(model, group, blocks=blocks, rank0=rank == 0, lease_steps=3, draft=draft)
+    eng = pc.engine(
+        model,
+        group,
+        blocks=blocks,
+        rank0=rank == 0,
+        lease_steps=3,
+        draft=draft,
+        kv_split="sequence" if split else "heads",
+    )
     eng.warmup(every_shape=True)
     traces = eng.gen.traces
     sync = BARRIER.wait if group is not None else (lambda: None)
