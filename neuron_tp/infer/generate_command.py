@@ -35,8 +35,7 @@ def run_cli(args: GenerateConfig | argparse.Namespace) -> list[str]:
         check_speculation_options(config, max(config.buckets) + config.max_new_tokens)
         from .kv_split import check_mode
 
-        speculating = "speculative decoding (--draft-model / --speculation-method ngram)"
-        check_mode(config.kv_split, speculating if speculation_method(config) else None)
+        check_mode(config.kv_split)
         agree.values = config.option_values()
         agree.values.update({"prompts": prompts, "library versions": agreement.versions()})
     device = rank_device(config.device)
@@ -139,7 +138,8 @@ def _speculate(config, model, tok, mesh, prompts, *, sampling, eos) -> list[str]
     :class:`~.speculative.VerifyingGenerator` (``max(--batch-buckets)`` at once; a sampled
     prompt ``i`` seeded ``--seed + i``); prints as :func:`_run_batch` plus the acceptance."""
     make, extra = speculating_generator(config, mesh)
-    gen = make(model, **_slot_args(config, tok), **extra)
+    split = "sequence" if config.kv_split == "sequence" else "heads"  # as the static batches'
+    gen = make(model, **_slot_args(config, tok), **extra, kv_split=split)
     texts, elapsed = _on_slots(gen, tok, prompts, config=config, sampling=sampling, eos=eos)
     st = gen.stats
     _print_texts(

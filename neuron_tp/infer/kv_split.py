@@ -83,15 +83,14 @@ def kv_replication(config, tp: int) -> int:
     return sum(1 for s in slots if s == slots[0])
 
 
-def resolve(mode: str, config, tp: int, *, refused_by: str | None = None) -> str:
+def resolve(mode: str, config, tp: int) -> str:
     """``heads`` or ``sequence`` for ``--kv-split mode``: ``auto`` is ``sequence`` when kv heads
-    would be replicated (fewer than tp) and nothing that needs whole-head caches is on
-    (``refused_by``: e.g. speculative decoding); an explicit ``sequence`` with such a feature, or
-    where no kv head is replicated, is a UserError."""
-    check_mode(mode, refused_by)
+    would be replicated (fewer than tp); an explicit ``sequence`` where no kv head is
+    replicated is a UserError."""
+    check_mode(mode)
     r = kv_replication(config, tp)
     if mode == "auto":
-        return "sequence" if r > 1 and refused_by is None else "heads"
+        return "sequence" if r > 1 else "heads"
     if mode == "sequence" and r == 1:
         raise UserError(
             f"--kv-split sequence splits kv heads that tp replicates, but tp={tp} divides the "
@@ -100,16 +99,10 @@ def resolve(mode: str, config, tp: int, *, refused_by: str | None = None) -> str
     return mode
 
 
-def check_mode(mode: str, refused_by: str | None = None) -> None:
-    """UserError for a ``--kv-split`` mode that is unknown, or ``sequence`` with a feature
-    (``refused_by``) whose caches hold whole kv heads; needs no model."""
+def check_mode(mode: str) -> None:
+    """UserError for an unknown ``--kv-split`` mode; needs no model."""
     if mode not in MODES:
         raise UserError(f"--kv-split must be one of {', '.join(MODES)}, got {mode!r}")
-    if mode == "sequence" and refused_by is not None:
-        raise UserError(
-            f"--kv-split sequence does not work with {refused_by} (its caches hold whole "
-            "kv heads); turn that off, or use --kv-split heads / auto"
-        )
 
 
 def split_group(mesh: Mesh, r: int) -> Group:

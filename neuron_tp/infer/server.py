@@ -369,7 +369,7 @@ def serve(config, stop: threading.Event | None = None) -> None:
             resolve_block(config.prefix_block, _chunk(config))
         from .kv_split import check_mode
 
-        check_mode(config.kv_split, config.kv_split_refused_by)
+        check_mode(config.kv_split)
         agree.values = {**config.option_values(), "library versions": agreement.versions()}
         agree.values.pop("--api-key", None)  # rank 0's alone; never shown in a mismatch report
     mesh = init_mesh(tp=config.tp)
@@ -449,9 +449,7 @@ def _load(engine: Engine, config, mesh) -> None:
     move_to(model, rank_device(config.device))
     pad = getattr(tok, "pad_token_id", None) or 0
     chunk = _chunk(config)
-    split = resolve(
-        config.kv_split, model.config, mesh.tp_size, refused_by=config.kv_split_refused_by
-    )
+    split = resolve(config.kv_split, model.config, mesh.tp_size)
     make, extra = speculating_generator(config.generate_config(), mesh)
     gen = (make or SlotGenerator)(
         model,

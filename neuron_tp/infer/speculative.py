@@ -153,8 +153,6 @@ class VerifyingGenerator(SlotGenerator):
 
     def __init__(self, model, slots: int, max_len: int, *, k: int = DEFAULT_K, **kw):
         check_speculation(k, max_len)
-        if kw.get("kv_split", "heads") != "heads":
-            raise UserError("speculative decoding needs --kv-split heads (a by-heads KV cache)")
         super().__init__(model, slots, max_len, **kw)
         self.k, self.stats = k, SpeculationStats(k)
 
@@ -278,28 +276,31 @@ class VerifyingGenerator(SlotGenerator):
                 *target_out,
             ]
 
-        return step
+        return self._traced(step)
 
     def _verify(self, rows: _Rows, last, proposed, kv):
         """The target's logits [B, K+1, V] at the row's last token and its K proposals."""
         ids = torch.cat([last[:, None], proposed], 1)
-        logits, kv = self._forward(self.model, rows, ids, list(kv), 0)
+        logits, kv = self._forward(self, rows, ids, list(kv), 0)
         return logits, kv
 
-    def _forward(self, model, rows: _Rows, ids, kv: list, offset: int):
-        """``model`` on ``ids`` [B, Q] at positions ``pos + offset + 0..Q-1`` of each row
-        (inactive rows and positions past the slot: scratch), the cache written there; its
-        logits [B, Q, V] and the cache tensors."""
-        from .slot_cache import SlotCache, visible
+    def _forward(self, gen: SlotGenerator, rows: _Rows, ids, kv: list, offset: int):
+        """``gen``'s model (the target's, or the draft's) on ``ids`` [B, Q] at positions
+        ``pos + offset + 0..Q-1`` of each row (inactive rows and positions past the slot:
+        scratch), the cache written there (at its local rows, split by sequence); its logits
+        [B, Q, V] and the cache tensors."""
+        from .slot_cache import SlotCache
 
         scratch, (b, q) = self.max_len, ids.shape
         at = rows.pos[:, None] + offset + torch.arange(q, device=ids.device)[None]
         valid = rows.active[:, None] & (at < scratch)
         qpos = torch.where(valid, at, scratch)
-        cache = SlotCache(kv, torch.arange(b, device=ids.device), qpos, slice(0, b))
+        rows_b = torch.arange(b, device=ids.device)
+        cache = SlotCache(kv, rows_b, qpos, slice(0, b), split=gen.split)
+        model = gen.model
         out = model(
             input_ids=ids,
-            attention_mask=visible(qpos, scratch + 1),
+            attention_mask=gen._mask(qpos),
             position_ids=torch.where(valid, at, 0),
             past_key_values=cache,
             use_cache=True,
@@ -324,7 +325,13 @@ class SpeculativeGenerator(VerifyingGenerator):
             )
         super().__init__(model, slots, max_len, k=k, **kw)
         kw = {n: v for n, v in kw.items() if n != "decode_buckets"}
+        # the target split by sequence: the draft too where its kv heads are replicated
+        kw["kv_split"] = "auto" if self.split is not None else "heads"
         self.draft = SlotGenerator(draft, slots, max_len, **kw)
+
+    def _traced(self, step):
+        """The speculative step runs both models: each one's split attention switched on."""
+        return super()._traced(self.draft._traced(step))
 
     @property
     def traces(self) -> int:
@@ -370,10 +377,10 @@ class SpeculativeGenerator(VerifyingGenerator):
     def _propose(self, rows: _Rows, last, draft_kv, noise):
         """K draft tokens per row (sampled rows draw with ``noise[0]``) and, when sampled,
         the draft's distributions [B, K, V]; then one more step writes the K-th token's keys."""
-        model, k = self.draft.model, self.k
+        k = self.k
         kv, token, proposed, probs = list(draft_kv), last, [], []
         for i in range(k + 1):
-            logits, kv = self._forward(model, rows, token[:, None], kv, i)
+            logits, kv = self._forward(self.draft, rows, token[:, None], kv, i)
             if i == k:
                 break
             token = logits[:, -1].argmax(-1)

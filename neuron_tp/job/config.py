@@ -443,8 +443,8 @@ _KV_SPLIT_HELP = (
     "the KV cache of a model with fewer kv heads than --tp (each kv head replicated on tp/kv "
     "ranks): sequence: the ranks sharing a kv head each hold 1/r of the positions (long "
     "prompts; attention combined across them); heads: each rank holds its heads' whole "
-    "cache; auto: in serve, sequence when kv heads are replicated and speculation is off; in "
-    "generate, heads (its static batches)"
+    "cache; auto: in serve, sequence when kv heads are replicated; in generate, heads (its "
+    "static batches)"
 )
 
 
@@ -617,13 +617,6 @@ class ServeConfig(_CommonConfig):
     def prefix_cache_on(self) -> bool:
         """Whether the server caches prompt blocks (``--prefix-caching``, on by default)."""
         return self.prefix_caching
-
-    @property
-    def kv_split_refused_by(self) -> str | None:
-        """What keeps the KV cache from splitting by sequence (None: nothing)."""
-        if self.draft_model or self.speculation_method:
-            return "speculative decoding (--draft-model / --speculation-method ngram)"
-        return None
 
     def generate_config(self) -> GenerateConfig:
         """The equivalent ``neuron-tp generate`` options (for loading the model): the shared

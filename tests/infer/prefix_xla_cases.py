@@ -8,8 +8,9 @@ transformers alone, no graph compiled or traced while serving.
   split by sequence (each rank its half of every block's positions), a pool smaller than the
   working set (evictions); the reference is transformers on the dequantized-int8 weights
   (tests/helpers/int8_reference.py);
-- ``tp2_draft``: tp=2, speculative decoding with the model as its own draft (the draft's KV in
-  the pool too), greedy requests, the same small pool.
+- ``tp2_draft``: tp=2, speculative decoding with a twin of the model as its draft (the draft's
+  KV in the pool too), both caches split by sequence (one kv head), greedy requests, the same
+  small pool.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def job(case: str) -> dict:
     mesh = ntp.init_mesh(tp=tp)
     rank = mesh.rank
     with serial():
-        split = case == "tp2_int8"
+        split = case != "tp1"
         full = (kv1_llama() if split else build_model("tiny-llama", ec.VOCAB, ec.SEED)).eval()
         ref = reference_model(full).eval() if case == "tp2_int8" else full
     model = hf.parallelize(copy.deepcopy(full), mesh).eval()  # collective: not under serial
@@ -50,7 +51,9 @@ def job(case: str) -> dict:
         quantize_int8(model, mesh)
     blocks, group = (40, None) if tp == 1 else (6, mesh.group("world"))
     move_to(model, dev)
-    draft = model if case == "tp2_draft" else None  # the model drafts for itself
+    draft = None
+    if case == "tp2_draft":  # a twin of the model drafts (the same weights, its own caches)
+        draft = move_to(hf.parallelize(copy.deepcopy(full), mesh).eval(), dev)
     eng = pc.engine(
         model,
         group,

@@ -153,11 +153,8 @@ def test_resolve_and_refusals():
     cfg = kv1_llama().config
     assert kv_split.resolve("auto", cfg, 2) == "sequence"
     assert kv_split.resolve("auto", cfg, 1) == "heads"
-    assert kv_split.resolve("auto", cfg, 2, refused_by="speculative decoding") == "heads"
     assert kv_split.resolve("auto", _preset().config, 2) == "heads"  # tp divides 2 kv heads
     with pytest.raises(UserError, match="tp=2 divides the model's kv heads"):
         kv_split.resolve("sequence", _preset().config, 2)
-    with pytest.raises(UserError, match="does not work with speculative decoding"):
-        kv_split.resolve("sequence", cfg, 2, refused_by="speculative decoding")
     with pytest.raises(UserError, match="one of auto, heads, sequence"):
         kv_split.resolve("rows", cfg, 2)

@@ -208,7 +208,7 @@ def tp2_cases():
 
 @pytest.mark.parametrize("case", ["tp1", "tp2_int8", "tp2_draft"])
 def test_shared_prefix_trace_on_xla_devices_compiles_nothing_after_warmup(case, request):
-    """(tp2_draft: the model drafting for itself accepts every proposal only if the draft's
+    """(tp2_draft: a twin of the model drafting accepts every proposal only if the draft's
     KV of every hit was copied from the pool as well.)"""
     import prefix_xla_cases
 

@@ -27,7 +27,7 @@ from neuron_tp.errors import UserError
 from neuron_tp.infer.ngram import NgramGenerator, propose_ngram
 from neuron_tp.infer.sampling import Sampling
 from neuron_tp.infer.speculative import SpeculativeGenerator, accept_greedy, accept_sampled
-from slot_trace import Req, eos_ids, make_requests, reference, run_schedule
+from slot_trace import Req, eos_ids, kv1_llama, make_requests, reference, run_schedule
 from spec_models import chi_square, critical, exact_sequences, first_layers
 
 
@@ -302,6 +302,15 @@ def _gloo(tmp: str) -> None:
     model = hf.parallelize(copy.deepcopy(full), mesh).eval()
     gen = NgramGenerator(model, 4, max_len=40, k=3, chunk=8, decode_buckets=[1, 4])
     res["ngram"] = run_schedule(gen, _repetitive_requests(3, 8), 3, eos_ids(full))
+    # one kv head at tp 2: the target's and the draft's caches split by sequence
+    kv1 = kv1_llama()
+    model = hf.parallelize(copy.deepcopy(kv1), mesh).eval()
+    twin = hf.parallelize(copy.deepcopy(kv1), mesh).eval()  # the same weights, its own cache
+    got, stats = _trace(model, twin, reqs, 4, eos_ids(kv1), kv_split="sequence")
+    res["split"] = {"tokens": got, **stats}
+    model = hf.parallelize(copy.deepcopy(kv1), mesh).eval()
+    gen = NgramGenerator(model, 4, max_len=40, k=3, chunk=8, kv_split="sequence")
+    res["split_ngram"] = run_schedule(gen, _repetitive_requests(3, 8), 5, eos_ids(kv1))
     # the serving engine (leases every 3 steps), greedy requests with EOS and cancellations
     model = hf.parallelize(copy.deepcopy(full), mesh).eval()
     d = hf.parallelize(first_layers(full, 1), mesh).eval()
@@ -341,6 +350,12 @@ def test_greedy_equals_plain_decoding_tp2_gloo(tmp_path):
         assert rep["trace"]["self"]["accepted"] == rep["trace"]["self"]["proposed"]
         assert rep["cli_draft"] == rep["cli_plain"] == rep["cli_ngram"]
         assert rep["ngram"] == [reference(full, r) for r in _repetitive_requests(3, 8)]
+        # split by sequence (a twin of the model drafting: every proposal accepted only if
+        # the draft's split cache and attention are right too)
+        kv1 = kv1_llama()
+        assert rep["split"]["tokens"] == [reference(kv1, r) for r in _greedy_requests(2, 10)]
+        assert rep["split"]["accepted"] == rep["split"]["proposed"] > 0
+        assert rep["split_ngram"] == [reference(kv1, r) for r in _repetitive_requests(3, 8)]
     engine = reps[0]["engine"]
     assert engine["max_batch"] == 3 and 0 < engine["accepted"] < engine["proposed"], engine
 
