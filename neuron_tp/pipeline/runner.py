@@ -18,7 +18,8 @@ micro-batch's routing counts over the pp group (:mod:`neuron_tp.pipeline.router_
 A micro-batch is the data's batch dict: packed rows (``segment_ids``, ``position_ids``) are
 data every stage reads from its own copy (the block-diagonal mask and the per-sample positions
 are built on each stage, the labels of sample starts and padding ignored on the last: as
-:func:`neuron_tp.hf.packing.model_inputs` at pp 1); only hidden states cross stages.
+:func:`neuron_tp.hf.packing.model_inputs` at pp 1; under blockwise attention the segment ids go
+to the attention instead of a mask); only hidden states cross stages.
 
 Context parallelism inside the stages (``mesh.cp`` > 1, the stage's attention made ring
 attention by :func:`neuron_tp.hf.context_parallel.context_parallel`): every rank of a cp ring
@@ -28,6 +29,7 @@ the ring their global ``segment_ids`` instead of a mask; the boundary carries ``
 positions (``/ tp`` more under SP). Each rank's loss is the sum over its own targets (its
 backward is its part of the gradient, as at pp 1); the step's loss and eval totals are summed
 over cp with the pp sum.
+
 :meth:`evaluate` walks a forward-only schedule (no gradients) and returns the eval totals.
 """
 
@@ -293,9 +295,9 @@ class PipelineRunner:
                 if not state.forward_only:
                     x.requires_grad_(True)
             # packed rows under blockwise / ring attention: masked by segment (no 4D mask)
-            ring = {"segment_ids": inputs["segment_ids"]} if "segment_ids" in inputs else {}
+            packed = {"segment_ids": inputs["segment_ids"]} if "segment_ids" in inputs else {}
             mask = inputs.get("attention_mask")
-            out = self._routed_forward(task, state, x, inputs["position_ids"], mask, **ring)
+            out = self._routed_forward(task, state, x, inputs["position_ids"], mask, **packed)
             if not st.is_last_piece(task.chunk):
                 if not state.forward_only:
                     state.saved[key] = (x, out)
