@@ -235,9 +235,8 @@ class PrefixCache:
 
         if gen.chunk % block:
             raise UserError(f"the prefix block {block} must divide the chunk {gen.chunk}")
-        for part in gen.cache_parts():
-            if block % _ranks_per_head(part):
-                r = _ranks_per_head(part)
+        for r in (_ranks_per_head(part) for part in gen.cache_parts()):
+            if block % r:
                 raise UserError(
                     f"the prefix block {block} must be a multiple of the {r} ranks that split "
                     f"each kv head's positions (--kv-split sequence): e.g. {r * max(1, block // r)}"
@@ -379,8 +378,7 @@ class PrefixCache:
 
 def _ranks_per_head(part) -> int:
     """``r``: the ranks that split each kv head's positions in ``part``'s cache (1: by heads)."""
-    split = getattr(part, "split", None)
-    return 1 if split is None else split.r
+    return 1 if part.split is None else part.split.r
 
 
 def held_per_block(part, block: int) -> int:
@@ -398,6 +396,5 @@ class _Rows(NamedTuple):
 
     @classmethod
     def of(cls, part, block: int) -> _Rows:
-        split = getattr(part, "split", None)
-        scratch = part.max_len if split is None else split.local_len
+        scratch = part.max_len if part.split is None else part.split.local_len
         return cls(held_per_block(part, block), _ranks_per_head(part), scratch)

@@ -356,13 +356,13 @@ class SlotGenerator(StepGraphsOwner):
         with torch.no_grad():  # the cache is updated in place: no autograd history
             return self._graphs.run(key, build, [*args, *self._kv], self._state.tokens.cpu)
 
-    def _mask(self, qpos: torch.Tensor) -> torch.Tensor:
+    def cache_mask(self, qpos: torch.Tensor) -> torch.Tensor:
         """The attention mask of queries at cache indices ``qpos`` over this rank's cache."""
         from .slot_cache import visible
 
         return visible(qpos, self.max_len + 1) if self.split is None else self.split.visible(qpos)
 
-    def _traced(self, step):
+    def with_split_attention(self, step):
         """``step`` run with the sequence-split attention switched on (when the cache is)."""
         if self.split is None:
             return step
@@ -390,7 +390,7 @@ class SlotGenerator(StepGraphsOwner):
             cache = SlotCache(list(kv), m.slot, qpos, m.slot, split=self.split)
             out = model(
                 input_ids=ids,
-                attention_mask=self._mask(qpos),
+                attention_mask=self.cache_mask(qpos),
                 position_ids=torch.where(valid, m.start + idx, torch.zeros_like(idx))[None],
                 **cache_kwargs(model, cache),
                 use_cache=True,
@@ -412,7 +412,7 @@ class SlotGenerator(StepGraphsOwner):
             )
             return [tok, *new, *cache.tensors()]
 
-        return self._traced(step)
+        return self.with_split_attention(step)
 
     def _decode_fn(self, bucket: int, sampled: bool):
         from .slot_cache import SlotCache
@@ -429,7 +429,7 @@ class SlotGenerator(StepGraphsOwner):
             cache = SlotCache(list(kv), rows, qpos, b, split=self.split)
             out = model(
                 input_ids=last[:, None],
-                attention_mask=self._mask(qpos),
+                attention_mask=self.cache_mask(qpos),
                 position_ids=torch.where(a, pos, torch.zeros_like(pos))[:, None],
                 **cache_kwargs(model, cache),
                 use_cache=True,
@@ -445,7 +445,7 @@ class SlotGenerator(StepGraphsOwner):
                 *cache.tensors(),
             ]
 
-        return self._traced(step)
+        return self.with_split_attention(step)
 
 
 def _seq_split(model, mode: str, max_len: int):

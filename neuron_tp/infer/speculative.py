@@ -276,7 +276,7 @@ class VerifyingGenerator(SlotGenerator):
                 *target_out,
             ]
 
-        return self._traced(step)
+        return self.with_split_attention(step)
 
     def _verify(self, rows: _Rows, last, proposed, kv):
         """The target's logits [B, K+1, V] at the row's last token and its K proposals."""
@@ -295,17 +295,17 @@ class VerifyingGenerator(SlotGenerator):
         at = rows.pos[:, None] + offset + torch.arange(q, device=ids.device)[None]
         valid = rows.active[:, None] & (at < scratch)
         qpos = torch.where(valid, at, scratch)
-        rows_b = torch.arange(b, device=ids.device)
-        cache = SlotCache(kv, rows_b, qpos, slice(0, b), split=gen.split)
-        model = gen.model
-        out = model(
+        cache = SlotCache(
+            kv, torch.arange(b, device=ids.device), qpos, slice(0, b), split=gen.split
+        )
+        out = gen.model(
             input_ids=ids,
-            attention_mask=gen._mask(qpos),
+            attention_mask=gen.cache_mask(qpos),
             position_ids=torch.where(valid, at, 0),
             past_key_values=cache,
             use_cache=True,
             logits_to_keep=0,
-            **no_aux_outputs(model.config),
+            **no_aux_outputs(gen.model.config),
         )
         return out.logits, cache.tensors()
 
@@ -329,9 +329,9 @@ class SpeculativeGenerator(VerifyingGenerator):
         kw["kv_split"] = "auto" if self.split is not None else "heads"
         self.draft = SlotGenerator(draft, slots, max_len, **kw)
 
-    def _traced(self, step):
+    def with_split_attention(self, step):
         """The speculative step runs both models: each one's split attention switched on."""
-        return super()._traced(self.draft._traced(step))
+        return super().with_split_attention(self.draft.with_split_attention(step))
 
     @property
     def traces(self) -> int:

@@ -206,7 +206,7 @@ class PipelineStage:
                 chunk, x, position_ids, attention_mask
             )
         h = inner.embed_tokens(x) if self.is_first_piece(chunk) else x
-        ring = {} if segment_ids is None else {SEGMENTS_KW: segment_ids}
+        packed = {} if segment_ids is None else {SEGMENTS_KW: segment_ids}
         masked = segment_ids is not None or self.mesh.cp_size > 1  # by segment / ring: no mask
         mask = None if masked else self._mask(h, position_ids, attention_mask)
         cos_sin = inner.rotary_emb(h, position_ids=position_ids)
@@ -216,7 +216,7 @@ class PipelineStage:
                 attention_mask=mask,
                 position_ids=position_ids,
                 position_embeddings=cos_sin,
-                **ring,
+                **packed,
             )
             h = out[0] if isinstance(out, tuple) else out
         if not self.is_last_piece(chunk):
