@@ -74,8 +74,12 @@ def _boot_id() -> str | None:
 
 
 def _run_id() -> str | None:
-    """torchrun's job id (``--rdzv_id``; the same for every restart of one job)."""
-    rid = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    """This torchrun job's identity, the same for every restart of one job: the attempt
+    store's (:func:`neuron_tp.parallel.store.job_id`, which also tells apart two jobs run
+    without ``--rdzv_id``), else an explicit ``--rdzv_id``; None outside torchrun."""
+    from ..parallel.store import job_id
+
+    rid = job_id() or os.environ.get("TORCHELASTIC_RUN_ID", "")
     return rid if rid not in ("", "none") else None
 
 

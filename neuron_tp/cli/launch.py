@@ -98,7 +98,9 @@ def train_command(args: argparse.Namespace | TrainConfig, on_step: Callable | No
 
         config = apply_plan(config, rank0_printer)
     stop = StopSignal()
-    with stop.installed():  # the main thread's handlers; the ranks check the flag per step
+    # The main thread's handlers (the ranks check the flag per step), and the watchdog where
+    # this process's main thread is the rank (with --xla-cpu-devices the ranks are a child's).
+    with stop.installed(watchdog=not config.xla_cpu_devices):
         summary = _command(config, functools.partial(train, on_step=on_step, stop=stop))
     stopped = summary.get("stopped_by") if summary is not None else stop.requested
     return stop.exit_code() if stopped else 0

@@ -6,7 +6,9 @@ attempt wrote there (gloo's addresses, store-based barrier counters, this packag
 exchanges) is still there when the next attempt starts, and the new attempt reads it before
 overwriting it: a restart then fails in gloo's connect or waits forever on a stale counter.
 
-So under torchrun every attempt gets a store of its own. Global rank 0 starts a TCPStore on a
+So under torchrun every attempt gets a store of its own, whatever the run id: without
+``--rdzv_id`` torchrun's run id is the string ``"none"``, and that job restarts into the same
+kept store as any other. Global rank 0 starts a TCPStore on a
 free port (an empty key space), writes a random nonce into it, and publishes ``address port
 nonce`` in torchrun's store. The other ranks read that record, connect, and accept the store
 only when its nonce matches the record's. A record left by a dead attempt names a server that
@@ -35,8 +37,10 @@ import uuid
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "store": this attempt's store, "boot": torchrun's (kept open)
-RECORD = "ntp/attempt-store/{run}"
+RECORD = "ntp/attempt-store/{run}/{world}"
 NONCE = "ntp/attempt-nonce"
+JOB = "ntp/job/{run}/{world}"  # set once by the first attempt's rank 0: the job's identity
+ATTEMPT_JOB = "ntp/job"  # the same identity, copied into each attempt's store
 
 
 def startup_timeout() -> float:
@@ -52,10 +56,26 @@ def startup_timeout() -> float:
 
 
 def under_torchrun() -> bool:
-    """True in a worker started by torchrun (torchelastic sets the run id)."""
-    return os.environ.get("TORCHELASTIC_RUN_ID", "") not in ("", "none") and (
+    """True in a worker started by torchrun: torchelastic always sets a run id (``"none"``
+    when ``--rdzv_id`` is not given, which is a run id like any other here)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ and (
         "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ
     )
+
+
+def record_key(run: str, world: int) -> str:
+    """Where rank 0 publishes this attempt's store in torchrun's: per run id and world size,
+    so jobs of other sizes, or of another run id, on one rendezvous store never read it."""
+    return RECORD.format(run=run, world=world)
+
+
+def job_id() -> str | None:
+    """This torchrun job's identity, the same on every rank and in every attempt (the run id
+    and a nonce the job's first attempt left in torchrun's kept store); None before
+    :func:`attempt_store` or outside torchrun. Unlike the run id it tells two jobs apart
+    that both run without ``--rdzv_id``."""
+    job = _state.get("job")
+    return job if isinstance(job, str) else None
 
 
 def _bootstrap_store(rank: int, world: int, timeout: datetime.timedelta):
@@ -68,12 +88,16 @@ def _bootstrap_store(rank: int, world: int, timeout: datetime.timedelta):
     return store
 
 
-def _serve(boot, key: str, timeout: datetime.timedelta):
-    """Rank 0: start this attempt's store and publish where it is."""
+def _serve(boot, key: str, job_key: str, timeout: datetime.timedelta):
+    """Rank 0: start this attempt's store and publish where it is (the job's identity,
+    chosen by its first attempt, copied into it)."""
     import torch.distributed as dist
 
     addr = os.environ["MASTER_ADDR"]
     fresh = dist.TCPStore(addr, 0, None, True, timeout, wait_for_workers=False)
+    if not boot.check([job_key]):
+        boot.compare_set(job_key, "", uuid.uuid4().hex)  # kept by every later attempt
+    fresh.set(ATTEMPT_JOB, bytes(boot.get(job_key)).decode())
     nonce = uuid.uuid4().hex
     fresh.set(NONCE, nonce)
     boot.set(key, f"{addr} {fresh.port} {nonce}")
@@ -125,9 +149,13 @@ def attempt_store(rank: int, world: int):
         timeout = datetime.timedelta(seconds=timeout_s)
         run = os.environ.get("TORCHELASTIC_RUN_ID", "")
         boot = _bootstrap_store(rank, world, timeout)
-        key = RECORD.format(run=run)
-        fresh = _serve(boot, key, timeout) if rank == 0 else _join(boot, key, run, timeout_s)
-        _state.update(store=fresh, boot=boot)
+        key, job_key = record_key(run, world), JOB.format(run=run, world=world)
+        if rank == 0:
+            fresh = _serve(boot, key, job_key, timeout)
+        else:
+            fresh = _join(boot, key, run, timeout_s)
+        job = f"{run}:{bytes(fresh.get(ATTEMPT_JOB)).decode()}"
+        _state.update(store=fresh, boot=boot, job=job)
         addr, port = bytes(boot.get(key)).decode().split()[:2]
         beat = threading.Thread(target=_beat, args=(addr, int(port), rank), daemon=True)
         beat.start()

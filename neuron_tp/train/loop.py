@@ -473,6 +473,8 @@ def _train(
             break
         if stop_at is not None and run.step >= stop_at:
             break
+    if stop is not None:
+        stop.settle()  # the final save runs to its end, signalled or not
     tokens_per_s = logger.throughput(run.step)  # the final checkpoint is not timed
     trained = run.step > start_step
     if extract:  # trace the checkpoint's synchronisation too, without writing anything

@@ -16,7 +16,10 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch.distributed as dist
+
+from neuron_tp.parallel import store
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORKER = """
@@ -41,11 +44,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, boot_port: int) -> subprocess.Popen:
+def _worker(rank: int, boot_port: int, run: str) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC")}
     env.update(
         PYTHONPATH=REPO,
-        TORCHELASTIC_RUN_ID="job-7",
+        TORCHELASTIC_RUN_ID=run,
         TORCHELASTIC_USE_AGENT_STORE="True",
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(boot_port),
@@ -62,23 +65,24 @@ def _worker(rank: int, boot_port: int) -> subprocess.Popen:
     )
 
 
-def test_a_new_attempt_accepts_only_its_own_store():
+@pytest.mark.parametrize("run", ["job-7", "none"])  # "none": torchrun without --rdzv_id
+def test_a_new_attempt_accepts_only_its_own_store(run):
     timeout = datetime.timedelta(seconds=60)
     boot = dist.TCPStore("127.0.0.1", 0, None, True, timeout, wait_for_workers=False)
-    key = "ntp/attempt-store/job-7"
+    key = store.record_key(run, 2)
     boot.set(key, f"127.0.0.1 {_free_port()} dead-attempt")  # its server died with it
     impostor = dist.TCPStore("127.0.0.1", 0, None, True, timeout, wait_for_workers=False)
     impostor.set("ntp/attempt-nonce", "another-attempt")
     impostor.set("ntp/left-by-the-dead-attempt", "x")
 
-    follower = _worker(1, boot.port)
+    follower = _worker(1, boot.port, run)
     try:
         time.sleep(3)  # rank 1 is up and polling the dead record
         assert follower.poll() is None, follower.communicate()[0]
         boot.set(key, f"127.0.0.1 {impostor.port} dead-attempt")  # a live port, wrong nonce
         time.sleep(2)
         assert follower.poll() is None, follower.communicate()[0]
-        leader = _worker(0, boot.port)
+        leader = _worker(0, boot.port, run)
         out, _ = follower.communicate(timeout=120)
         lead_out, _ = leader.communicate(timeout=60)
     finally:

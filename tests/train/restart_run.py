@@ -10,7 +10,8 @@ chosen point of a chosen attempt, as a dying process or node would; used by test
 - ``step``: right after optimizer step ``step`` (the other ranks run on into the next step);
 - ``save``: while checkpoint ``step`` is being written (this rank's first file written,
   the rest not: a partial temporary directory is left);
-- ``eval``: at the start of this attempt's first evaluation.
+- ``eval``: at the start of this attempt's first evaluation;
+- ``end``: after ``neuron-tp train`` returned (the job complete: its last checkpoint saved).
 
 Each worker appends ``{"attempt", "rank", "event", "t"}`` lines to ``RESULT_DIR/events.jsonl``
 (``start``, ``first-step`` with the step, ``kill``, ``exit``) so the test can tell what ran and
@@ -107,6 +108,8 @@ def main(argv: list[str]) -> int:
     code = train_command(
         train_parser().parse_args(rest), on_step=functools.partial(on_step, result_dir)
     )
+    if "end" in PLAN:
+        die(result_dir, "end")
     event(result_dir, "exit", code=code)
     return code
 
