@@ -134,7 +134,7 @@ class StopSignal:
                 if not data or _WAKE_STOP in data:
                     return
                 if self._settled.wait(grace):
-                    return
+                    continue  # the save runs to its end; read on until restore
                 name = signal.Signals(data[0]).name
                 msg = (
                     f"neuron-tp train [pid {os.getpid()}]: {name}: no agreed stop at a step "
