@@ -16,7 +16,6 @@ XLA replica groups and torch.distributed process groups.
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 import threading
@@ -26,10 +25,8 @@ from typing import Any
 import torch
 
 from ..backend import xla as _xla
-from ..errors import UserError
 from . import store
-
-TP_MODES = ("1d", "2d", "3d")
+from .layout import ParallelLayout, divisors, grid_side
 
 
 @dataclass(eq=False)
@@ -64,23 +61,10 @@ class Group:
         return self._rank_tensors[key]
 
 
-def divisors(n: int) -> list[int]:
-    """The positive divisors of ``n``, ascending."""
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def valid_tp_degrees(world_size: int, *sizes: int) -> list[int]:
     """The tp degrees that divide ``world_size`` and every one of ``sizes`` (heads, features...):
     the list error messages offer when a size cannot be split over the requested tp."""
     return [d for d in divisors(world_size) if all(s % d == 0 for s in sizes)]
-
-
-def grid_side(tp: int, tp_mode: str) -> int:
-    """``q``, the side of the 2D grid (``tp = q*q``) or 3D cube (``tp = q^3``) of ``tp`` ranks;
-    1 for ``1d``. The one place this is computed (whether ``tp`` is such a power: ``_check_tp``)."""
-    if tp_mode == "2d":
-        return math.isqrt(tp)
-    return round(tp ** (1 / 3)) if tp_mode == "3d" else 1
 
 
 def _tp_axes(tp_mode: str, tp: int) -> dict[str, list[list[int]]]:
@@ -103,40 +87,6 @@ def _tp_axes(tp_mode: str, tp: int) -> dict[str, list[list[int]]]:
         axes["input_weight"] = [[idx(i, j, l) for i in r for j in r] for l in r]  # vary i, j
         axes["input_output"] = [[idx(i, j, l) for i in r for l in r] for j in r]  # vary i, l
     return axes
-
-
-def _launch_hint(world_size: int, tp: int) -> str:
-    """How to start a job whose world size tp divides."""
-    if tp < 1:
-        return ""
-    return (
-        f" (this job has {world_size} rank{'s' if world_size > 1 else ''}: start a multiple "
-        f"of {tp} with `torchrun --nproc_per_node {tp} ...`, or on the CPU run all ranks in "
-        f"this one process with `--device xla --xla-cpu-devices {tp}`)"
-    )
-
-
-def _check_ep(world_size: int, tp: int, ep: int, outer: int = 1) -> None:
-    dp = world_size // (tp * outer)
-    if ep < 1 or dp % ep:
-        others = f"tp {tp}" + (f" / pp x cp {outer}" if outer > 1 else "")
-        raise UserError(
-            f"ep={ep} does not divide the data-parallel degree {dp} (world {world_size} / "
-            f"{others}); valid ep degrees: {divisors(dp)}"
-        )
-
-
-def _check_pp_cp(world_size: int, tp: int, pp: int, cp: int) -> None:
-    """pp x cp x tp must divide the world (tp alone is checked by ``_check_tp``)."""
-    for name, value in (("pp", pp), ("cp", cp)):
-        if not isinstance(value, int) or value < 1:
-            raise UserError(f"{name} must be a positive integer, got {value!r}")
-    if world_size % (pp * cp * tp):
-        room = world_size // tp
-        raise UserError(
-            f"pp={pp} x cp={cp} x tp={tp} = {pp * cp * tp} does not divide the world size "
-            f"{world_size}; with tp={tp}, pp x cp must divide {room}: one of {divisors(room)}"
-        )
 
 
 def _axis_lists(
@@ -171,22 +121,6 @@ def _axis_lists(
     return lists
 
 
-def _check_tp(world_size: int, tp: int, tp_mode: str) -> None:
-    if tp_mode not in TP_MODES:
-        raise UserError(f"tp_mode must be one of {TP_MODES}, got {tp_mode!r}")
-    if tp < 1 or world_size % tp:
-        raise UserError(
-            f"tp={tp} does not divide the world size {world_size}; valid tp degrees: "
-            f"{divisors(world_size)}" + _launch_hint(world_size, tp)
-        )
-    if tp_mode == "2d" and grid_side(tp, "2d") ** 2 != tp:
-        valid = [d for d in divisors(world_size) if grid_side(d, "2d") ** 2 == d]
-        raise UserError(f"tp_mode='2d' needs tp = q*q, got tp={tp}; valid: {valid}")
-    if tp_mode == "3d" and grid_side(tp, "3d") ** 3 != tp:
-        valid = [d for d in divisors(world_size) if grid_side(d, "3d") ** 3 == d]
-        raise UserError(f"tp_mode='3d' needs tp = q*q*q, got tp={tp}; valid: {valid}")
-
-
 class Mesh:
     """pp x dp x cp x tp mesh (tp optionally a 2D grid or 3D cube) with one :class:`Group`
     per axis; with ``ep > 1`` also the ``ep`` and ``edp`` axes over dp (module doc).
@@ -209,9 +143,7 @@ class Mesh:
         pp: int = 1,
         cp: int = 1,
     ):
-        _check_tp(world_size, tp, tp_mode)
-        _check_pp_cp(world_size, tp, pp, cp)
-        _check_ep(world_size, tp, ep, pp * cp)
+        ParallelLayout(world_size, tp, tp_mode, pp=pp, cp=cp, ep=ep).check()
         if reduce_dtype is not None and not reduce_dtype.is_floating_point:
             raise ValueError(f"reduce_dtype must be a floating dtype (or None), got {reduce_dtype}")
         self.reduce_dtype = reduce_dtype
@@ -250,6 +182,20 @@ class Mesh:
                 pg,
                 reduce_dtype,
             )
+
+    @classmethod
+    def of(cls, layout: ParallelLayout, rank: int, **kwargs) -> Mesh:
+        """Rank ``rank``'s mesh of ``layout`` (``kwargs``: the other keywords of Mesh)."""
+        return cls(
+            layout.world,
+            rank,
+            tp=layout.tp,
+            tp_mode=layout.tp_mode,
+            ep=layout.ep,
+            pp=layout.pp,
+            cp=layout.cp,
+            **kwargs,
+        )
 
     @classmethod
     def virtual(
@@ -480,9 +426,7 @@ def init_mesh(
         world = spawned[0] if spawned else int(os.environ.get("WORLD_SIZE", "1"))
         if not dist.is_initialized():
             # Validate before any rendezvous so a bad tp never leaves ranks waiting.
-            _check_tp(world, tp, tp_mode)
-            _check_pp_cp(world, tp, pp, cp)
-            _check_ep(world, tp, ep, pp * cp)
+            ParallelLayout(world, tp, tp_mode, pp=pp, cp=cp, ep=ep).check()
         _init_process_group(backend, world)
         if dist.is_available() and dist.is_initialized():
             if dist.get_backend() == "xla":

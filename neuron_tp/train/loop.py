@@ -30,14 +30,15 @@ from ..hf.packing import check_packable, model_inputs
 from ..hf.recompute import apply_activation_checkpointing
 from ..job.config import TrainConfig
 from ..job.data import RowData, vocab_size
+from ..job.layout_rules import BatchShape, refuse
 from ..job.presets import build_model, is_preset, model_config, preload
 from ..job.runtime import BUILD_LOCK, rank_device, start
 from ..job.sft_data import load_data
 from ..job.tokenizer import check_vocab, checkpoint_assets, config_vocab, resolve_tokenizer
-from ..layers.ring_attention import check_length
 from ..optim.adamw import WarmupCosine, make_optimizer
 from ..optim.grads import reduce_gradients
 from ..parallel import comm
+from ..parallel.layout import ParallelLayout
 from ..parallel.mesh import Mesh, init_mesh
 from ..parallel.sharding import move_to
 from . import peft_wrap as lora
@@ -56,85 +57,43 @@ from .nonfinite import NonFiniteGuard
 from .preempt import StopSignal, signal_name, stop_agreed
 from .run import Printer, Run
 from .step_log import StepLogger
-from .tp_mode import check_tp_mode
 
 
-def _layout(config: TrainConfig, world, mesh: Mesh | None) -> Mesh:
+def _layout(config: TrainConfig, world, mesh: Mesh | None, hf_config) -> Mesh:
     """This rank's place in the job's mesh (``mesh``, or one built for the checks), after
-    refusing option combinations that cannot work and a ``mesh`` that contradicts them."""
-    if config.seq_len % config.tp and config.sequence_parallel:
-        raise UserError(
-            f"--sequence-parallel needs --seq-len divisible by --tp "
-            f"({config.seq_len} % {config.tp} != 0)"
-        )
-    if config.tp_mode != "1d" and config.sequence_parallel:
-        raise UserError(
-            f"--sequence-parallel is a --tp-mode 1d option: --tp-mode {config.tp_mode} "
-            "already splits the batch (and the features) over the grid; drop "
-            "--sequence-parallel"
-        )
-    if config.context.cp > 1:
-        _check_cp(config)
-    # Valid tp (a square for 2d, a cube for 3d), pp, cp and ep? This rank's dp rank.
-    pp, cp = config.pipeline.pp, config.context.cp
-    layout = mesh or Mesh(
-        world.size,
-        world.rank,
-        tp=config.tp,
-        tp_mode=config.tp_mode,
-        ep=config.ep,
-        pp=pp,
-        cp=cp,
-    )
-    if (layout.pp_size, layout.cp_size) != (pp, cp):
-        raise ValueError(
-            f"mesh has pp={layout.pp_size}, cp={layout.cp_size} but --pp={pp}, --cp={cp}"
-        )
-    if layout.ep_size != config.ep:
-        raise ValueError(f"mesh has ep={layout.ep_size} but --ep={config.ep}")
-    if layout.tp_size != config.tp:
-        raise ValueError(f"mesh has tp={layout.tp_size} but --tp={config.tp}")
-    if layout.tp_mode != config.tp_mode:
-        raise ValueError(
-            f"mesh has tp_mode={layout.tp_mode!r} but --tp-mode={config.tp_mode}: pass "
-            f"init_mesh(tp={config.tp}, tp_mode={config.tp_mode!r})"
-        )
-    if mesh is not None and mesh.reduce_dtype != config.mesh_reduce_dtype:
-        raise ValueError(
-            f"mesh has reduce_dtype={mesh.reduce_dtype} but --reduce-dtype="
-            f"{config.reduce_dtype}: pass init_mesh(..., reduce_dtype="
-            f"{config.mesh_reduce_dtype})"
-        )
+    refusing a layout the job cannot run (:func:`~neuron_tp.job.layout_rules.refuse`: every
+    reason at once) and a ``mesh`` that contradicts the options."""
+    layout = ParallelLayout.of(config, world.size)
+    refuse(layout, BatchShape.of(config), hf_config)
+    if mesh is not None:
+        _check_given_mesh(config, mesh)
     if config.tensorboard:
         import importlib.util
 
         if importlib.util.find_spec("tensorboard") is None:
             raise UserError("--tensorboard needs the tensorboard package (pip install tensorboard)")
-    return layout
+    return mesh or Mesh.of(layout, world.rank)
 
 
-def _check_cp(config: TrainConfig) -> None:
-    """Refuse what context parallelism does not run (yet), naming what works."""
-    cp, unsupported = config.context.cp, []
-    if config.seq_len % (2 * cp):
-        check_length(config.seq_len, cp, "--seq-len")
-    if config.sequence_parallel and (config.seq_len // cp) % config.tp:
-        raise UserError(
-            f"--sequence-parallel with --cp {cp}: each rank's {config.seq_len // cp} tokens "
-            f"must split over --tp {config.tp}; use a --seq-len multiple of {2 * cp * config.tp}"
+def _check_given_mesh(config: TrainConfig, mesh: Mesh) -> None:
+    """A ``mesh`` passed to :func:`setup` must be the one the options describe."""
+    pp, cp = config.pipeline.pp, config.context.cp
+    if (mesh.pp_size, mesh.cp_size) != (pp, cp):
+        raise ValueError(f"mesh has pp={mesh.pp_size}, cp={mesh.cp_size} but --pp={pp}, --cp={cp}")
+    if mesh.ep_size != config.ep:
+        raise ValueError(f"mesh has ep={mesh.ep_size} but --ep={config.ep}")
+    if mesh.tp_size != config.tp:
+        raise ValueError(f"mesh has tp={mesh.tp_size} but --tp={config.tp}")
+    if mesh.tp_mode != config.tp_mode:
+        raise ValueError(
+            f"mesh has tp_mode={mesh.tp_mode!r} but --tp-mode={config.tp_mode}: pass "
+            f"init_mesh(tp={config.tp}, tp_mode={config.tp_mode!r})"
         )
-    for bad, what in (
-        (config.tp_mode != "1d", f"--tp-mode {config.tp_mode}"),
-        (config.ep > 1, "--ep"),
-    ):
-        if bad:
-            unsupported.append(what)
-    if unsupported:
-        raise UserError(
-            f"--cp {cp} does not combine with {', '.join(unsupported)} yet; it works with "
-            "--tp (1d, with or without --sequence-parallel), --pp, data parallelism, ZeRO-1 "
-            "(--zero1, --bf16), LoRA (--lora-r), activation checkpointing, --eval-data, and "
-            "text, packed or padded (--no-packing) instruction data"
+    if mesh.reduce_dtype != config.mesh_reduce_dtype:
+        raise ValueError(
+            f"mesh has reduce_dtype={mesh.reduce_dtype} but --reduce-dtype="
+            f"{config.reduce_dtype}: pass init_mesh(..., reduce_dtype="
+            f"{config.mesh_reduce_dtype})"
         )
 
 
@@ -152,12 +111,11 @@ def setup(args: TrainConfig | argparse.Namespace, mesh: Mesh | None = None) -> R
     with agreement.agreed(world, "neuron-tp train") as agree:  # local work, then the check
         with BUILD_LOCK:
             preload(config.model)
-        layout = _layout(config, world, mesh)  # this rank's place; option checks
         resolved = resolve_tokenizer(config.tokenizer, config.model)
         tokenizer = resolved.tokenizer
         hf_config = model_config(config.model, resolved.size)
         check_vocab(resolved, config_vocab(hf_config), config.model)
-        check_tp_mode(config, vocab_size(tokenizer))
+        layout = _layout(config, world, mesh, hf_config)  # this rank's place; the layout's checks
         data = load_data(
             config.data,
             tokenizer,
@@ -172,19 +130,18 @@ def setup(args: TrainConfig | argparse.Namespace, mesh: Mesh | None = None) -> R
             cache=config.data_cache,
         )
         evaluation = eval_data(config, tokenizer, layout)
-        pipelined.check_options(config, hf_config)
         if any("segment_ids" in d.rows for d in (data, evaluation) if d is not None):
             check_packable(hf_config, config.seq_len)  # a 4D mask, or segment ids at --cp
         agree.values, agree.details = startup_values(config, tokenizer, data)
         record, files = checkpoint_assets(resolved, config.model)
     device = rank_device(config.device)  # before any backward (see neuron_tp.xla_device)
     mesh = mesh or init_mesh(
-        tp=config.tp,
-        tp_mode=config.tp_mode,
+        layout.tp_size,
+        layout.tp_mode,
         reduce_dtype=config.mesh_reduce_dtype,
-        ep=config.ep,
-        pp=config.pipeline.pp,
-        cp=config.context.cp,
+        ep=layout.ep_size,
+        pp=layout.pp_size,
+        cp=layout.cp_size,
     )
     stages: list = []  # --pp: this rank's stage, cut before its weights are read
 

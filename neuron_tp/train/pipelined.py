@@ -1,55 +1,20 @@
-"""Training with pipeline parallelism (``--pp``): the options it refuses (before any
-collective), the cut of the sharded model into this rank's stage, and a step's forward and
-backward through the schedule (:mod:`neuron_tp.pipeline`). A step's micro-batches are its
-``--grad-accum`` batches of ``--micro-batch`` sequences, so the same flags give the same global
-batch with and without pipeline parallelism."""
+"""Training with pipeline parallelism (``--pp``; what it refuses is in
+:mod:`neuron_tp.job.layout_rules`): the cut of the sharded model into this rank's stage, and
+a step's forward and backward through the schedule (:mod:`neuron_tp.pipeline`). A step's
+micro-batches are its ``--grad-accum`` batches of ``--micro-batch`` sequences, so the same flags
+give the same global batch with and without pipeline parallelism."""
 
 from __future__ import annotations
 
 import torch
 
-from ..errors import UserError
 from ..hf.lora import is_peft_model
 from ..job.config import TrainConfig
 from ..job.data import RowData
 from ..parallel.mesh import Group, Mesh
 from ..pipeline import schedule as schedules
 from ..pipeline.runner import PipelineRunner
-from ..pipeline.stages import (
-    SUPPORTED,
-    PipelineStage,
-    plan_stages,
-    sliding_window,
-    split_model,
-    sum_tied_grads,
-)
-
-_CONFIGS = {name.replace("ForCausalLM", "Config"): name for name in SUPPORTED}
-
-
-def check_options(config: TrainConfig, hf_config) -> None:
-    """UserError for what ``--pp`` cannot run, naming what works."""
-    pipe = config.pipeline
-    if pipe.pp == 1:
-        if pipe.virtual_stages != 1 or pipe.pp_schedule != "1f1b":
-            raise UserError("--pp-schedule interleaved / --virtual-stages need --pp > 1")
-        return
-    if type(hf_config).__name__ not in _CONFIGS:
-        raise UserError(
-            f"--pp cuts {', '.join(SUPPORTED)} models by their decoder layers; "
-            f"{type(hf_config).__name__.replace('Config', '')} is not one of them (use --pp 1)"
-        )
-    window = sliding_window(hf_config)
-    if window is not None and window < config.seq_len:
-        raise UserError(
-            f"--pp {pipe.pp}: pipeline stages build a plain causal mask, but this model "
-            f"attends over a sliding window of {window} tokens, shorter than --seq-len "
-            f"{config.seq_len}: use --seq-len <= {window} or --pp 1"
-        )
-    plan_stages(hf_config.num_hidden_layers, pipe.pp, pipe.virtual_stages)
-    schedules.check_schedule_options(
-        pipe.pp_schedule, pipe.pp, config.grad_accum, pipe.virtual_stages
-    )
+from ..pipeline.stages import PipelineStage, plan_stages, split_model, sum_tied_grads
 
 
 def cut(config: TrainConfig, mesh: Mesh, model: torch.nn.Module) -> PipelineStage:

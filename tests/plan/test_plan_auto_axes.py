@@ -13,14 +13,12 @@ import pytest
 from transformers import GPT2Config, MistralConfig, MixtralConfig
 
 from neuron_tp.cli.args import train_parser
-from neuron_tp.errors import UserError
 from neuron_tp.job.config import TrainConfig
+from neuron_tp.job.layout_rules import job_refusals
 from neuron_tp.plan import search
 from neuron_tp.plan.auto import applied, auto_job, excluded_axes
 from neuron_tp.plan.hardware import get_instance
 from neuron_tp.plan.models import plan_config
-from neuron_tp.train import pipelined
-from neuron_tp.train.loop import _check_cp
 
 LONG = 32768  # context parallelism is searched from search.CP_MIN_SEQ tokens
 
@@ -41,13 +39,7 @@ def _auto_layouts(config: TrainConfig, model, monkeypatch) -> list[search.Layout
 
 def _train_refusal(config: TrainConfig, model) -> str:
     """What train's option checks say about ``config`` (empty: accepted)."""
-    try:
-        if config.context.cp > 1:
-            _check_cp(config)
-        pipelined.check_options(config, model)
-    except UserError as e:
-        return str(e)
-    return ""
+    return "; ".join(job_refusals(config, model_config=model))
 
 
 @pytest.mark.parametrize("lora", [(), ("--lora-r", "8")])

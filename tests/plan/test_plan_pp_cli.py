@@ -47,10 +47,10 @@ def test_llama2_70b_on_4_nodes_gets_a_pipeline_layout(capsys, monkeypatch):
 def _auto_picks_the_pipeline(monkeypatch) -> None:
     from neuron_tp.cli.args import train_parser
     from neuron_tp.job.config import TrainConfig
+    from neuron_tp.job.layout_rules import job_refusals
     from neuron_tp.plan.auto import applied, auto_job, excluded_axes
     from neuron_tp.plan.models import plan_config
     from neuron_tp.plan.search import make_plan
-    from neuron_tp.train import pipelined
 
     monkeypatch.setenv("WORLD_SIZE", "128")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "32")
@@ -63,7 +63,7 @@ def _auto_picks_the_pipeline(monkeypatch) -> None:
     assert planned.pipeline.pp > 1 and planned.tp == 32 and planned.sequence_parallel
     dp = 128 // (planned.pipeline.pp * planned.tp)
     assert planned.micro_batch * planned.grad_accum * dp == 256
-    pipelined.check_options(planned, model)  # train runs it
+    assert job_refusals(planned, 128, model) == []  # train runs it
 
 
 @pytest.mark.parametrize(

@@ -31,9 +31,9 @@ import xla_dist  # noqa: E402
 from neuron_tp.errors import UserError  # noqa: E402
 from neuron_tp.job.config import TrainConfig  # noqa: E402
 from neuron_tp.job.data import ByteTokenizer  # noqa: E402
+from neuron_tp.job.layout_rules import job_refusals  # noqa: E402
 from neuron_tp.job.sft_data import load_data  # noqa: E402
 from neuron_tp.parallel.mesh import Mesh  # noqa: E402
-from neuron_tp.train.loop import _check_cp  # noqa: E402
 from reference_train import reference_run  # noqa: E402
 
 
@@ -309,6 +309,12 @@ def test_cp2_zero1_checkpoint_resumes_at_cp1(base, ref):
 
 def _config(*extra: str) -> TrainConfig:
     return TrainConfig.from_args(args_for("/tmp/unused", *extra))
+
+
+def _check_cp(config: TrainConfig) -> None:
+    why = job_refusals(config)
+    if why:
+        raise UserError("; ".join(why))
 
 
 def test_refusals_name_what_works():

@@ -22,8 +22,9 @@ import gloo_dist  # noqa: E402
 import neuron_tp as ntp  # noqa: E402
 from neuron_tp.cli.args import train_parser  # noqa: E402
 from neuron_tp.job.config import TrainConfig  # noqa: E402
+from neuron_tp.job.layout_rules import job_refusals  # noqa: E402
+from neuron_tp.job.presets import model_config  # noqa: E402
 from neuron_tp.train.loop import train  # noqa: E402
-from neuron_tp.train.tp_mode import check_tp_mode  # noqa: E402
 from reference_train import reference_run  # noqa: E402
 from train_cpu import losses as _losses  # noqa: E402
 from train_cpu import quiet as _quiet  # noqa: E402
@@ -195,6 +196,12 @@ def test_3d_q2_and_dp2_x_2d_zero1_vs_reference(tmp_path):
 
 def _config(*extra) -> TrainConfig:
     return TrainConfig.from_args(train_parser().parse_args(["--tp", "4", *extra]))
+
+
+def check_tp_mode(config: TrainConfig, vocab: int) -> None:
+    why = job_refusals(config, model_config=model_config(config.model, vocab))
+    if why:
+        raise ValueError("; ".join(why))
 
 
 def test_check_tp_mode_refusals_name_the_valid_values():
