@@ -1,9 +1,9 @@
 """What ``--pp`` accepts of MoE models (and of windowed attention), in-process, before any
 collective: the MoE families whose decoder layers it cuts (Mixtral, Qwen2-MoE, Qwen3-MoE) pass
 the layout rules (``job_refusals``), with or without their router load-balancing loss
-(``output_router_logits``), and with ``--ep`` (the mesh's ep groups are dp ranks of one stage). The numerics of a cut MoE model (with its router
-loss, with ep) are tests/pipeline/test_pipeline_gloo.py's ``pp2_moe`` / ``_aux`` / ``_ep``
-cases."""
+(``output_router_logits``), and with ``--ep`` (the mesh's ep groups are dp ranks of one stage).
+The numerics of a cut MoE model (with its router loss, with ep) are
+tests/pipeline/test_pipeline_gloo.py's ``pp2_moe`` / ``_aux`` / ``_ep`` cases."""
 
 from __future__ import annotations
 
