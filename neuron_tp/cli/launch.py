@@ -88,6 +88,12 @@ def train_command(args: argparse.Namespace | TrainConfig, on_step: Callable | No
     from ..train.preempt import StopSignal
 
     config = TrainConfig.from_args(args)
+    if config.check.enabled:
+        from ..train.check import check_job
+
+        return check_job(config)
+    if config.check.world_size:
+        raise UserError("--world-size is read by --check only (a launched job has its own)")
     if config.plan.global_batch and config.plan.mode != "auto":
         raise UserError(
             "--global-batch is read by --plan auto only; without it the global batch is "

@@ -244,6 +244,29 @@ class ContextConfig:
 
 
 @dataclass(frozen=True)
+class CheckConfig:
+    """``train --check``: validate the whole job and print its layout, then exit."""
+
+    TITLE: ClassVar[str] = "checking a job before launching it"
+
+    enabled: bool = opt(
+        "--check",
+        False,
+        "validate the job without starting a process group or reading weights (model "
+        "config, layout, data, output dir), print the layout (ranks per axis, groups, what "
+        "each rank holds) and exit 0, or 2 with every problem",
+        action="store_true",
+    )
+    world_size: int = opt(
+        "--world-size",
+        0,
+        "--check: the job's world size (default: $WORLD_SIZE, else pp x cp x tp x ep)",
+        type=non_negative(int),
+        metavar="N",
+    )
+
+
+@dataclass(frozen=True)
 class TrainConfig(_CommonConfig):
     """``neuron-tp train`` options (dp = world size / tp)."""
 
@@ -369,6 +392,7 @@ class TrainConfig(_CommonConfig):
     pipeline: PipelineConfig = group(PipelineConfig)
     context: ContextConfig = group(ContextConfig)
     plan: PlanConfig = group(PlanConfig)
+    check: CheckConfig = group(CheckConfig)
 
     @property
     def uses_zero1(self) -> bool:

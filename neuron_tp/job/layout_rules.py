@@ -131,40 +131,54 @@ def _pp_rules(layout: ParallelLayout, shape: BatchShape) -> list[str]:
 
 def _model_rules(layout: ParallelLayout, shape: BatchShape, model_config) -> list[str]:
     out = []
-    name = type(model_config).__name__
     if layout.tp_mode != "1d":
-        model_type = getattr(model_config, "model_type", name)
+        model_type = getattr(model_config, "model_type", type(model_config).__name__)
         if model_type not in ND_MODEL_TYPES or getattr(model_config, "tie_word_embeddings", False):
             what = "tied embeddings" if model_type in ND_MODEL_TYPES else model_type
             out.append(
                 f"--tp-mode {layout.tp_mode} supports untied Llama-family models "
                 f"({', '.join(ND_MODEL_TYPES)}); this model is {what}: use --tp-mode 1d"
             )
-    window = sliding_window(model_config)
     if layout.pp > 1:
-        if name not in STAGED_CONFIGS:
-            out.append(
-                f"--pp cuts {', '.join(SUPPORTED)} models by their decoder layers; "
-                f"{name.replace('Config', '')} is not one of them (use --pp 1)"
-            )
-        elif window is not None and window < shape.seq_len:
-            out.append(
-                f"--pp {layout.pp}: pipeline stages build a plain causal mask, but this model "
-                f"attends over a sliding window of {window} tokens, shorter than --seq-len "
-                f"{shape.seq_len}: use --seq-len <= {window} or --pp 1"
-            )
+        out += pp_model_refusals(model_config, shape.seq_len, layout.pp)
         try:
             plan_stages(model_config.num_hidden_layers, layout.pp, layout.virtual_stages)
         except ValueError as e:
             out.append(str(e))
     if layout.cp > 1:
-        for what, value in (("sliding_window", window), ("softcap", _softcap(model_config))):
-            if value is not None:
-                out.append(
-                    f"--cp {layout.cp}: {what}={value} is not supported by ring attention; "
-                    "models with full causal attention (Llama, Qwen2/3, Mistral without "
-                    "sliding window) work"
-                )
+        out += cp_model_refusals(model_config, layout.cp)
+    return out
+
+
+def pp_model_refusals(model_config, seq_len: int, pp: int = 2) -> list[str]:
+    """Why this model cannot be cut into ``pp`` pipeline stages at ``seq_len`` (whatever the
+    other degrees)."""
+    name = type(model_config).__name__
+    if name not in STAGED_CONFIGS:
+        return [
+            f"--pp cuts {', '.join(SUPPORTED)} models by their decoder layers; "
+            f"{name.replace('Config', '')} is not one of them (use --pp 1)"
+        ]
+    window = sliding_window(model_config)
+    if window is not None and window < seq_len:
+        return [
+            f"--pp {pp}: pipeline stages build a plain causal mask, but this model "
+            f"attends over a sliding window of {window} tokens, shorter than --seq-len "
+            f"{seq_len}: use --seq-len <= {window} or --pp 1"
+        ]
+    return []
+
+
+def cp_model_refusals(model_config, cp: int = 2) -> list[str]:
+    """Why ring attention (``--cp``) cannot run this model's attention."""
+    out = []
+    window = sliding_window(model_config)
+    for what, value in (("sliding_window", window), ("softcap", _softcap(model_config))):
+        if value is not None:
+            out.append(
+                f"--cp {cp}: {what}={value} is not supported by ring attention; models with "
+                "full causal attention (Llama, Qwen2/3, Mistral without sliding window) work"
+            )
     return out
 
 

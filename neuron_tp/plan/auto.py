@@ -35,28 +35,21 @@ def _model_config(config):
 
 
 def excluded_axes(config, model_config) -> dict[str, str]:
-    """The parallel axes (pp, cp) ``--plan auto`` keeps at 1 for this job, each with why:
-    what ``neuron-tp train`` refuses next to the job's other options (its model, --ep),
-    so the plan never picks a layout the job then refuses."""
+    """The parallel axes (pp, cp) ``--plan auto`` keeps at 1 for this job, each with why: what
+    ``neuron-tp train`` refuses of this model on that axis
+    (:mod:`neuron_tp.job.layout_rules`), and what this build does not plan (--ep beside
+    them), so the plan never picks a layout the job then refuses."""
     from ..job.config import AUTO_PLAN_AXES
-    from ..pipeline.stages import SUPPORTED, sliding_window
+    from ..job.layout_rules import cp_model_refusals, pp_model_refusals
 
-    staged = {name.replace("ForCausalLM", "Config") for name in SUPPORTED}
     why: dict[str, list[str]] = {"pp": [], "cp": []}
     for axis, reasons in why.items():
         if axis not in AUTO_PLAN_AXES:
             reasons.append("this build does not plan it")
         if config.ep > 1:
-            reasons.append(f"--ep {config.ep}")
-    name = type(model_config).__name__
-    if name not in staged:
-        cut = ", ".join(sorted(n.replace("Config", "") for n in staged))
-        why["pp"].append(f"{name.replace('Config', '')} models are not cut into stages ({cut} are)")
-    window = sliding_window(model_config)
-    if window is not None and window < config.seq_len:
-        why["pp"].append(f"sliding_window={window} < --seq-len {config.seq_len}")
-    if window is not None:
-        why["cp"].append(f"sliding_window={window}")
+            reasons.append(f"--ep {config.ep} (the plan does not predict experts beside it)")
+    why["pp"] += pp_model_refusals(model_config, config.seq_len)
+    why["cp"] += cp_model_refusals(model_config)
     return {axis: "; ".join(reasons) for axis, reasons in why.items() if reasons}
 
 

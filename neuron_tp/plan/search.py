@@ -15,8 +15,9 @@ import time
 from dataclasses import dataclass, field, replace
 
 from ..job.config import TrainConfig
+from ..job.layout_rules import BatchShape, refusals
 from ..job.options import option_flags
-from ..parallel.mesh import divisors, grid_side
+from ..parallel.layout import ParallelLayout, divisors, grid_side
 from . import trace_store
 from .hardware import Instance
 from .moe import dense_standin, flops_per_token, moe_shape, param_counts, summary, tp_refusal
@@ -158,8 +159,13 @@ class Plan:
         return self.candidates[0] if self.candidates and self.candidates[0].fits else None
 
 
-def _modes(tp: int, seq_len: int) -> list[tuple[str, bool, int]]:
-    """(tp_mode, sequence_parallel, batch split) of every mode tp allows."""
+def _modes(tp: int, seq_len: int, pins: dict) -> list[tuple[str, bool, int]]:
+    """(tp_mode, sequence_parallel, batch split) of every mode tp allows; a pinned mode
+    whatever tp is (:func:`~neuron_tp.job.layout_rules.refusals` then says why not)."""
+    if pins.get("tp_mode") and pins.get("sequence_parallel") is not None:
+        mode = pins["tp_mode"]
+        q = max(1, grid_side(tp, mode))
+        return [(mode, pins["sequence_parallel"], {"1d": 1, "2d": q, "3d": q * q}[mode])]
     modes = [("1d", False, 1)]
     if tp > 1 and seq_len % tp == 0:
         modes.append(("1d", True, 1))
@@ -183,9 +189,13 @@ def _axes(job: Job, layers: int, tp: int, pins: dict) -> list[tuple[int, int]]:
         cps = [c for c in CP_STEPS if rest % c == 0 and c * tp <= job.per_node]
     out = []
     for cp in cps:
-        if rest % cp or job.seq_len % (2 * cp):
+        pinned = bool(pins.get("cp"))  # tried whatever it is: the layout rules say why not
+        if not pinned and (rest % cp or job.seq_len % (2 * cp)):
             continue
-        pps = [pins["pp"]] if pins.get("pp") else [p for p in divisors(layers) if p <= MAX_PP]
+        if pins.get("pp"):
+            out.append((cp, pins["pp"]))
+            continue
+        pps = [p for p in divisors(layers) if p <= MAX_PP]
         out += [(cp, pp) for pp in pps if (rest // cp) % pp == 0]
     return out
 
@@ -211,12 +221,8 @@ def _attentions(mode: str, cp: int, pins: dict, seq_len: int) -> list[str]:
 
 
 def _check_pins(job: Job, layers: int, pins: dict) -> None:
-    """Refuse pinned values that cannot run, naming what would (before any tracing)."""
-    if pins.get("tp") and pins["tp"] not in divisors(job.world):
-        raise ValueError(
-            f"--tp {pins['tp']} does not divide the {job.world} ranks of {job.nodes} x "
-            f"{job.instance.name}; valid: {divisors(job.world)}"
-        )
+    """Refuse pinned values the planner cannot predict (before any tracing); what train
+    refuses is left to :func:`~neuron_tp.job.layout_rules.refusals`."""
     pp, v = pins.get("pp") or 1, pins.get("virtual_stages") or 1
     why = pipeline_refusal(
         layers, pp, 10**9, pins.get("pp_schedule") or ("interleaved" if v > 1 else "1f1b"), v
@@ -224,30 +230,38 @@ def _check_pins(job: Job, layers: int, pins: dict) -> None:
     if why:
         raise ValueError(f"--pp {pp}: {why}")
     cp = pins.get("cp") or 1
-    if pp * cp > 1 and pins.get("tp_mode") not in (None, "1d"):
-        raise ValueError(f"--pp / --cp > 1 run over --tp-mode 1d, not {pins['tp_mode']}")
     if cp > 1 and pins.get("attention") == "sdpa":
         raise ValueError("--cp > 1 runs blockwise attention (the K/V ring): --attention blockwise")
 
 
-def _layouts(job: Job, pins: dict, layers: int) -> tuple[list[Layout], list[str]]:
-    """Every layout of the job (respecting ``pins``: option -> value), and notes on what was
-    left out."""
+def _layouts(job: Job, pins: dict, model_config) -> tuple[list[Layout], list[str]]:
+    """Every layout of the job that ``neuron-tp train`` runs (respecting ``pins``: option ->
+    value; :func:`neuron_tp.job.layout_rules.refusals` decides), and notes on what was left
+    out."""
+    layers = model_config.num_hidden_layers
     _check_pins(job, layers, pins)
-    notes = []
+    notes: list[str] = []
+    refused: dict[str, None] = {}  # train's reasons for what was left out, in order
     tps = [t for t in divisors(job.world) if t <= job.per_node]
     tps = [pins["tp"]] if pins.get("tp") else tps
     out = []
     for tp in tps:
         for cp, pp in _axes(job, layers, tp, pins):
-            dp = job.world // (tp * cp * pp)
+            dp = max(1, job.world // (tp * cp * pp))
+            mode = pins.get("tp_mode") or "1d"
+            degrees = ParallelLayout(job.world, tp, mode, pp=pp, cp=cp).refusals()
+            if degrees:
+                refused.update(dict.fromkeys(degrees))
+                continue
             if job.global_batch % dp:
                 notes.append(
                     f"tp={tp} pp={pp} cp={cp}: global batch {job.global_batch} is not a "
                     f"multiple of dp={dp}"
                 )
                 continue
-            out += _at(job, pins, layers, tp=tp, cp=cp, pp=pp, dp=dp)
+            out += _at(job, pins, model_config, refused, tp=tp, cp=cp, pp=pp, dp=dp)
+    if not out:
+        notes += list(refused)[:3]
     if pins.get("pp", 1) > 1 and not out:
         notes.append(
             f"--pp {pins['pp']}: no micro-batch split gives {pins['pp']} or more micro-"
@@ -263,28 +277,36 @@ def _layouts(job: Job, pins: dict, layers: int) -> tuple[list[Layout], list[str]
     return out, notes
 
 
-def _at(job: Job, pins: dict, layers: int, *, tp: int, cp: int, pp: int, dp: int) -> list:
-    """The layouts at these axes: mode, attention, micro-batch, schedule, recompute, ZeRO-1."""
+def _at(
+    job: Job, pins: dict, model_config, refused: dict, *, tp: int, cp: int, pp: int, dp: int
+) -> list:
+    """The layouts at these axes that train runs (the reasons of those it does not go into
+    ``refused``): mode, attention, micro-batch, schedule, recompute, ZeRO-1."""
     out = []
-    per_rank = job.global_batch // dp
-    for mode, sp, split in _modes(tp, job.seq_len // cp):
-        if pins.get("tp_mode") not in (None, mode) or (mode != "1d" and pp * cp > 1):
-            continue  # train runs pp and cp over 1d tensor parallelism only
+    per_rank, layers = job.global_batch // dp, model_config.num_hidden_layers
+    for mode, sp, split in _modes(tp, job.seq_len // cp, pins):
+        if pins.get("tp_mode") not in (None, mode):
+            continue
         if pins.get("sequence_parallel") is not None and pins["sequence_parallel"] != sp:
             continue
         for attention in _attentions(mode, cp, pins, job.seq_len):
-            for m in MICRO_BATCH_STEPS:
-                b = split * m
-                if per_rank % b or pins.get("micro_batch") not in (None, b):
+            sizes = [split * m for m in MICRO_BATCH_STEPS]
+            for b in [pins["micro_batch"]] if pins.get("micro_batch") else sizes:
+                if per_rank % b:
                     continue
                 for sched, v in _schedules(pp, layers, pins):
                     if pipeline_refusal(layers, pp, per_rank // b, sched, v):
+                        continue  # what the stage predictions cover: even cuts
+                    layout = ParallelLayout(job.world, tp, mode, sp, pp, sched, v, cp, 1, attention)
+                    why = refusals(layout, BatchShape(job.seq_len, b, per_rank // b), model_config)
+                    if why:
+                        refused.update(dict.fromkeys(why))
                         continue
                     for rec in RECOMPUTE:
                         if pins.get("activation_checkpointing") not in (None, rec):
                             continue
                         if attention == "blockwise" and rec == "selective":
-                            continue  # train refuses it: blockwise recomputes its tiles
+                            continue  # the same run as none: blockwise recomputes its tiles
                         for zero1 in (True,) if job.bf16 else (False, True):
                             if pins.get("zero1") not in (None, zero1) and not job.bf16:
                                 continue
@@ -418,7 +440,7 @@ def make_plan(config, job: Job, **pins) -> Plan:
     parameters, FLOPs and collectives); its MFU counts the active parameters' FLOPs."""
     start = time.perf_counter()
     pins = {k: v for k, v in pins.items() if v is not None}
-    layouts, notes = _layouts(job, pins, config.num_hidden_layers)
+    layouts, notes = _layouts(job, pins, config)
     if not layouts:
         raise ValueError("no layout matches: " + ("; ".join(notes) or f"pins {pins}"))
     counts, lines = param_counts(config), summary(config, job.seq_len)

@@ -33,7 +33,7 @@ def _auto_layouts(config: TrainConfig, model, monkeypatch) -> list[search.Layout
     monkeypatch.setenv("WORLD_SIZE", "64")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "32")
     pins = {axis: 1 for axis in excluded_axes(config, model)}
-    layouts, _ = search._layouts(auto_job(config), pins, model.num_hidden_layers)
+    layouts, _ = search._layouts(auto_job(config), pins, model)
     return layouts
 
 
@@ -76,27 +76,30 @@ def test_the_excluded_axes_and_why(tmp_path):
     assert excluded_axes(_config(), llama) == {}
     assert excluded_axes(_config("--data", text, "--eval-data", text), llama) == {}
     assert excluded_axes(_config("--lora-r", "8"), llama) == {}
-    assert excluded_axes(_config("--ep", "2"), llama) == {"pp": "--ep 2", "cp": "--ep 2"}
+    ep = excluded_axes(_config("--ep", "2"), llama)
+    assert sorted(ep) == ["cp", "pp"] and all(v.startswith("--ep 2") for v in ep.values())
     assert excluded_axes(_config("--data", chat), llama) == {}  # packed rows cross the ring
     assert excluded_axes(_config("--eval-data", chat), llama) == {}
-    assert excluded_axes(_config(), MistralConfig(sliding_window=4096)) == {
-        "pp": f"sliding_window=4096 < --seq-len {LONG}",  # stages build a plain causal mask
-        "cp": "sliding_window=4096",
-    }
-    assert excluded_axes(_config(), MistralConfig(sliding_window=2 * LONG)) == {
-        "cp": f"sliding_window={2 * LONG}"
-    }
+    windowed = excluded_axes(_config(), MistralConfig(sliding_window=4096))
+    assert sorted(windowed) == ["cp", "pp"]  # stages build a plain causal mask
+    assert f"sliding window of 4096 tokens, shorter than --seq-len {LONG}" in windowed["pp"]
+    assert "sliding_window=4096 is not supported by ring attention" in windowed["cp"]
+    wide = excluded_axes(_config(), MistralConfig(sliding_window=2 * LONG))
+    assert list(wide) == ["cp"] and f"sliding_window={2 * LONG}" in wide["cp"]
     gpt2 = excluded_axes(_config(), GPT2Config())
-    assert list(gpt2) == ["pp"] and "GPT2 models are not cut into stages" in gpt2["pp"]
+    assert list(gpt2) == ["pp"] and "GPT2 is not one of them" in gpt2["pp"]
     assert excluded_axes(_config(), MixtralConfig()) == {}
     assert excluded_axes(_config(), MixtralConfig(output_router_logits=True)) == {}
 
 
-def test_pp_with_2d_pins_are_refused_before_tracing_and_pp_with_cp_is_searched():
+def test_pp_with_2d_is_searched_cp_with_2d_left_out_with_trains_reason():
     job = search.Job(get_instance("trn1.32xlarge"), 1, LONG, 32)
-    with pytest.raises(ValueError, match="run over --tp-mode 1d, not 2d"):
-        search._layouts(job, {"pp": 2, "tp_mode": "2d"}, 32)
-    both, _ = search._layouts(job, {"pp": 2, "cp": 2}, 32)  # stages around a ring
+    llama = plan_config("llama-2-7b", LONG)
+    staged, _ = search._layouts(job, {"pp": 2, "tp_mode": "2d"}, llama)  # train runs it
+    assert staged and {(lay.pp, lay.tp_mode) for lay in staged} == {(2, "2d")}
+    none, notes = search._layouts(job, {"cp": 2, "tp_mode": "2d"}, llama)
+    assert none == [] and any("--cp 2 does not combine with --tp-mode 2d" in n for n in notes)
+    both, _ = search._layouts(job, {"pp": 2, "cp": 2}, llama)  # stages around a ring
     assert both and {(lay.pp, lay.cp, lay.tp_mode) for lay in both} == {(2, 2, "1d")}
-    free, _ = search._layouts(job, {}, 32)
+    free, _ = search._layouts(job, {}, llama)
     assert any(lay.pp > 1 and lay.cp > 1 for lay in free)
