@@ -33,7 +33,6 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..errors import UserError
@@ -41,10 +40,9 @@ from ..layers.ring_attention import check_length, ring_attention, split_sequence
 from ..parallel import regions
 from ..parallel.mesh import Group, Mesh
 from .attention import DEFAULT_BLOCK, RING, SEGMENTS_KW, is_supported_attention
+from .packing import IGNORE_INDEX, next_token_targets
 
 __all__ = ["context_parallel", "ring_name", "RING"]
-
-IGNORE_INDEX = -100
 
 
 def _ring_forward(block: int):
@@ -146,6 +144,14 @@ def context_parallel(model: nn.Module, mesh: Mesh, block: int = DEFAULT_BLOCK) -
     return model
 
 
+def split_rows(group: Group, **rows: torch.Tensor) -> dict[str, torch.Tensor]:
+    """This rank's part of every ``[batch, seq]`` row tensor of ``rows`` over the cp ring
+    ``group`` (its chunks ``r`` and ``2 cp - 1 - r``; shift targets on the whole row before:
+    :func:`~neuron_tp.hf.packing.next_token_targets`). The one split of a model's inputs, for
+    the whole model (:func:`context_parallel`) and for a pipeline stage."""
+    return {name: split_sequence(t, group, 1) for name, t in rows.items()}
+
+
 def _split_forward(forward, group: Group):
     @functools.wraps(forward)
     def wrapped(  # noqa: PLR0913
@@ -176,17 +182,14 @@ def _split_forward(forward, group: Group):
             kw[SEGMENTS_KW] = segment_ids
         if position_ids is None:
             position_ids = torch.arange(s, device=input_ids.device).expand(b, s)
-        local = {
-            "input_ids": split_sequence(input_ids, group, 1),
-            "position_ids": split_sequence(position_ids, group, 1),
-        }
+        local = split_rows(group, input_ids=input_ids, position_ids=position_ids)
         if labels is None:
             return forward(**local, **kw)
-        shifted = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+        shifted = next_token_targets(labels)
         items = kw.pop("num_items_in_batch", None)
         if items is None:
             items = (shifted != IGNORE_INDEX).sum().clamp(min=1)
-        mine = split_sequence(shifted, group, 1)
+        mine = split_rows(group, targets=shifted)["targets"]
         out = forward(**local, labels=mine, shift_labels=mine, num_items_in_batch=items, **kw)
         out.loss = regions.all_reduce_fwd_identity_bwd(out.loss, group)
         return out

@@ -31,10 +31,23 @@ import torch
 
 from ..errors import UserError
 
-__all__ = ["model_inputs", "block_causal_mask", "packed_labels", "check_packable"]
+__all__ = [
+    "model_inputs",
+    "block_causal_mask",
+    "packed_labels",
+    "check_packable",
+    "next_token_targets",
+]
 
 IGNORE_INDEX = -100
 _PACKED = ("position_ids", "segment_ids")
+
+
+def next_token_targets(labels: torch.Tensor) -> torch.Tensor:
+    """The token each position predicts (``labels`` shifted left by one along the last dim,
+    IGNORE_INDEX after the last): the shift a causal LM's loss makes, done on the whole row
+    before it is split (context parallelism), so a part's last token keeps its target."""
+    return torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
 
 
 def block_causal_mask(

@@ -43,9 +43,9 @@ import torch
 
 from ..backend.graphs import step_boundary
 from ..hf.attention import takes_segments
+from ..hf.context_parallel import split_rows
 from ..hf.moe import recorded_router_logits
-from ..hf.packing import IGNORE_INDEX, model_inputs
-from ..layers.ring_attention import split_sequence
+from ..hf.packing import IGNORE_INDEX, model_inputs, next_token_targets
 from ..parallel import comm
 from . import router_loss
 from .exchange import Exchange, Sent
@@ -276,10 +276,10 @@ class PipelineRunner:
         inputs = model_inputs(batch, device=self.device, dtype=self.mask_dtype, segments=segments)
         inputs.setdefault("position_ids", self.positions)
         labels = inputs.pop("labels")
-        inputs["targets"] = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+        inputs["targets"] = next_token_targets(labels)
         if ring:
-            for name in ("input_ids", "position_ids", "targets"):
-                inputs[name] = split_sequence(inputs[name], self.ring, 1)
+            names = ("input_ids", "position_ids", "targets")
+            inputs.update(split_rows(self.ring, **{n: inputs[n] for n in names}))
         return inputs
 
     def _run(self, task: Task, state: _StepState) -> torch.Tensor | None:

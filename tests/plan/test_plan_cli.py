@@ -118,7 +118,7 @@ def test_published_llama2_7b_tp8_fits_and_tp2_does_not(capsys):
     "argv, message",
     [
         (["--instance", "inf2.48xlarge", "--nodes", "2"], "inf2.48xlarge has no EFA"),
-        (["--tp", "3"], "--tp 3 does not divide the 2 ranks"),
+        (["--tp", "3"], "tp=3 does not divide the world size 2; valid tp degrees: [1, 2]"),
         (["--model", "/nonexistent"], "is not a known architecture"),
         (["--global-batch", "3", "--pp", "1"], "global batch 3 is not a multiple of dp=2"),
     ],
