@@ -226,14 +226,14 @@ def test_each_parser_has_exactly_its_records_options():
 
 
 def test_the_plan_pins_are_the_layouts_train_options():
-    """``neuron-tp plan``'s pins are the layout fields ``make_plan`` takes (search.PINS), each
+    """``neuron-tp plan``'s pins are the layout fields ``make_plan`` takes (layouts.PINS), each
     a ``neuron-tp train`` option of the same name and flag."""
     from dataclasses import fields
 
     from neuron_tp.cli.plan import LayoutPins
     from neuron_tp.job.config import TrainConfig
     from neuron_tp.job.options import option_flags
-    from neuron_tp.plan.search import PINS, TRAIN_OPTIONS, Layout
+    from neuron_tp.plan.layouts import PINS, TRAIN_OPTIONS, Layout
 
     assert set(PINS) <= set(TRAIN_OPTIONS) <= {f.name for f in fields(Layout)}
     train = option_flags(TrainConfig)

@@ -15,7 +15,7 @@ from ..plan.hardware import INSTANCES
 @dataclass(frozen=True)
 class LayoutPins:
     """Layout options pinned (None: the planner tries them all): the fields are
-    :data:`neuron_tp.plan.search.PINS`, the `neuron-tp train` options of the same names."""
+    :data:`neuron_tp.plan.layouts.PINS`, the `neuron-tp train` options of the same names."""
 
     TITLE: ClassVar[str] = "pin a choice (default: try them all)"
 
@@ -98,9 +98,9 @@ def plan_parser() -> argparse.ArgumentParser:
 
 
 def job_from_args(args: argparse.Namespace, ranks_per_node: int = 0):
-    """The :class:`~neuron_tp.plan.search.Job` of parsed options (checked before tracing)."""
+    """The :class:`~neuron_tp.plan.layouts.Job` of parsed options (checked before tracing)."""
     from ..plan.hardware import get_instance
-    from ..plan.search import Job
+    from ..plan.layouts import Job
 
     instance = get_instance(args.instance)
     efficiency = 0.5 if args.efficiency is None else args.efficiency
@@ -132,8 +132,8 @@ def job_from_args(args: argparse.Namespace, ranks_per_node: int = 0):
 
 def pins_from_args(args: argparse.Namespace) -> dict:
     """The layout options pinned on the command line (None: not pinned), by their
-    ``neuron-tp train`` names (:data:`~neuron_tp.plan.search.PINS`)."""
-    from ..plan.search import PINS
+    ``neuron-tp train`` names (:data:`~neuron_tp.plan.layouts.PINS`)."""
+    from ..plan.layouts import PINS
 
     return {name: getattr(args, name) for name in PINS}
 

@@ -57,8 +57,9 @@ def apply_plan(config, printer=print):
     """``config`` (a TrainConfig with ``plan="auto"``) with the recommended layout's options
     (pp and its schedule, and cp, too, where :func:`excluded_axes` allows them); ValueError
     when the job has no layout that fits (the plan's verdict)."""
+    from .layouts import Layout
     from .report import plan_table
-    from .search import Layout, make_plan
+    from .search import make_plan
 
     if config.plan.global_batch <= 0:
         raise ValueError("--plan auto needs --global-batch N (sequences per optimizer step)")
@@ -94,10 +95,10 @@ def apply_plan(config, printer=print):
 
 
 def auto_job(config, printer=print):
-    """The :class:`~.search.Job` ``--plan auto`` plans for: this job's size, the instance
+    """The :class:`~.layouts.Job` ``--plan auto`` plans for: this job's size, the instance
     (calibrated with ``--plan-calibration``), sequence length, global batch and precision."""
     from .hardware import get_instance
-    from .search import Job
+    from .layouts import Job
 
     world, per_node = job_size(config)
     if world % per_node:

@@ -18,7 +18,7 @@ from transformers import GPT2Config, LlamaConfig
 
 from neuron_tp.cli.args import train_parser
 from neuron_tp.job.config import TrainConfig
-from neuron_tp.plan import search
+from neuron_tp.plan import layouts as plan_layouts
 from neuron_tp.plan.hardware import get_instance
 from neuron_tp.train.check import check_job
 
@@ -67,9 +67,9 @@ def _planner(config: TrainConfig, world: int, model) -> tuple[bool, list[str]]:
     }
     degrees = config.tp * config.pipeline.pp * config.context.cp
     dp = max(1, world // degrees)
-    job = search.Job(get_instance("trn1.32xlarge"), 1, SEQ, dp * MICRO * ACCUM)
-    job = search.Job(job.instance, 1, SEQ, job.global_batch, ranks_per_node=world)
-    layouts, notes = search._layouts(job, pins, model)
+    job = plan_layouts.Job(get_instance("trn1.32xlarge"), 1, SEQ, dp * MICRO * ACCUM)
+    job = plan_layouts.Job(job.instance, 1, SEQ, job.global_batch, ranks_per_node=world)
+    layouts, notes = plan_layouts.enumerate_layouts(job, pins, model)
     return bool(layouts), notes
 
 

@@ -15,12 +15,12 @@ from transformers import GPT2Config, MistralConfig, MixtralConfig
 from neuron_tp.cli.args import train_parser
 from neuron_tp.job.config import TrainConfig
 from neuron_tp.job.layout_rules import job_refusals
-from neuron_tp.plan import search
+from neuron_tp.plan import layouts as plan_layouts
 from neuron_tp.plan.auto import applied, auto_job, excluded_axes
 from neuron_tp.plan.hardware import get_instance
 from neuron_tp.plan.models import plan_config
 
-LONG = 32768  # context parallelism is searched from search.CP_MIN_SEQ tokens
+LONG = 32768  # context parallelism is searched from plan_layouts.CP_MIN_SEQ tokens
 
 
 def _config(*argv: str) -> TrainConfig:
@@ -28,12 +28,12 @@ def _config(*argv: str) -> TrainConfig:
     return TrainConfig.from_args(train_parser().parse_args([*base, *argv]))
 
 
-def _auto_layouts(config: TrainConfig, model, monkeypatch) -> list[search.Layout]:
+def _auto_layouts(config: TrainConfig, model, monkeypatch) -> list[plan_layouts.Layout]:
     """The layouts ``--plan auto`` searches for ``config`` on 2 x trn1.32xlarge."""
     monkeypatch.setenv("WORLD_SIZE", "64")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "32")
     pins = {axis: 1 for axis in excluded_axes(config, model)}
-    layouts, _ = search._layouts(auto_job(config), pins, model)
+    layouts, _ = plan_layouts.enumerate_layouts(auto_job(config), pins, model)
     return layouts
 
 
@@ -93,13 +93,15 @@ def test_the_excluded_axes_and_why(tmp_path):
 
 
 def test_pp_with_2d_is_searched_cp_with_2d_left_out_with_trains_reason():
-    job = search.Job(get_instance("trn1.32xlarge"), 1, LONG, 32)
+    job = plan_layouts.Job(get_instance("trn1.32xlarge"), 1, LONG, 32)
     llama = plan_config("llama-2-7b", LONG)
-    staged, _ = search._layouts(job, {"pp": 2, "tp_mode": "2d"}, llama)  # train runs it
+    staged, _ = plan_layouts.enumerate_layouts(
+        job, {"pp": 2, "tp_mode": "2d"}, llama
+    )  # train runs it
     assert staged and {(lay.pp, lay.tp_mode) for lay in staged} == {(2, "2d")}
-    none, notes = search._layouts(job, {"cp": 2, "tp_mode": "2d"}, llama)
+    none, notes = plan_layouts.enumerate_layouts(job, {"cp": 2, "tp_mode": "2d"}, llama)
     assert none == [] and any("--cp 2 does not combine with --tp-mode 2d" in n for n in notes)
-    both, _ = search._layouts(job, {"pp": 2, "cp": 2}, llama)  # stages around a ring
+    both, _ = plan_layouts.enumerate_layouts(job, {"pp": 2, "cp": 2}, llama)  # stages around a ring
     assert both and {(lay.pp, lay.cp, lay.tp_mode) for lay in both} == {(2, 2, "1d")}
-    free, _ = search._layouts(job, {}, llama)
+    free, _ = plan_layouts.enumerate_layouts(job, {}, llama)
     assert any(lay.pp > 1 and lay.cp > 1 for lay in free)

@@ -13,8 +13,8 @@ import pytest
 from neuron_tp.cli.args import train_parser
 from neuron_tp.job.config import TrainConfig
 from neuron_tp.plan import pipeline as pl
+from neuron_tp.plan.layouts import TRAIN_OPTIONS, Layout
 from neuron_tp.plan.predict import Memory
-from neuron_tp.plan.search import TRAIN_OPTIONS, Layout
 from neuron_tp.plan.stages import Shape, stage_memories, stage_timing
 from neuron_tp.plan.state import stage_state_bytes
 from neuron_tp.plan.trace import Comm, Trace
