@@ -43,16 +43,22 @@ JOB = "ntp/job/{run}/{world}"  # set once by the first attempt's rank 0: the job
 ATTEMPT_JOB = "ntp/job"  # the same identity, copied into each attempt's store
 
 
-def startup_timeout() -> float:
-    """Seconds any start-up wait may take (``NEURON_TP_STARTUP_TIMEOUT``, default 300)."""
-    raw = os.environ.get("NEURON_TP_STARTUP_TIMEOUT", "300")
+def env_seconds(name: str, default: float) -> float:
+    """A positive number of seconds from the environment variable ``name`` (``default``
+    when unset); ValueError naming it otherwise."""
+    raw = os.environ.get(name, str(default))
     try:
         value = float(raw)
     except ValueError:
         value = -1.0
     if value <= 0:
-        raise ValueError(f"NEURON_TP_STARTUP_TIMEOUT={raw!r}: give a positive number of seconds")
+        raise ValueError(f"{name}={raw!r}: give a positive number of seconds")
     return value
+
+
+def startup_timeout() -> float:
+    """Seconds any start-up wait may take (``NEURON_TP_STARTUP_TIMEOUT``, default 300)."""
+    return env_seconds("NEURON_TP_STARTUP_TIMEOUT", 300)
 
 
 def under_torchrun() -> bool:

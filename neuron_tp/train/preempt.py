@@ -42,14 +42,9 @@ _WAKE_STOP = 0  # the byte that ends the watchdog thread (no signal has number 0
 def stop_grace() -> float:
     """Seconds a signalled rank may take to reach an agreed stop (``NEURON_TP_STOP_GRACE``,
     default 10) before it exits without a checkpoint."""
-    raw = os.environ.get("NEURON_TP_STOP_GRACE", "10")
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if value <= 0:
-        raise ValueError(f"NEURON_TP_STOP_GRACE={raw!r}: give a positive number of seconds")
-    return value
+    from ..parallel.store import env_seconds
+
+    return env_seconds("NEURON_TP_STOP_GRACE", 10)
 
 
 class StopSignal:
