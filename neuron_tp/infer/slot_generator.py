@@ -262,7 +262,9 @@ class SlotGenerator(StepGraphsOwner):
         dev = self.device
         floats = torch.tensor([[float(s.temperature), *s.row_params()]])
         args = [ids.to(dev), meta.tensor().to(dev), floats.to(dev)]
-        args.append(self._row(s.repetition_penalty != 1, lambda: seen_row(prompt or (), self.vocab)))
+        args.append(
+            self._row(s.repetition_penalty != 1, lambda: seen_row(prompt or (), self.vocab))
+        )
         args.append(self._row(bool(s.logit_bias), lambda: bias_row(s, self.vocab)))
         if sampled:
             gen = host_generator(s)
@@ -569,10 +571,7 @@ def _read_logprobs(out, tokens: Sequence[int], rows: Sequence[int] | None = None
     lp, top_lp, top_ids = (t.cpu() for t in out)
     rows = list(rows) if rows is not None else list(range(len(tokens)))
     lp, top_lp, top_ids = lp[rows].tolist(), top_lp[rows].tolist(), top_ids[rows].tolist()
-    return [
-        TokenLogprob(t, lp[i], tuple(zip(top_ids[i], top_lp[i])))
-        for i, t in enumerate(tokens)
-    ]
+    return [TokenLogprob(t, lp[i], tuple(zip(top_ids[i], top_lp[i]))) for i, t in enumerate(tokens)]
 
 
 def _seq_split(model, mode: str, max_len: int):
