@@ -24,6 +24,7 @@ import queue
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from ..parallel import host
 from .prefix_cache import PrefixCache, PrefixStats
@@ -70,7 +71,7 @@ class Engine:
         self.lease_steps = lease_steps if multi else 1
         self.prefill_budget = prefill_budget
         self._gen: SlotGenerator | None = None
-        self.tokenizer = None
+        self.tokenizer: Any = None
         self.eos_ids: list[int] = []
         self.max_new_tokens = 0
         self.sampling_defaults: dict = {}  # the model's generation_config values (server)
