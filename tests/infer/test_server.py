@@ -487,8 +487,8 @@ def test_bad_requests_from_the_issue_each_followed_by_a_good_one(tp1, guarded):
         (
             {**hi, "max_tokens": 0},
             400,
-            "max_tokens must be an integer in 1..24 (server limit: neuron-tp serve --max-new-tokens; "
-            "0 with echo)",
+            "max_tokens must be an integer in 1..24 (server limit: neuron-tp serve "
+            "--max-new-tokens; 0 with echo)",
             None,
         ),
         ({**hi, "best_of": 3}, 400, "best_of must equal n (1)", "best_of"),
