@@ -564,14 +564,26 @@ def _load(engine: Engine, config, mesh) -> None:
         )
     prefix = _prefix_cache(config, gen, rank0=mesh.rank == 0)
     engine.attach(gen, tok, eos_ids(model, tok), config.max_new_tokens, prefix)
-    engine.sampling_defaults = generation_defaults(getattr(model, "generation_config", None))
+    defaults = generation_defaults(getattr(model, "generation_config", None))
+    left_out = {}
+    if make is not None:  # speculation applies temperature and top_k only
+        left_out = {k: v for k, v in defaults.items() if k not in ("temperature", "top_k")}
+        defaults = {k: v for k, v in defaults.items() if k not in left_out}
+    engine.sampling_defaults = defaults
     if mesh.rank == 0:
-        said = ", ".join(f"{k}={v}" for k, v in engine.sampling_defaults.items()) or "none"
+        said = ", ".join(f"{k}={v}" for k, v in defaults.items()) or "none"
         print(
             f"neuron-tp serve: sampling defaults from the model's generation_config: {said} "
             "(a request's own values win)",
             flush=True,
         )
+        if left_out:
+            said = ", ".join(f"{k}={v}" for k, v in left_out.items())
+            print(
+                f"neuron-tp serve: generation_config's {said} not applied: speculative "
+                "decoding applies temperature and top_k only",
+                flush=True,
+            )
     engine.warmup(every_shape=config.warmup == "all")
 
 

@@ -948,6 +948,15 @@ def test_tp2_int8_answers_like_tp1_int8_and_shuts_down_cleanly(tp1, tp2):
     with pytest.raises(openai.BadRequestError, match="exceeds the 56 positions of a slot"):
         _complete(client, "y" * 53, 4)
     assert _complete(client, "abc", 6).choices[0].text == ref.text("abc", 6)
+    # lm-eval's loglikelihood request (its Output crosses the lease; the prompt log-probability
+    # graph runs on both ranks): the tp=1 int8 model's log-probabilities
+    ids = list(range(30, 70))  # two prefill chunks of 32
+    r = _complete(client, ids, 1, logprobs=1, echo=True)
+    with ref.lock, torch.no_grad():
+        want = ref.gen.model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+    got = r.choices[0].logprobs.token_logprobs
+    assert got[0] is None and len(got) == len(ids) + 1
+    assert max(abs(got[k] - float(want[k - 1, ids[k]])) for k in range(1, len(ids))) < 2e-3
     # refused before rank 0 broadcasts anything: the ranks stay in step
     with pytest.raises(openai.BadRequestError, match="seed must be an integer in 0.."):
         _complete(client, "Hello", 4, temperature=0.5, seed=2**80)
