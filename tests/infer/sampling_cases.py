@@ -51,12 +51,12 @@ def cases() -> list[dict]:
             kind="greedy",
             prompt=PROMPT,
             max_tokens=MAX_NEW,
-            sampling=Sampling(presence_penalty=0.8, frequency_penalty=0.6),
+            sampling=Sampling(presence_penalty=0.3, frequency_penalty=0.9),
             output=Output(),
         ),
         dict(
             kind="greedy",
-            prompt=LONG,
+            prompt=PROMPT + [40, 42, 26, 26],  # plain greedy goes on with 26
             max_tokens=MAX_NEW,
             sampling=Sampling(repetition_penalty=1.6, logit_bias=((72, 2.5), (101, -50.0))),
             output=lp,
