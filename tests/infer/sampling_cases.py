@@ -51,7 +51,7 @@ def cases() -> list[dict]:
             kind="greedy",
             prompt=PROMPT,
             max_tokens=MAX_NEW,
-            sampling=Sampling(presence_penalty=0.3, frequency_penalty=0.9),
+            sampling=Sampling(presence_penalty=-1.5, frequency_penalty=0.4),  # repeats
             output=Output(),
         ),
         dict(
