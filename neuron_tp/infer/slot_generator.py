@@ -12,7 +12,8 @@ sequence with its own position, sampling parameters and host RNG.
   scratch index (``max_len``) no live query sees.
 - Slot index, start, chunk length, positions, active flags and sampling parameters are data,
   never shapes: graphs = prefill buckets x {greedy, sampled} + decode buckets x {greedy,
-  sampled}, whatever the arrival pattern; :meth:`~SlotGenerator.warmup` captures them all.
+  sampled} (+ one prefill per bucket with prompt log-probabilities when asked for), whatever
+  the arrival pattern; :meth:`~SlotGenerator.warmup` captures them all.
 - Sampling per row: temperature, top_k (<= :data:`~.sampling.MAX_TOP_K`), top_p, min_p,
   presence / frequency / repetition penalties, logit bias, seed, all data of the slot's rows
   (:mod:`.sampling`); the token counts the penalties read advance in the decode graph.
@@ -173,7 +174,9 @@ class SlotGenerator(StepGraphsOwner):
             seen=torch.zeros(slots, self.vocab).to(dev),
             bias=torch.zeros(slots, self.vocab).to(dev),
         )
-        self._zero_row = torch.zeros(1, self.vocab).to(dev)
+        # the prefill's seen and bias rows when zero: two tensors (a capture maps one tensor
+        # fed as two arguments to one graph input)
+        self._zero_rows = [torch.zeros(1, self.vocab).to(dev) for _ in range(2)]
         self._lp_out: tuple[torch.Tensor, ...] | None = None  # the last step's logprobs
         self.logprob_slots: set[int] = set()  # slots whose log-probabilities are read back
         self.logprobs: dict[int, TokenLogprob] = {}  # theirs, of the last step
@@ -262,10 +265,10 @@ class SlotGenerator(StepGraphsOwner):
         dev = self.device
         floats = torch.tensor([[float(s.temperature), *s.row_params()]])
         args = [ids.to(dev), meta.tensor().to(dev), floats.to(dev)]
-        args.append(
-            self._row(s.repetition_penalty != 1, lambda: seen_row(prompt or (), self.vocab))
-        )
-        args.append(self._row(bool(s.logit_bias), lambda: bias_row(s, self.vocab)))
+        if final and s.repetition_penalty != 1 and prompt is None:
+            raise ValueError("a repetition penalty needs the whole prompt (prefill's prompt=)")
+        args.append(self._row(0, s.repetition_penalty != 1, lambda: seen_row(prompt, self.vocab)))
+        args.append(self._row(1, bool(s.logit_bias), lambda: bias_row(s, self.vocab)))
         if sampled:
             gen = host_generator(s)
             self._gens[slot] = gen
@@ -286,10 +289,10 @@ class SlotGenerator(StepGraphsOwner):
             self.logprobs[slot] = _read_logprobs(self._lp_out, [token])[0]
         return token
 
-    def _row(self, needed: bool, make) -> torch.Tensor:
-        """``make()`` ([vocab] on the host) as a ``[1, vocab]`` device row; zeros unless
-        ``needed`` (kept on the device: nothing uploaded)."""
-        return make()[None].to(self.device) if needed else self._zero_row
+    def _row(self, which: int, needed: bool, make) -> torch.Tensor:
+        """``make()`` ([vocab] on the host) as a ``[1, vocab]`` device row; unless ``needed``
+        zeros kept on the device (the seen row's, ``which`` 0, or the bias row's, 1)."""
+        return make()[None].to(self.device) if needed else self._zero_rows[which]
 
     def _check_chunk(self, slot: int, n: int, start: int) -> None:
         if slot not in self.in_use or slot in self.active:
@@ -379,7 +382,7 @@ class SlotGenerator(StepGraphsOwner):
                 ids = torch.full((1, bucket), self.pad_id, dtype=torch.long).to(dev)
                 meta = ChunkMeta(0, 0, 0, False, 0, sampled)  # no token written
                 floats = torch.tensor([[1.0, *Sampling().row_params()]]).to(dev)
-                args = [ids, meta.tensor().to(dev), floats, self._zero_row, self._zero_row]
+                args = [ids, meta.tensor().to(dev), floats, *self._zero_rows]
                 args += [torch.ones(1, self.vocab).to(dev)] if sampled else []
                 self._run_prefill(bucket, sampled, prompt_lp, args)
 
