@@ -1,7 +1,8 @@
 """Decode step time of the SlotGenerator per sampling path on the XLA CPU device, for a tiny
-Llama (hidden 64) of L layers and a vocabulary of V tokens, replayed graphs: greedy; sampled
-with top_p, min_p and the penalties (the same sampled graph with other row data); greedy with
-the log-probabilities read back every step. Wall and device-execute ms per decode step after
+Llama (hidden 64) of L layers and a vocabulary of V tokens, replayed graphs: greedy; sampled;
+sampled with min_p and the penalties (the same sampled graph, other row data); with top_p too
+(the sampled graph that sorts the vocabulary); greedy with the log-probabilities read back
+every step. Wall and device-execute ms per decode step after
 a warm-up, and the graph count after ``warmup()`` and after the timed steps (no value adds
 one).
 
@@ -67,11 +68,25 @@ def main() -> None:
     )
     model = hf.parallelize(copy.deepcopy(LlamaForCausalLM(cfg).eval()), ntp.Mesh(1, 0)).eval()
     model = model.to(ntp.xla_device())
-    gen = SlotGenerator(model, args.active, max_len=args.steps + 32, chunk=16)
+    gen = SlotGenerator(model, args.active, max_len=args.steps + 32, chunk=16, top_p=True)
     gen.warmup()
     warm = gen.traces
     paths = {
         "greedy": (lambda i: Sampling(), False),
+        "sampled (temperature 0.8)": (lambda i: Sampling(True, 0.8, 0, i), False),
+        "sampled + min_p + penalties": (
+            lambda i: Sampling(
+                True,
+                0.8,
+                0,
+                i,
+                min_p=0.05,
+                presence_penalty=0.5,
+                frequency_penalty=0.5,
+                repetition_penalty=1.2,
+            ),
+            False,
+        ),
         "top_p 0.9 + min_p + penalties": (
             lambda i: Sampling(
                 True,

@@ -197,31 +197,49 @@ def adjust_rows(logits, params, counts, seen, bias) -> torch.Tensor:
     return logits - frequency * counts - presence * (counts > 0).float()
 
 
-def filter_rows(logits, temperature, top_k, params) -> torch.Tensor:
+def filter_rows(logits, temperature, top_k, params, nucleus: bool = True) -> torch.Tensor:
     """What a sampled row draws from, up to its normalisation: :func:`row_probs`
     (temperature, top k) restricted to its ``top_p`` nucleus (the most likely tokens until
     their mass reaches ``top_p``; 1: all) and to the tokens with at least ``min_p`` times the
-    largest probability. ``params`` [B, P] (columns :data:`ROW_PARAMS`)."""
+    largest probability. ``params`` [B, P] (columns :data:`ROW_PARAMS`); ``nucleus`` False:
+    no row has a top_p below 1 (the sort it needs is left out)."""
     probs = row_probs(logits, temperature, top_k)
     top_p, min_p = params[:, 0:1], params[:, 1:2]
-    ordered, order = probs.sort(-1, descending=True)
-    before = ordered.cumsum(-1) - ordered  # the mass of the more likely tokens
-    keep_sorted = (before < top_p) | (top_p >= 1)
-    keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
-    keep = keep & (probs >= min_p * ordered[:, :1])
+    keep = probs >= min_p * probs.max(-1, keepdim=True).values
+    if nucleus:
+        keep = keep & ((probs > nucleus_floor(probs, top_p)) | (top_p >= 1))
     return probs * keep
 
 
-def choose_adjusted(logits, state_rows, sample, noise) -> torch.Tensor:
+NUCLEUS_STEPS = 32  # bisection steps of nucleus_floor
+
+
+def nucleus_floor(probs, top_p) -> torch.Tensor:
+    """``[B, 1]``: a probability below which no token of a row's top_p nucleus lies and above
+    which only its tokens do (to the bisection's resolution, ``max p / 2**32``): the nucleus is
+    the tokens whose more likely tokens weigh less than ``top_p``, i.e. ``p > floor``. Found by
+    bisection on the mass of the tokens above a threshold, without sorting the vocabulary."""
+    low = torch.zeros_like(probs[:, :1])  # the mass above it is >= top_p
+    high = probs.max(-1, keepdim=True).values  # the mass above it is 0 < top_p
+    for _ in range(NUCLEUS_STEPS):
+        mid = (low + high) / 2
+        above = (probs * (probs > mid)).sum(-1, keepdim=True)
+        reached = above >= top_p
+        low, high = torch.where(reached, mid, low), torch.where(reached, high, mid)
+    return low
+
+
+def choose_adjusted(logits, state_rows, sample, noise, nucleus: bool = True) -> torch.Tensor:
     """The token of each row: the argmax of its adjusted logits (:func:`adjust_rows`), or for
     a ``sample`` row a draw from :func:`filter_rows` of them with ``noise`` (None: every row
-    greedy). ``state_rows``: ``(temperature, top_k, params, counts, seen, bias)``."""
+    greedy; ``nucleus`` False: no row's top_p below 1). ``state_rows``: ``(temperature,
+    top_k, params, counts, seen, bias)``."""
     temperature, top_k, params, counts, seen, bias = state_rows
     adjusted = adjust_rows(logits, params, counts, seen, bias)
     greedy = adjusted.argmax(-1)
     if noise is None:
         return greedy
-    drawn = (filter_rows(adjusted, temperature, top_k, params) / noise).argmax(-1)
+    drawn = (filter_rows(adjusted, temperature, top_k, params, nucleus) / noise).argmax(-1)
     return torch.where(sample, drawn, greedy)
 
 

@@ -554,7 +554,7 @@ def _load(engine: Engine, config, mesh) -> None:
         decode_buckets=config.batch_buckets,
         pad_id=pad,
         kv_split=split,
-        **({} if make else {"prompt_logprobs": True}),
+        **({} if make else {"prompt_logprobs": True, "top_p": True}),
     )
     if mesh.rank == 0:
         print(

@@ -111,8 +111,10 @@ class SlotGenerator(StepGraphsOwner):
     (the ranks sharing a kv head each cache 1/r of the positions, :mod:`.kv_split`) or
     ``auto`` (sequence when kv heads are replicated); ``prompt_logprobs``: :meth:`warmup`
     also captures the prefill graphs that return every prompt position's log-probabilities
-    (one more per prefill bucket). The model's weights must not change while the
-    SlotGenerator is used."""
+    (one more per prefill bucket); ``top_p``: it also captures the sampled decode graphs that
+    apply top_p (a sort of the vocabulary per row: sampled steps without a top_p row run the
+    graph without it; one more per decode bucket). The model's weights must not change while
+    the SlotGenerator is used."""
 
     logprobs_supported = True  # decode steps return the log-probabilities of their tokens
 
@@ -129,6 +131,7 @@ class SlotGenerator(StepGraphsOwner):
         replay: bool = True,
         kv_split: str = "heads",
         prompt_logprobs: bool = False,
+        top_p: bool = False,
     ):
         if slots < 1 or max_len < 2 or chunk < 1:
             raise UserError(
@@ -157,7 +160,7 @@ class SlotGenerator(StepGraphsOwner):
         self.split = _seq_split(model, kv_split, max_len)
 
         self.model, self.slots, self.max_len, self.chunk = model, slots, max_len, chunk
-        self.prompt_logprob_graphs = prompt_logprobs
+        self.prompt_logprob_graphs, self.top_p_graphs = prompt_logprobs, top_p
         self.pad_id, self.vocab = pad_id, model.config.get_text_config(decoder=True).vocab_size
         self.device = dev = next(model.parameters()).device
         self._graphs = StepGraphs(dev, replay)
@@ -188,6 +191,7 @@ class SlotGenerator(StepGraphsOwner):
         self._filled: dict[int, int] = {}  # prompt positions written so far, per acquired slot
         self._host_pos: dict[int, int] = {}  # next cache index of each active slot
         self._gens: dict[int, torch.Generator] = {}  # sampled active slots
+        self._nucleus: set[int] = set()  # of them, those with top_p < 1
 
     # -- requests --------------------------------------------------------------------------
     def check(
@@ -231,6 +235,7 @@ class SlotGenerator(StepGraphsOwner):
         self._host_pos.pop(slot, None)
         self._filled.pop(slot, None)
         self._gens.pop(slot, None)
+        self._nucleus.discard(slot)
         self.logprob_slots.discard(slot)
 
     def prefill(
@@ -272,6 +277,8 @@ class SlotGenerator(StepGraphsOwner):
         if sampled:
             gen = host_generator(s)
             self._gens[slot] = gen
+            if s.top_p < 1:
+                self._nucleus.add(slot)
             args.append(host_noise(gen, 1, self.vocab).to(dev))
         tok = self._run_prefill(bucket, sampled, prompt_logprobs, args)
         self._filled[slot] = start + n
@@ -343,7 +350,8 @@ class SlotGenerator(StepGraphsOwner):
             for s, gen in self._gens.items():
                 noise[s] = host_noise(gen, 1, self.vocab)[0]
             noise = noise.to(self.device)
-        self._run_decode(bucket, self._active(), noise)
+        nucleus = sampled and any(s in self._nucleus for s in self.active)
+        self._run_decode(bucket, self._active(), noise, nucleus)
         for s in self.active:
             self._host_pos[s] += 1
         toks = self._state.tokens.cpu().tolist()  # one transfer
@@ -367,9 +375,11 @@ class SlotGenerator(StepGraphsOwner):
         self.warmup_prefill()
         dev, none = self.device, torch.zeros(self.slots, dtype=torch.bool).to(self.device)
         for bucket in self.decode_buckets:
-            for sampled in (False, True):
+            for sampled, nucleus in ((False, False), (True, False), (True, True)):
+                if nucleus and not self.top_p_graphs:
+                    continue
                 noise = torch.ones(bucket, self.vocab).to(dev) if sampled else None
-                self._run_decode(bucket, none, noise)
+                self._run_decode(bucket, none, noise, nucleus)
         self._active_dirty = True
 
     def warmup_prefill(self, variants: Sequence[bool] = (False, True)) -> None:
@@ -429,11 +439,15 @@ class SlotGenerator(StepGraphsOwner):
         self._state, self._kv = SlotState(*out[m : m + n]), out[m + n :]
         return out[0]
 
-    def _run_decode(self, bucket: int, active: torch.Tensor, noise: torch.Tensor | None):
-        """Run a decode graph: every active row of ``[0, bucket)`` advances one token."""
-        key = ("decode", bucket, noise is not None)
+    def _run_decode(
+        self, bucket: int, active: torch.Tensor, noise: torch.Tensor | None, nucleus: bool = False
+    ):
+        """Run a decode graph: every active row of ``[0, bucket)`` advances one token
+        (``nucleus``: the graph that applies the rows' top_p)."""
+        sampled = noise is not None
+        key = ("decode", bucket, sampled, "top_p") if nucleus else ("decode", bucket, sampled)
         args = [active, *self._state, *([noise] if noise is not None else [])]
-        out = self._run(key, lambda: self._decode_fn(bucket, noise is not None), args)
+        out = self._run(key, lambda: self._decode_fn(bucket, sampled, nucleus), args)
         self._state = self._state._replace(tokens=out[0], pos=out[1], counts=out[2])
         self._lp_out = tuple(out[3:6])
         self._kv = out[6:]
@@ -519,7 +533,7 @@ class SlotGenerator(StepGraphsOwner):
 
         return self.with_split_attention(step)
 
-    def _decode_fn(self, bucket: int, sampled: bool):
+    def _decode_fn(self, bucket: int, sampled: bool, nucleus: bool = False):
         from .slot_cache import SlotCache
 
         model, scratch, n_state = self.model, self.max_len, len(SlotState._fields)
@@ -545,7 +559,7 @@ class SlotGenerator(StepGraphsOwner):
             counts = state.counts[b]
             rows = (state.temperature[b], state.top_k[b], state.params[b], counts)
             rows += (state.seen[b], state.bias[b])
-            tok = choose_adjusted(logits, rows, state.sample[b], noise)
+            tok = choose_adjusted(logits, rows, state.sample[b], noise, nucleus)
             tok = torch.where(a, tok, last)
             counts = counts + torch.zeros_like(counts).scatter(-1, tok[:, None], a.float()[:, None])
             lp = token_logprobs(logits, tok)

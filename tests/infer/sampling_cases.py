@@ -27,6 +27,7 @@ SHAPES = dict(
     prefill_buckets=[4, CHUNK],
     decode_buckets=[1, SLOTS],
     prompt_logprobs=True,
+    top_p=True,
 )
 LP_TOL = 2e-3
 PROMPT = [72, 101, 108, 108, 111, 44, 32, 119]  # one full chunk
