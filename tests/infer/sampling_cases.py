@@ -46,7 +46,21 @@ def cases() -> list[dict]:
     check compares)."""
     lp = Output(logprobs=True)
     echo = Output(logprobs=True, prompt_logprobs=True)
-    return [
+    return [  # the sampled row without top_p in slot 0, the top_p row in slot 1
+        dict(
+            kind="allowed",
+            prompt=LONG[:5],
+            max_tokens=MAX_NEW,
+            sampling=Sampling(True, 1.3, 40, 12, min_p=0.3, frequency_penalty=0.5),
+            output=Output(),
+        ),
+        dict(
+            kind="allowed",
+            prompt=PROMPT,
+            max_tokens=MAX_NEW,
+            sampling=Sampling(True, 1.0, 0, 11, top_p=0.6),
+            output=lp,
+        ),
         dict(kind="greedy", prompt=PROMPT, max_tokens=MAX_NEW, sampling=Sampling(), output=lp),
         dict(
             kind="greedy",
@@ -64,20 +78,6 @@ def cases() -> list[dict]:
         ),
         dict(kind="greedy", prompt=LONG, max_tokens=0, sampling=Sampling(), output=echo),
         dict(kind="greedy", prompt=LONG[:13], max_tokens=1, sampling=Sampling(), output=echo),
-        dict(
-            kind="allowed",
-            prompt=PROMPT,
-            max_tokens=MAX_NEW,
-            sampling=Sampling(True, 1.0, 0, 11, top_p=0.6),
-            output=lp,
-        ),
-        dict(
-            kind="allowed",
-            prompt=LONG[:5],
-            max_tokens=MAX_NEW,
-            sampling=Sampling(True, 1.3, 40, 12, min_p=0.3, frequency_penalty=0.5),
-            output=Output(),
-        ),
         dict(kind="stop_id", prompt=PROMPT, max_tokens=MAX_NEW, sampling=Sampling(), output=None),
     ]
 
