@@ -3,7 +3,8 @@ references written here and in tests/infer/sampling_cases.py in plain torch on t
 logits of the same tiny random weights: the engine at tp 1, tp 2 on gloo ranks and tp 2 on two
 XLA CPU devices (no graph compiled after warm-up), and ``neuron-tp serve``'s OpenAI formats
 through the ``openai`` client (completions and chat logprobs, lm-eval's echo request, ``n``,
-many stop strings, stop token ids, the default ``max_tokens``, generation_config defaults)."""
+many stop strings, stop token ids, the default ``max_tokens``, generation_config defaults,
+streamed log-probabilities) and the refusals of a speculative generator."""
 
 from __future__ import annotations
 
@@ -339,3 +340,50 @@ def test_default_max_tokens_is_the_room_left_and_generation_config_defaults(full
         == _text([t for t in plain if t not in sc.EOS])
         != r.choices[0].text
     )
+
+
+def test_streamed_completion_logprobs_equal_the_whole_answer(served):
+    _, url = served
+    client = _client(url)
+    kw = dict(model="tiny", prompt=sc.LONG, max_tokens=5, temperature=0, logprobs=2, echo=True)
+    whole = client.completions.create(**kw).choices[0]
+    text, tokens, lps, offsets = "", [], [], []
+    for chunk in client.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            text += c.text
+            if c.logprobs is not None:
+                tokens += c.logprobs.tokens
+                lps += c.logprobs.token_logprobs
+                offsets += c.logprobs.text_offset
+    assert text == whole.text and tokens == whole.logprobs.tokens
+    assert lps == whole.logprobs.token_logprobs and offsets == whole.logprobs.text_offset
+
+
+def test_speculation_refuses_what_its_verification_does_not_apply(full):
+    """A speculative generator (here n-gram) takes temperature and top_k only: the filters,
+    penalties, bias and log-probabilities are refused before anything runs."""
+    from neuron_tp import hf, init_mesh
+    from neuron_tp.infer.engine import Engine
+    from neuron_tp.infer.ngram import NgramGenerator
+    from neuron_tp.infer.sampling import Sampling
+    from neuron_tp.infer.schedule import Output
+    from neuron_tp.job.data import ByteTokenizer
+
+    model = hf.parallelize(copy.deepcopy(full), init_mesh(tp=1)).eval()
+    engine = Engine()
+    gen = NgramGenerator(model, 2, 40, k=2, chunk=8, prefill_buckets=[8])
+    engine.attach(gen, ByteTokenizer(), sc.EOS, sc.MAX_NEW)
+    engine.check([1, 2], 4, [], Sampling(True, 0.8, 5, 1))
+    for s in (
+        Sampling(True, 1.0, 0, 1, top_p=0.9),
+        Sampling(True, 1.0, 0, 1, min_p=0.1),
+        Sampling(presence_penalty=0.5),
+        Sampling(repetition_penalty=1.2),
+        Sampling(logit_bias=((3, 1.0),)),
+    ):
+        with pytest.raises(ValueError, match="not supported with speculative decoding"):
+            engine.check([1, 2], 4, [], s)
+    with pytest.raises(ValueError, match="logprobs are not supported with speculative"):
+        engine.check([1, 2], 4, [], Sampling(), Output(logprobs=True))
+    with pytest.raises(ValueError, match="prompt log-probabilities"):
+        engine.check([1, 2], 4, [], Sampling(), Output(prompt_logprobs=True))
