@@ -686,7 +686,11 @@ def test_metrics_count_what_was_sent_and_each_request_logs_one_line(tp1, caplog)
             answers.append(r.json())
         r = c.post(
             "/v1/chat/completions",
-            json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+            json={
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 4,
+                "temperature": 0,
+            },
         )
         answers.append(r.json())
         lines = c.post(
@@ -694,6 +698,7 @@ def test_metrics_count_what_was_sent_and_each_request_logs_one_line(tp1, caplog)
             json={
                 "prompt": "A",
                 "max_tokens": 4,
+                "temperature": 0,
                 "stream": True,
                 "stream_options": {"include_usage": True},
             },
