@@ -1,53 +1,104 @@
 """What a completion or chat request asks for, checked before anything is queued: its
 generation parameters (every numeric field range-checked), its prompts as token ids (text,
 token ids checked against the vocabulary, or chat messages through the chat template) and
-the engine's limits. Mistakes raise :class:`BadRequest` (HTTP 400) naming the field.
+the engine's limits. Mistakes raise :class:`BadRequest` (HTTP 400) naming the field; so does
+any field this server does not implement (:func:`check_fields`): nothing is silently ignored.
 
-Parameters: ``max_tokens`` (or ``max_completion_tokens``; 1..the server's
-``--max-new-tokens``), ``temperature`` (0..2; 0: greedy), ``top_k`` (an extension; 0: off, at
-most the vocabulary), ``seed`` (0..2**63-1; a seeded request reproduces its text), ``stop`` (a
-string or a list of up to 4), ``n`` / ``best_of`` (1 only), ``stream`` (a boolean),
-``stream_options.include_usage`` (a last chunk with the usage). ``top_p`` other than 1,
-non-zero ``presence_penalty`` / ``frequency_penalty``, ``echo`` and ``logprobs`` /
-``top_logprobs`` (see :func:`refuse_logprobs`) are refused. A chat message's ``content`` is a
-string or a list of text parts (``[{"type": "text", "text": ...}]``, joined with newlines;
-other part types get a 400 naming them); a tokenizer without a chat template (e.g. the
-byte-level fallback) uses ``"{role}: {content}\\n"`` per message then ``"assistant: "``.
+Parameters (both endpoints unless said): ``max_tokens`` (or ``max_completion_tokens``;
+0..the server's ``--max-new-tokens``, 0 only with ``echo``; absent: completions 16, chat the
+room left in the slot, both at most that room and the server limit), ``temperature`` (0..2;
+0: greedy), ``top_p`` ((0, 1]), ``top_k`` (0: off, at most the vocabulary), ``min_p`` (0..1),
+``presence_penalty`` / ``frequency_penalty`` (-2..2, OpenAI's), ``repetition_penalty``
+((0, 10], vLLM's), ``logit_bias`` (``{"token id": -100..100}``), ``seed`` (0..2**63-1; a
+seeded request reproduces its text; choice ``j`` of ``n`` uses ``seed + j``), ``n`` (choices
+per prompt; ``best_of`` only equal to it), ``stop`` (a string or a list of them),
+``stop_token_ids`` (ids that end a choice like EOS), ``stream`` (a boolean),
+``stream_options.include_usage`` (a last chunk with the usage), ``user`` (accepted, no
+effect). Completions: ``logprobs`` (0..20: the chosen token's log-probability and that many
+most likely tokens per position), ``echo`` (the prompt in front of the text; with
+``logprobs`` its tokens' log-probabilities too, the first one null). Chat: ``logprobs``
+(a boolean) and ``top_logprobs`` (0..20). The model's ``generation_config`` supplies the
+defaults of ``temperature``, ``top_k``, ``top_p``, ``min_p`` and ``repetition_penalty`` a
+request leaves out (:func:`generation_defaults`). A chat message's ``content`` is a string or
+a list of text parts (``[{"type": "text", "text": ...}]``, joined with newlines; other part
+types get a 400 naming them); a tokenizer without a chat template (e.g. the byte-level
+fallback) uses ``"{role}: {content}\\n"`` per message then ``"assistant: "``.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .engine import Engine
-from .sampling import MAX_SEED, Sampling
+from .sampling import MAX_LOGPROBS, MAX_SEED, Sampling
+from .schedule import Output
 
-MAX_STOP = 4  # stop strings per request, as OpenAI allows
 MAX_TEMPERATURE = 2.0  # OpenAI's range: 0..2
 MAX_INT = 2**63 - 1  # no count in a request needs more
+COMPLETION_DEFAULT_MAX = 16  # OpenAI's default max_tokens of /v1/completions
+COMMON_FIELDS = frozenset(
+    (
+        "model max_tokens max_completion_tokens temperature top_p top_k min_p n stream "
+        "stream_options stop stop_token_ids presence_penalty frequency_penalty "
+        "repetition_penalty logit_bias seed user"
+    ).split()
+)
+FIELDS = {
+    False: COMMON_FIELDS | {"prompt", "echo", "logprobs", "best_of"},
+    True: COMMON_FIELDS | {"messages", "logprobs", "top_logprobs"},
+}
+NOT_IMPLEMENTED = {  # OpenAI fields this server refuses, and why
+    "suffix": "insertion (suffix) is not supported",
+    "response_format": "structured outputs (response_format) are not supported",
+    "tools": "tool calls are not supported",
+    "tool_choice": "tool calls are not supported",
+    "functions": "function calls are not supported",
+    "function_call": "function calls are not supported",
+    "parallel_tool_calls": "tool calls are not supported",
+    "audio": "audio output is not supported",
+    "modalities": "only text output is supported",
+    "prediction": "predicted outputs are not supported",
+    "reasoning_effort": "reasoning effort is not supported",
+    "web_search_options": "web search is not supported",
+}
+GENERATION_DEFAULTS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
 
 
 @dataclass(frozen=True)
 class CompletionParams:
     """The generation parameters of a completion or chat request (``seeded``: it named its
-    seed, so its text is reproducible)."""
+    seed, so its text is reproducible; ``max_tokens`` None: the default of each prompt;
+    ``logprobs``: top log-probabilities per position, None: none; ``echo``: the prompt leads
+    each choice's text)."""
 
-    max_tokens: int
+    max_tokens: int | None
     sampling: Sampling
     stop: list[str]
     seeded: bool
+    n: int = 1
+    logprobs: int | None = None
+    echo: bool = False
+    stop_ids: tuple[int, ...] = ()
+
+    def output(self) -> Output:
+        """What the engine must return besides the text."""
+        lp = self.logprobs is not None
+        return Output(lp, lp and self.echo, self.stop_ids)
 
 
 @dataclass(frozen=True)
 class CompletionRequest:
     """A checked completion or chat request: its parameters, whether its stream ends with a
-    usage chunk, and its prompts as token ids (one choice each)."""
+    usage chunk, its prompts as token ids and each one's ``max_tokens`` (``n`` choices each),
+    and the prompts' texts (what ``echo`` shows)."""
 
     params: CompletionParams
     include_usage: bool
     prompts: list[list[int]]
+    max_tokens: list[int] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
 
 
 class BadRequest(ValueError):
@@ -94,63 +145,147 @@ def _number(
     return kind(value)
 
 
+def check_fields(body: dict, chat: bool) -> None:
+    """BadRequest naming the first field of ``body`` (not null) this endpoint does not
+    implement: a known OpenAI field that is not supported, or an unknown one."""
+    endpoint = "/v1/chat/completions" if chat else "/v1/completions"
+    for name, value in body.items():
+        if value is None or name in FIELDS[chat]:
+            continue
+        why = NOT_IMPLEMENTED.get(name)
+        if why is not None:
+            raise BadRequest(f"{name}: {why} by this server; leave {name} unset", name)
+        raise BadRequest(
+            f"unknown field {name!r} for {endpoint} (this server refuses what it does not "
+            "implement rather than ignore it; see docs/inference.md)",
+            name,
+        )
+
+
+def generation_defaults(generation_config) -> dict:
+    """The sampling defaults a model's ``generation_config`` sets (only what differs from
+    transformers' own defaults, as vLLM reads it): a subset of
+    :data:`GENERATION_DEFAULTS`."""
+    if generation_config is None:
+        return {}
+    diff = generation_config.to_diff_dict()
+    return {k: diff[k] for k in GENERATION_DEFAULTS if diff.get(k) is not None}
+
+
+def _logit_bias(body: dict, vocab: int | None) -> tuple[tuple[int, float], ...]:
+    bias = body.get("logit_bias")
+    if bias is None:
+        return ()
+    if not isinstance(bias, dict):
+        raise BadRequest('logit_bias must be an object {"token id": bias}', "logit_bias")
+    out = []
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise BadRequest(f"logit_bias: {key!r} is not a token id", "logit_bias") from None
+        if token < 0 or (vocab is not None and token >= vocab):
+            raise BadRequest(f"logit_bias: {token} is not a token id of this model", "logit_bias")
+        out.append(
+            (token, _number({"logit_bias": value}, "logit_bias", float, 0.0, low=-100, high=100))
+        )
+    return tuple(sorted(out))
+
+
+def _stop_ids(body: dict, vocab: int | None) -> tuple[int, ...]:
+    ids = body.get("stop_token_ids")
+    if ids is None:
+        return ()
+    if not isinstance(ids, list) or not all(_is_id(t) for t in ids):
+        raise BadRequest("stop_token_ids must be a list of token ids", "stop_token_ids")
+    for t in ids:
+        if t < 0 or (vocab is not None and t >= vocab):
+            raise BadRequest(
+                f"stop_token_ids: {t} is not a token id of this model", "stop_token_ids"
+            )
+    return tuple(ids)
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """Top log-probabilities per position asked for (None: no log-probabilities)."""
+    if not chat:
+        return _number(body, "logprobs", int, None, low=0, high=MAX_LOGPROBS)
+    if body.get("logprobs") not in (None, False, True):
+        raise BadRequest(f"logprobs must be a boolean, got {body['logprobs']!r}", "logprobs")
+    top = _number(body, "top_logprobs", int, None, low=0, high=MAX_LOGPROBS)
+    if top is not None and not body.get("logprobs"):
+        raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
+    return (top or 0) if body.get("logprobs") else None
+
+
 def parse_params(
-    body: dict, limit: int, default_max: int = 16, vocab: int | None = None
+    body: dict,
+    limit: int,
+    vocab: int | None = None,
+    *,
+    chat: bool = False,
+    defaults: dict | None = None,
 ) -> CompletionParams:
     """Generation parameters of a request body (BadRequest naming the wrong one);
-    ``max_tokens`` defaults to ``default_max`` (at most the server's ``limit``); ``top_k`` is
-    at most ``vocab`` (the model's vocabulary size, when known)."""
-    if _number(body, "n", int, 1, low=1, high=MAX_INT, why=" (one choice per prompt)") != 1:
-        raise BadRequest(f"n must be 1 (one choice per prompt), got {body['n']}", "n")
-    if _number(body, "best_of", int, 1, low=1, high=MAX_INT, why=" (one choice per prompt)") != 1:
-        got = body["best_of"]
-        raise BadRequest(f"best_of must be 1 (one choice per prompt), got {got}", "best_of")
-    server = " (server limit: neuron-tp serve --max-new-tokens)"
-    name = "max_tokens" if body.get("max_tokens") is not None else "max_completion_tokens"
-    max_tokens = _number(body, name, int, min(default_max, limit), low=1, high=limit, why=server)
-    temperature = _number(body, "temperature", float, 1.0, low=0.0, high=MAX_TEMPERATURE)
-    top_k = _number(
-        body, "top_k", int, 0, low=0, high=vocab or MAX_INT, why=" (0: off; at most the vocab)"
-    )
-    seed = _number(body, "seed", int, None, low=0, high=MAX_SEED)
-    if _number(body, "top_p", float, 1.0, low=0.0, high=1.0) != 1:
-        raise BadRequest("top_p is not supported (use top_k); leave it unset or 1", "top_p")
-    for penalty in ("presence_penalty", "frequency_penalty"):
-        if _number(body, penalty, float, 0.0, low=-2.0, high=2.0) != 0:
-            raise BadRequest(f"{penalty} is not supported; leave it unset or 0", penalty)
+    ``max_tokens`` at most the server's ``limit`` (None when absent); ``top_k`` at most
+    ``vocab`` (the model's vocabulary size, when known); ``defaults``: the model's
+    generation_config values of what the body leaves out (:func:`generation_defaults`)."""
+    check_fields(body, chat)
+    body_or = {**(defaults or {}), **{k: v for k, v in body.items() if v is not None}}
+    n = _number(body, "n", int, 1, low=1, high=MAX_INT, why=" (choices per prompt)")
+    best_of = _number(body, "best_of", int, n, low=1, high=MAX_INT)
+    if best_of != n:
+        raise BadRequest(
+            f"best_of must equal n ({n}): ranking candidates is not supported", "best_of"
+        )
     for flag in ("stream", "echo"):
         if body.get(flag) not in (None, False, True):
             raise BadRequest(f"{flag} must be a boolean, got {body[flag]!r}", flag)
-    if body.get("echo"):
-        raise BadRequest("echo is not supported; leave it unset or false", "echo")
+    echo = bool(body.get("echo"))
+    server = " (server limit: neuron-tp serve --max-new-tokens" + ("" if echo else "; 0 with echo")
+    name = "max_tokens" if body.get("max_tokens") is not None else "max_completion_tokens"
+    max_tokens = _number(body, name, int, None, low=0 if echo else 1, high=limit, why=server + ")")
+    temperature = _number(body_or, "temperature", float, 1.0, low=0.0, high=MAX_TEMPERATURE)
+    top_k = _number(
+        body_or, "top_k", int, 0, low=0, high=vocab or MAX_INT, why=" (0: off; at most the vocab)"
+    )
+    top_p = _number(body_or, "top_p", float, 1.0, low=0.0, high=1.0)
+    if top_p == 0:
+        raise BadRequest("top_p must be in (0, 1] (use temperature 0 for greedy), got 0", "top_p")
+    min_p = _number(body_or, "min_p", float, 0.0, low=0.0, high=1.0)
+    penalties = {
+        p: _number(body, p, float, 0.0, low=-2.0, high=2.0)
+        for p in ("presence_penalty", "frequency_penalty")
+    }
+    repetition = _number(body_or, "repetition_penalty", float, 1.0, low=0.0, high=10.0)
+    if repetition == 0:
+        raise BadRequest("repetition_penalty must be in (0, 10], got 0", "repetition_penalty")
+    seed = _number(body, "seed", int, None, low=0, high=MAX_SEED)
     stop = body.get("stop") or []
     stop = [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
         raise BadRequest("stop must be a non-empty string or a list of them", "stop")
-    if len(stop) > MAX_STOP:
-        raise BadRequest(f"at most {MAX_STOP} stop strings, got {len(stop)}", "stop")
+    rest = dict(
+        top_p=top_p,
+        min_p=min_p,
+        repetition_penalty=repetition,
+        logit_bias=_logit_bias(body, vocab),
+        **penalties,
+    )
     if temperature == 0:
-        sampling = Sampling()
+        sampling = Sampling(seed=seed or 0, **rest)
     else:
-        sampling = Sampling(True, temperature, top_k, seed if seed is not None else 0)
-    return CompletionParams(max_tokens, sampling, stop, seeded=seed is not None)
-
-
-def refuse_logprobs(body: dict) -> None:
-    """BadRequest when a request asks for log-probabilities (``logprobs``, ``top_logprobs``).
-
-    Not supported: the replayed step graphs return only each row's chosen token (one small
-    transfer per token); log-probabilities would be more graph outputs, and with them a
-    second set of prefill/decode graphs per bucket to compile (or top-k work in every
-    request's graphs). Refused rather than answered with ``null``."""
-    for name in ("logprobs", "top_logprobs"):
-        value = body.get(name)
-        if value is not None and value is not False:  # 0 asks for the chosen token's
-            raise BadRequest(
-                f"{name} is not supported by this server (token log-probabilities are not "
-                f"computed); leave {name} unset",
-                name,
-            )
+        sampling = Sampling(True, temperature, top_k, seed if seed is not None else 0, **rest)
+    return CompletionParams(
+        max_tokens,
+        sampling,
+        stop,
+        seeded=seed is not None,
+        n=n,
+        logprobs=_logprobs(body, chat),
+        echo=echo,
+        stop_ids=_stop_ids(body, vocab),
+    )
 
 
 def message_text(index: int, message: Any) -> dict:
@@ -183,22 +318,29 @@ def message_text(index: int, message: Any) -> dict:
 
 def prepare(engine: Engine, body: dict, chat: bool) -> CompletionRequest:
     """A request's generation parameters, whether its stream ends with the usage, and its
-    prompts as token ids, all checked against the engine's limits (BadRequest or ValueError
-    naming what is wrong; nothing is queued)."""
+    prompts as token ids (with each one's ``max_tokens``), all checked against the engine's
+    limits (BadRequest or ValueError naming what is wrong; nothing is queued)."""
     limit, vocab = engine.max_tokens_limit, vocab_size(engine)
-    params = parse_params(body, limit, limit if chat else 16, vocab)  # chat: the limit
-    refuse_logprobs(body)
+    defaults = getattr(engine, "sampling_defaults", None)
+    params = parse_params(body, limit, vocab, chat=chat, defaults=defaults)
     usage = stream_usage(body)
-    prompts = request_prompts(engine, body, chat, vocab)
+    prompts, texts = request_prompts(engine, body, chat, vocab)
     most = getattr(engine, "max_queue", None)
-    if most is not None and len(prompts) > most:
+    if most is not None and len(prompts) * params.n > most:
         raise BadRequest(
-            f"at most {most} prompts per request (neuron-tp serve --max-queue), got {len(prompts)}",
-            "prompt",
+            f"at most {most} choices per request (prompts x n; neuron-tp serve --max-queue), "
+            f"got {len(prompts) * params.n}",
+            "n" if params.n > 1 else "prompt",
         )
+    lengths = []
     for p in prompts:
-        engine.check(p, params.max_tokens, params.stop, params.sampling)
-    return CompletionRequest(params, usage, prompts)
+        n = params.max_tokens
+        if n is None:
+            room = engine.room(len(p))
+            n = max(1, min(room, COMPLETION_DEFAULT_MAX) if not chat else room)
+        engine.check(p, n, params.stop, params.sampling, params.output())
+        lengths.append(n)
+    return CompletionRequest(params, usage, prompts, lengths, texts)
 
 
 def stream_usage(body: dict) -> bool:
@@ -214,30 +356,35 @@ def stream_usage(body: dict) -> bool:
     return bool(options.get("include_usage"))
 
 
-def request_prompts(engine: Engine, body: dict, chat: bool, vocab: int | None) -> list[list[int]]:
-    """The prompts of a request as token ids: a chat's messages through the chat template;
-    a completion's ``prompt`` as a string, a list of strings, a list of token ids or a list
-    of such lists (ids checked by :func:`token_ids`)."""
+def request_prompts(
+    engine: Engine, body: dict, chat: bool, vocab: int | None
+) -> tuple[list[list[int]], list[str]]:
+    """The prompts of a request as token ids and as text: a chat's messages through the chat
+    template; a completion's ``prompt`` as a string, a list of strings, a list of token ids or
+    a list of such lists (ids checked by :func:`token_ids`, their text decoded)."""
     tok = engine.tokenizer
     if chat:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise BadRequest("messages must be a non-empty list of {role, content}", "messages")
         messages = [message_text(i, m) for i, m in enumerate(messages)]
-        return [encode_prompt(tok, chat_prompt(tok, messages), chat=True)]
+        text = chat_prompt(tok, messages)
+        return [encode_prompt(tok, text, chat=True)], [text]
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and all(_is_id(t) for t in prompt):
-        return [token_ids(prompt, vocab, "prompt")]  # one prompt of token ids
+        ids = [token_ids(prompt, vocab, "prompt")]  # one prompt of token ids
+        return ids, [tok.decode(ids[0]) for _ in ids]
     prompts = [prompt] if isinstance(prompt, str) else prompt
     if isinstance(prompts, list) and prompts and all(isinstance(p, list) for p in prompts):
-        return [token_ids(p, vocab, f"prompt[{i}]") for i, p in enumerate(prompts)]
+        ids = [token_ids(p, vocab, f"prompt[{i}]") for i, p in enumerate(prompts)]
+        return ids, [tok.decode(p) for p in ids]
     if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
         raise BadRequest(
             "prompt must be a string, a non-empty list of strings, a list of token ids "
             "or a list of lists of token ids",
             "prompt",
         )
-    return [encode_prompt(tok, p, chat=False) for p in prompts]
+    return [encode_prompt(tok, p, chat=False) for p in prompts], list(prompts)
 
 
 def _is_id(value: Any) -> bool:

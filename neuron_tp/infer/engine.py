@@ -24,11 +24,12 @@ import queue
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from ..parallel import host
 from .prefix_cache import PrefixCache, PrefixStats
-from .sampling import Sampling
-from .schedule import Admission, Event, Failed, Lease, Request, Shutdown, decode, encode
+from .sampling import Sampling, check_vocab
+from .schedule import Admission, Event, Failed, Lease, Output, Request, Shutdown, decode, encode
 from .slot_generator import SlotGenerator
 from .slot_rows import Row, SlotRows
 from .text import Detokenizer
@@ -70,9 +71,10 @@ class Engine:
         self.lease_steps = lease_steps if multi else 1
         self.prefill_budget = prefill_budget
         self._gen: SlotGenerator | None = None
-        self.tokenizer = None
+        self.tokenizer: Any = None
         self.eos_ids: list[int] = []
         self.max_new_tokens = 0
+        self.sampling_defaults: dict = {}  # the model's generation_config values (server)
         self._queue: queue.Queue = queue.Queue()
         self._waiting: deque[Request] = deque()  # rank 0: taken off the queue, no slot yet
         self.rows: SlotRows | None = None  # the requests in the slots (every rank)
@@ -166,6 +168,11 @@ class Engine:
         self._model()
         return self.max_new_tokens
 
+    def room(self, prompt_len: int) -> int:
+        """The most new tokens a prompt of ``prompt_len`` tokens may ask for: what is left of
+        its slot, at most the server limit."""
+        return min(self.max_new_tokens, self._model().max_len - prompt_len)
+
     def queue_depth(self) -> int:
         """Requests waiting for a slot."""
         return self._queue.qsize() + len(self._waiting)
@@ -192,17 +199,33 @@ class Engine:
         max_tokens: int,
         stop: Sequence[str],
         sampling: Sampling | None = None,
+        output: Output | None = None,
     ) -> None:
-        """ValueError naming what is wrong with a request (nothing runs)."""
+        """ValueError naming what is wrong with a request (nothing runs); ``max_tokens`` 0:
+        the prompt only (its log-probabilities)."""
         gen = self._model()
         if not prompt:
             raise ValueError("the prompt needs at least one token")
-        if not 1 <= max_tokens <= self.max_new_tokens:
+        if not 0 <= max_tokens <= self.max_new_tokens:
             raise ValueError(
-                f"max_tokens must be in 1..{self.max_new_tokens} (server limit), got {max_tokens}"
+                f"max_tokens must be in 0..{self.max_new_tokens} (server limit), got {max_tokens}"
             )
-        sampling = sampling or Sampling()
-        gen.check(len(prompt), max_tokens, sampling, asked_as="max_tokens", limit_as="server limit")
+        sampling, output = sampling or Sampling(), output or Output()
+        gen.check(
+            len(prompt),
+            max(max_tokens, 1),
+            sampling,
+            asked_as="max_tokens",
+            limit_as="server limit",
+        )
+        check_vocab(sampling, gen.vocab)
+        bad = [t for t in output.stop_ids if not 0 <= t < gen.vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids: {bad[0]} is not a token id (0..{gen.vocab - 1})")
+        if output.logprobs and not gen.logprobs_supported:
+            raise ValueError("logprobs are not supported with speculative decoding")
+        if output.prompt_logprobs and not gen.prompt_logprob_graphs:
+            raise ValueError("prompt log-probabilities (echo with logprobs) are not supported here")
         Detokenizer(self.tokenizer, stop)  # validates the stop strings
 
     def submit(
@@ -214,12 +237,15 @@ class Engine:
         *,
         sink: Callable[[Event], None],
         seeded: bool = False,
+        output: Output | None = None,
     ) -> Request:
         """Queue one request (ValueError when invalid, :class:`QueueFull` when ``max_queue``
         requests wait already, :class:`NotReady` before :meth:`start` or after
-        :meth:`shutdown`); its events go to ``sink``."""
-        self.check(prompt, max_tokens, stop, sampling)
-        req = Request(list(prompt), max_tokens, sampling, list(stop), seeded, sink)
+        :meth:`shutdown`); its events go to ``sink``; ``output``: log-probabilities and stop
+        token ids."""
+        output = output or Output()
+        self.check(prompt, max_tokens, stop, sampling, output)
+        req = Request(list(prompt), max_tokens, sampling, list(stop), seeded, sink, output=output)
         with self._lock:
             if not self.ready:
                 raise NotReady(self.error or ("shutting down" if self._closed else "loading"))
@@ -303,7 +329,7 @@ class Engine:
     def _admission(self, req: Request) -> Admission:
         """``req``'s admission, with its prefix-cache plan when caching."""
         admission, prefix = Admission.of(req), self.rows.prefix
-        if prefix is None:
+        if prefix is None or req.output.prompt_logprobs:  # every prompt position is computed
             return admission
         return dataclasses.replace(admission, prefix=prefix.plan(req.prompt))
 

@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 
 from .prefix_cache import PrefixStats
-from .schedule import Done, Event
+from .schedule import Done, Event, Prompt
 
 LOG = logging.getLogger("neuron_tp.serve")
 # seconds; a NeuronCore's token is ~ms, a CPU's or a long queue's far more
@@ -155,6 +155,8 @@ class RequestTrace:
     def event(self, index: int, event: Event) -> None:
         """Note an engine event of choice ``index``."""
         now = time.monotonic()
+        if isinstance(event, Prompt):  # the prompt's log-probabilities: no token yet
+            return
         self.first.setdefault(index, now)
         if isinstance(event, Done):
             self.done[index] = (event, now)

@@ -103,10 +103,12 @@ class NgramGenerator(VerifyingGenerator):
         super().mark_filled(slot, tokens)
         self._history[slot] = list(tokens)
 
-    def prefill(self, slot: int, tokens: Sequence[int], start: int, sampling=None) -> int | None:
+    def prefill(
+        self, slot: int, tokens: Sequence[int], start: int, sampling=None, **kw
+    ) -> int | None:
         """:meth:`SlotGenerator.prefill`; the chunk (and the first new token) join the slot's
         history."""
-        out = SlotGenerator.prefill(self, slot, tokens, start, sampling)
+        out = SlotGenerator.prefill(self, slot, tokens, start, sampling, **kw)
         history = self._history[slot]
         del history[start:]
         history.extend(tokens)

@@ -6,36 +6,95 @@ Sampling is Gumbel-max: ``argmax(softmax(logits / T) / noise)`` over the top k w
 ``noise ~ Exp(1)`` is a draw from that distribution. The noise is drawn on the host from a
 generator seeded per request (the same draws ``torch.multinomial`` makes, identical on every tp
 rank) and uploaded as data, so a seeded request reproduces its tokens.
+
+The slot generator's rows take every parameter as data (:func:`adjust_rows`,
+:func:`filter_rows`, in this order): ``logit_bias`` is added, then vLLM's
+``repetition_penalty`` (a logit of a token seen in the prompt or the output so far divided by
+it when positive, multiplied when not), then OpenAI's penalties
+(``logit -= frequency * count + presence * (count > 0)`` over the tokens generated so far):
+greedy rows take the argmax of the adjusted logits. Sampled rows divide by the temperature,
+keep the top ``k``, then the smallest set of most likely tokens whose probability reaches
+``top_p``, then the tokens at least ``min_p`` times as likely as the most likely one, and draw
+from what is left (renormalised). Log-probabilities (:func:`token_logprobs`) are the model's
+own, ``log_softmax`` of the raw logits, before any of these adjustments (what vLLM reports).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 MAX_SEED = 2**63 - 1
 MAX_TOP_K = 128  # the largest per-row top_k of choose_rows (a fixed-size topk in the graph)
+MAX_LOGPROBS = 20  # the most top log-probabilities a row reports (a fixed-size topk)
+ROW_PARAMS = ("top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
 @dataclass(frozen=True)
 class Sampling:
     """How the next token is chosen: greedy, or sampled at ``temperature`` from the top ``k``
-    (0: all) with a seeded host generator."""
+    (0: all), ``top_p`` and ``min_p`` with a seeded host generator; the penalties and
+    ``logit_bias`` (``((token, bias), ...)``) change greedy and sampled rows alike (see the
+    module doc)."""
 
     do_sample: bool = False
     temperature: float = 1.0
     top_k: int = 0
     seed: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self):
         if not self.temperature > 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 = no filter), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in 0..1, got {self.min_p}")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        bias = tuple((int(t), float(b)) for t, b in self.logit_bias)
+        object.__setattr__(self, "logit_bias", bias)
+
+    @property
+    def adjusts(self) -> bool:
+        """Whether a penalty or a logit bias changes the logits (also for greedy rows)."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1
+            or self.logit_bias
+        )
+
+    @property
+    def filters(self) -> bool:
+        """Whether ``top_p`` or ``min_p`` restricts a sampled row."""
+        return self.do_sample and (self.top_p < 1 or self.min_p > 0)
+
+    def row_params(self) -> list[float]:
+        """The :data:`ROW_PARAMS` values, in order (one row of the generator's state)."""
+        return [float(getattr(self, n)) for n in ROW_PARAMS]
 
 
 GREEDY = Sampling()
+
+
+class TokenLogprob(NamedTuple):
+    """A token and the model's log-probability of it, with the most likely tokens at its
+    position (``((token, logprob), ...)``, most likely first)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
 
 
 def seed_in_range(seed: int) -> bool:
@@ -54,6 +113,30 @@ def check_per_row(sampling: Sampling) -> None:
         raise ValueError(f"top_k must be in 0..{MAX_TOP_K} (0 = no filter), got {sampling.top_k}")
     if not seed_in_range(sampling.seed):
         raise ValueError(f"seed must be in 0..2**63-1, got {sampling.seed}")
+
+
+def check_vocab(sampling: Sampling, vocab: int) -> None:
+    """ValueError unless every ``logit_bias`` token is an id of a ``vocab``-token model."""
+    for t, _ in sampling.logit_bias:
+        if not 0 <= t < vocab:
+            raise ValueError(f"logit_bias: {t} is not a token id of this model (0..{vocab - 1})")
+
+
+def bias_row(sampling: Sampling, vocab: int) -> torch.Tensor:
+    """``[vocab]`` float: the request's ``logit_bias`` as a dense row."""
+    row = torch.zeros(vocab)
+    for t, b in sampling.logit_bias:
+        row[t] = b
+    return row
+
+
+def seen_row(prompt: Sequence[int], vocab: int) -> torch.Tensor:
+    """``[vocab]`` float: 1 at every token of ``prompt`` (the repetition penalty's prompt
+    tokens)."""
+    row = torch.zeros(vocab)
+    if prompt:
+        row[torch.tensor(list(prompt), dtype=torch.long)] = 1.0
+    return row
 
 
 def host_generator(sampling: Sampling) -> torch.Generator:
@@ -99,3 +182,71 @@ def choose_rows(logits, temperature, top_k, sample, noise) -> torch.Tensor:
     if noise is None:
         return greedy
     return torch.where(sample, (row_probs(logits, temperature, top_k) / noise).argmax(-1), greedy)
+
+
+def adjust_rows(logits, params, counts, seen, bias) -> torch.Tensor:
+    """The logits of each row after its ``logit_bias``, repetition penalty and OpenAI's
+    presence / frequency penalties (see the module doc), fp32: ``params`` [B, P] (columns
+    :data:`ROW_PARAMS`), ``counts`` [B, V] (tokens generated so far), ``seen`` [B, V] (1: in
+    the prompt), ``bias`` [B, V]. With the neutral values it returns the logits unchanged."""
+    presence, frequency, repetition = params[:, 2:3], params[:, 3:4], params[:, 4:5]
+    logits = logits.float() + bias
+    anywhere = (seen > 0) | (counts > 0)
+    penalized = torch.where(logits > 0, logits / repetition, logits * repetition)
+    logits = torch.where(anywhere, penalized, logits)
+    return logits - frequency * counts - presence * (counts > 0).float()
+
+
+def filter_rows(logits, temperature, top_k, params, nucleus: bool = True) -> torch.Tensor:
+    """What a sampled row draws from, up to its normalisation: :func:`row_probs`
+    (temperature, top k) restricted to its ``top_p`` nucleus (the most likely tokens until
+    their mass reaches ``top_p``; 1: all) and to the tokens with at least ``min_p`` times the
+    largest probability. ``params`` [B, P] (columns :data:`ROW_PARAMS`); ``nucleus`` False:
+    no row has a top_p below 1 (the sort it needs is left out)."""
+    probs = row_probs(logits, temperature, top_k)
+    top_p, min_p = params[:, 0:1], params[:, 1:2]
+    keep = probs >= min_p * probs.max(-1, keepdim=True).values
+    if nucleus:
+        keep = keep & ((probs > nucleus_floor(probs, top_p)) | (top_p >= 1))
+    return probs * keep
+
+
+NUCLEUS_STEPS = 32  # bisection steps of nucleus_floor
+
+
+def nucleus_floor(probs, top_p) -> torch.Tensor:
+    """``[B, 1]``: a probability below which no token of a row's top_p nucleus lies and above
+    which only its tokens do (to the bisection's resolution, ``max p / 2**32``): the nucleus is
+    the tokens whose more likely tokens weigh less than ``top_p``, i.e. ``p > floor``. Found by
+    bisection on the mass of the tokens above a threshold, without sorting the vocabulary."""
+    low = torch.zeros_like(probs[:, :1])  # the mass above it is >= top_p
+    high = probs.max(-1, keepdim=True).values  # the mass above it is 0 < top_p
+    for _ in range(NUCLEUS_STEPS):
+        mid = (low + high) / 2
+        above = (probs * (probs > mid)).sum(-1, keepdim=True)
+        reached = above >= top_p
+        low, high = torch.where(reached, mid, low), torch.where(reached, high, mid)
+    return low
+
+
+def choose_adjusted(logits, state_rows, sample, noise, nucleus: bool = True) -> torch.Tensor:
+    """The token of each row: the argmax of its adjusted logits (:func:`adjust_rows`), or for
+    a ``sample`` row a draw from :func:`filter_rows` of them with ``noise`` (None: every row
+    greedy; ``nucleus`` False: no row's top_p below 1). ``state_rows``: ``(temperature,
+    top_k, params, counts, seen, bias)``."""
+    temperature, top_k, params, counts, seen, bias = state_rows
+    adjusted = adjust_rows(logits, params, counts, seen, bias)
+    greedy = adjusted.argmax(-1)
+    if noise is None:
+        return greedy
+    drawn = (filter_rows(adjusted, temperature, top_k, params, nucleus) / noise).argmax(-1)
+    return torch.where(sample, drawn, greedy)
+
+
+def token_logprobs(logits, chosen, k: int = MAX_LOGPROBS):
+    """The model's own log-probabilities (``log_softmax`` of the raw logits, fp32) of
+    ``chosen`` [...] and the ``k`` most likely tokens: ``(logprob [...], top logprobs
+    [..., k], top ids [..., k])``."""
+    lp = logits.float().log_softmax(-1)
+    top = lp.topk(min(k, lp.shape[-1]), -1)
+    return lp.gather(-1, chosen[..., None])[..., 0], top.values, top.indices

@@ -2,10 +2,11 @@
 engine's :class:`Request`, the :class:`Lease` rank 0 sends to every tp rank (or
 :class:`Shutdown`), written to and read from ``host_broadcast`` bytes in one place
 (:func:`encode`, :func:`decode`), and the events a request's client receives
-(:class:`Delta`, :class:`Done`, :class:`Failed`)."""
+(:class:`Prompt`, :class:`Delta`, :class:`Done`, :class:`Failed`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import time
@@ -13,14 +14,35 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from .prefix_cache import PrefixPlan
-from .sampling import Sampling
+from .sampling import Sampling, TokenLogprob
+
+
+@dataclass(frozen=True)
+class Output:
+    """What a request wants besides its text: its tokens' log-probabilities (``logprobs``),
+    its prompt's (``prompt_logprobs``: every prompt token after the first), and the token ids
+    that end it like an EOS (``stop_ids``)."""
+
+    logprobs: bool = False
+    prompt_logprobs: bool = False
+    stop_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """The prompt is prefilled: the log-probabilities of its tokens after the first (a
+    request with ``prompt_logprobs``)."""
+
+    logprobs: tuple[TokenLogprob, ...]
 
 
 @dataclass(frozen=True)
 class Delta:
-    """More text of a request's answer."""
+    """More text of a request's answer (``logprobs``: of the tokens that arrived with it, when
+    the request asked for them)."""
 
     text: str
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -39,7 +61,7 @@ class Failed:
     message: str
 
 
-Event = Delta | Done | Failed
+Event = Prompt | Delta | Done | Failed
 
 
 @dataclass
@@ -56,6 +78,7 @@ class Request:
     cancelled: bool = False  # the client went away (or timed out): its slot is freed
     created: float = field(default_factory=time.monotonic)
     tokens: list[int] = field(default_factory=list)  # generated so far (EOS included)
+    output: Output = Output()
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -71,6 +94,7 @@ class Admission:
     sampling: Sampling
     stop: tuple[str, ...]
     prefix: PrefixPlan | None = None
+    output: Output = Output()
 
     @classmethod
     def of(cls, req: Request) -> Admission:
@@ -78,8 +102,8 @@ class Admission:
         to every rank with the rest."""
         sampling = req.sampling
         if sampling.do_sample and not req.seeded:
-            sampling = Sampling(True, sampling.temperature, sampling.top_k, random.getrandbits(63))
-        return cls(tuple(req.prompt), req.max_tokens, sampling, tuple(req.stop))
+            sampling = dataclasses.replace(sampling, seed=random.getrandbits(63))
+        return cls(tuple(req.prompt), req.max_tokens, sampling, tuple(req.stop), output=req.output)
 
 
 @dataclass(frozen=True)
@@ -108,6 +132,7 @@ def encode(message: Lease | Shutdown) -> bytes:
             "sampling": asdict(a.sampling),
             "stop": list(a.stop),
             "prefix": a.prefix.to_json() if a.prefix is not None else None,
+            "output": asdict(a.output),
         }
         for a in message.admit
     ]
@@ -127,7 +152,12 @@ def decode(data: bytes) -> Lease | Shutdown:
             Sampling(**a["sampling"]),
             tuple(a["stop"]),
             PrefixPlan.from_json(a["prefix"]) if a["prefix"] is not None else None,
+            _output(a["output"]),
         )
         for a in body["admit"]
     )
     return Lease(tuple(body["cancel"]), admit, body["steps"])
+
+
+def _output(body: dict) -> Output:
+    return Output(body["logprobs"], body["prompt_logprobs"], tuple(body["stop_ids"]))

@@ -15,6 +15,7 @@ for that request only.
 """
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -23,12 +24,13 @@ import time
 import uuid
 
 from ..errors import UserError
-from .completion_request import BadRequest, CompletionRequest, prepare
+from .completion_request import BadRequest, CompletionRequest, generation_defaults, prepare
 from .engine import Engine, NotReady, QueueFull
 from .limits import API_KEY_ENV, Guard, RequestError, ServeLimits, parse_json, read_body
 from .metrics import LOG, RequestTrace, ServerMetrics
 from .prefix_cache import PrefixCache, held_per_block, pool_blocks, resolve_block
-from .schedule import Delta, Done, Failed
+from .sampling import MAX_SEED, TokenLogprob
+from .schedule import Delta, Done, Failed, Prompt
 from .speculation_setup import check_speculation_options, speculating_generator
 from .speculative import SpeculativeGenerator
 
@@ -149,7 +151,7 @@ class _Completions:
         if not isinstance(checked, tuple):
             return checked  # an error response
         body, completion = checked
-        trace.choices = len(completion.prompts)
+        trace.choices = len(completion.prompts) * completion.params.n
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
 
         def sink(index: int):
@@ -161,14 +163,15 @@ class _Completions:
         meta = {"id": trace.id, "created": int(time.time()), "model": self.model_name}
         timeout = self.limits.request_timeout_s
         wait = Deadline(trace.start + timeout, timeout)
+        shape = _Answer(self.engine.tokenizer, completion, chat)
         if body.get("stream"):
             usage = completion.include_usage
             chunks = _stream(
-                events, reqs, meta=meta, chat=chat, usage=usage, trace=trace, wait=wait
+                events, reqs, meta=meta, shape=shape, usage=usage, trace=trace, wait=wait
             )
             return StreamingResponse(chunks, media_type="text/event-stream")
         try:
-            return await _collect(events, reqs, meta=meta, chat=chat, trace=trace, wait=wait)
+            return await _collect(events, reqs, meta=meta, shape=shape, trace=trace, wait=wait)
         finally:
             for r in reqs:
                 r.cancel()
@@ -207,13 +210,20 @@ class _Completions:
         return body, completion
 
     def _submit(self, completion: CompletionRequest, sink):
-        """Queue each prompt (``sink(i)`` gets choice ``i``'s events): the engine's requests,
-        or (none queued) the 503 / 429 response."""
-        params, reqs = completion.params, []
+        """Queue ``n`` choices of each prompt (``sink(i)`` gets choice ``i``'s events, choice
+        ``i * n + j`` is prompt ``i``'s ``j``-th; with a seed, choice ``j`` draws with
+        ``seed + j``): the engine's requests, or (none queued) the 503 / 429 response."""
+        params, reqs, output = completion.params, [], completion.params.output()
         try:
             for i, p in enumerate(completion.prompts):
-                args = (p, params.max_tokens, params.sampling, params.stop)
-                reqs.append(self.engine.submit(*args, sink=sink(i), seeded=params.seeded))
+                for j in range(params.n):
+                    seed = (params.sampling.seed + j) % (MAX_SEED + 1)
+                    sampling = dataclasses.replace(params.sampling, seed=seed)
+                    args = (p, completion.max_tokens[i], sampling, params.stop)
+                    sunk = sink(len(reqs))
+                    reqs.append(
+                        self.engine.submit(*args, sink=sunk, seeded=params.seeded, output=output)
+                    )
         except (NotReady, QueueFull) as e:
             for r in reqs:
                 r.cancel()
@@ -246,37 +256,110 @@ class Deadline:
         )
 
 
-def _choice(chat: bool, index: int, text: str | None, reason: str | None, stream: bool) -> dict:
-    if not chat:
-        return {"index": index, "text": text or "", "logprobs": None, "finish_reason": reason}
-    if stream:
-        delta = {"content": text} if text is not None else {}
-        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
-    message = {"role": "assistant", "content": text}
-    return {"index": index, "message": message, "logprobs": None, "finish_reason": reason}
+class _Answer:
+    """How the choices of a request are written: completion or chat, with the prompt in front
+    (``echo``) and log-probabilities in OpenAI's formats (completions: ``tokens``,
+    ``token_logprobs``, ``top_logprobs``, ``text_offset``; chat: ``content`` entries with
+    ``token``, ``logprob``, ``bytes``, ``top_logprobs``). A token's text is its own decoding;
+    an entry is ``(token, logprob or None, top or None)``."""
+
+    def __init__(self, tokenizer, completion: CompletionRequest, chat: bool):
+        self.tok, self.chat, self.params = tokenizer, chat, completion.params
+        n = self.params.n
+        self.prompts = [p for p in completion.prompts for _ in range(n)]
+        self.texts = [t for t in completion.texts for _ in range(n)]
+        self.offsets = [0] * len(self.prompts)  # characters of each choice's tokens so far
+
+    def token_text(self, token: int) -> str:
+        return self.tok.decode([token], skip_special_tokens=False)
+
+    def choice(self, i: int, text: str | None, reason: str | None, stream: bool, lps=None):
+        """Choice ``i``; ``lps``: its log-probability entries (None: none in this chunk)."""
+        wanted = self.params.logprobs is not None and lps is not None
+        logprobs = self.format(i, lps) if wanted else None
+        if not self.chat:
+            return {"index": i, "text": text or "", "logprobs": logprobs, "finish_reason": reason}
+        if stream:
+            delta = {"content": text} if text is not None else {}
+            return {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+        message = {"role": "assistant", "content": text}
+        return {"index": i, "message": message, "logprobs": logprobs, "finish_reason": reason}
+
+    def echo_entries(self, i: int, prompt: tuple[TokenLogprob, ...] = ()) -> list:
+        """The prompt's entries of choice ``i``: its first token without a log-probability,
+        then the model's of the others."""
+        return [(self.prompts[i][0], None, None), *self.entries(prompt)]
+
+    @staticmethod
+    def entries(lps: tuple[TokenLogprob, ...]) -> list:
+        return [(e.token, e.logprob, e.top) for e in lps]
+
+    def format(self, i: int, lps: list) -> dict:
+        top_n = self.params.logprobs or 0
+        if self.chat:
+            content = []
+            for token, lp, top in lps:
+                alts = [self.chat_entry(a, v) for a, v in (top or ())[:top_n]]
+                content.append({**self.chat_entry(token, lp), "top_logprobs": alts})
+            return {"content": content}
+        tokens, token_lps, tops, offsets = [], [], [], []
+        for token, lp, top in lps:
+            text = self.token_text(token)
+            tokens.append(text)
+            token_lps.append(lp)
+            offsets.append(self.offsets[i])
+            self.offsets[i] += len(text)
+            if top is None:
+                tops.append(None)
+                continue
+            best = {self.token_text(a): v for a, v in top[:top_n]}
+            best.setdefault(text, lp)  # the chosen token is always there
+            tops.append(best)
+        return {
+            "tokens": tokens,
+            "token_logprobs": token_lps,
+            "top_logprobs": tops,
+            "text_offset": offsets,
+        }
+
+    def chat_entry(self, token: int, lp: float) -> dict:
+        text = self.token_text(token)
+        return {"token": text, "logprob": lp, "bytes": list(text.encode())}
 
 
-async def _collect(events: asyncio.Queue, reqs, *, meta: dict, chat: bool, trace, wait: Deadline):
+async def _collect(
+    events: asyncio.Queue, reqs, *, meta: dict, shape: _Answer, trace, wait: Deadline
+):
     from fastapi.responses import JSONResponse
 
-    texts, done = [""] * len(reqs), [None] * len(reqs)
+    echo = shape.params.echo
+    texts = list(shape.texts) if echo else [""] * len(reqs)
+    lps: list[list] = [[] for _ in reqs]
+    done: list[Done | None] = [None] * len(reqs)
+    if echo and not shape.params.output().prompt_logprobs:
+        lps = [shape.echo_entries(i) for i in range(len(reqs))]
     while any(d is None for d in done):
         try:
             i, ev = await wait.next(events)
         except asyncio.TimeoutError:
             return _error(504, wait.message, "timeout_error", code="request_timeout")
         trace.event(i, ev)
-        if isinstance(ev, Delta):
+        if isinstance(ev, Prompt):
+            lps[i] = shape.echo_entries(i, ev.logprobs) + lps[i]
+        elif isinstance(ev, Delta):
             texts[i] += ev.text
+            lps[i] += shape.entries(ev.logprobs)
         elif isinstance(ev, Failed):
             return _error(500, ev.message, "server_error")
         else:
             done[i] = ev
+    finished = [d for d in done if d is not None]
     choices = [
-        _choice(chat, i, t, d.finish_reason, False) for i, (t, d) in enumerate(zip(texts, done))
+        shape.choice(i, t, d.finish_reason, False, lps[i])
+        for i, (t, d) in enumerate(zip(texts, finished))
     ]
-    kind = "chat.completion" if chat else "text_completion"
-    return JSONResponse({**meta, "object": kind, "choices": choices, "usage": _usage(done)})
+    kind = "chat.completion" if shape.chat else "text_completion"
+    return JSONResponse({**meta, "object": kind, "choices": choices, "usage": _usage(finished)})
 
 
 def _usage(done: list[Done]) -> dict:
@@ -290,13 +373,16 @@ def _usage(done: list[Done]) -> dict:
 
 
 async def _stream(
-    events: asyncio.Queue, reqs, *, meta: dict, chat: bool, usage: bool, trace, wait: Deadline
+    events: asyncio.Queue, reqs, *, meta: dict, shape: _Answer, usage: bool, trace, wait: Deadline
 ):
     """SSE chunks until every choice is done (then one with the usage and no choices when
     ``stream_options.include_usage``); a client that leaves cancels its requests; past the
-    deadline, or on a failure, an error event ends the stream."""
+    deadline, or on a failure, an error event ends the stream. With ``echo`` each choice's
+    first chunk is its prompt (with its log-probabilities once they are computed)."""
+    chat = shape.chat
     kind = "chat.completion.chunk" if chat else "text_completion"
     note = "disconnected"  # why the stream ended before its choices did
+    prompt_lps = shape.params.output().prompt_logprobs
 
     def chunk(*choices: dict, **extra) -> str:
         body = {**meta, "object": kind, "choices": list(choices), **extra}
@@ -311,6 +397,9 @@ async def _stream(
             for i in range(len(reqs)):
                 first = {"index": i, "delta": {"role": "assistant", "content": ""}}
                 yield chunk({**first, "logprobs": None, "finish_reason": None})
+        if shape.params.echo and not prompt_lps:
+            for i in range(len(reqs)):
+                yield chunk(shape.choice(i, shape.texts[i], None, True, shape.echo_entries(i)))
         left, done = len(reqs), []
         while left:
             try:
@@ -320,8 +409,12 @@ async def _stream(
                 yield failure(wait.message, "timeout_error", "request_timeout")
                 break
             trace.event(i, ev)
-            if isinstance(ev, Delta):
-                yield chunk(_choice(chat, i, ev.text, None, True))
+            if isinstance(ev, Prompt):
+                entries = shape.echo_entries(i, ev.logprobs)
+                yield chunk(shape.choice(i, shape.texts[i], None, True, entries))
+            elif isinstance(ev, Delta):
+                entries = shape.entries(ev.logprobs)
+                yield chunk(shape.choice(i, ev.text, None, True, entries))
             elif isinstance(ev, Failed):
                 note = "error"
                 yield failure(ev.message, "server_error")
@@ -329,7 +422,7 @@ async def _stream(
             else:
                 left -= 1
                 done.append(ev)
-                yield chunk(_choice(chat, i, None, ev.finish_reason, True))
+                yield chunk(shape.choice(i, None, ev.finish_reason, True))
         if usage and not left:
             yield chunk(usage=_usage(done))
         yield "data: [DONE]\n\n"
@@ -461,6 +554,7 @@ def _load(engine: Engine, config, mesh) -> None:
         decode_buckets=config.batch_buckets,
         pad_id=pad,
         kv_split=split,
+        **({} if make else {"prompt_logprobs": True, "top_p": True}),
     )
     if mesh.rank == 0:
         print(
@@ -470,6 +564,26 @@ def _load(engine: Engine, config, mesh) -> None:
         )
     prefix = _prefix_cache(config, gen, rank0=mesh.rank == 0)
     engine.attach(gen, tok, eos_ids(model, tok), config.max_new_tokens, prefix)
+    defaults = generation_defaults(getattr(model, "generation_config", None))
+    left_out = {}
+    if make is not None:  # speculation applies temperature and top_k only
+        left_out = {k: v for k, v in defaults.items() if k not in ("temperature", "top_k")}
+        defaults = {k: v for k, v in defaults.items() if k not in left_out}
+    engine.sampling_defaults = defaults
+    if mesh.rank == 0:
+        said = ", ".join(f"{k}={v}" for k, v in defaults.items()) or "none"
+        print(
+            f"neuron-tp serve: sampling defaults from the model's generation_config: {said} "
+            "(a request's own values win)",
+            flush=True,
+        )
+        if left_out:
+            said = ", ".join(f"{k}={v}" for k, v in left_out.items())
+            print(
+                f"neuron-tp serve: generation_config's {said} not applied: speculative "
+                "decoding applies temperature and top_k only",
+                flush=True,
+            )
     engine.warmup(every_shape=config.warmup == "all")
 
 

@@ -12,13 +12,21 @@ sequence with its own position, sampling parameters and host RNG.
   scratch index (``max_len``) no live query sees.
 - Slot index, start, chunk length, positions, active flags and sampling parameters are data,
   never shapes: graphs = prefill buckets x {greedy, sampled} + decode buckets x {greedy,
-  sampled}, whatever the arrival pattern; :meth:`~SlotGenerator.warmup` captures them all.
-- Sampling per row: temperature, top_k (<= :data:`~.sampling.MAX_TOP_K`), seed; Gumbel-max
-  noise drawn on the host from each slot's own generator (the draws transformers makes for that
-  request alone), so a seeded request reproduces its tokens whatever runs beside it.
+  sampled} (+ one prefill per bucket with prompt log-probabilities when asked for), whatever
+  the arrival pattern; :meth:`~SlotGenerator.warmup` captures them all.
+- Sampling per row: temperature, top_k (<= :data:`~.sampling.MAX_TOP_K`), top_p, min_p,
+  presence / frequency / repetition penalties, logit bias, seed, all data of the slot's rows
+  (:mod:`.sampling`); the token counts the penalties read advance in the decode graph.
+  Gumbel-max noise is drawn on the host from each slot's own generator (the draws
+  transformers makes for that request alone), so a seeded request reproduces its tokens
+  whatever runs beside it.
+- Log-probabilities: every step also returns the model's log-probability of each row's token
+  and its :data:`~.sampling.MAX_LOGPROBS` most likely tokens (read back only for the slots in
+  :attr:`SlotGenerator.logprob_slots`); a prefill chunk with ``prompt_logprobs`` runs the
+  prefill graph variant that returns them for every prompt position too.
 - Per token the host uploads nothing for greedy steps (positions and last tokens advance in
   the decode graph), the noise rows for sampled ones, the active flags after a change; it reads
-  back one small tensor of tokens.
+  back one small tensor of tokens (and the log-probabilities, when a slot asks for them).
 """
 
 from __future__ import annotations
@@ -31,7 +39,17 @@ import torch
 from ..errors import UserError
 from .model_step import cache_kwargs, check_cache, no_aux_outputs, pick_bucket
 from .replay import StepGraphs, StepGraphsOwner
-from .sampling import Sampling, check_per_row, choose_rows, host_generator, host_noise
+from .sampling import (
+    Sampling,
+    TokenLogprob,
+    bias_row,
+    check_per_row,
+    choose_adjusted,
+    host_generator,
+    host_noise,
+    seen_row,
+    token_logprobs,
+)
 
 
 class SlotState(NamedTuple):
@@ -43,14 +61,19 @@ class SlotState(NamedTuple):
     temperature: torch.Tensor
     top_k: torch.Tensor
     sample: torch.Tensor  # False: a greedy row
+    params: torch.Tensor  # [slots, 5]: sampling.ROW_PARAMS (top_p, min_p, the penalties)
+    counts: torch.Tensor  # [slots, vocab]: tokens generated so far
+    seen: torch.Tensor  # [slots, vocab]: 1 at the prompt's tokens
+    bias: torch.Tensor  # [slots, vocab]: the logit bias
 
 
 class ChunkMeta(NamedTuple):
     """The host values of one prefill chunk, uploaded as ONE int64 tensor (:meth:`tensor`):
     its slot, the position it starts at, how many of its tokens are real, whether it is the
     prompt's last (then a token is chosen and the slot's :class:`SlotState` row written),
-    the row's ``top_k`` and whether it samples. In the graph :meth:`read` names the fields
-    of the uploaded tensor, each a ``[1]`` tensor."""
+    the row's ``top_k``, whether it samples and the prompt token after the chunk (the target
+    of its last position's prompt log-probability). In the graph :meth:`read` names the
+    fields of the uploaded tensor, each a ``[1]`` tensor."""
 
     slot: int
     start: int
@@ -58,6 +81,7 @@ class ChunkMeta(NamedTuple):
     final: bool
     top_k: int
     sampled: bool
+    next: int = 0
 
     def tensor(self) -> torch.Tensor:
         return torch.tensor([int(v) for v in self])
@@ -85,8 +109,14 @@ class SlotGenerator(StepGraphsOwner):
     ``replay=False``: re-trace every step (torch-xla's plain lazy mode); ``kv_split``:
     ``heads`` (each rank caches its kv heads, replicated when tp exceeds them), ``sequence``
     (the ranks sharing a kv head each cache 1/r of the positions, :mod:`.kv_split`) or
-    ``auto`` (sequence when kv heads are replicated). The model's weights must not change
-    while the SlotGenerator is used."""
+    ``auto`` (sequence when kv heads are replicated); ``prompt_logprobs``: :meth:`warmup`
+    also captures the prefill graphs that return every prompt position's log-probabilities
+    (one more per prefill bucket); ``top_p``: it also captures the sampled decode graphs that
+    apply top_p (a sort of the vocabulary per row: sampled steps without a top_p row run the
+    graph without it; one more per decode bucket). The model's weights must not change while
+    the SlotGenerator is used."""
+
+    logprobs_supported = True  # decode steps return the log-probabilities of their tokens
 
     def __init__(
         self,
@@ -100,6 +130,8 @@ class SlotGenerator(StepGraphsOwner):
         pad_id: int = 0,
         replay: bool = True,
         kv_split: str = "heads",
+        prompt_logprobs: bool = False,
+        top_p: bool = False,
     ):
         if slots < 1 or max_len < 2 or chunk < 1:
             raise UserError(
@@ -128,17 +160,30 @@ class SlotGenerator(StepGraphsOwner):
         self.split = _seq_split(model, kv_split, max_len)
 
         self.model, self.slots, self.max_len, self.chunk = model, slots, max_len, chunk
+        self.prompt_logprob_graphs, self.top_p_graphs = prompt_logprobs, top_p
         self.pad_id, self.vocab = pad_id, model.config.get_text_config(decoder=True).vocab_size
         self.device = dev = next(model.parameters()).device
         self._graphs = StepGraphs(dev, replay)
         self._kv = allocate(model, slots, max_len, dev, split=self.split)
+        neutral = Sampling().row_params()
         self._state = SlotState(
             tokens=torch.zeros(slots, dtype=torch.long).to(dev),
             pos=torch.zeros(slots, dtype=torch.long).to(dev),
             temperature=torch.ones(slots).to(dev),
             top_k=torch.zeros(slots, dtype=torch.long).to(dev),
             sample=torch.zeros(slots, dtype=torch.bool).to(dev),
+            params=torch.tensor([neutral] * slots).to(dev),
+            counts=torch.zeros(slots, self.vocab).to(dev),
+            seen=torch.zeros(slots, self.vocab).to(dev),
+            bias=torch.zeros(slots, self.vocab).to(dev),
         )
+        # the prefill's seen and bias rows when zero: two tensors (a capture maps one tensor
+        # fed as two arguments to one graph input)
+        self._zero_rows = [torch.zeros(1, self.vocab).to(dev) for _ in range(2)]
+        self._lp_out: tuple[torch.Tensor, ...] | None = None  # the last step's logprobs
+        self.logprob_slots: set[int] = set()  # slots whose log-probabilities are read back
+        self.logprobs: dict[int, TokenLogprob] = {}  # theirs, of the last step
+        self.prompt_logprobs: list[TokenLogprob] = []  # of the last prompt_logprobs chunk
         self._active_dev = torch.zeros(slots, dtype=torch.bool).to(dev)
         self._active_dirty = False
         self.in_use: set[int] = set()  # acquired slots (prefilling or decoding)
@@ -146,6 +191,7 @@ class SlotGenerator(StepGraphsOwner):
         self._filled: dict[int, int] = {}  # prompt positions written so far, per acquired slot
         self._host_pos: dict[int, int] = {}  # next cache index of each active slot
         self._gens: dict[int, torch.Generator] = {}  # sampled active slots
+        self._nucleus: set[int] = set()  # of them, those with top_p < 1
 
     # -- requests --------------------------------------------------------------------------
     def check(
@@ -189,13 +235,27 @@ class SlotGenerator(StepGraphsOwner):
         self._host_pos.pop(slot, None)
         self._filled.pop(slot, None)
         self._gens.pop(slot, None)
+        self._nucleus.discard(slot)
+        self.logprob_slots.discard(slot)
 
     def prefill(
-        self, slot: int, tokens: Sequence[int], start: int, sampling: Sampling | None = None
+        self,
+        slot: int,
+        tokens: Sequence[int],
+        start: int,
+        sampling: Sampling | None = None,
+        *,
+        prompt: Sequence[int] | None = None,
+        prompt_logprobs: bool = False,
+        next_token: int = 0,
     ) -> int | None:
         """Write one chunk of ``slot``'s prompt at positions ``start..start+len-1``. With
         ``sampling`` (the LAST chunk): choose and return the first new token; the slot then
-        decodes from ``start+len``. Without: more chunks follow; returns None."""
+        decodes from ``start+len`` (``prompt``: the whole prompt, which its repetition
+        penalty reads). Without: more chunks follow; returns None. ``prompt_logprobs``: set
+        :attr:`prompt_logprobs` to the log-probabilities of the prompt tokens at
+        ``start+1..start+len`` (``next_token``: the one after the chunk; a last chunk gives
+        one fewer)."""
         n = len(tokens)
         self._check_chunk(slot, n, start)
         if sampling is not None:
@@ -203,23 +263,43 @@ class SlotGenerator(StepGraphsOwner):
         bucket = pick_bucket(n, self.prefill_buckets)
         final = sampling is not None
         s = sampling or Sampling()
-        meta = ChunkMeta(slot, start, n, final, s.top_k, sampled=final and s.do_sample)
+        sampled = final and s.do_sample
+        meta = ChunkMeta(slot, start, n, final, s.top_k, sampled, next_token)
         ids = torch.full((1, bucket), self.pad_id, dtype=torch.long)
         ids[0, :n] = torch.tensor(list(tokens), dtype=torch.long)
-        temperature = torch.tensor([float(s.temperature)])
-        args = [ids.to(self.device), meta.tensor().to(self.device), temperature.to(self.device)]
-        if meta.sampled:
+        dev = self.device
+        floats = torch.tensor([[float(s.temperature), *s.row_params()]])
+        args = [ids.to(dev), meta.tensor().to(dev), floats.to(dev)]
+        if final and s.repetition_penalty != 1 and prompt is None:
+            raise ValueError("a repetition penalty needs the whole prompt (prefill's prompt=)")
+        args.append(self._row(0, s.repetition_penalty != 1, lambda: seen_row(prompt, self.vocab)))
+        args.append(self._row(1, bool(s.logit_bias), lambda: bias_row(s, self.vocab)))
+        if sampled:
             gen = host_generator(s)
             self._gens[slot] = gen
-            args.append(host_noise(gen, 1, self.vocab).to(self.device))
-        tok = self._run_prefill(bucket, meta.sampled, args)
+            if s.top_p < 1:
+                self._nucleus.add(slot)
+            args.append(host_noise(gen, 1, self.vocab).to(dev))
+        tok = self._run_prefill(bucket, sampled, prompt_logprobs, args)
         self._filled[slot] = start + n
+        if prompt_logprobs:
+            targets = [*tokens[1:], next_token][: n - 1 if final else n]
+            self.prompt_logprobs = _read_logprobs(self._prompt_lp, targets)
         if not final:
             return None
         self.active.add(slot)
         self._active_dirty = True
         self._host_pos[slot] = start + n
-        return int(tok.cpu()[0])
+        token = int(tok.cpu()[0])
+        self.logprobs = {}
+        if slot in self.logprob_slots:
+            self.logprobs[slot] = _read_logprobs(self._lp_out, [token])[0]
+        return token
+
+    def _row(self, which: int, needed: bool, make) -> torch.Tensor:
+        """``make()`` ([vocab] on the host) as a ``[1, vocab]`` device row; unless ``needed``
+        zeros kept on the device (the seen row's, ``which`` 0, or the bias row's, 1)."""
+        return make()[None].to(self.device) if needed else self._zero_rows[which]
 
     def _check_chunk(self, slot: int, n: int, start: int) -> None:
         if slot not in self.in_use or slot in self.active:
@@ -270,10 +350,16 @@ class SlotGenerator(StepGraphsOwner):
             for s, gen in self._gens.items():
                 noise[s] = host_noise(gen, 1, self.vocab)[0]
             noise = noise.to(self.device)
-        self._run_decode(bucket, self._active(), noise)
+        nucleus = sampled and any(s in self._nucleus for s in self.active)
+        self._run_decode(bucket, self._active(), noise, nucleus)
         for s in self.active:
             self._host_pos[s] += 1
         toks = self._state.tokens.cpu().tolist()  # one transfer
+        self.logprobs = {}
+        wanted = sorted(self.active & self.logprob_slots)
+        if wanted:
+            read = _read_logprobs(self._lp_out, [toks[s] for s in wanted], wanted)
+            self.logprobs = dict(zip(wanted, read))
         return {s: toks[s] for s in sorted(self.active)}
 
     def _decode_bucket(self) -> int:
@@ -289,22 +375,26 @@ class SlotGenerator(StepGraphsOwner):
         self.warmup_prefill()
         dev, none = self.device, torch.zeros(self.slots, dtype=torch.bool).to(self.device)
         for bucket in self.decode_buckets:
-            for sampled in (False, True):
+            for sampled, nucleus in ((False, False), (True, False), (True, True)):
+                if nucleus and not self.top_p_graphs:
+                    continue
                 noise = torch.ones(bucket, self.vocab).to(dev) if sampled else None
-                self._run_decode(bucket, none, noise)
+                self._run_decode(bucket, none, noise, nucleus)
         self._active_dirty = True
 
     def warmup_prefill(self, variants: Sequence[bool] = (False, True)) -> None:
-        """Capture the prefill graph of every bucket, greedy and/or sampled (``variants``),
-        with chunks that write only the scratch position."""
+        """Capture the prefill graph of every bucket, greedy and/or sampled (``variants``;
+        with both and ``prompt_logprobs``, also the one with prompt log-probabilities), with
+        chunks that write only the scratch position."""
         dev = self.device
         for bucket in self.prefill_buckets:
-            for sampled in variants:
+            for sampled, prompt_lp in variants_of(variants, self.prompt_logprob_graphs):
                 ids = torch.full((1, bucket), self.pad_id, dtype=torch.long).to(dev)
                 meta = ChunkMeta(0, 0, 0, False, 0, sampled)  # no token written
-                args = [ids, meta.tensor().to(dev), torch.ones(1).to(dev)]
+                floats = torch.tensor([[1.0, *Sampling().row_params()]]).to(dev)
+                args = [ids, meta.tensor().to(dev), floats, *self._zero_rows]
                 args += [torch.ones(1, self.vocab).to(dev)] if sampled else []
-                self._run_prefill(bucket, sampled, args)
+                self._run_prefill(bucket, sampled, prompt_lp, args)
 
     @property
     def kv_split(self) -> str:
@@ -332,22 +422,35 @@ class SlotGenerator(StepGraphsOwner):
             self._active_dev, self._active_dirty = mask.to(self.device), False
         return self._active_dev
 
-    def _run_prefill(self, bucket: int, sampled: bool, args: list[torch.Tensor]):
-        """Run a prefill graph on ``args`` (ids, meta, temperature[, noise]); the new state
-        and cache are kept, the chosen token returned."""
-        key = ("prefill", bucket, sampled)
-        out = self._run(key, lambda: self._prefill_fn(bucket, sampled), [*args, *self._state])
-        n = len(SlotState._fields)
-        self._state, self._kv = SlotState(*out[1 : 1 + n]), out[1 + n :]
+    def _run_prefill(self, bucket: int, sampled: bool, prompt_lp: bool, args: list[torch.Tensor]):
+        """Run a prefill graph on ``args`` (ids, meta, floats, seen row, bias row[, noise]);
+        the new state, cache and log-probabilities are kept, the chosen token returned. The
+        prompt log-probability variant is the sampled graph (greedy rows are data there)."""
+        if prompt_lp and not sampled:
+            args = [*args, torch.ones(1, self.vocab).to(self.device)]
+            sampled = True
+        key = ("prefill", bucket, sampled, prompt_lp) if prompt_lp else ("prefill", bucket, sampled)
+        build = lambda: self._prefill_fn(bucket, sampled, prompt_lp)  # noqa: E731
+        out = self._run(key, build, [*args, *self._state])
+        n, m = len(SlotState._fields), 7 if prompt_lp else 4
+        self._lp_out = tuple(out[1:4])
+        if prompt_lp:
+            self._prompt_lp = tuple(out[4:7])
+        self._state, self._kv = SlotState(*out[m : m + n]), out[m + n :]
         return out[0]
 
-    def _run_decode(self, bucket: int, active: torch.Tensor, noise: torch.Tensor | None):
-        """Run a decode graph: every active row of ``[0, bucket)`` advances one token."""
-        key = ("decode", bucket, noise is not None)
+    def _run_decode(
+        self, bucket: int, active: torch.Tensor, noise: torch.Tensor | None, nucleus: bool = False
+    ):
+        """Run a decode graph: every active row of ``[0, bucket)`` advances one token
+        (``nucleus``: the graph that applies the rows' top_p)."""
+        sampled = noise is not None
+        key = ("decode", bucket, sampled, "top_p") if nucleus else ("decode", bucket, sampled)
         args = [active, *self._state, *([noise] if noise is not None else [])]
-        out = self._run(key, lambda: self._decode_fn(bucket, noise is not None), args)
-        self._state = self._state._replace(tokens=out[0], pos=out[1])
-        self._kv = out[2:]
+        out = self._run(key, lambda: self._decode_fn(bucket, sampled, nucleus), args)
+        self._state = self._state._replace(tokens=out[0], pos=out[1], counts=out[2])
+        self._lp_out = tuple(out[3:6])
+        self._kv = out[6:]
 
     def _run(self, key: tuple, build, args: list[torch.Tensor]) -> list[torch.Tensor]:
         # This device's earlier steps finish first: a capture waits for every device
@@ -374,13 +477,14 @@ class SlotGenerator(StepGraphsOwner):
 
         return run
 
-    def _prefill_fn(self, bucket: int, sampled: bool):
+    def _prefill_fn(self, bucket: int, sampled: bool, prompt_lp: bool = False):
         from .slot_cache import SlotCache
 
         model, scratch, n_state = self.model, self.max_len, len(SlotState._fields)
 
-        def step(ids, meta, temp, *rest):
+        def step(ids, meta, floats, seen, bias, *rest):  # noqa: PLR0917
             noise, rest = (rest[0], rest[1:]) if sampled else (None, rest)
+            temp, params = floats[:, 0], floats[:, 1:]
             state, kv = SlotState(*rest[:n_state]), rest[n_state:]
             m = ChunkMeta.read(meta)
             final = m.final.bool()
@@ -394,27 +498,42 @@ class SlotGenerator(StepGraphsOwner):
                 position_ids=torch.where(valid, m.start + idx, torch.zeros_like(idx))[None],
                 **cache_kwargs(model, cache),
                 use_cache=True,
-                logits_to_keep=(m.length - 1).clamp(min=0),
+                logits_to_keep=0 if prompt_lp else (m.length - 1).clamp(min=0),
                 **no_aux_outputs(model.config),
             )
-            tok = choose_rows(out.logits[:, -1], temp, m.top_k, m.sampled.bool(), noise)
+            last = (m.length - 1).clamp(min=0)
+            logits = out.logits[0] if prompt_lp else None
+            row = out.logits[0].index_select(0, last) if prompt_lp else out.logits[:, -1]
+            zeros = torch.zeros_like(bias)
+            rows = (temp, m.top_k, params, zeros, seen, bias)
+            tok = choose_adjusted(row, rows, m.sampled.bool(), noise)
+            lp = token_logprobs(row, tok)
 
             def put(row, value):  # row[slot] = value on the last chunk
                 new = torch.where(final, value.to(row.dtype), row.index_select(0, m.slot))
                 return row.index_put((m.slot,), new)
 
+            counted = zeros.scatter(-1, tok[:, None], 1.0)
             new = SlotState(
                 tokens=put(state.tokens, tok),
                 pos=put(state.pos, m.start + m.length),
                 temperature=put(state.temperature, temp),
                 top_k=put(state.top_k, m.top_k),
                 sample=put(state.sample, m.sampled.bool()),
+                params=put(state.params, params),
+                counts=put(state.counts, counted),
+                seen=put(state.seen, seen),
+                bias=put(state.bias, bias),
             )
-            return [tok, *new, *cache.tensors()]
+            prompt = []
+            if prompt_lp:
+                targets = torch.where(idx < m.length - 1, ids[0].roll(-1), m.next)
+                prompt = list(token_logprobs(logits, targets))
+            return [tok, *lp, *prompt, *new, *cache.tensors()]
 
         return self.with_split_attention(step)
 
-    def _decode_fn(self, bucket: int, sampled: bool):
+    def _decode_fn(self, bucket: int, sampled: bool, nucleus: bool = False):
         from .slot_cache import SlotCache
 
         model, scratch, n_state = self.model, self.max_len, len(SlotState._fields)
@@ -437,15 +556,39 @@ class SlotGenerator(StepGraphsOwner):
                 **no_aux_outputs(model.config),
             )
             logits = out.logits[:, -1]
-            tok = choose_rows(logits, state.temperature[b], state.top_k[b], state.sample[b], noise)
+            counts = state.counts[b]
+            rows = (state.temperature[b], state.top_k[b], state.params[b], counts)
+            rows += (state.seen[b], state.bias[b])
+            tok = choose_adjusted(logits, rows, state.sample[b], noise, nucleus)
             tok = torch.where(a, tok, last)
+            counts = counts + torch.zeros_like(counts).scatter(-1, tok[:, None], a.float()[:, None])
+            lp = token_logprobs(logits, tok)
+            rest_rows = self.slots - bucket
             return [
                 torch.cat([tok, state.tokens[bucket:]]),
                 torch.cat([pos + a.long(), state.pos[bucket:]]),
+                torch.cat([counts, state.counts[bucket:]]),
+                *(torch.cat([t, t.new_zeros((rest_rows, *t.shape[1:]))]) for t in lp),
                 *cache.tensors(),
             ]
 
         return self.with_split_attention(step)
+
+
+def variants_of(variants: Sequence[bool], prompt_lp: bool) -> list[tuple[bool, bool]]:
+    """The prefill graphs ``(sampled, prompt log-probabilities)`` of the ``variants`` asked
+    for: with ``prompt_lp`` and both greedy and sampled, also the prompt log-probability one."""
+    out = [(v, False) for v in variants]
+    return out + [(True, True)] if prompt_lp and set(variants) == {False, True} else out
+
+
+def _read_logprobs(out, tokens: Sequence[int], rows: Sequence[int] | None = None):
+    """The :class:`TokenLogprob` of ``tokens`` from a step's ``(logprob, top logprobs, top
+    ids)`` device tensors, at ``rows`` (None: the first ``len(tokens)``); one transfer each."""
+    lp, top_lp, top_ids = (t.cpu() for t in out)
+    rows = list(rows) if rows is not None else list(range(len(tokens)))
+    lp, top_lp, top_ids = lp[rows].tolist(), top_lp[rows].tolist(), top_ids[rows].tolist()
+    return [TokenLogprob(t, lp[i], tuple(zip(top_ids[i], top_lp[i]))) for i, t in enumerate(tokens)]
 
 
 def _seq_split(model, mode: str, max_len: int):

@@ -3,8 +3,9 @@ them (the serving :class:`~.engine.Engine` decides what is admitted and cancelle
 
 A lease places its admitted requests in free slots and frees its cancelled ones, then runs
 iterations: prompt chunks of the rows still prefilling (oldest first, at most the prefill budget
-per iteration), then one decoded token for every running row. A row ends on EOS, a stop string or
-its ``max_tokens``; a failure while generating ends only the rows of that step. Every rank holds
+per iteration), then one decoded token for every running row. A row ends on EOS, one of its stop
+token ids, a stop string or its ``max_tokens`` (0: right after its prompt); a failure while
+generating ends only the rows of that step. Every rank holds
 the same rows; only rank 0's have a client :class:`Request` to stream events to.
 """
 
@@ -14,8 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .prefix_cache import PrefixCache
-from .sampling import Sampling
-from .schedule import Admission, Delta, Done, Event, Failed, Lease, Request
+from .sampling import Sampling, TokenLogprob
+from .schedule import Admission, Delta, Done, Event, Failed, Lease, Output, Prompt, Request
 from .slot_generator import SlotGenerator
 from .text import Detokenizer
 
@@ -33,6 +34,8 @@ class Row:
     order: int = 0  # admission order (prefill goes oldest first)
     filled: int = 0  # prompt tokens prefilled so far
     count: int = 0  # tokens generated
+    output: Output = Output()
+    prompt_logprobs: list[TokenLogprob] | None = None  # gathered chunk by chunk
 
     @property
     def prefilling(self) -> bool:
@@ -76,8 +79,12 @@ class SlotRows:
                 Detokenizer(self.tokenizer, list(admission.stop)),
                 requests[i] if requests is not None else None,
                 order=self.admitted,
+                output=admission.output,
+                prompt_logprobs=[] if admission.output.prompt_logprobs else None,
             )
             self.admitted += 1
+            if admission.output.logprobs:
+                self.gen.logprob_slots.add(slot)
             if self.prefix is not None and admission.prefix is not None:
                 self._load(self.by_slot[slot], admission)
         for _ in range(lease.steps):
@@ -113,7 +120,7 @@ class SlotRows:
                 row = self.by_slot.get(slot)
                 if row is None or row.prefilling:
                     break  # the row ended: the rest of its tokens are dropped
-                self._token(row, t)
+                self._token(row, t, gen.logprobs.get(slot))
 
     def end(self, slot: int) -> None:
         """Free ``slot`` (nothing when it holds no row)."""
@@ -131,36 +138,59 @@ class SlotRows:
 
     def _prefill(self, row: Row) -> None:
         """Prefill the row's next chunk (its first new token comes with the last chunk)."""
-        chunk = row.prompt[row.filled : row.filled + self.gen.chunk]
-        last = row.filled + len(chunk) == len(row.prompt)
+        gen, start = self.gen, row.filled
+        chunk = row.prompt[start : start + gen.chunk]
+        end = start + len(chunk)
+        last = end == len(row.prompt)
+        echo = row.prompt_logprobs is not None
         try:
-            token = self.gen.prefill(row.slot, chunk, row.filled, row.sampling if last else None)
+            token = gen.prefill(
+                row.slot,
+                chunk,
+                start,
+                row.sampling if last else None,
+                **({"prompt": row.prompt} if last and row.sampling.adjusts else {}),
+                **(
+                    {"prompt_logprobs": True, "next_token": row.prompt[end] if not last else 0}
+                    if echo
+                    else {}
+                ),
+            )
         except Exception as e:  # noqa: BLE001 - fails this request only
             self._fail(row, e)
             return
         row.filled += len(chunk)
+        if row.prompt_logprobs is not None:
+            row.prompt_logprobs.extend(gen.prompt_logprobs)
         if self.prefix is not None:
             try:
                 self.prefix.prefilled(self.gen, row.slot, row.filled)
             except Exception as e:  # noqa: BLE001 - fails this request only
                 self._fail(row, e)
                 return
-        if last:
-            self._token(row, token)
+        if not last:
+            return
+        if row.prompt_logprobs is not None:
+            self._emit(row, Prompt(tuple(row.prompt_logprobs)))
+        if row.max_tokens == 0:
+            self._finish(row, "length")
+        else:
+            self._token(row, token, gen.logprobs.get(row.slot))
 
-    def _token(self, row: Row, t: int) -> None:
-        """A new token of ``row``: stream its text, end the row when it is done."""
+    def _token(self, row: Row, t: int, logprob: TokenLogprob | None = None) -> None:
+        """A new token of ``row`` (``logprob``: the model's, when the row asked for them):
+        stream its text, end the row when it is done."""
         row.count += 1
         if row.request is not None:
             row.request.tokens.append(t)
-        eos = t in self.eos_ids
+        eos = t in self.eos_ids or t in row.output.stop_ids
         try:
             text = "" if eos else row.detok.add(t)
         except Exception as e:  # noqa: BLE001 - e.g. a tokenizer that cannot decode the id
             self._fail(row, e)
             return
-        if text:
-            self._emit(row, Delta(text))
+        if text or (logprob is not None and row.output.logprobs):
+            self._emit(row, Delta(text, (logprob,) if logprob is not None else ()))
         if eos or row.detok.stopped:
             self._finish(row, "stop")
         elif row.count >= row.max_tokens:

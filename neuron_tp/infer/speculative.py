@@ -150,11 +150,22 @@ class VerifyingGenerator(SlotGenerator):
     arguments are :class:`SlotGenerator`'s; ``stats``: :class:`SpeculationStats`."""
 
     n_noise = 3  # host draws per sampled step: the draft's noise, uniforms, final noise
+    logprobs_supported = False  # the verification returns no log-probabilities
 
     def __init__(self, model, slots: int, max_len: int, *, k: int = DEFAULT_K, **kw):
         check_speculation(k, max_len)
         super().__init__(model, slots, max_len, **kw)
         self.k, self.stats = k, SpeculationStats(k)
+
+    def check(self, prompt_len: int, max_new_tokens: int, sampling, **kw) -> None:
+        """:meth:`SlotGenerator.check`; ValueError for what the verification does not apply:
+        ``top_p``, ``min_p``, the penalties and ``logit_bias``."""
+        super().check(prompt_len, max_new_tokens, sampling, **kw)
+        if sampling.adjusts or sampling.filters:
+            raise ValueError(
+                "top_p, min_p, presence/frequency/repetition penalties and logit_bias are not "
+                "supported with speculative decoding (--draft-model / --speculation-method)"
+            )
 
     def decode(self) -> dict[int, list[int]]:  # type: ignore[override]
         """One speculative step of every active slot: ``{slot: its new tokens}`` (1..k+1)."""
@@ -247,7 +258,9 @@ class VerifyingGenerator(SlotGenerator):
             inputs = rest[n_state + n_noise : n_state + n_noise + n_inputs]
             kv = rest[n_state + n_noise + n_inputs :]
             b = slice(0, bucket)
-            rows = _Rows(active[b], state.pos[b], *(t[b] for t in state[2:]))
+            rows = _Rows(
+                active[b], state.pos[b], state.temperature[b], state.top_k[b], state.sample[b]
+            )
             last = state.tokens[b]
             proposed, q, proposer_out = self._propose(rows, last, inputs, noise)
             logits, target_out = self._verify(rows, last, proposed, kv)
@@ -357,10 +370,12 @@ class SpeculativeGenerator(VerifyingGenerator):
         super().mark_filled(slot, tokens)
         self.draft.mark_filled(slot, tokens)
 
-    def prefill(self, slot: int, tokens: Sequence[int], start: int, sampling=None) -> int | None:
+    def prefill(
+        self, slot: int, tokens: Sequence[int], start: int, sampling=None, **kw
+    ) -> int | None:
         """:meth:`SlotGenerator.prefill` of the target, then the same chunk into the draft's
         cache (no token chosen there)."""
-        out = super().prefill(slot, tokens, start, sampling)
+        out = super().prefill(slot, tokens, start, sampling, **kw)
         self.draft.prefill(slot, tokens, start)
         return out
 
