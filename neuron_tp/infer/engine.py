@@ -333,6 +333,17 @@ class Engine:
             return admission
         return dataclasses.replace(admission, prefix=prefix.plan(req.prompt))
 
+    def run_all(self, requests: Sequence[Request]) -> None:
+        """Offline generation (``neuron-tp generate``): run ``requests``, the same on every
+        rank, through the slots ``slots`` at a time; every rank places the same admissions
+        itself, so no schedule message is sent. Their events go to their sinks here."""
+        gen, rows = self._model(), self.rows
+        assert rows is not None  # attached
+        for first in range(0, len(requests), gen.slots):
+            batch = list(requests[first : first + gen.slots])
+            lease = Lease((), tuple(Admission.of(r) for r in batch), steps=2**31)
+            rows.run(lease, batch)
+
     def follow(self, should_stop: Callable[[], bool] = lambda: False) -> None:
         """Ranks > 0: run rank 0's leases until its shutdown message (or, once
         ``should_stop()`` is true, until rank 0 has been silent for 30 s)."""

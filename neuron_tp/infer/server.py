@@ -31,7 +31,7 @@ from .metrics import LOG, RequestTrace, ServerMetrics
 from .prefix_cache import PrefixCache, held_per_block, pool_blocks, resolve_block
 from .sampling import MAX_SEED, TokenLogprob
 from .schedule import Delta, Done, Failed, Prompt
-from .speculation_setup import check_speculation_options, speculating_generator
+from .speculation_setup import check_speculation_options
 from .speculative import SpeculativeGenerator
 
 PARSE_INLINE = 64 * 1024  # bytes: larger bodies are parsed on a worker thread
@@ -532,30 +532,13 @@ def stop_on_signals() -> threading.Event:
 
 def _load(engine: Engine, config, mesh) -> None:
     """Load the model onto this rank's device, attach it to ``engine`` and warm up."""
-    from ..job.runtime import rank_device
-    from ..parallel.sharding import move_to
-    from .kv_split import resolve
-    from .load import eos_ids, load_for_generation
-    from .slot_generator import SlotGenerator
+    from .slots_setup import SlotShape, load_slot_generator
 
-    model, tok = load_for_generation(config.generate_config(), mesh)
-    move_to(model, rank_device(config.device))
-    pad = getattr(tok, "pad_token_id", None) or 0
-    chunk = _chunk(config)
-    split = resolve(config.kv_split, model.config, mesh.tp_size)
-    make, extra = speculating_generator(config.generate_config(), mesh)
-    gen = (make or SlotGenerator)(
-        model,
-        **extra,
-        slots=max(config.batch_buckets),
-        max_len=_max_len(config),
-        chunk=chunk,
-        prefill_buckets=sorted({b for b in config.buckets if b < chunk} | {chunk}),
-        decode_buckets=config.batch_buckets,
-        pad_id=pad,
-        kv_split=split,
-        **({} if make else {"prompt_logprobs": True, "top_p": True}),
+    generate = config.generate_config()
+    loaded = load_slot_generator(
+        generate, mesh, SlotShape.of(generate, config.prefill_chunk), serving=True
     )
+    gen, tok, model = loaded.gen, loaded.tokenizer, loaded.gen.model
     if mesh.rank == 0:
         print(
             f"neuron-tp serve: KV cache split by {gen.kv_split}, "
@@ -563,10 +546,10 @@ def _load(engine: Engine, config, mesh) -> None:
             flush=True,
         )
     prefix = _prefix_cache(config, gen, rank0=mesh.rank == 0)
-    engine.attach(gen, tok, eos_ids(model, tok), config.max_new_tokens, prefix)
+    engine.attach(gen, tok, loaded.eos_ids, config.max_new_tokens, prefix)
     defaults = generation_defaults(getattr(model, "generation_config", None))
     left_out = {}
-    if make is not None:  # speculation applies temperature and top_k only
+    if loaded.speculative:  # speculation applies temperature and top_k only
         left_out = {k: v for k, v in defaults.items() if k not in ("temperature", "top_k")}
         defaults = {k: v for k, v in defaults.items() if k not in left_out}
     engine.sampling_defaults = defaults

@@ -284,7 +284,6 @@ def test_user_error_is_one_line_and_debug_shows_the_traceback(capsys, monkeypatc
 
 def test_kv_cache_longer_than_the_model_suggests_what_fits(capsys, monkeypatch):
     from neuron_tp.cli.entry import main
-    from neuron_tp.infer.static_generator import Generator
 
     monkeypatch.delenv("NEURON_TP_DEBUG", raising=False)
     base = ["generate", "--device", "cpu", "--prompt", "Hi"]
@@ -295,14 +294,11 @@ def test_kv_cache_longer_than_the_model_suggests_what_fits(capsys, monkeypatch):
         r"pass --max-new-tokens (\d+) or --buckets with the largest at most (\d+)", err[0]
     )
     assert m, err
-    # each suggestion fits the model (tiny-llama: 1024 positions), the next step up does not
-    model = build_model("tiny-llama", 257, 0)
+    # each suggestion fits the model (tiny-llama: 1024 positions), one more does not
     new, largest = int(m.group(1)), int(m.group(2))
-    Generator(model, [800], new)
-    Generator(model, [largest], 300)
-    for buckets, n in (([800], new + 128), ([largest + 1], 300)):
-        with pytest.raises(ValueError, match="exceeds"):
-            Generator(model, buckets, n)
+    assert 800 + new == 1024 and largest + 300 == 1024
+    assert main([*base, "--buckets", "800", "--max-new-tokens", str(new + 1)]) == 2
+    assert main([*base, "--buckets", str(largest), "--max-new-tokens", "2"]) == 0
 
 
 def test_generate_from_a_run_without_a_checkpoint_yet(tmp_path, capsys, monkeypatch):

@@ -168,8 +168,8 @@ def _hf_texts(tmp: str, merge: bool = True) -> list[str]:
     for p in PROMPTS:
         ids = torch.tensor([tok.encode(p)])
         out = merged.generate(ids, max_new_tokens=NEW, do_sample=False, pad_token_id=0)
-        new = out[0, ids.shape[1] :].tolist()  # up to the first EOS (which is decoded too)
-        new = new[: next((i + 1 for i, t in enumerate(new) if t in stops), len(new))]
+        new = out[0, ids.shape[1] :].tolist()  # up to the first EOS (as serve, not decoded)
+        new = new[: next((i for i, t in enumerate(new) if t in stops), len(new))]
         texts.append(tok.decode(new))
     return texts
 
