@@ -6,6 +6,7 @@ family gives these sizes."""
 from __future__ import annotations
 
 import torch
+
 from moe_families import V, moe_families, tiny_config
 
 # The sizes under the names dense families give them (set when the config has the attribute).
@@ -108,8 +109,6 @@ def build_dense(model_type: str, seed: int = 0, **overrides):
     every rank or a norm applied to the wrong features)."""
     import transformers as tf
 
-    if model_type in NO_TINY:
-        raise RuntimeError(NO_TINY[model_type])
     cfg = tiny_config(model_type, sizes=SIZES, **{**OVERRIDES.get(model_type, {}), **overrides})
     torch.manual_seed(seed)
     try:
