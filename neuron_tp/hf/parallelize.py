@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from ..errors import UserError
+from ..layers import RowParallelLinear
 from ..parallel.mesh import Mesh, get_mesh
 from ..parallel.sharding import copy_param_meta, get_sharding, mark_sequence_parallel
 from ..parallel.state import ParallelState, attach, is_parallel
@@ -25,6 +26,7 @@ from .attention import (
     model_heads,
     patch_attention_module,
 )
+from .dropout import install_split_dropout
 from .meta_guard import guard_meta
 from .modules import (
     HFColumnLinear,
@@ -463,6 +465,14 @@ def _install(
             sequence_parallel_regather,
         )
     _retie(model, ties)
+    if not sequence_parallel:
+        columns = [
+            m
+            for n, m in built.replacements.items()
+            if isinstance(m, HFColumnLinear) and not m.gather_output and n != s.lm_head
+        ]
+        rows = [m for m in built.replacements.values() if isinstance(m, RowParallelLinear)]
+        install_split_dropout(model, mesh.tp, columns, rows)
     if sequence_parallel:
         apply_sequence_parallel(model, mesh, s.layers, s.final_norm)
         keep_complete_grads(model)

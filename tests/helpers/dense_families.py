@@ -78,7 +78,8 @@ OVERRIDES: dict[str, dict] = {
     "gpt_neo": dict(attention_types=[[["global", "local"], 1]], window_size=4),
     "nemotron": dict(num_key_value_heads=2),
     "mamba2": dict(num_heads=8),
-    "opt": dict(word_embed_proj_dim=16),  # project_in / project_out around the decoder
+    # project_in / project_out around the decoder; dropout between fc1 and fc2 too
+    "opt": dict(word_embed_proj_dim=16, activation_dropout=0.1, attention_dropout=0.1),
 }
 
 # Families whose tiny config still holds full-size parts the generic sizes do not reach
@@ -88,6 +89,17 @@ NO_TINY = {
     "phi4_multimodal": "full-size vision and audio towers (870M parameters)",
     "moss_transcribe_diarize": "a full-size audio encoder (307M parameters)",
 }
+
+
+def drops(model) -> bool:
+    """Whether ``model`` has a dropout probability above 0 (a module, or a float attribute
+    named like one)."""
+    for mod in model.modules():
+        if isinstance(mod, torch.nn.Dropout) and mod.p > 0:
+            return True
+        if any("drop" in k and isinstance(v, float) and v > 0 for k, v in vars(mod).items()):
+            return True
+    return False
 
 
 def dense_families() -> dict[str, str]:

@@ -1,7 +1,9 @@
 """Every dense causal-LM family of the installed transformers (:mod:`dense_families`) at tp 2 on
 gloo ranks, in ONE launch: a tiny random model parallelized with ``parallel_loss=True`` (the plan
 neuron_tp picks) and compared with the unsharded transformers model in logits, parallel loss,
-every gradient and the logits after one SGD step — or refused, before anything is changed.
+every gradient and the logits after one SGD step (eval mode), and, for a family with dropout,
+in training mode from the same RNG state (logits, loss, every gradient: each dropout mask must
+be the unsharded model's) — or refused, before anything is changed.
 
 Each rank computes every difference before any comparison decides (a rank that stopped early
 would leave the other one alone in a collective), and the outcome of a family is the worst of
@@ -26,6 +28,7 @@ from dense_families import (  # noqa: E402
     build_dense,
     dense_families,
     docs_table,
+    drops,
     family_table,
 )
 
@@ -80,14 +83,49 @@ def _compare(ref, m) -> list[str]:
     return bad
 
 
+def _compare_training(ref, m) -> list[str]:
+    """In training mode, with the same RNG state before every forward (so each dropout mask
+    must be the unsharded model's): logits, parallel loss, every gradient."""
+    import neuron_tp as ntp
+    from neuron_tp.hf import full_logits, gather_hf_state_dict
+
+    ref.train()
+    m.train()
+    ids = torch.randint(1, V, (2, 8), generator=torch.Generator().manual_seed(4))
+    bad: list[str] = []
+
+    def check(a, b, what):
+        d = _diff(a, b)
+        if d is not None:
+            bad.append(f"training {what} off by {d:.1e}")
+
+    torch.manual_seed(7)
+    want = ref(ids, labels=ids)
+    torch.manual_seed(7)
+    with full_logits(m), torch.no_grad():
+        check(m(ids).logits, want.logits, "logits")
+    torch.manual_seed(7)
+    loss = m(ids, labels=ids).loss
+    check(loss, want.loss, "loss")
+    loss.backward()
+    want.loss.backward()
+    ntp.sync_sequence_parallel_grads(m)
+    grads = gather_hf_state_dict(m, grads=True)
+    for n, p in ref.named_parameters():
+        if p.grad is not None and n in grads:
+            check(grads[n], p.grad, f"grad {n}")
+    return bad
+
+
 def _try(ref) -> tuple[str, str]:
     """``(outcome, detail)``: exact / refused / wrong / fail; ``ref`` is not changed."""
     from neuron_tp.hf import parallelize
 
+    opts = dict(parallel_loss=True)
     before = {n: t.clone() for n, t in ref.state_dict().items()}
     probe = copy.deepcopy(ref)
     try:
-        parallelize(probe, parallel_loss=True)
+        parallelize(probe, **opts)
     except ValueError as e:  # UserError is a ValueError too
         after = probe.state_dict()
         same = set(after) == set(before) and all(torch.equal(after[n], before[n]) for n in before)
@@ -98,6 +136,8 @@ def _try(ref) -> tuple[str, str]:
         return "fail", f"{type(e).__name__} while sharding: {str(e)[:300]}"
     try:
         bad = _compare(copy.deepcopy(ref), probe)
+        if not bad and drops(ref):
+            bad = _compare_training(copy.deepcopy(ref), parallelize(copy.deepcopy(ref), **opts))
     except Exception as e:  # noqa: BLE001
         return "fail", f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
     return ("wrong", "; ".join(bad[:4])) if bad else ("exact", "")
