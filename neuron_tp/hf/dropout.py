@@ -34,7 +34,9 @@ def chunk_of_full_dropout(x: torch.Tensor, p: float, group: Group, dim: int) -> 
     return x * comm.local_chunk(keep, group, dim) / (1 - p)
 
 
-def _sdpa(group: Group, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kw):
+def _sdpa(
+    group: Group, q, k, v, *, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kw
+):
     """``F.scaled_dot_product_attention`` on this rank's heads with the dropout mask of all
     heads (the math PyTorch's reference implementation does)."""
     if kw.get("enable_gqa") and k.shape[-3] != q.shape[-3]:
