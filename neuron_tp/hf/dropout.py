@@ -14,7 +14,9 @@ residual stream is sequence-sharded there)."""
 
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -58,22 +60,26 @@ def _sdpa(
 
 
 class SplitDropout(TorchFunctionMode):
-    """Active while the activations flowing are split over tp (from a column projection's
-    output to the next row projection's input)."""
+    """Active while the activations flowing are split over tp: ``kind`` "features" (from a
+    column projection's output to the next row projection's input: heads or features) or
+    "sequence" (the residual stream of a decoder layer under sequence parallelism)."""
 
     def __init__(self, group: Group):
         super().__init__()
-        self.group = group
+        self.group, self.kind, self.off = group, "features", False
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.off:
+            return func(*args, **kwargs)
         if func is F.dropout:
             names = ("input", "p", "training", "inplace")
             a = {**dict(zip(names, args)), **kwargs}
             p, training = a.get("p", 0.5), a.get("training", True)
             if training and p > 0:
                 x = a["input"]
-                return chunk_of_full_dropout(x, p, self.group, dim=1 if x.dim() == 4 else -1)
+                dim = 1 if self.kind == "sequence" or x.dim() == 4 else -1
+                return chunk_of_full_dropout(x, p, self.group, dim=dim)
         if func is F.scaled_dot_product_attention:
             names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
             a = {**dict(zip(names, args)), **kwargs}
@@ -95,28 +101,107 @@ def _drops(model: nn.Module) -> bool:
     return False
 
 
+_state = threading.local()  # this thread's active SplitDropout (XLA CPU ranks are threads)
+
+
+def _stack() -> list:
+    return [torch._C._get_function_stack_at(i) for i in range(torch._C._len_torch_function_stack())]
+
+
+def _active() -> SplitDropout | None:
+    """This thread's split-dropout mode if it is on the torch function mode stack (autograd
+    restores the forward's stack around the backward nodes that run a recompute)."""
+    mode = getattr(_state, "mode", None)
+    if mode is not None and not any(m is mode for m in _stack()):
+        mode = _state.mode = None
+    return mode
+
+
+def _activate(group: Group, kind: str) -> bool:
+    """Run under a :class:`SplitDropout` of ``kind`` from now; True if it was not active."""
+    mode = _active()
+    started = mode is None
+    if mode is None:
+        mode = _state.mode = SplitDropout(group)
+        mode.__enter__()
+    mode.kind = kind
+    return started
+
+
+def _deactivate(*_) -> None:
+    mode = _active()
+    if mode is not None:
+        _state.mode = None
+        if _stack()[-1] is mode:
+            mode.__exit__(None, None, None)
+        else:  # a mode entered after it is still on top: leave it there, inert
+            mode.off = True
+
+
+@contextlib.contextmanager
+def replicated_input():
+    """Inside: dropout as plain dropout (on a replicated tensor read while split activations
+    are live, e.g. a LoRA adapter's input next to its column-parallel base)."""
+    mode = _active()
+    if mode is None:
+        yield
+        return
+    before, mode.off = mode.off, True
+    try:
+        yield
+    finally:
+        mode.off = before
+
+
+def resumable(fn):
+    """``fn`` (a function activation recompute runs again in backward) that runs under the
+    split-dropout state active now, so the recompute draws the forward's masks."""
+    mode = _active()
+    if mode is None:
+        return fn
+    group, kind = mode.group, mode.kind
+
+    def run(*args, **kwargs):
+        started = _activate(group, kind)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if started:
+                _deactivate()
+
+    return run
+
+
 def install_split_dropout(
-    model: nn.Module, group: Group, columns: list[nn.Module], rows: list[nn.Module]
+    model: nn.Module,
+    group: Group,
+    columns: list[nn.Module],
+    rows: list[nn.Module],
+    sequence_end: nn.Module | None = None,
 ) -> None:
-    """In training, run from the output of a column projection in ``columns`` (split output)
-    to the input of the next row projection in ``rows`` under :class:`SplitDropout` (also when
-    activation recompute runs them again in backward). Nothing is installed when tp is 1 or
-    the model has no dropout."""
+    """In training, run under :class:`SplitDropout` from the output of a column projection in
+    ``columns`` (split output) to the input of the next row projection in ``rows``; with
+    sequence parallelism (``sequence_end``: the final norm, after which the sequence is whole
+    again) from there on as "sequence" until the next column projection or the end. Nothing
+    is installed when tp is 1 or the model has no dropout."""
     if group.size == 1 or not columns or not _drops(model):
         return
-    active: list[SplitDropout] = []
 
-    def enter(mod, _args, _out):
-        if mod.training and not active:
-            active.append(SplitDropout(group))
-            active[0].__enter__()
+    def column_out(mod, _args, _out):
+        if mod.training:
+            _activate(group, "features")
 
-    def leave(*_):
-        if active:
-            active.pop().__exit__(None, None, None)
+    def row_in(mod, _args):
+        if sequence_end is not None and _active() is not None:
+            _activate(group, "sequence")
+        else:
+            _deactivate()
 
     for c in columns:
-        c.register_forward_hook(enter)
+        c.register_forward_hook(column_out)
     for r in rows:
-        r.register_forward_pre_hook(leave)
-    model.register_forward_hook(leave, always_call=True)  # a forward that raised midway
+        r.register_forward_pre_hook(row_in)
+    if sequence_end is not None:
+        sequence_end.register_forward_hook(_deactivate, always_call=True)
+    model.register_forward_pre_hook(_deactivate)
+    model.register_forward_hook(_deactivate, always_call=True)  # a forward that raised midway

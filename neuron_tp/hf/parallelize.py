@@ -465,14 +465,14 @@ def _install(
             sequence_parallel_regather,
         )
     _retie(model, ties)
-    if not sequence_parallel:
-        columns = [
-            m
-            for n, m in built.replacements.items()
-            if isinstance(m, HFColumnLinear) and not m.gather_output and n != s.lm_head
-        ]
-        rows = [m for m in built.replacements.values() if isinstance(m, RowParallelLinear)]
-        install_split_dropout(model, mesh.tp, columns, rows)
+    columns = [
+        m
+        for n, m in built.replacements.items()
+        if isinstance(m, HFColumnLinear) and not m.gather_output and n != s.lm_head
+    ]
+    rows = [m for m in built.replacements.values() if isinstance(m, RowParallelLinear)]
+    end = model.get_submodule(s.final_norm) if sequence_parallel and s.final_norm else None
+    install_split_dropout(model, mesh.tp, columns, rows, end)
     if sequence_parallel:
         apply_sequence_parallel(model, mesh, s.layers, s.final_norm)
         keep_complete_grads(model)

@@ -3,7 +3,8 @@ gloo ranks, in ONE launch: a tiny random model parallelized with ``parallel_loss
 neuron_tp picks) and compared with the unsharded transformers model in logits, parallel loss,
 every gradient and the logits after one SGD step (eval mode), and, for a family with dropout,
 in training mode from the same RNG state (logits, loss, every gradient: each dropout mask must
-be the unsharded model's) — or refused, before anything is changed.
+be the unsharded model's), also with sequence parallelism where the family takes it — or
+refused, before anything is changed.
 
 Each rank computes every difference before any comparison decides (a rank that stopped early
 would leave the other one alone in a collective), and the outcome of a family is the worst of
@@ -83,7 +84,7 @@ def _compare(ref, m) -> list[str]:
     return bad
 
 
-def _compare_training(ref, m) -> list[str]:
+def _compare_training(ref, m, tag: str = "") -> list[str]:
     """In training mode, with the same RNG state before every forward (so each dropout mask
     must be the unsharded model's): logits, parallel loss, every gradient."""
     import neuron_tp as ntp
@@ -97,7 +98,7 @@ def _compare_training(ref, m) -> list[str]:
     def check(a, b, what):
         d = _diff(a, b)
         if d is not None:
-            bad.append(f"training {what} off by {d:.1e}")
+            bad.append(f"{tag}training {what} off by {d:.1e}")
 
     torch.manual_seed(7)
     want = ref(ids, labels=ids)
@@ -138,6 +139,12 @@ def _try(ref) -> tuple[str, str]:
         bad = _compare(copy.deepcopy(ref), probe)
         if not bad and drops(ref):
             bad = _compare_training(copy.deepcopy(ref), parallelize(copy.deepcopy(ref), **opts))
+            try:
+                sp = parallelize(copy.deepcopy(ref), **opts, sequence_parallel=True)
+            except ValueError:
+                sp = None  # sequence parallelism refused for this family
+            if not bad and sp is not None:
+                bad = _compare_training(copy.deepcopy(ref), sp, "sp ")
     except Exception as e:  # noqa: BLE001
         return "fail", f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
     return ("wrong", "; ".join(bad[:4])) if bad else ("exact", "")
