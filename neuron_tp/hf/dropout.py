@@ -36,6 +36,15 @@ def chunk_of_full_dropout(x: torch.Tensor, p: float, group: Group, dim: int) -> 
     return x * comm.local_chunk(keep, group, dim) / (1 - p)
 
 
+def split_features_dropout(drop: nn.Module, x: torch.Tensor, group: Group) -> torch.Tensor:
+    """``drop(x)`` for ``x`` this rank's features (last dim) of a tensor split over ``group``
+    (a LoRA adapter's input next to its row-parallel base): an ``nn.Dropout`` in training
+    draws the full tensor's mask."""
+    if isinstance(drop, nn.Dropout) and drop.training and drop.p > 0 and group.size > 1:
+        return chunk_of_full_dropout(x, drop.p, group, dim=-1)
+    return drop(x)
+
+
 def _sdpa(
     group: Group, q, k, v, *, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kw
 ):

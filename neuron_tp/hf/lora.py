@@ -37,7 +37,7 @@ from ..parallel.agreement import check_agreement, tensor_checksum
 from ..parallel.mesh import Mesh, get_mesh
 from ..parallel.sharding import Sharding, gather_full, get_param_meta, mark_sharded, shard_of
 from ..parallel.state import attach, is_parallel, mesh_of, state_of
-from .dropout import replicated_input
+from .dropout import replicated_input, split_features_dropout
 from .lora_files import SAFETENSORS, write_adapter_dir
 from .lora_targets import check_targets, refuse_target_parameters
 from .modules import HFColumnLinear
@@ -280,8 +280,8 @@ def _row_lora(w: nn.Module, adapter: str) -> Callable[[torch.Tensor], torch.Tens
     b = regions.identity_fwd_all_reduce_bwd(w.lora_B[adapter].weight, w.base_layer.mesh.tp)
 
     def partial(x_local: torch.Tensor) -> torch.Tensor:
-        x_local = x_local.to(a.dtype)
-        return F.linear(F.linear(drop(x_local), a), b) * w.scaling[adapter]
+        x_local = split_features_dropout(drop, x_local.to(a.dtype), w.base_layer.mesh.tp)
+        return F.linear(F.linear(x_local, a), b) * w.scaling[adapter]
 
     return partial
 

@@ -84,7 +84,7 @@ def _compare(ref, m) -> list[str]:
     return bad
 
 
-def _compare_training(ref, m, tag: str = "") -> list[str]:
+def _compare_training(ref, m, tag: str = "", ids: torch.Tensor | None = None) -> list[str]:
     """In training mode, with the same RNG state before every forward (so each dropout mask
     must be the unsharded model's): logits, parallel loss, every gradient."""
     import neuron_tp as ntp
@@ -92,7 +92,8 @@ def _compare_training(ref, m, tag: str = "") -> list[str]:
 
     ref.train()
     m.train()
-    ids = torch.randint(1, V, (2, 8), generator=torch.Generator().manual_seed(4))
+    if ids is None:
+        ids = torch.randint(1, V, (2, 8), generator=torch.Generator().manual_seed(4))
     bad: list[str] = []
 
     def check(a, b, what):
@@ -150,6 +151,22 @@ def _try(ref) -> tuple[str, str]:
     return ("wrong", "; ".join(bad[:4])) if bad else ("exact", "")
 
 
+def _lora_dropout() -> dict[str, str]:
+    """GPT-2 with LoRA adapters on its column and row projections, lora_dropout 0.2 and the
+    model's own dropout, in training from the same RNG state, with and without sequence
+    parallelism: loss and every gradient equal peft's unsharded model's."""
+    from lora_models import peft_model, sample_ids
+    from neuron_tp.hf import parallelize
+
+    out = {}
+    for sp in (False, True):
+        ref = peft_model("tiny-gpt2", lora_dropout=0.2)
+        m = parallelize(copy.deepcopy(ref), parallel_loss=True, sequence_parallel=sp)
+        bad = _compare_training(ref, m, ids=sample_ids(8))
+        out[f"lora dropout sp={sp}"] = "; ".join(bad[:3]) or "pass"
+    return out
+
+
 _RANK = {"exact": 0, "refused": 1, "no tiny model": 1, "wrong": 2, "fail": 3}
 
 
@@ -177,16 +194,22 @@ def _sweep(out_path: str) -> None:
         results[mt] = max(every, key=lambda o: _RANK[o[0]])
         if dist.get_rank() == 0:
             print(f"[dense families] {mt}: {results[mt]}", flush=True)
+    extra = _lora_dropout()
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, extra)
     if dist.get_rank() == 0:
         with open(out_path, "w") as f:
-            json.dump(results, f, indent=1)
+            json.dump({"families": results, "extra": every}, f, indent=1)
 
 
 def test_every_dense_family(tmp_path):
     out = str(tmp_path / "families.json")
     gloo_dist.run(_sweep, out, world_size=TP, timeout=900)
     with open(out) as f:
-        results = {k: tuple(v) for k, v in json.load(f).items()}
+        both = json.load(f)
+    results = {k: tuple(v) for k, v in both["families"].items()}
+    print(f"LoRA with dropout, per rank: {both['extra']}")
+    assert all(v == "pass" for e in both["extra"] for v in e.values()), both["extra"]
     counts: dict[str, int] = {}
     for mt, (kind, detail) in sorted(results.items()):
         counts[kind] = counts.get(kind, 0) + 1
