@@ -208,15 +208,15 @@ def test_every_dense_family(tmp_path):
     with open(out) as f:
         both = json.load(f)
     results = {k: tuple(v) for k, v in both["families"].items()}
-    print(f"LoRA with dropout, per rank: {both['extra']}")
-    assert all(v == "pass" for e in both["extra"] for v in e.values()), both["extra"]
     counts: dict[str, int] = {}
     for mt, (kind, detail) in sorted(results.items()):
         counts[kind] = counts.get(kind, 0) + 1
         print(f"  {mt:28s} {kind:14s} {detail}")
     print(f"{len(results)} dense families at tp {TP}: {counts}")
+    print(f"LoRA with dropout, per rank: {both['extra']}")
     bad = {mt: r for mt, r in results.items() if r[0] in ("wrong", "fail")}
     assert not bad, f"accepted and wrong (or crashed): {json.dumps(bad, indent=1)}"
+    assert all(v == "pass" for e in both["extra"] for v in e.values()), both["extra"]
     _check_docs_table(results)
 
 
