@@ -37,6 +37,7 @@ from ..parallel.agreement import check_agreement, tensor_checksum
 from ..parallel.mesh import Mesh, get_mesh
 from ..parallel.sharding import Sharding, gather_full, get_param_meta, mark_sharded, shard_of
 from ..parallel.state import attach, is_parallel, mesh_of, state_of
+from .dropout import replicated_input, split_features_dropout
 from .lora_files import SAFETENSORS, write_adapter_dir
 from .lora_targets import check_targets, refuse_target_parameters
 from .modules import HFColumnLinear
@@ -252,15 +253,21 @@ class ReplicatedRowsLinear(nn.Linear):
 
 
 def _column_lora(w: nn.Module, x: torch.Tensor, adapter: str) -> torch.Tensor:
-    """``B_local A dropout(x) * scaling`` for a column-parallel base (local output features)."""
+    """``B_local A dropout(x) * scaling`` for a column-parallel base (local output features);
+    ``x`` is replicated, so its dropout is plain dropout."""
     base: HFColumnLinear = w.base_layer
     tp = base.mesh.tp
-    a, drop = w.lora_A[adapter].weight, w.lora_dropout[adapter]
+    a, lora_drop = w.lora_A[adapter].weight, w.lora_dropout[adapter]
+
+    def drop(t: torch.Tensor) -> torch.Tensor:
+        with replicated_input():
+            return lora_drop(t)
+
     b = base._sync(w.lora_B[adapter].weight, x.device)  # kv-replica rows: grads summed
     if base.shared_region:
         # x is already region-copied / sequence-gathered: each rank's dh (so dA) is partial.
         a = regions.identity_fwd_all_reduce_bwd(a, tp)
-        plain = isinstance(drop, nn.Identity)
+        plain = isinstance(lora_drop, nn.Identity)
         h = gathered_linears.shared_gathered_linear(x, a) if plain else F.linear(drop(x), a)
     else:
         h = regions.identity_fwd_all_reduce_bwd(F.linear(drop(x), a), tp)
@@ -273,8 +280,8 @@ def _row_lora(w: nn.Module, adapter: str) -> Callable[[torch.Tensor], torch.Tens
     b = regions.identity_fwd_all_reduce_bwd(w.lora_B[adapter].weight, w.base_layer.mesh.tp)
 
     def partial(x_local: torch.Tensor) -> torch.Tensor:
-        x_local = x_local.to(a.dtype)
-        return F.linear(F.linear(drop(x_local), a), b) * w.scaling[adapter]
+        x_local = split_features_dropout(drop, x_local.to(a.dtype), w.base_layer.mesh.tp)
+        return F.linear(F.linear(x_local, a), b) * w.scaling[adapter]
 
     return partial
 

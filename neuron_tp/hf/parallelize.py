@@ -7,11 +7,13 @@ regions, per-rank head counts, sequence parallelism, the parallel loss)."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from torch import nn
 
 from ..errors import UserError
+from ..layers import RowParallelLinear
 from ..parallel.mesh import Mesh, get_mesh
 from ..parallel.sharding import copy_param_meta, get_sharding, mark_sequence_parallel
 from ..parallel.state import ParallelState, attach, is_parallel
@@ -24,6 +26,7 @@ from .attention import (
     model_heads,
     patch_attention_module,
 )
+from .dropout import install_split_dropout
 from .meta_guard import guard_meta
 from .modules import (
     HFColumnLinear,
@@ -151,6 +154,7 @@ def _validate(
         if style.is_column and name != s.lm_head and _parent(name) in s.attention and heads is None:
             raise ValueError(f"{name}: attention projection but the config has no head counts")
     _refuse_unsplit_head_params(model, mp, heads)
+    shared_activation_params(model, mp)
     if sequence_parallel:
         _refuse_unsharded_mixers(model, mp)
     for name, style in mp.targets.items():
@@ -212,6 +216,52 @@ def _refuse_unsplit_head_params(model: nn.Module, mp: ModelPlan, heads: Heads | 
                     "while it splits the attention's heads over tp; keep this attention "
                     "replicated (pass plan= without its projections)"
                 )
+
+
+def _activation_classes() -> tuple[type, ...]:
+    from transformers import activations
+
+    found = {v[0] if isinstance(v, tuple) else v for v in activations.ACT2CLS.values()}
+    return (nn.PReLU, *sorted(found, key=lambda c: c.__name__))
+
+
+def shared_activation_params(model: nn.Module, mp: ModelPlan) -> list[nn.Module]:
+    """The modules inside an attention / MLP module whose projections the plan splits that hold
+    parameters the plan leaves whole: each must be an activation with scalar parameters (e.g.
+    Apertus' xIELU ``alpha_p`` / ``alpha_n``), applied to this rank's features between the
+    column and the row projections, so its gradient is partial on each rank and is summed
+    over tp (the list returned); ValueError for any other (its gradient would be partial or
+    its values applied to the wrong features)."""
+    s = mp.structure
+    split = {_parent(n) for n, st in mp.targets.items() if st.splits_output}
+    split &= s.units | s.attention
+    acts, found = _activation_classes(), []
+    for unit in sorted(split):
+        for name, mod in model.get_submodule(unit).named_modules(prefix=unit):
+            if name in mp.targets or any(name.startswith(t + ".") for t in mp.targets):
+                continue
+            params = dict(mod.named_parameters(recurse=False))
+            if not params:
+                continue
+            scalar = all(p.numel() == 1 for p in params.values())
+            if isinstance(mod, acts) and scalar:
+                found.append(mod)
+                continue
+            pname, p = next(iter(params.items()))
+            raise ValueError(
+                f"{name}.{pname}: a parameter {tuple(p.shape)} of {type(mod).__name__} inside "
+                f"{unit} ({type(model.get_submodule(unit)).__name__}), whose projections the "
+                "plan splits over tp, that the plan leaves whole: each rank would apply it to "
+                "its own part of the features and get a partial gradient; list it in plan= "
+                f"({{{_pattern(name)!r}: 'replicated_with_grad_allreduce'}} for a weight shared "
+                "by every head, applied before the row-parallel projection) or keep "
+                f"{_pattern(unit)!r} replicated (plan= without its projections)"
+            )
+    return found
+
+
+def _pattern(name: str) -> str:
+    return re.sub(r"\.\d+(?=\.|$)", ".*", name)
 
 
 def _check_target(
@@ -339,7 +389,7 @@ def _build(
     parallel_loss: bool,
 ) -> _Built:
     """The sharded replacement of every planned module (validated by :func:`_validate`)."""
-    built = _Built()
+    built = _Built(grad_allreduce=shared_activation_params(model, mp))
     s = mp.structure
     for name, style in mp.targets.items():
         mod = model.get_submodule(name)
@@ -415,6 +465,14 @@ def _install(
             sequence_parallel_regather,
         )
     _retie(model, ties)
+    columns = [
+        m
+        for n, m in built.replacements.items()
+        if isinstance(m, HFColumnLinear) and not m.gather_output and n != s.lm_head
+    ]
+    rows = [m for m in built.replacements.values() if isinstance(m, RowParallelLinear)]
+    end = model.get_submodule(s.final_norm) if sequence_parallel and s.final_norm else None
+    install_split_dropout(model, mesh.tp, columns, rows, end)
     if sequence_parallel:
         apply_sequence_parallel(model, mesh, s.layers, s.final_norm)
         keep_complete_grads(model)

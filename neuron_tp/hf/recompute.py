@@ -20,6 +20,7 @@ from collections.abc import Callable
 import torch
 
 from ..backend import xla as _xla
+from .dropout import resumable
 
 __all__ = ["Recompute", "checkpoint", "apply_activation_checkpointing"]
 
@@ -35,6 +36,7 @@ class Recompute(str, enum.Enum):
 def checkpoint(fn: Callable, *args: torch.Tensor):
     """``fn(*args)`` without saving its activations: recomputed in backward. Keyword arguments
     go in a ``functools.partial``; on XLA at least one of ``args`` must require grad."""
+    fn = resumable(fn)
     if any(isinstance(a, torch.Tensor) and _xla.is_xla(a) for a in args):
         from torch_xla.utils.checkpoint import checkpoint as xla_checkpoint
 

@@ -122,9 +122,11 @@ def moe_families() -> dict[str, str]:
     return found
 
 
-def _kwargs(target, overrides: dict | None = None) -> dict:
-    """The tiny sizes ``target`` (a default config) has, as constructor arguments."""
-    kw = {k: v for k, v in _SIZES.items() if getattr(target, k, None) is not None}
+def _kwargs(target, overrides: dict | None = None, sizes: dict | None = None) -> dict:
+    """The tiny sizes ``target`` (a default config) has, as constructor arguments (``sizes``
+    instead of the MoE ones)."""
+    sizes = _SIZES if sizes is None else sizes
+    kw = {k: v for k, v in sizes.items() if getattr(target, k, None) is not None}
     if hasattr(target, "num_experts_per_tok"):
         kw["num_experts_per_tok"] = 2
     if hasattr(target, "head_dim"):
@@ -154,21 +156,25 @@ def _kwargs(target, overrides: dict | None = None) -> dict:
     kw["tie_word_embeddings"] = False
     kw.update(_OVERRIDES.get(getattr(target, "model_type", ""), {}))
     kw.update(overrides or {})
-    return kw
+    alias = getattr(target, "attribute_map", {})
+    prop = {k: getattr(type(target), alias.get(k, k), None) for k in kw}
+    derived = {k for k, p in prop.items() if isinstance(p, property) and p.fset is None}
+    return {k: v for k, v in kw.items() if k not in derived}  # read-only: follow the others
 
 
-def tiny_config(model_type: str, **overrides):
+def tiny_config(model_type: str, sizes: dict | None = None, **overrides):
     """A tiny config of ``model_type`` (its text config shrunk when it has one), built from
-    constructor arguments so that derived fields follow; ``overrides`` last."""
+    constructor arguments so that derived fields follow; ``sizes``: the sizes to set instead
+    of the MoE ones; ``overrides`` last."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     cls = CONFIG_MAPPING[model_type]
     default = cls()
     text = _text_config(default)
     if text is default:
-        cfg = cls(**_kwargs(default, overrides))
+        cfg = cls(**_kwargs(default, overrides, sizes))
     else:
-        sub = type(text)(**_kwargs(text, overrides))
+        sub = type(text)(**_kwargs(text, overrides, sizes))
         attr = next(a for a in ("text_config", "thinker_config") if getattr(default, a, None))
         cfg = cls(**{attr: sub.to_dict(), "tie_word_embeddings": False})
     rope = getattr(_text_config(cfg), "rope_parameters", None)

@@ -112,3 +112,24 @@ def test_kv_slots_cover_every_query_head(q, kv, tp):
         assert [h for s in slots for h in s] == list(range(kv))  # plain split, no copies
     if tp >= kv and tp % kv == 0:
         assert all(len(s) == 1 for s in slots)  # one kv head per rank: the fewest copies
+
+
+def test_a_parameter_left_whole_inside_a_split_mlp():
+    """A parameter the plan leaves whole inside an MLP whose projections it splits is refused
+    (each rank would apply all 40 weights to its 10 features); an activation's scalar
+    parameters (Apertus' xIELU) are accepted and get their gradients summed over tp."""
+    from torch import nn
+
+    from neuron_tp.hf.parallelize import shared_activation_params
+    from neuron_tp.hf.resolve import plan_model
+
+    model = _llama(num_attention_heads=8)
+    model.model.layers[0].mlp.act_fn = nn.PReLU(num_parameters=40)
+    before = {n: type(m) for n, m in model.named_modules()}
+    with pytest.raises(
+        ValueError, match=r"layers\.0\.mlp\.act_fn\.weight: a parameter \(40,\) of PReLU.*whole"
+    ):
+        parallelize(model, mesh=MESH4)
+    assert {n: type(m) for n, m in model.named_modules()} == before, "model modified on refusal"
+    model.model.layers[0].mlp.act_fn = scalar = nn.PReLU()
+    assert shared_activation_params(model, plan_model(model)) == [scalar]
