@@ -70,7 +70,7 @@ def run(gen, n: int, tokens: int) -> dict:
     steps, t0 = 0, time.perf_counter()
     while min(got.values()) < tokens:
         for slot, new in gen.decode().items():
-            got[slot] += len(new) if isinstance(new, list) else 1
+            got[slot] += len(new)
         steps += 1
     wall = (time.perf_counter() - t0) * 1e3
     per_slot = sum(got.values()) / n - 1

@@ -116,7 +116,7 @@ class NgramGenerator(VerifyingGenerator):
             history.append(out)
         return out
 
-    def decode(self) -> dict[int, list[int]]:  # type: ignore[override]
+    def decode(self) -> dict[int, list[int]]:
         out = super().decode()
         for slot, tokens in out.items():
             self._history[slot].extend(tokens)

@@ -338,8 +338,9 @@ class SlotGenerator(StepGraphsOwner):
         self._kv = out[len(out) - n :]
         return out[: len(out) - n]
 
-    def decode(self) -> dict[int, int]:
-        """One step of every active slot: ``{slot: new token}``."""
+    def decode(self) -> dict[int, list[int]]:
+        """One step of every active slot: ``{slot: its new tokens}`` (one here; several
+        from a speculative generator's step)."""
         if not self.active:
             return {}
         bucket = self._decode_bucket()
@@ -360,7 +361,7 @@ class SlotGenerator(StepGraphsOwner):
         if wanted:
             read = _read_logprobs(self._lp_out, [toks[s] for s in wanted], wanted)
             self.logprobs = dict(zip(wanted, read))
-        return {s: toks[s] for s in sorted(self.active)}
+        return {s: [toks[s]] for s in sorted(self.active)}
 
     def _decode_bucket(self) -> int:
         """The decode bucket of the active slots; ValueError when one has no position left."""

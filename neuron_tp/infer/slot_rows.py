@@ -116,7 +116,7 @@ class SlotRows:
                 self._fail(r, e)
             return
         for slot, new in tokens.items():  # one token, or several (speculative decoding)
-            for t in new if isinstance(new, list) else [new]:
+            for t in new:
                 row = self.by_slot.get(slot)
                 if row is None or row.prefilling:
                     break  # the row ended: the rest of its tokens are dropped

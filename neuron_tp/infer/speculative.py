@@ -167,7 +167,7 @@ class VerifyingGenerator(SlotGenerator):
                 "supported with speculative decoding (--draft-model / --speculation-method)"
             )
 
-    def decode(self) -> dict[int, list[int]]:  # type: ignore[override]
+    def decode(self) -> dict[int, list[int]]:
         """One speculative step of every active slot: ``{slot: its new tokens}`` (1..k+1)."""
         if not self.active:
             return {}

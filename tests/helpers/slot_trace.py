@@ -98,7 +98,7 @@ def run_schedule(
             got = gen.decode()
             assert set(got) == set(decoding), (sorted(got), sorted(decoding))
             for slot, new in got.items():  # speculative decoding: several tokens
-                for t in new if isinstance(new, list) else [new]:
+                for t in new:
                     if slot not in decoding:
                         break
                     take(slot, decoding[slot], t)
@@ -140,6 +140,6 @@ def run_long(gen, req: Req, chunk: int) -> list[int]:
             tok = gen.prefill(slot, part, start, req.sampling if last else None)
         out = [tok]
         while len(out) < req.new:
-            out.append(gen.decode()[slot])
+            out += gen.decode()[slot]
     gen.release(slot)
     return out
