@@ -110,12 +110,13 @@ def consolidate(path: str, out_dir: str, adapter_only: bool = False) -> str:
             f"{ckpt}: not a checkpoint of a LoRA run (--lora-r); --adapter-only writes the "
             "adapter of one, leave it out to consolidate the whole model"
         )
+    adapter = lora if adapter_only else None  # the LoRA record exactly when adapter_only
     tmp = prepare_target(out_dir)
     try:
         shards = _shards(ckpt, meta)
         tensors = {}
         for name, rec in meta["params"].items():
-            if adapter_only and name not in lora["keys"]:
+            if adapter is not None and name not in adapter["keys"]:
                 continue
             t = to_hf(shards.full(f"model/{name}", rec), rec["hf"]).contiguous()
             if t.is_floating_point() and not bool(torch.isfinite(t).all()):
@@ -127,9 +128,9 @@ def consolidate(path: str, out_dir: str, adapter_only: bool = False) -> str:
         if not adapter_only:  # persistent buffers (replicated): tp rank 0's copy
             for name in meta.get("buffers") or {}:
                 tensors[name] = shards.get(0, BUFFER_PREFIX + name)
-        if adapter_only:
-            state = lora_files.adapter_state(tensors, lora)
-            lora_files.write_adapter_dir(tmp, lora_files.config_from_record(lora), state)
+        if adapter is not None:
+            state = lora_files.adapter_state(tensors, adapter)
+            lora_files.write_adapter_dir(tmp, lora_files.config_from_record(adapter), state)
             commit_dir(tmp, out_dir)
             return out_dir
         if lora is not None:

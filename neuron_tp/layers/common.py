@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Self, TypeVar, cast
 
 import torch
 from torch import nn
@@ -160,18 +161,21 @@ def check_dtype(x: torch.Tensor, weight: torch.Tensor, layer: str) -> None:
         )
 
 
-def load_shards_from(layer: nn.Module, full: nn.Module) -> nn.Module:
+_Layer = TypeVar("_Layer", bound=nn.Module)
+
+
+def load_shards_from(layer: _Layer, full: nn.Module) -> _Layer:
     """Give ``layer`` (built on meta) this rank's slices of the same-named parameters of the
     unsharded module ``full``; the sharding records of ``layer`` say how to slice."""
+    # every parallel layer keeps its mesh as ``self.mesh`` (a plain attribute, not a submodule)
+    mesh = cast(Mesh, layer.mesh)
     for name, _ in list(layer.named_parameters(recurse=False)):
         src = getattr(full, name)
         sh = get_sharding(layer, name) or Sharding((), tuple(src.shape))
         setattr(
             layer,
             name,
-            nn.Parameter(
-                shard_of(src.detach(), sh, layer.mesh).clone(), requires_grad=src.requires_grad
-            ),
+            nn.Parameter(shard_of(src.detach(), sh, mesh).clone(), requires_grad=src.requires_grad),
         )
     return layer
 
@@ -187,7 +191,16 @@ def mark_lora_base(module) -> None:
     module.__dict__[_LORA_BASE] = True
 
 
-class RefusesPeftWrap:
+if TYPE_CHECKING:
+    # Base of the layer mixins, which are only ever mixed into ``nn.Module`` subclasses
+    # (``class Linear2D(FromLinear, nn.Module)``): the type checker sees them as modules, at
+    # run time they stay plain mixins.
+    LayerMixin = nn.Module
+else:
+    LayerMixin = object
+
+
+class RefusesPeftWrap(LayerMixin):
     """Mixin of the parallel layers: peft's ``get_peft_model`` on an already parallelized
     model is refused with the order that works. peft asks each layer it is about to wrap for
     its transformers tensor-parallel plan (``_hf_tp_plan``); a parallel layer answers with a
@@ -210,7 +223,7 @@ class FromLinear(RefusesPeftWrap):
     out_features, bias=..., mesh=..., device=..., dtype=...)`` like ``nn.Linear``."""
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, mesh: Mesh | None = None, **kwargs):
+    def from_linear(cls, linear: nn.Linear, mesh: Mesh | None = None, **kwargs: Any) -> Self:
         """Shard an existing ``nn.Linear`` (every rank holds the same full module); extra
         keyword arguments go to the constructor."""
         layer = cls(

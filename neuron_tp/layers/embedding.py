@@ -7,6 +7,7 @@ lookup in one rank's slice of the table, the table's initialisation and ``from_e
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any, Self
 
 import torch
 import torch.nn.functional as F
@@ -69,7 +70,9 @@ class FromEmbedding(RefusesPeftWrap):
     embedding_dim, padding_idx=..., mesh=..., device=..., dtype=...)`` like ``nn.Embedding``."""
 
     @classmethod
-    def from_embedding(cls, embedding: nn.Embedding, mesh: Mesh | None = None, **kwargs):
+    def from_embedding(
+        cls, embedding: nn.Embedding, mesh: Mesh | None = None, **kwargs: Any
+    ) -> Self:
         """Shard an existing ``nn.Embedding`` (every rank holds the same full module); extra
         keyword arguments go to the constructor."""
         if embedding.max_norm is not None or embedding.scale_grad_by_freq or embedding.sparse:

@@ -5,6 +5,9 @@ the batch shards (their gradients are summed over the layout's batch group)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import cast
+
 import torch
 from torch import nn
 
@@ -85,7 +88,9 @@ class _NormND(nn.Module):
         cls, norm: nn.Module, layout: ActivationLayout | str | None = None, mesh: Mesh | None = None
     ) -> _NormND:
         """Shard an existing ``nn.LayerNorm`` / ``nn.RMSNorm`` over 1-D ``normalized_shape``."""
-        shape = tuple(norm.normalized_shape)
+        # duck-typed: any norm module with ``normalized_shape`` and ``eps`` attributes
+        shape = tuple(cast("Sequence[int]", norm.normalized_shape))
+        norm_eps = cast("float | None", norm.eps)
         if len(shape) != 1:
             raise ValueError(
                 f"{cls.__name__}: only a last-dim norm is supported, got normalized_shape={shape}"
@@ -93,7 +98,7 @@ class _NormND(nn.Module):
         weight = getattr(norm, "weight", None)
         layer = cls(
             shape[0],
-            eps=norm.eps if norm.eps is not None else 1e-6,
+            eps=norm_eps if norm_eps is not None else 1e-6,
             elementwise_affine=weight is not None,
             bias=getattr(norm, "bias", None) is not None,
             layout=layout,

@@ -29,13 +29,14 @@ from torch import nn
 from ..errors import UserError
 from ..parallel import comm
 from ..parallel.mesh import Mesh, get_mesh
+from .common import LayerMixin
 from .linear import ColumnParallelLinear, RowParallelLinear
 
 QMAX = 127
 DEFAULT_NOT_CONVERT = ("lm_head",)
 
 
-class Int8WeightLinear:
+class Int8WeightLinear(LayerMixin):
     """Mixin of a quantized parallel linear: ``weight`` is the dequantized int8 weight,
     recomputed in the graph at each read (no float copy is stored)."""
 
@@ -76,7 +77,7 @@ def excluded(name: str, not_convert: tuple[str, ...]) -> bool:
 
 def quantize_targets(
     model: nn.Module, not_convert=DEFAULT_NOT_CONVERT
-) -> list[tuple[str, nn.Module]]:
+) -> list[tuple[str, ColumnParallelLinear | RowParallelLinear]]:
     """The ``(name, layer)`` pairs :func:`quantize_int8` converts: every column/row-parallel
     linear not named (or under a module named) in ``not_convert``."""
     return [
@@ -164,7 +165,7 @@ def quantize_weight(w: torch.Tensor, absmax: torch.Tensor | None = None, dtype=N
     return q, scale
 
 
-def _convert(mod: nn.Module, absmax: torch.Tensor) -> None:
+def _convert(mod: ColumnParallelLinear | RowParallelLinear, absmax: torch.Tensor) -> None:
     w = mod.weight
     q, scale = quantize_weight(w, absmax, w.dtype)
     install_int8(mod, q.to(w.device), scale.to(w.device))
@@ -175,6 +176,8 @@ def install_int8(mod: nn.Module, qweight: torch.Tensor, scale: torch.Tensor) -> 
     local shape) and ``scale`` (one per local output row, in the compute dtype) in place of
     its float (or meta) ``weight`` parameter; its sharding record stays under ``weight``."""
     w = mod._parameters["weight"]
+    if w is None:
+        raise ValueError(f"{type(mod).__name__} has no weight parameter to quantize")
     if qweight.dtype != torch.int8 or tuple(qweight.shape) != tuple(w.shape):
         raise ValueError(f"int8 weight {qweight.dtype} {tuple(qweight.shape)} for {tuple(w.shape)}")
     if tuple(scale.shape) != (w.shape[0],):

@@ -32,7 +32,7 @@ from .activation_layout import (
     get_layout,
     tag,
 )
-from .common import make_linear_parameters, make_parameter, require_multiple
+from .common import LayerMixin, make_linear_parameters, make_parameter, require_multiple
 from .embedding import FromEmbedding, check_ids, embedding_init, lookup_vocab_slice
 from .linear_2d import Linear2D
 from .linear_3d import Linear3D
@@ -104,12 +104,24 @@ def _padded(size: int, n: int) -> int:
     return -(-size // n) * n
 
 
-class _PaddedVocab:
+def _splits(module: nn.Module, name: str) -> tuple[tuple[str, int], ...]:
+    sharding = get_sharding(module, name)
+    return sharding.splits if sharding is not None else ()  # None: replicated
+
+
+class _PaddedVocab(LayerMixin):
     """Mixin of the classifiers: built as a linear with the vocabulary rounded up to a multiple
     of its split (on meta), then the weight / bias are made again with the true vocabulary as
     their full shape, so ``shard_of`` pads them with zero rows (fresh init draws exactly the
     ``[V, hidden]`` tensor, the same at every q). ``out_features`` / ``vocab_size``: the true
     vocabulary; ``padded_vocab``: the padded one (the logits' vocab dim is ``padded_vocab / q``)."""
+
+    # set by the linear base (Linear2D / Linear3D)
+    mesh: Mesh
+    output_layout: ActivationLayout
+    out_features: int
+    vocab_size: int
+    padded_vocab: int
 
     def _build(self, base, hidden: int, vocab_size: int, bias: bool, q: int, kwargs) -> None:
         padded = _padded(vocab_size, q)
@@ -119,8 +131,8 @@ class _PaddedVocab:
             device, dtype = kwargs.pop("device", None), kwargs.pop("dtype", None)
             init = kwargs.pop("init_method", None)
             base.__init__(self, hidden, padded, bias=bias, device="meta", dtype=dtype, **kwargs)
-            w_splits = get_sharding(self, "weight").splits
-            b_splits = get_sharding(self, "bias").splits if bias else ()
+            w_splits = _splits(self, "weight")
+            b_splits = _splits(self, "bias") if bias else ()
             self.weight, self.bias = make_linear_parameters(
                 self,
                 hidden,

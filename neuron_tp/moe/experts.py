@@ -25,6 +25,7 @@ all-to-all (:func:`~neuron_tp.moe.expert_parallel.expert_parallel_mlp`): droples
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -57,6 +58,18 @@ def _ffn(x, gate_up, down, act):
 class ModeDispatch:
     """Mixin of the tp experts modules: run ``_dense``, ``_gather`` or ``_capacity`` as the
     module's ``mode`` (:func:`pick_mode`) says."""
+
+    mode: str
+    num_experts: int
+    capacity_factor: float | None
+
+    if TYPE_CHECKING:  # defined by each experts module
+
+        def _dense(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor: ...
+        def _gather(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor: ...
+        def _capacity(
+            self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor
+        ) -> torch.Tensor: ...
 
     def _run_mode(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         mode = pick_mode(self.mode, x.shape[0], idx.shape[1], self.num_experts)

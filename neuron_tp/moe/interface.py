@@ -77,6 +77,8 @@ class TPInterfaceExperts(ModeDispatch, nn.Module):
     """This rank's intermediate slice of ``E`` experts, parameters under the original's names;
     ``forward`` takes the original's call and returns the complete output (one reduction)."""
 
+    down_proj: torch.Tensor  # a parameter, set by name with the up projection (and biases)
+
     def __init__(
         self,
         params: dict[str, torch.Tensor],

@@ -66,6 +66,8 @@ class Router(nn.Module):
     and ``fp32_weights``; for ``sigmoid_group_topk`` ``n_group``, ``topk_group``,
     ``normalize`` and ``scaling`` (it also holds the ``e_score_correction_bias`` buffer)."""
 
+    e_score_correction_bias: torch.Tensor  # a buffer, sigmoid_group_topk only
+
     def __init__(self, kind: str, num_experts: int, hidden: int, top_k: int, **options):
         super().__init__()
         if kind not in ROUTER_KINDS:

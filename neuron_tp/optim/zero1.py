@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -85,9 +86,10 @@ class Zero1:
         if isinstance(params, nn.Module):
             model = params
             params = [p for p in params.parameters() if p.requires_grad]
-        groups = list(params)
-        if groups and not isinstance(groups[0], dict):
-            groups = [{"params": groups}]
+        items: list[Any] = list(params)  # parameters, or param-group dicts
+        groups: list[dict[str, Any]] = (
+            [{"params": items}] if items and not isinstance(items[0], dict) else items
+        )
         self.model = model
         names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
         if self.mesh.ep_size > 1 and model is None:
@@ -204,13 +206,13 @@ class Zero1:
         if not self._reduced:
             self.reduce_grads()
         self._norm_weights()
-        slots = [s for s in self.slots.values() if s.shard.grad is not None]
-        if not slots:
+        graded = [(s, g) for s in self.slots.values() if (g := s.shard.grad) is not None]
+        if not graded:
             return torch.zeros(())
-        total = torch.zeros(1, dtype=torch.float32, device=slots[0].shard.device)
+        total = torch.zeros(1, dtype=torch.float32, device=graded[0][0].shard.device)
         experts = torch.zeros_like(total)  # expert parallelism: over edp, then ep
-        for s in slots:
-            sq = (s.shard.grad.detach().float().pow(2) * s.norm_weight).sum()
+        for s, grad in graded:
+            sq = (grad.detach().float().pow(2) * s.norm_weight).sum()
             if s.group is self.group:
                 total = total + sq
             else:
@@ -254,12 +256,13 @@ class Zero1:
                     }
                     saved.append((s.shard, s.shard.clone(), old))
         self.inner.step()
-        for shard, old_shard, old in saved:
-            shard.copy_(torch.where(ok.to(shard.device), shard, old_shard))
-            for k, v in self.inner.state[shard].items():
-                if isinstance(v, torch.Tensor):
-                    prev = old[k] if k in old else torch.zeros_like(v)
-                    v.copy_(torch.where(ok.to(v.device), v, prev))
+        if ok is not None:  # (``saved`` is empty without ``ok``)
+            for shard, old_shard, old in saved:
+                shard.copy_(torch.where(ok.to(shard.device), shard, old_shard))
+                for k, v in self.inner.state[shard].items():
+                    if isinstance(v, torch.Tensor):
+                        prev = old[k] if k in old else torch.zeros_like(v)
+                        v.copy_(torch.where(ok.to(v.device), v, prev))
         self.gather_params()
         self._reduced = False
 

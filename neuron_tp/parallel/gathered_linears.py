@@ -82,6 +82,10 @@ def gathered_linear(
     return y if bias is None else y + bias
 
 
+# attribute of a gathered tensor: ``(its shard, _SharedRegather)``
+_SHARD_ATTR = "_ntp_shard"
+
+
 class _SharedRegather:
     """The backward re-gather of one shared gathered input: the first consumer's backward
     all-gathers the shard, the others reuse it, the last one drops it."""
@@ -89,7 +93,7 @@ class _SharedRegather:
     def __init__(self, group: Group, dim: int):
         self.group, self.dim = group, dim
         self.users = self.pending = 0
-        self.full = None
+        self.full: torch.Tensor | None = None
 
     def add_user(self) -> None:
         self.users += 1
@@ -136,7 +140,7 @@ def gather_for_shared_linears(x: torch.Tensor, group: Group, dim: int) -> torch.
         return x
     x = x.contiguous()
     full = all_gather_fwd_reduce_scatter_bwd(x, group, dim)
-    full._ntp_shard = (x.detach(), _SharedRegather(group, dim))
+    setattr(full, _SHARD_ATTR, (x.detach(), _SharedRegather(group, dim)))
     return full
 
 
@@ -146,7 +150,7 @@ def shared_gathered_linear(
     """``full @ weight^T + bias`` for ``full`` from :func:`gather_for_shared_linears`, saving its
     shard; backward all-gathers the shard again (once for all the consumers of ``full``). Any
     other ``full``: a plain linear."""
-    shard = getattr(full, "_ntp_shard", None)
+    shard = getattr(full, _SHARD_ATTR, None)
     if shard is None:
         return F.linear(full, weight, bias)
     y = _SharedGatheredLinear.apply(full, weight, *shard)

@@ -185,7 +185,7 @@ class PipelineRunner:
             self._exchange_tick(tick, sent, state)
             done = self._last_forward(tick)
             if done is not None and self.router is not None and not state.forward_only:
-                self._sum_routing(done, state)
+                self._sum_routing(done, state, self.router)
         assert not (state.saved or state.inbox_f or state.inbox_b), "schedule left work behind"
         self.exchange.meet()
 
@@ -214,13 +214,13 @@ class PipelineRunner:
         last = self.schedule.virtual_stage(self.schedule.stages - 1, task.chunk)
         return task.micro if last == self.schedule.last_virtual else None
 
-    def _sum_routing(self, micro: int, state: _StepState) -> None:
+    def _sum_routing(self, micro: int, state: _StepState, router: router_loss.RouterLoss) -> None:
         """Micro-batch ``micro``'s routing counts summed over the pp group, in a graph of its
         own every rank begins together; from them the weights of this stage's router terms,
         whose values join the step's loss (the gradients follow with each piece's backward)."""
         self.meet()
         total = comm.all_reduce(state.counts.pop(micro), self.stage.mesh.pp)
-        w = router_loss.weights(self.router, total)
+        w = router_loss.weights(router, total)
         state.weights[micro] = w
         for (m, _), routing in state.routing.items():
             if m == micro:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -35,6 +36,12 @@ from ..layers.activation_layout import LAYOUT_3D_B, residual_layout
 from ..parallel import comm
 from ..parallel.mesh import Mesh
 from ..parallel.state import ParallelState, StageOfModel, attach, state_of
+
+if TYPE_CHECKING:
+    # One of the SUPPORTED causal LMs, read by its transformers attribute names (``.model.
+    # embed_tokens``, ``.model.layers``, ``.lm_head``, ``.config``): transformers is not
+    # analysed (pyproject), so this is a documented dynamic boundary.
+    from transformers import PreTrainedModel
 
 SUPPORTED = (
     "LlamaForCausalLM",
@@ -147,7 +154,7 @@ class PipelineStage:
     """This rank's part of the model: ``model`` holds only its parameters (for the optimizer,
     checkpoints); ``chunks`` run through :meth:`forward`."""
 
-    model: nn.Module
+    model: PreTrainedModel  # one of SUPPORTED, its own layers only
     plan: StagePlan
     stage: int
     mesh: Mesh
@@ -288,7 +295,7 @@ def sliding_window(hf_config) -> int | None:
     return window if window and getattr(hf_config, "use_sliding_window", True) else None
 
 
-def split_model(model: nn.Module, mesh: Mesh, plan: StagePlan) -> PipelineStage:
+def split_model(model: PreTrainedModel, mesh: Mesh, plan: StagePlan) -> PipelineStage:
     """Keep this rank's stage of ``model`` (in place; parallelize it first): its layers, the
     embedding on the first stage, the final norm and LM head on the last."""
     _check_model(model)
@@ -317,10 +324,12 @@ def split_model(model: nn.Module, mesh: Mesh, plan: StagePlan) -> PipelineStage:
     return PipelineStage(model, plan, stage, mesh, tied_shape)
 
 
-def _record_stage(model: nn.Module, mesh: Mesh, whole: tuple[str, ...], table: str | None) -> None:
+def _record_stage(
+    model: PreTrainedModel, mesh: Mesh, whole: tuple[str, ...], table: str | None
+) -> None:
     """Record on the stage's ``model`` what it is of the whole model (checkpoints save each
     parameter under its whole-model name, a tied table once: by the first stage)."""
-    copies = ()
+    copies: tuple[tuple[str, str], ...] = ()
     if table is not None and model.lm_head is not None and table != "lm_head.weight":
         copies = (("lm_head.weight", table),)
     state = state_of(model) or ParallelState(mesh)

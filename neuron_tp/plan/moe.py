@@ -192,6 +192,8 @@ def tp_refusal(config, tp: int) -> str:
     """Why the tp-sharded MoE layer cannot run at ``tp`` ("" when it can): tp splits every
     expert's (and the shared expert's) intermediate dim."""
     shape = moe_shape(config)
+    if shape is None:  # a dense model: no expert to split
+        return ""
     dims = {"expert intermediate size": shape.expert_inter}
     if shape.shared_inter:
         dims["shared expert intermediate size"] = shape.shared_inter
@@ -206,8 +208,8 @@ def summary(config, seq_len: int) -> list[str]:
     """Lines for the report: parameter counts, and for MoE the routing overhead traced."""
     c = param_counts(config)
     lines = [f"parameters: {c.total / 1e9:.2f}B total, {c.active / 1e9:.2f}B active per token"]
-    if c.experts > 1:
-        shape = moe_shape(config)
+    shape = moe_shape(config)  # not None when there are experts
+    if c.experts > 1 and shape is not None:
         lines.append(
             f"MoE: {c.experts} experts, top-{c.k}, {shape.moe_layers} MoE layer(s); routed "
             f"experts {c.routed_experts / 1e9:.2f}B (x{c.k}/{c.experts} per token), router "

@@ -10,6 +10,7 @@ graph launch counts once, not per op); fp32 messages.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 
@@ -86,7 +87,7 @@ def check_bandwidth(ctx: Context, instance: Instance | None) -> Check:
     c.table = ["busbw GB/s by message size (algbw x bus factor, as nccl-tests), fp32", head]
     if instance is not None:
         c.table[-1] += f"{'theory':>8}"
-    rows = []
+    rows: list[dict[str, Any]] = []
     for group in ctx.groups():
         if group.size == 1:
             continue

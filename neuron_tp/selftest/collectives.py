@@ -152,9 +152,11 @@ def check_stage_exchange(ctx: Context, c: Check) -> int:
             )
             ctx.sync()
             ex.meet()
-            got = ex(sent, True, True)
+            fwd, bwd = ex(sent, True, True)
             ctx.sync()
-            got = [g.cpu().float() for g in got]
+            if fwd is None or bwd is None:  # both directions are expected
+                raise RuntimeError(f"rank {ctx.rank}: {what}: a buffer was not received")
+            got = [fwd.cpu().float(), bwd.cpu().float()]
         p, r = world.size, world.rank
         sources = (
             (world.ranks[(r - 1) % p], 11, "forward"),

@@ -157,7 +157,7 @@ def case_nd(ctx: Context, mesh: Mesh, g: torch.Generator, cmp: Compare, _sp: boo
     """A 2D linear on a q x q grid, or an up/down pair of 3D linears on a q^3 cube."""
     dev, q = ctx.device, mesh.grid_side
     h, f, b = H * q, 2 * H * q, B * q * q
-    layers = (
+    layers: list[Linear2D | Linear3D] = (
         [Linear2D(h, f, mesh=mesh, device="cpu")]
         if mesh.tp_mode == "2d"
         else [
@@ -176,8 +176,8 @@ def case_nd(ctx: Context, mesh: Mesh, g: torch.Generator, cmp: Compare, _sp: boo
     model = nn.Sequential(*layers).to(dev)
     xd = _leaf(x, dev)
     y = split_input(xd, layers[0].input_layout, mesh)
-    for layer in model:
-        y = layer(y)
+    for mod in model:
+        y = mod(y)
     y = gather_output(y, layers[-1].output_layout, mesh)
     (y * r.to(dev)).sum().backward()
     refs = [{k: t.clone().requires_grad_(True) for k, t in full.items()} for full in fulls]
@@ -188,8 +188,8 @@ def case_nd(ctx: Context, mesh: Mesh, g: torch.Generator, cmp: Compare, _sp: boo
     (want * r).sum().backward()
     cmp.add("output", y, want.detach())
     cmp.add("input grad", xd.grad, xr.grad)
-    for layer, ref in zip(model, refs):
-        cmp.grads(layer, ref, mesh)
+    for mod, ref in zip(model, refs):
+        cmp.grads(mod, ref, mesh)
 
 
 Case = Callable[[Context, Mesh, torch.Generator, Compare, bool], None]
@@ -197,7 +197,7 @@ Case = Callable[[Context, Mesh, torch.Generator, Compare, bool], None]
 
 def cases(ctx: Context) -> list[tuple[str, Case, bool, str]]:
     """(name, case, sequence parallel, tp mode) of every layer case the world allows."""
-    out = [
+    out: list[tuple[str, Case, bool, str]] = [
         ("column+row", case_column_row, False, "1d"),
         ("column+row SP", case_column_row, True, "1d"),
         ("vocab embedding+CE", case_vocab, False, "1d"),
