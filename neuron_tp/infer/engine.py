@@ -226,6 +226,10 @@ class Engine:
             raise ValueError("logprobs are not supported with speculative decoding")
         if output.prompt_logprobs and not gen.prompt_logprob_graphs:
             raise ValueError("prompt log-probabilities (echo with logprobs) are not supported here")
+        if output.grammar is not None:
+            if not hasattr(gen, "masks") or self.rows is None:
+                raise ValueError("structured outputs are not supported with speculative decoding")
+            self.rows.grammars.check(output.grammar)
         Detokenizer(self.tokenizer, stop)  # validates the stop strings
 
     def submit(

@@ -20,12 +20,14 @@ from .sampling import Sampling, TokenLogprob
 @dataclass(frozen=True)
 class Output:
     """What a request wants besides its text: its tokens' log-probabilities (``logprobs``),
-    its prompt's (``prompt_logprobs``: every prompt token after the first), and the token ids
-    that end it like an EOS (``stop_ids``)."""
+    its prompt's (``prompt_logprobs``: every prompt token after the first), the token ids
+    that end it like an EOS (``stop_ids``) and the grammar its text follows (``grammar``, an
+    llguidance grammar: :mod:`.grammar`)."""
 
     logprobs: bool = False
     prompt_logprobs: bool = False
     stop_ids: tuple[int, ...] = ()
+    grammar: str | None = None
 
 
 @dataclass(frozen=True)
