@@ -75,6 +75,7 @@ class Engine:
         self.eos_ids: list[int] = []
         self.max_new_tokens = 0
         self.sampling_defaults: dict = {}  # the model's generation_config values (server)
+        self.tool_call_parser = "hermes"  # how the server finds tool calls (--tool-call-parser)
         self._queue: queue.Queue = queue.Queue()
         self._waiting: deque[Request] = deque()  # rank 0: taken off the queue, no slot yet
         self.rows: SlotRows | None = None  # the requests in the slots (every rank)
