@@ -55,7 +55,7 @@ FIELDS = {
 }
 NOT_IMPLEMENTED = {  # OpenAI fields this server refuses, and why
     "suffix": "insertion (suffix) is not supported",
-    "response_format": "structured outputs (response_format) are a chat field",
+    "response_format": "structured outputs (response_format) are chat-only",
     "functions": "function calls are not supported",
     "function_call": "function calls are not supported",
     "parallel_tool_calls": "tool calls are not supported",

@@ -215,7 +215,9 @@ def check(full, items: list[dict], results: list[dict]) -> dict:
             want = greedy_reference(full, prompt, it["max_tokens"], s)
             assert tokens == want, f"{what}: {tokens} vs {want}"
         elif it["kind"] == "json":
-            check_json(tokens, events, SCHEMA if it["output"].grammar == _SCHEMA_GRAMMAR() else None)
+            check_json(
+                tokens, events, SCHEMA if it["output"].grammar == _SCHEMA_GRAMMAR() else None
+            )
         elif it["kind"] == "allowed":
             for k, t in enumerate(tokens):
                 logits = adjusted(logits_of(full, prompt + tokens[:k])[-1], s, prompt, tokens[:k])
