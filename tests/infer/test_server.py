@@ -961,6 +961,19 @@ def test_tp2_int8_answers_like_tp1_int8_and_shuts_down_cleanly(tp1, tp2):
     got = r.choices[0].logprobs.token_logprobs
     assert got[0] is None and len(got) == len(ids) + 1
     assert max(abs(got[k] - float(want[k - 1, ids[k]])) for k in range(1, len(ids))) < 2e-3
+    # a grammar row on both ranks: valid JSON of the schema, ended by the grammar
+    schema = {
+        "type": "object",
+        "properties": {"on": {"type": "boolean"}, "n": {"type": "integer", "maximum": 99}},
+        "required": ["on", "n"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+    for kw in ({}, {"temperature": 1.0, "seed": 4}):
+        r = _chat(client, "hi", 24, response_format=fmt, **kw).choices[0]
+        value = json.loads(r.message.content)
+        assert set(value) == {"on", "n"} and isinstance(value["on"], bool), value
+        assert isinstance(value["n"], int) and value["n"] <= 99 and r.finish_reason == "stop"
     # refused before rank 0 broadcasts anything: the ranks stay in step
     with pytest.raises(openai.BadRequestError, match="seed must be an integer in 0.."):
         _complete(client, "Hello", 4, temperature=0.5, seed=2**80)
