@@ -162,4 +162,5 @@ def decode(data: bytes) -> Lease | Shutdown:
 
 
 def _output(body: dict) -> Output:
-    return Output(body["logprobs"], body["prompt_logprobs"], tuple(body["stop_ids"]))
+    stop_ids = tuple(body["stop_ids"])
+    return Output(body["logprobs"], body["prompt_logprobs"], stop_ids, body.get("grammar"))

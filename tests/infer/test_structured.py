@@ -118,6 +118,7 @@ def test_json_object_and_json_schema(served):
         dict(temperature=0),
         dict(temperature=1.2, seed=3),
         dict(temperature=1.0, seed=1, logit_bias={"34": 8}),  # a key: not only {}
+        dict(temperature=1.0, seed=1, logit_bias={"34": 8, "215": 9}),  # an EOS byte is text too
     ):
         r = _ask(client, response_format={"type": "json_object"}, **kw)
         assert isinstance(json.loads(r.choices[0].message.content), dict), r
@@ -208,3 +209,14 @@ def test_tool_call_parsers_of_auto():
     assert json.loads(calls[0]["function"]["arguments"]) == {"days": 2}
     assert parse_calls("llama3_json", "It is sunny.", names) == ("It is sunny.", [])
     assert parse_calls("llama3_json", '{"name": "weather"', names)[1] == []
+
+
+def test_the_grammar_reaches_every_rank():
+    """A lease's admissions keep their grammar through the broadcast encoding."""
+    from neuron_tp.infer.grammar import json_grammar
+    from neuron_tp.infer.sampling import Sampling
+    from neuron_tp.infer.schedule import Admission, Lease, Output, decode, encode
+
+    output = Output(True, False, (3,), json_grammar(WEATHER))
+    lease = Lease((1,), (Admission((5, 6), 4, Sampling(), ("x",), output=output),), 2)
+    assert decode(encode(lease)) == lease
