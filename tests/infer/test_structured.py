@@ -220,3 +220,29 @@ def test_the_grammar_reaches_every_rank():
     output = Output(True, False, (3,), json_grammar(WEATHER))
     lease = Lease((1,), (Admission((5, 6), 4, Sampling(), ("x",), output=output),), 2)
     assert decode(encode(lease)) == lease
+
+
+def test_langchain_bind_tools_and_with_structured_output(served):
+    """langchain-openai's ChatOpenAI against the server: a tool bound and forced by name, a
+    two-turn tool conversation, and with_structured_output's JSON schema."""
+    pytest.importorskip("langchain_openai")
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_openai import ChatOpenAI
+
+    _, client = served
+    llm = ChatOpenAI(
+        model="tiny", base_url=str(client.base_url), api_key="none", temperature=0, max_retries=0
+    )
+    tool = TOOLS[0]["function"]
+    bound = llm.bind_tools([{"type": "function", "function": tool}], tool_choice="weather")
+    asked = [HumanMessage("weather in Oslo?")]
+    said = bound.invoke(asked)
+    (call,) = said.tool_calls
+    assert call["name"] == "weather" and said.response_metadata["finish_reason"] == "tool_calls"
+    jsonschema.validate(call["args"], WEATHER)
+    again = bound.invoke([*asked, said, ToolMessage('{"temp": 3}', tool_call_id=call["id"])])
+    jsonschema.validate(again.tool_calls[0]["args"], WEATHER)
+    structured = llm.with_structured_output(
+        {"title": "pick", "description": "a pick", **sc.SCHEMA}, method="json_schema"
+    )
+    jsonschema.validate(structured.invoke("pick one"), sc.SCHEMA)
