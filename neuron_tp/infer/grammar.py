@@ -87,8 +87,9 @@ class Guide:
         """``[vocab]`` float: 0 where the grammar allows the token next, ``-inf`` elsewhere
         (an end token only where the grammar may end, even when it is also a text token)."""
         bits = torch.frombuffer(bytearray(self.matcher.compute_bitmask()), dtype=torch.uint8)
-        allowed = (bits[:, None] >> torch.arange(8, dtype=torch.uint8)) & 1
-        allowed = allowed.flatten()[: self.vocab].bool()
+        bits = ((bits[:, None] >> torch.arange(8, dtype=torch.uint8)) & 1).flatten()[: self.vocab]
+        allowed = torch.zeros(self.vocab, dtype=torch.bool)  # ids past the tokenizer's: never
+        allowed[: len(bits)] = bits.bool()
         if self.eos_ids:
             allowed[self.eos_ids] = self.matcher.is_accepting()
         row = torch.full((self.vocab,), MASKED)

@@ -246,3 +246,17 @@ def test_langchain_bind_tools_and_with_structured_output(served):
         {"title": "pick", "description": "a pick", **sc.SCHEMA}, method="json_schema"
     )
     jsonschema.validate(structured.invoke("pick one"), sc.SCHEMA)
+
+
+def test_a_model_vocabulary_larger_than_the_tokenizers():
+    """Ids past the tokenizer's (padded embedding rows) are never allowed; the end token only
+    where the grammar may end."""
+    from neuron_tp.infer.grammar import Grammars, json_grammar
+
+    guide = Grammars(ByteTokenizer(), 300, [256]).guide(json_grammar(None))
+    row = guide.mask()
+    assert row.shape == (300,) and (row == 0).nonzero().flatten().tolist() == [ord("{")]
+    for t in b'{"a":1}':
+        assert not guide.done
+        guide.accept(t)
+    assert guide.done and (guide.mask() == 0).nonzero().flatten().tolist() == [256]
