@@ -228,7 +228,7 @@ class Engine:
         if output.prompt_logprobs and not gen.prompt_logprob_graphs:
             raise ValueError("prompt log-probabilities (echo with logprobs) are not supported here")
         if output.grammar is not None:
-            if not hasattr(gen, "masks") or self.rows is None:
+            if not getattr(gen, "grammar_supported", False) or self.rows is None:
                 raise ValueError("structured outputs are not supported with speculative decoding")
             self.rows.grammars.check(output.grammar)
         Detokenizer(self.tokenizer, stop)  # validates the stop strings

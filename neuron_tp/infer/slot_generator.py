@@ -117,6 +117,7 @@ class SlotGenerator(StepGraphsOwner):
     the SlotGenerator is used."""
 
     logprobs_supported = True  # decode steps return the log-probabilities of their tokens
+    grammar_supported = True  # decode steps add the rows of masks to the logits
 
     def __init__(
         self,

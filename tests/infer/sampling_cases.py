@@ -14,6 +14,7 @@ import time
 import torch
 
 from hf_sampling import peaked
+from neuron_tp.infer.grammar import json_grammar
 from neuron_tp.infer.sampling import MAX_LOGPROBS, Sampling
 from neuron_tp.infer.schedule import Delta, Done, Failed, Output, Prompt
 
@@ -54,8 +55,6 @@ def full_model():
 def cases() -> list[dict]:
     """The requests: ``prompt``, ``max_tokens``, ``sampling``, ``output``, ``kind`` (what the
     check compares)."""
-    from neuron_tp.infer.grammar import json_grammar
-
     lp = Output(logprobs=True)
     echo = Output(logprobs=True, prompt_logprobs=True)
     schema, anything = Output(grammar=json_grammar(SCHEMA)), Output(grammar=json_grammar(None))
@@ -216,7 +215,7 @@ def check(full, items: list[dict], results: list[dict]) -> dict:
             assert tokens == want, f"{what}: {tokens} vs {want}"
         elif it["kind"] == "json":
             check_json(
-                tokens, events, SCHEMA if it["output"].grammar == _SCHEMA_GRAMMAR() else None
+                tokens, events, SCHEMA if it["output"].grammar == json_grammar(SCHEMA) else None
             )
         elif it["kind"] == "allowed":
             for k, t in enumerate(tokens):
@@ -229,12 +228,6 @@ def check(full, items: list[dict], results: list[dict]) -> dict:
         output = it["output"] or Output()
         worst = max(worst, _check_logprobs(full, it, r, output, what))
     return {"worst": worst}
-
-
-def _SCHEMA_GRAMMAR() -> str:
-    from neuron_tp.infer.grammar import json_grammar
-
-    return json_grammar(SCHEMA)
 
 
 def check_json(tokens: list[int], events: list, schema: dict | None) -> None:

@@ -387,3 +387,5 @@ def test_speculation_refuses_what_its_verification_does_not_apply(full):
         engine.check([1, 2], 4, [], Sampling(), Output(logprobs=True))
     with pytest.raises(ValueError, match="prompt log-probabilities"):
         engine.check([1, 2], 4, [], Sampling(), Output(prompt_logprobs=True))
+    with pytest.raises(ValueError, match="structured outputs are not supported with speculative"):
+        engine.check([1, 2], 4, [], Sampling(), Output(grammar=sc.json_grammar(None)))
