@@ -260,3 +260,36 @@ def test_a_model_vocabulary_larger_than_the_tokenizers():
         assert not guide.done
         guide.accept(t)
     assert guide.done and (guide.mask() == 0).nonzero().flatten().tolist() == [256]
+
+
+def test_a_transformers_tokenizer_with_merged_tokens():
+    """An HF fast tokenizer (byte-level BPE trained here, multi-byte tokens) through
+    llguidance's HF view: random allowed tokens until the grammar is complete give JSON of the
+    schema."""
+    import random
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from neuron_tp.infer.grammar import Grammars, json_grammar
+
+    raw = Tokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<eos>"], initial_alphabet=alphabet
+    )
+    raw.train_from_iterator(['{"city":"Paris","days":3}', '{"city":"Oslo","days":7}'] * 20, trainer)
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<eos>")
+    assert any(len(tok.decode([t])) > 2 for t in range(len(tok)))  # merged tokens
+    grammars = Grammars(tok, len(tok) + 16, [tok.eos_token_id])
+    rng = random.Random(0)
+    for _ in range(5):
+        guide, out = grammars.guide(json_grammar(WEATHER)), []
+        while not guide.done:
+            allowed = (guide.mask() == 0).nonzero().flatten().tolist()
+            assert allowed and max(allowed) < len(tok) and tok.eos_token_id not in allowed
+            out.append(rng.choice(allowed))
+            guide.accept(out[-1])
+        jsonschema.validate(json.loads(tok.decode(out)), WEATHER)
