@@ -27,13 +27,16 @@ fallback) uses ``"{role}: {content}\\n"`` per message then ``"assistant: "``.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from .engine import Engine
+from .grammar import json_grammar, schema_of
 from .sampling import MAX_LOGPROBS, MAX_SEED, Sampling
 from .schedule import Output
+from .tools import ToolChoice, tool_choice
 
 MAX_TEMPERATURE = 2.0  # OpenAI's range: 0..2
 MAX_INT = 2**63 - 1  # no count in a request needs more
@@ -47,13 +50,12 @@ COMMON_FIELDS = frozenset(
 )
 FIELDS = {
     False: COMMON_FIELDS | {"prompt", "echo", "logprobs", "best_of"},
-    True: COMMON_FIELDS | {"messages", "logprobs", "top_logprobs"},
+    True: COMMON_FIELDS
+    | {"messages", "logprobs", "top_logprobs", "response_format", "tools", "tool_choice"},
 }
 NOT_IMPLEMENTED = {  # OpenAI fields this server refuses, and why
     "suffix": "insertion (suffix) is not supported",
-    "response_format": "structured outputs (response_format) are not supported",
-    "tools": "tool calls are not supported",
-    "tool_choice": "tool calls are not supported",
+    "response_format": "structured outputs (response_format) are chat-only",
     "functions": "function calls are not supported",
     "function_call": "function calls are not supported",
     "parallel_tool_calls": "tool calls are not supported",
@@ -81,11 +83,13 @@ class CompletionParams:
     logprobs: int | None = None
     echo: bool = False
     stop_ids: tuple[int, ...] = ()
+    grammar: str | None = None  # what the text follows (response_format, a forced tool call)
+    tools: ToolChoice | None = None
 
     def output(self) -> Output:
         """What the engine must return besides the text."""
         lp = self.logprobs is not None
-        return Output(lp, lp and self.echo, self.stop_ids)
+        return Output(lp, lp and self.echo, self.stop_ids, self.grammar)
 
 
 @dataclass(frozen=True)
@@ -109,12 +113,18 @@ class BadRequest(ValueError):
         self.param = param
 
 
-def chat_prompt(tokenizer, messages: list[dict]) -> str:
-    """The prompt text of a chat: the tokenizer's chat template, else ``role: content`` lines
+def chat_prompt(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> str:
+    """The prompt text of a chat (with the request's ``tools``): the tokenizer's chat
+    template, else ``role: content`` lines (an assistant's tool calls and the tools as JSON)
     and ``assistant: ``."""
     if getattr(tokenizer, "chat_template", None) and hasattr(tokenizer, "apply_chat_template"):
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    lines = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+        return tokenizer.apply_chat_template(
+            messages, tools=tools, tokenize=False, add_generation_prompt=True
+        )
+    lines = f"tools: {json.dumps(tools)}\n" if tools else ""
+    for m in messages:
+        calls = [c.get("function") for c in m.get("tool_calls") or []]
+        lines += f"{m['role']}: {m['content']}{json.dumps(calls) if calls else ''}\n"
     return lines + "assistant: "
 
 
@@ -272,6 +282,7 @@ def parse_params(
         logit_bias=_logit_bias(body, vocab),
         **penalties,
     )
+    grammar, tools = _grammar(body) if chat else (None, None)
     if temperature == 0:
         sampling = Sampling(seed=seed or 0, **rest)
     else:
@@ -285,7 +296,33 @@ def parse_params(
         logprobs=_logprobs(body, chat),
         echo=echo,
         stop_ids=_stop_ids(body, vocab),
+        grammar=grammar,
+        tools=tools,
     )
+
+
+def _grammar(body: dict) -> tuple[str | None, ToolChoice | None]:
+    """The grammar of a chat's ``response_format`` or forced tool call, and its tools."""
+    try:
+        tools = tool_choice(body.get("tools"), body.get("tool_choice"))
+    except ValueError as e:
+        raise BadRequest(str(e), "tools" if body.get("tools") is None else "tool_choice") from None
+    try:
+        constrained, schema = schema_of(body.get("response_format"))
+    except ValueError as e:
+        raise BadRequest(str(e), "response_format") from None
+    if tools is not None and tools.forced:
+        if constrained:
+            raise BadRequest(
+                "response_format and a forced tool_choice exclude each other", "tool_choice"
+            )
+        constrained, schema = True, tools.schema()
+    if not constrained:
+        return None, tools
+    try:
+        return json_grammar(schema), tools
+    except ValueError as e:
+        raise BadRequest(str(e), "response_format") from None
 
 
 def message_text(index: int, message: Any) -> dict:
@@ -294,6 +331,8 @@ def message_text(index: int, message: Any) -> dict:
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise BadRequest(f"messages[{index}] must be an object with a string role", "messages")
     content = message.get("content")
+    if content is None and message.get("tool_calls"):
+        content = ""
     if isinstance(content, list):
         texts = []
         for part in content:
@@ -368,7 +407,8 @@ def request_prompts(
         if not isinstance(messages, list) or not messages:
             raise BadRequest("messages must be a non-empty list of {role, content}", "messages")
         messages = [message_text(i, m) for i, m in enumerate(messages)]
-        text = chat_prompt(tok, messages)
+        tools = body.get("tools") if body.get("tool_choice") != "none" else None
+        text = chat_prompt(tok, messages, tools)
         return [encode_prompt(tok, text, chat=True)], [text]
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and all(_is_id(t) for t in prompt):

@@ -75,6 +75,7 @@ class Engine:
         self.eos_ids: list[int] = []
         self.max_new_tokens = 0
         self.sampling_defaults: dict = {}  # the model's generation_config values (server)
+        self.tool_call_parser = "hermes"  # how the server finds tool calls (--tool-call-parser)
         self._queue: queue.Queue = queue.Queue()
         self._waiting: deque[Request] = deque()  # rank 0: taken off the queue, no slot yet
         self.rows: SlotRows | None = None  # the requests in the slots (every rank)
@@ -226,6 +227,10 @@ class Engine:
             raise ValueError("logprobs are not supported with speculative decoding")
         if output.prompt_logprobs and not gen.prompt_logprob_graphs:
             raise ValueError("prompt log-probabilities (echo with logprobs) are not supported here")
+        if output.grammar is not None:
+            if not getattr(gen, "grammar_supported", False) or self.rows is None:
+                raise ValueError("structured outputs are not supported with speculative decoding")
+            self.rows.grammars.check(output.grammar)
         Detokenizer(self.tokenizer, stop)  # validates the stop strings
 
     def submit(

@@ -20,12 +20,14 @@ from .sampling import Sampling, TokenLogprob
 @dataclass(frozen=True)
 class Output:
     """What a request wants besides its text: its tokens' log-probabilities (``logprobs``),
-    its prompt's (``prompt_logprobs``: every prompt token after the first), and the token ids
-    that end it like an EOS (``stop_ids``)."""
+    its prompt's (``prompt_logprobs``: every prompt token after the first), the token ids
+    that end it like an EOS (``stop_ids``) and the grammar its text follows (``grammar``, an
+    llguidance grammar: :mod:`.grammar`)."""
 
     logprobs: bool = False
     prompt_logprobs: bool = False
     stop_ids: tuple[int, ...] = ()
+    grammar: str | None = None
 
 
 @dataclass(frozen=True)
@@ -160,4 +162,5 @@ def decode(data: bytes) -> Lease | Shutdown:
 
 
 def _output(body: dict) -> Output:
-    return Output(body["logprobs"], body["prompt_logprobs"], tuple(body["stop_ids"]))
+    stop_ids = tuple(body["stop_ids"])
+    return Output(body["logprobs"], body["prompt_logprobs"], stop_ids, body.get("grammar"))

@@ -33,6 +33,7 @@ from .sampling import MAX_SEED, TokenLogprob
 from .schedule import Delta, Done, Failed, Prompt
 from .speculation_setup import check_speculation_options
 from .speculative import SpeculativeGenerator
+from .tools import call_id, forced_calls, parse_calls
 
 PARSE_INLINE = 64 * 1024  # bytes: larger bodies are parsed on a worker thread
 RETRY_AFTER_S = 1  # the Retry-After of a 429 (queue full)
@@ -163,7 +164,8 @@ class _Completions:
         meta = {"id": trace.id, "created": int(time.time()), "model": self.model_name}
         timeout = self.limits.request_timeout_s
         wait = Deadline(trace.start + timeout, timeout)
-        shape = _Answer(self.engine.tokenizer, completion, chat)
+        parser = getattr(self.engine, "tool_call_parser", "hermes")
+        shape = _Answer(self.engine.tokenizer, completion, chat, parser)
         if body.get("stream"):
             usage = completion.include_usage
             chunks = _stream(
@@ -263,12 +265,19 @@ class _Answer:
     ``token``, ``logprob``, ``bytes``, ``top_logprobs``). A token's text is its own decoding;
     an entry is ``(token, logprob or None, top or None)``."""
 
-    def __init__(self, tokenizer, completion: CompletionRequest, chat: bool):
+    def __init__(
+        self, tokenizer, completion: CompletionRequest, chat: bool, parser: str = "hermes"
+    ):
         self.tok, self.chat, self.params = tokenizer, chat, completion.params
         n = self.params.n
         self.prompts = [p for p in completion.prompts for _ in range(n)]
         self.texts = [t for t in completion.texts for _ in range(n)]
         self.offsets = [0] * len(self.prompts)  # characters of each choice's tokens so far
+        tools = self.params.tools
+        self.tools = tools if chat and tools is not None and tools.mode != "none" else None
+        self.parser = parser
+        self.held = [""] * len(self.prompts)  # streamed text kept back to parse tool calls
+        self.call_ids = [call_id() for _ in self.prompts]  # a streamed named call's id
 
     def token_text(self, token: int) -> str:
         return self.tok.decode([token], skip_special_tokens=False)
@@ -280,10 +289,57 @@ class _Answer:
         if not self.chat:
             return {"index": i, "text": text or "", "logprobs": logprobs, "finish_reason": reason}
         if stream:
-            delta = {"content": text} if text is not None else {}
+            delta, reason = self.delta(i, text, reason)
             return {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
-        message = {"role": "assistant", "content": text}
+        message: dict = {"role": "assistant", "content": text}
+        calls = self.calls(text or "", reason)
+        if calls is not None:
+            message, reason = {"role": "assistant", **calls}, "tool_calls"
         return {"index": i, "message": message, "logprobs": logprobs, "finish_reason": reason}
+
+    def calls(self, text: str, reason: str | None) -> dict | None:
+        """``{"content", "tool_calls"}`` of a whole answer with tool calls (None: none)."""
+        tools = self.tools
+        if tools is None or reason != "stop":
+            return None
+        if tools.forced:
+            return {"content": None, "tool_calls": forced_calls(tools, text)}
+        names = {t["function"]["name"] for t in tools.tools}
+        content, calls = parse_calls(self.parser, text, names)
+        return {"content": content, "tool_calls": calls} if calls else None
+
+    def delta(self, i: int, text: str | None, reason: str | None) -> tuple[dict, str | None]:
+        """A stream chunk's delta and finish reason: the text as content, or with tools a
+        named call's arguments as they come (``tool_calls`` deltas), other answers kept back
+        and parsed at the end."""
+        tools = self.tools
+        if tools is None:
+            return ({"content": text} if text is not None else {}), reason
+        if tools.mode == "named":
+            if text is None:
+                return {}, "tool_calls" if reason == "stop" else reason
+            if not text:
+                return {}, None
+            first = not self.held[i]
+            self.held[i] += text
+            fn = {"arguments": text}
+            entry: dict = {"index": 0, "function": fn}
+            if first:
+                fn["name"] = str(tools.name)
+                entry.update(id=self.call_ids[i], type="function")
+            return {"tool_calls": [entry]}, None
+        if text is not None:
+            self.held[i] += text
+            return {}, None
+        if reason is None:
+            return {}, None
+        calls = self.calls(self.held[i], reason)
+        if calls is None:
+            return ({"content": self.held[i]} if self.held[i] else {}), reason
+        delta: dict = {"tool_calls": [{"index": k, **c} for k, c in enumerate(calls["tool_calls"])]}
+        if calls["content"]:
+            delta["content"] = calls["content"]
+        return delta, "tool_calls"
 
     def echo_entries(self, i: int, prompt: tuple[TokenLogprob, ...] = ()) -> list:
         """The prompt's entries of choice ``i``: its first token without a log-probability,
@@ -553,6 +609,7 @@ def _load(engine: Engine, config, mesh) -> None:
         left_out = {k: v for k, v in defaults.items() if k not in ("temperature", "top_k")}
         defaults = {k: v for k, v in defaults.items() if k not in left_out}
     engine.sampling_defaults = defaults
+    engine.tool_call_parser = config.tool_call_parser
     if mesh.rank == 0:
         said = ", ".join(f"{k}={v}" for k, v in defaults.items()) or "none"
         print(

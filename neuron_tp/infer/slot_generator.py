@@ -117,6 +117,7 @@ class SlotGenerator(StepGraphsOwner):
     the SlotGenerator is used."""
 
     logprobs_supported = True  # decode steps return the log-probabilities of their tokens
+    grammar_supported = True  # decode steps add the rows of masks to the logits
 
     def __init__(
         self,
@@ -192,6 +193,8 @@ class SlotGenerator(StepGraphsOwner):
         self._host_pos: dict[int, int] = {}  # next cache index of each active slot
         self._gens: dict[int, torch.Generator] = {}  # sampled active slots
         self._nucleus: set[int] = set()  # of them, those with top_p < 1
+        self.masks: dict[int, torch.Tensor] = {}  # [vocab] grammar rows of the next token
+        self._bias_host: dict[int, torch.Tensor] = {}  # the logit_bias rows of those slots
 
     # -- requests --------------------------------------------------------------------------
     def check(
@@ -237,6 +240,8 @@ class SlotGenerator(StepGraphsOwner):
         self._gens.pop(slot, None)
         self._nucleus.discard(slot)
         self.logprob_slots.discard(slot)
+        self.masks.pop(slot, None)
+        self._bias_host.pop(slot, None)
 
     def prefill(
         self,
@@ -248,6 +253,7 @@ class SlotGenerator(StepGraphsOwner):
         prompt: Sequence[int] | None = None,
         prompt_logprobs: bool = False,
         next_token: int = 0,
+        mask: torch.Tensor | None = None,
     ) -> int | None:
         """Write one chunk of ``slot``'s prompt at positions ``start..start+len-1``. With
         ``sampling`` (the LAST chunk): choose and return the first new token; the slot then
@@ -255,7 +261,8 @@ class SlotGenerator(StepGraphsOwner):
         penalty reads). Without: more chunks follow; returns None. ``prompt_logprobs``: set
         :attr:`prompt_logprobs` to the log-probabilities of the prompt tokens at
         ``start+1..start+len`` (``next_token``: the one after the chunk; a last chunk gives
-        one fewer)."""
+        one fewer). ``mask``: a ``[vocab]`` row added to the logits of the first new token (a
+        grammar's, with :attr:`masks` the rows of the next ones)."""
         n = len(tokens)
         self._check_chunk(slot, n, start)
         if sampling is not None:
@@ -273,7 +280,10 @@ class SlotGenerator(StepGraphsOwner):
         if final and s.repetition_penalty != 1 and prompt is None:
             raise ValueError("a repetition penalty needs the whole prompt (prefill's prompt=)")
         args.append(self._row(0, s.repetition_penalty != 1, lambda: seen_row(prompt, self.vocab)))
-        args.append(self._row(1, bool(s.logit_bias), lambda: bias_row(s, self.vocab)))
+        bias = lambda: bias_row(s, self.vocab) + (mask if mask is not None else 0)  # noqa: E731
+        args.append(self._row(1, bool(s.logit_bias) or mask is not None, bias))
+        if final and s.logit_bias:
+            self._bias_host[slot] = bias_row(s, self.vocab)
         if sampled:
             gen = host_generator(s)
             self._gens[slot] = gen
@@ -352,6 +362,13 @@ class SlotGenerator(StepGraphsOwner):
                 noise[s] = host_noise(gen, 1, self.vocab)[0]
             noise = noise.to(self.device)
         nucleus = sampled and any(s in self._nucleus for s in self.active)
+        if self.masks:  # the grammar rows, with the logit bias, as data of the same graph
+            bias = torch.zeros(self.slots, self.vocab)
+            for s, row in self._bias_host.items():
+                bias[s] = row
+            for s, row in self.masks.items():
+                bias[s] += row
+            self._state = self._state._replace(bias=bias.to(self.device))
         self._run_decode(bucket, self._active(), noise, nucleus)
         for s in self.active:
             self._host_pos[s] += 1

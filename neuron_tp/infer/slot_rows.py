@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .grammar import Grammars, Guide
 from .prefix_cache import PrefixCache
 from .sampling import Sampling, TokenLogprob
 from .schedule import Admission, Delta, Done, Event, Failed, Lease, Output, Prompt, Request
@@ -36,6 +37,7 @@ class Row:
     count: int = 0  # tokens generated
     output: Output = Output()
     prompt_logprobs: list[TokenLogprob] | None = None  # gathered chunk by chunk
+    guide: Guide | None = None  # the grammar state of a constrained row
 
     @property
     def prefilling(self) -> bool:
@@ -61,6 +63,14 @@ class SlotRows:
         self.prefill_budget, self.stats, self.prefix = prefill_budget, stats, prefix
         self.by_slot: dict[int, Row] = {}
         self.admitted = 0  # requests admitted so far (every rank)
+        self._grammars: Grammars | None = None
+
+    @property
+    def grammars(self) -> Grammars:
+        """The tokenizer's grammar view (built on first use)."""
+        if self._grammars is None:
+            self._grammars = Grammars(self.tokenizer, self.gen.vocab, self.eos_ids)
+        return self._grammars
 
     def run(self, lease: Lease, requests: list[Request] | None = None) -> None:
         """Run ``lease``; ``requests`` (rank 0) are its admitted requests, in order."""
@@ -85,7 +95,9 @@ class SlotRows:
             self.admitted += 1
             if admission.output.logprobs:
                 self.gen.logprob_slots.add(slot)
-            if self.prefix is not None and admission.prefix is not None:
+            if admission.output.grammar is not None:
+                self._guide(self.by_slot[slot], admission.output.grammar)
+            if slot in self.by_slot and self.prefix is not None and admission.prefix is not None:
                 self._load(self.by_slot[slot], admission)
         for _ in range(lease.steps):
             if not self.by_slot:
@@ -129,6 +141,13 @@ class SlotRows:
             if self.prefix is not None:
                 self.prefix.end(slot)
 
+    def _guide(self, row: Row, grammar: str) -> None:
+        """Give the row its grammar state (a grammar that does not compile fails it)."""
+        try:
+            row.guide = self.grammars.guide(grammar)
+        except Exception as e:  # noqa: BLE001 - fails this request only
+            self._fail(row, e)
+
     def _load(self, row: Row, admission: Admission) -> None:
         """Copy the row's cached prompt blocks into its slot (a failure fails this request)."""
         try:
@@ -155,6 +174,7 @@ class SlotRows:
                     if echo
                     else {}
                 ),
+                **({"mask": row.guide.mask()} if last and row.guide is not None else {}),
             )
         except Exception as e:  # noqa: BLE001 - fails this request only
             self._fail(row, e)
@@ -185,16 +205,21 @@ class SlotRows:
             row.request.tokens.append(t)
         eos = t in self.eos_ids or t in row.output.stop_ids
         try:
+            if row.guide is not None and not eos:
+                row.guide.accept(t)
             text = "" if eos else row.detok.add(t)
         except Exception as e:  # noqa: BLE001 - e.g. a tokenizer that cannot decode the id
             self._fail(row, e)
             return
         if text or (logprob is not None and row.output.logprobs):
             self._emit(row, Delta(text, (logprob,) if logprob is not None else ()))
-        if eos or row.detok.stopped:
+        complete = row.guide is not None and row.guide.done
+        if eos or row.detok.stopped or complete:
             self._finish(row, "stop")
         elif row.count >= row.max_tokens:
             self._finish(row, "length")
+        elif row.guide is not None:
+            self.gen.masks[row.slot] = row.guide.mask()
 
     def _finish(self, row: Row, reason: str) -> None:
         rest = row.detok.finish()

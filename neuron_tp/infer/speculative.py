@@ -151,6 +151,7 @@ class VerifyingGenerator(SlotGenerator):
 
     n_noise = 3  # host draws per sampled step: the draft's noise, uniforms, final noise
     logprobs_supported = False  # the verification returns no log-probabilities
+    grammar_supported = False  # nor applies a grammar to the proposed tokens
 
     def __init__(self, model, slots: int, max_len: int, *, k: int = DEFAULT_K, **kw):
         check_speculation(k, max_len)

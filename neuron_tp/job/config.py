@@ -599,6 +599,13 @@ class ServeConfig(_CommonConfig):
     served_model_name: str | None = opt(  # None: --model
         "--served-model-name", None, "the model id clients use (default: --model)"
     )
+    tool_call_parser: str = opt(  # how tool_choice "auto" finds calls in the model's text
+        "--tool-call-parser",
+        "hermes",
+        "the model's tool-call format for tool_choice auto: hermes (<tool_call>{json}"
+        "</tool_call>, Hermes / Qwen) or llama3_json (a JSON object, Llama 3)",
+        choices=("hermes", "llama3_json"),
+    )
     warmup: str = opt(  # graphs captured before ready: "smallest" shapes or "all" buckets
         "--warmup",
         "smallest",

@@ -14,12 +14,23 @@ import time
 import torch
 
 from hf_sampling import peaked
+from neuron_tp.infer.grammar import json_grammar
 from neuron_tp.infer.sampling import MAX_LOGPROBS, Sampling
 from neuron_tp.infer.schedule import Delta, Done, Failed, Output, Prompt
 
 VOCAB, SEED, SCALE = 257, 4, 4.0
 EOS = [131, 215]
 SLOTS, CHUNK, MAX_NEW = 3, 8, 10
+LIMIT = 24  # the engine's max_tokens limit (the JSON cases need more than MAX_NEW)
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "k": {"enum": ["x", "yz"]},
+        "n": {"type": "integer", "minimum": 0, "maximum": 99},
+    },
+    "required": ["k", "n"],
+    "additionalProperties": False,
+}
 SHAPES = dict(
     slots=SLOTS,
     max_len=40,
@@ -46,6 +57,7 @@ def cases() -> list[dict]:
     check compares)."""
     lp = Output(logprobs=True)
     echo = Output(logprobs=True, prompt_logprobs=True)
+    schema, anything = Output(grammar=json_grammar(SCHEMA)), Output(grammar=json_grammar(None))
     return [  # the sampled row without top_p in slot 0, the top_p row in slot 1
         dict(
             kind="allowed",
@@ -79,6 +91,21 @@ def cases() -> list[dict]:
         dict(kind="greedy", prompt=LONG, max_tokens=0, sampling=Sampling(), output=echo),
         dict(kind="greedy", prompt=LONG[:13], max_tokens=1, sampling=Sampling(), output=echo),
         dict(kind="stop_id", prompt=PROMPT, max_tokens=MAX_NEW, sampling=Sampling(), output=None),
+        dict(kind="json", prompt=PROMPT, max_tokens=LIMIT, sampling=Sampling(), output=schema),
+        dict(
+            kind="json",
+            prompt=LONG[:6],
+            max_tokens=LIMIT,
+            sampling=Sampling(True, 1.5, 0, 7, logit_bias=((125, -20.0),)),
+            output=schema,
+        ),
+        dict(
+            kind="json",
+            prompt=LONG[:3],
+            max_tokens=LIMIT,
+            sampling=Sampling(True, 1.0, 0, 1, logit_bias=((34, 8.0),)),  # a key, not just {}
+            output=anything,
+        ),
     ]
 
 
@@ -186,6 +213,10 @@ def check(full, items: list[dict], results: list[dict]) -> dict:
         if it["kind"] == "greedy":
             want = greedy_reference(full, prompt, it["max_tokens"], s)
             assert tokens == want, f"{what}: {tokens} vs {want}"
+        elif it["kind"] == "json":
+            check_json(
+                tokens, events, SCHEMA if it["output"].grammar == json_grammar(SCHEMA) else None
+            )
         elif it["kind"] == "allowed":
             for k, t in enumerate(tokens):
                 logits = adjusted(logits_of(full, prompt + tokens[:k])[-1], s, prompt, tokens[:k])
@@ -197,6 +228,19 @@ def check(full, items: list[dict], results: list[dict]) -> dict:
         output = it["output"] or Output()
         worst = max(worst, _check_logprobs(full, it, r, output, what))
     return {"worst": worst}
+
+
+def check_json(tokens: list[int], events: list, schema: dict | None) -> None:
+    """The tokens are JSON text (bytes) valid under ``schema`` (None: any object), ended by
+    the grammar (finish reason ``stop``, no EOS token)."""
+    import json
+
+    import jsonschema
+
+    text = bytes(tokens).decode("utf-8")
+    value = json.loads(text)
+    jsonschema.validate(value, schema or {"type": "object"})
+    assert events[-1].finish_reason == "stop" and not set(tokens) & set(EOS), (text, events[-1])
 
 
 def _check_logprobs(full, it: dict, r: dict, output: Output, what: str) -> float:
@@ -254,7 +298,7 @@ def xla_job(tp: int) -> dict:
     model = hf.parallelize(copy.deepcopy(full), mesh).eval()
     move_to(model, torch_xla.device())
     engine = Engine(mesh.group("world") if tp > 1 else None, lease_steps=3)
-    engine.attach(SlotGenerator(model, **SHAPES), ByteTokenizer(), EOS, MAX_NEW)
+    engine.attach(SlotGenerator(model, **SHAPES), ByteTokenizer(), EOS, LIMIT)
     engine.warmup(every_shape=True)
     traces = engine.gen.traces
     barrier.wait()

@@ -59,7 +59,7 @@ def _engine(full, group=None, **kw):
     from neuron_tp.job.data import ByteTokenizer
 
     engine = Engine(group, **kw)
-    engine.attach(SlotGenerator(full, **sc.SHAPES), ByteTokenizer(), sc.EOS, sc.MAX_NEW)
+    engine.attach(SlotGenerator(full, **sc.SHAPES), ByteTokenizer(), sc.EOS, sc.LIMIT)
     return engine
 
 
@@ -313,7 +313,7 @@ def test_default_max_tokens_is_the_room_left_and_generation_config_defaults(full
     )  # fmt: skip
     prompt = chat.usage.prompt_tokens
     assert prompt == 35 and chat.usage.completion_tokens == min(
-        sc.MAX_NEW, sc.SHAPES["max_len"] - prompt
+        sc.LIMIT, sc.SHAPES["max_len"] - prompt
     )
     r = client.completions.create(
         model="tiny", prompt="y" * 33, temperature=1.0, seed=2,
@@ -387,3 +387,5 @@ def test_speculation_refuses_what_its_verification_does_not_apply(full):
         engine.check([1, 2], 4, [], Sampling(), Output(logprobs=True))
     with pytest.raises(ValueError, match="prompt log-probabilities"):
         engine.check([1, 2], 4, [], Sampling(), Output(prompt_logprobs=True))
+    with pytest.raises(ValueError, match="structured outputs are not supported with speculative"):
+        engine.check([1, 2], 4, [], Sampling(), Output(grammar=sc.json_grammar(None)))

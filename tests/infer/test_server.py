@@ -325,13 +325,12 @@ def test_chat_only_and_completion_only_fields_are_refused_on_the_other(tp1):
         (lambda: _chat(client, "hi", 4, top_logprobs=3), "top_logprobs"),
         (lambda: _complete(client, "Hello", 4, extra_body={"top_logprobs": 3}), "top_logprobs"),
         (
-            lambda: _chat(client, "hi", 4, response_format={"type": "json_object"}),
+            lambda: _complete(
+                client, "Hello", 4, extra_body={"response_format": {"type": "json_object"}}
+            ),
             "response_format",
         ),
-        (
-            lambda: _chat(client, "hi", 4, tools=[{"type": "function", "function": {"name": "f"}}]),
-            "tools",
-        ),
+        (lambda: _complete(client, "Hello", 4, extra_body={"tools": []}), "tools"),
     ]
     for ask, name in asks:
         with pytest.raises(openai.BadRequestError) as err:
@@ -494,7 +493,7 @@ def test_bad_requests_from_the_issue_each_followed_by_a_good_one(tp1, guarded):
         ({**hi, "best_of": 3}, 400, "best_of must equal n (1)", "best_of"),
         ({**hi, "suffix": "x"}, 400, "suffix: insertion (suffix) is not supported", "suffix"),
         ({**hi, "response_format": {"type": "json_object"}}, 400, "structured outputs", None),
-        ({**hi, "tools": [{"type": "function"}]}, 400, "tool calls are not supported", "tools"),
+        ({**hi, "tools": [{"type": "function"}]}, 400, "unknown field 'tools'", "tools"),
         ({**hi, "ignore_eos": True}, 400, "unknown field 'ignore_eos'", "ignore_eos"),
         ({**hi, "stream": "yes"}, 400, "stream must be a boolean", "stream"),
         ({**hi, "stream_options": 3}, 400, "stream_options must be an object", None),
@@ -962,6 +961,19 @@ def test_tp2_int8_answers_like_tp1_int8_and_shuts_down_cleanly(tp1, tp2):
     got = r.choices[0].logprobs.token_logprobs
     assert got[0] is None and len(got) == len(ids) + 1
     assert max(abs(got[k] - float(want[k - 1, ids[k]])) for k in range(1, len(ids))) < 2e-3
+    # a grammar row on both ranks: valid JSON of the schema, ended by the grammar
+    schema = {
+        "type": "object",
+        "properties": {"on": {"type": "boolean"}, "n": {"type": "integer", "maximum": 99}},
+        "required": ["on", "n"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+    for kw in ({}, {"temperature": 1.0, "seed": 4}):
+        r = _chat(client, "hi", 24, response_format=fmt, **kw).choices[0]
+        value = json.loads(r.message.content)
+        assert set(value) == {"on", "n"} and isinstance(value["on"], bool), value
+        assert isinstance(value["n"], int) and value["n"] <= 99 and r.finish_reason == "stop"
     # refused before rank 0 broadcasts anything: the ranks stay in step
     with pytest.raises(openai.BadRequestError, match="seed must be an integer in 0.."):
         _complete(client, "Hello", 4, temperature=0.5, seed=2**80)

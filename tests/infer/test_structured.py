@@ -1,0 +1,295 @@
+"""Structured outputs and tool calls through ``neuron-tp serve``'s chat endpoint and the
+``openai`` client, on the tiny random model of tests/infer/sampling_cases.py (byte tokens):
+``response_format`` json_object and json_schema give valid JSON (whole and streamed); a named
+``tool_choice`` and ``required`` give calls whose arguments match the function's schema
+(whole and as streamed ``tool_calls`` deltas), finish reason ``tool_calls``; a second turn with
+the assistant's ``tool_calls`` and the ``tool`` message goes through the chat template with
+the tools; the ``hermes`` and ``llama3_json`` parsers of ``auto``. The engine tiers (tp 1, tp 2
+on gloo, XLA CPU devices with no compile after warm-up) are in tests/infer/test_sampling_api.py,
+the tp 2 server in tests/infer/test_server.py."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import jsonschema
+import openai
+import pytest
+import sampling_cases as sc
+from test_sampling_api import _client, _free_port, _listen
+
+from neuron_tp.job.data import ByteTokenizer
+
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"enum": ["Paris", "Oslo"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "weather", "parameters": WEATHER}},
+    {
+        "type": "function",
+        "function": {
+            "name": "flag",
+            "parameters": {
+                "type": "object",
+                "properties": {"on": {"type": "boolean"}},
+                "required": ["on"],
+                "additionalProperties": False,
+            },
+        },
+    },
+]
+SHAPES = dict(slots=2, max_len=768, chunk=128, prefill_buckets=[128], decode_buckets=[2])
+
+
+class TemplateTokens(ByteTokenizer):
+    """Byte tokens with a chat template (Hermes-like: the tools as JSON in a system turn),
+    keeping what each rendering was given."""
+
+    chat_template = "hermes-like"
+
+    def __init__(self):
+        self.rendered: list[tuple[list, list | None]] = []
+
+    def apply_chat_template(
+        self, messages, tools=None, tokenize=False, add_generation_prompt=False
+    ):
+        assert not tokenize and add_generation_prompt
+        self.rendered.append((messages, tools))
+        out = f"<tools>{json.dumps(tools)}</tools>\n" if tools else ""
+        for m in messages:
+            calls = "".join(
+                f"<tool_call>{json.dumps(c['function'])}</tool_call>"
+                for c in m.get("tool_calls") or []
+            )
+            out += f"<{m['role']}>{m['content']}{calls}\n"
+        return out + "<assistant>"
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return super().encode(text)
+
+
+@pytest.fixture(scope="module")
+def served():
+    from neuron_tp import hf, init_mesh
+    from neuron_tp.infer.engine import Engine
+    from neuron_tp.infer.server import create_app
+    from neuron_tp.infer.slot_generator import SlotGenerator
+
+    model = hf.parallelize(copy.deepcopy(sc.full_model()), init_mesh(tp=1)).eval()
+    engine = Engine(None)
+    tok = TemplateTokens()
+    engine.attach(SlotGenerator(model, **SHAPES), tok, sc.EOS, 96)
+    engine.warmup(every_shape=True)
+    engine.start()
+    port = _free_port()
+    stop = _listen(create_app(engine, "tiny"), port)
+    yield tok, _client(f"http://127.0.0.1:{port}")
+    stop()
+    engine.shutdown(10)
+
+
+def _ask(client, text: str = "hi", **kw):
+    messages = kw.pop("messages", [{"role": "user", "content": text}])
+    return client.chat.completions.create(model="tiny", messages=messages, **kw)
+
+
+def _streamed(stream) -> tuple[str, list, str | None]:
+    """Content, the tool_calls deltas and the finish reason of a stream."""
+    text, calls, reason = "", [], None
+    for chunk in stream:
+        for c in chunk.choices:
+            text += c.delta.content or ""
+            calls += c.delta.tool_calls or []
+            reason = c.finish_reason or reason
+    return text, calls, reason
+
+
+def test_json_object_and_json_schema(served):
+    _, client = served
+    fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": sc.SCHEMA}}
+    for kw in (
+        dict(temperature=0),
+        dict(temperature=1.2, seed=3),
+        dict(temperature=1.0, seed=1, logit_bias={"34": 8}),  # a key: not only {}
+        dict(temperature=1.0, seed=1, logit_bias={"34": 8, "215": 9}),  # an EOS byte is text too
+    ):
+        r = _ask(client, response_format={"type": "json_object"}, **kw)
+        assert isinstance(json.loads(r.choices[0].message.content), dict), r
+        assert r.choices[0].finish_reason == "stop"
+        r = _ask(client, "Once", response_format=fmt, **kw)
+        jsonschema.validate(json.loads(r.choices[0].message.content), sc.SCHEMA)
+        assert r.choices[0].finish_reason == "stop"
+    text, _, reason = _streamed(_ask(client, response_format=fmt, temperature=0.9, stream=True))
+    jsonschema.validate(json.loads(text), sc.SCHEMA)
+    assert reason == "stop"
+    for bad in ({"type": "xml"}, {"type": "json_schema", "json_schema": {"schema": {}}}):
+        with pytest.raises(openai.BadRequestError) as err:
+            _ask(client, response_format=bad)
+        assert err.value.body["param"] == "response_format"
+
+
+def test_named_and_required_tool_calls_and_a_second_turn(served):
+    tok, client = served
+    named = {"type": "function", "function": {"name": "weather"}}
+    for kw in (dict(temperature=0), dict(temperature=1.3, seed=5)):
+        r = _ask(client, "weather?", tools=TOOLS, tool_choice=named, **kw)
+        (call,) = r.choices[0].message.tool_calls
+        assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None
+        assert call.type == "function" and call.function.name == "weather" and call.id
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER)
+    assert tok.rendered[-1][1] == TOOLS  # the tools went through the chat template
+    r = _ask(client, "which?", tools=TOOLS, tool_choice="required", temperature=1.0, seed=2)
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name in ("weather", "flag") and r.choices[0].finish_reason == "tool_calls"
+    schema = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    jsonschema.validate(json.loads(call.function.arguments), schema[call.function.name])
+    # the second turn: the assistant's call (content null) and the tool's answer in the history
+    first = _ask(client, "weather?", tools=TOOLS, tool_choice=named, temperature=0)
+    said = first.choices[0].message
+    history = [
+        {"role": "user", "content": "weather?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [c.model_dump() for c in said.tool_calls],
+        },
+        {"role": "tool", "tool_call_id": said.tool_calls[0].id, "content": '{"temp": 3}'},
+    ]
+    r = _ask(client, messages=history, tools=TOOLS, tool_choice="none", max_tokens=6)
+    assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason == "length"
+    messages, tools = tok.rendered[-1]
+    assert tools is None and messages[2]["role"] == "tool"
+    assert messages[1]["tool_calls"][0]["function"]["name"] == "weather"
+    r = _ask(client, messages=history, tools=TOOLS, tool_choice=named, temperature=0)
+    jsonschema.validate(json.loads(r.choices[0].message.tool_calls[0].function.arguments), WEATHER)
+    assert tok.rendered[-1][1] == TOOLS
+
+
+def test_streamed_tool_calls_are_deltas(served):
+    _, client = served
+    named = {"type": "function", "function": {"name": "weather"}}
+    stream = _ask(client, tools=TOOLS, tool_choice=named, temperature=1.1, seed=9, stream=True)
+    text, calls, reason = _streamed(stream)
+    assert text == "" and reason == "tool_calls" and len(calls) > 1  # the arguments as they come
+    assert calls[0].id and calls[0].function.name == "weather" and calls[0].type == "function"
+    assert all(c.index == 0 and c.id is None and c.function.name is None for c in calls[1:])
+    jsonschema.validate(json.loads("".join(c.function.arguments for c in calls)), WEATHER)
+    stream = _ask(client, tools=TOOLS, tool_choice="required", temperature=0, stream=True)
+    text, calls, reason = _streamed(stream)
+    (call,) = calls
+    assert reason == "tool_calls" and call.function.name in ("weather", "flag")
+    json.loads(call.function.arguments)
+
+
+def test_tool_call_parsers_of_auto():
+    from neuron_tp.infer.tools import parse_calls
+
+    names = {"weather", "flag"}
+    text = (
+        'Let me look.<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    )
+    content, calls = parse_calls("hermes", text, names)
+    assert content == "Let me look." and [c["function"]["name"] for c in calls] == ["weather"]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo"}
+    two = '<tool_call>{"name": "flag", "arguments": {"on": true}}</tool_call>' * 2
+    assert len(parse_calls("hermes", two, names)[1]) == 2
+    assert parse_calls("hermes", "no call here", names) == ("no call here", [])
+    unknown = '<tool_call>{"name": "other", "arguments": {}}</tool_call>'
+    assert parse_calls("hermes", unknown, names) == (unknown, [])
+    llama = '{"name": "weather", "parameters": {"days": 2}}; {"name": "flag", "parameters": {}}'
+    content, calls = parse_calls("llama3_json", llama, names)
+    assert content is None and [c["function"]["name"] for c in calls] == ["weather", "flag"]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"days": 2}
+    assert parse_calls("llama3_json", "It is sunny.", names) == ("It is sunny.", [])
+    assert parse_calls("llama3_json", '{"name": "weather"', names)[1] == []
+
+
+def test_the_grammar_reaches_every_rank():
+    """A lease's admissions keep their grammar through the broadcast encoding."""
+    from neuron_tp.infer.grammar import json_grammar
+    from neuron_tp.infer.sampling import Sampling
+    from neuron_tp.infer.schedule import Admission, Lease, Output, decode, encode
+
+    output = Output(True, False, (3,), json_grammar(WEATHER))
+    lease = Lease((1,), (Admission((5, 6), 4, Sampling(), ("x",), output=output),), 2)
+    assert decode(encode(lease)) == lease
+
+
+def test_langchain_bind_tools_and_with_structured_output(served):
+    """langchain-openai's ChatOpenAI against the server: a tool bound and forced by name, a
+    two-turn tool conversation, and with_structured_output's JSON schema."""
+    pytest.importorskip("langchain_openai")
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_openai import ChatOpenAI
+
+    _, client = served
+    llm = ChatOpenAI(
+        model="tiny", base_url=str(client.base_url), api_key="none", temperature=0, max_retries=0
+    )
+    tool = TOOLS[0]["function"]
+    bound = llm.bind_tools([{"type": "function", "function": tool}], tool_choice="weather")
+    asked = [HumanMessage("weather in Oslo?")]
+    said = bound.invoke(asked)
+    (call,) = said.tool_calls
+    assert call["name"] == "weather" and said.response_metadata["finish_reason"] == "tool_calls"
+    jsonschema.validate(call["args"], WEATHER)
+    again = bound.invoke([*asked, said, ToolMessage('{"temp": 3}', tool_call_id=call["id"])])
+    jsonschema.validate(again.tool_calls[0]["args"], WEATHER)
+    structured = llm.with_structured_output(
+        {"title": "pick", "description": "a pick", **sc.SCHEMA}, method="json_schema"
+    )
+    jsonschema.validate(structured.invoke("pick one"), sc.SCHEMA)
+
+
+def test_a_model_vocabulary_larger_than_the_tokenizers():
+    """Ids past the tokenizer's (padded embedding rows) are never allowed; the end token only
+    where the grammar may end."""
+    from neuron_tp.infer.grammar import Grammars, json_grammar
+
+    guide = Grammars(ByteTokenizer(), 300, [256]).guide(json_grammar(None))
+    row = guide.mask()
+    assert row.shape == (300,) and (row == 0).nonzero().flatten().tolist() == [ord("{")]
+    for t in b'{"a":1}':
+        assert not guide.done
+        guide.accept(t)
+    assert guide.done and (guide.mask() == 0).nonzero().flatten().tolist() == [256]
+
+
+def test_a_transformers_tokenizer_with_merged_tokens():
+    """An HF fast tokenizer (byte-level BPE trained here, multi-byte tokens) through
+    llguidance's HF view: random allowed tokens until the grammar is complete give JSON of the
+    schema."""
+    import random
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from neuron_tp.infer.grammar import Grammars, json_grammar
+
+    raw = Tokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<eos>"], initial_alphabet=alphabet
+    )
+    raw.train_from_iterator(['{"city":"Paris","days":3}', '{"city":"Oslo","days":7}'] * 20, trainer)
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<eos>")
+    assert any(len(tok.decode([t])) > 2 for t in range(len(tok)))  # merged tokens
+    grammars = Grammars(tok, len(tok) + 16, [tok.eos_token_id])
+    rng = random.Random(0)
+    for _ in range(5):
+        guide, out = grammars.guide(json_grammar(WEATHER)), []
+        while not guide.done:
+            allowed = (guide.mask() == 0).nonzero().flatten().tolist()
+            assert allowed and max(allowed) < len(tok) and tok.eos_token_id not in allowed
+            out.append(rng.choice(allowed))
+            guide.accept(out[-1])
+        jsonschema.validate(json.loads(tok.decode(out)), WEATHER)
