@@ -124,6 +124,6 @@ def serve_command(args: argparse.Namespace | ServeConfig) -> None:
     """``neuron-tp serve``: this process's rank(s) of the server (rank 0 answers HTTP, the
     other tp ranks follow its batches); the options become a
     :class:`~neuron_tp.job.config.ServeConfig` here."""
-    from ..infer.server import serve
+    from ..infer.serve_command import serve
 
     _command(ServeConfig.from_args(args), serve)

@@ -100,7 +100,8 @@ def tp1():
     """(engine, reference, base url) of an in-process tp=1 server on a free port."""
     from neuron_tp import init_mesh
     from neuron_tp.infer.engine import Engine
-    from neuron_tp.infer.server import _load, create_app
+    from neuron_tp.infer.serve_command import load_engine as _load
+    from neuron_tp.infer.server import create_app
 
     config = _config(_free_port())
     mesh = init_mesh(tp=1)
@@ -787,7 +788,8 @@ def test_a_failed_generation_fails_that_request_and_serving_goes_on():
 
     from neuron_tp import init_mesh
     from neuron_tp.infer.engine import Engine
-    from neuron_tp.infer.server import _load, create_app
+    from neuron_tp.infer.serve_command import load_engine as _load
+    from neuron_tp.infer.server import create_app
 
     engine = Engine()
     _load(engine, _config(0), init_mesh(tp=1))

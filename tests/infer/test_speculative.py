@@ -403,14 +403,16 @@ def test_metrics_report_the_acceptance():
 
 
 def test_server_with_a_draft_answers_as_without_and_reports_acceptance():
-    """``serve --draft-model``'s loading (server._load) and HTTP: greedy completions equal
-    the model's own greedy tokens (static Generator), /metrics counts the proposals."""
+    """``serve --draft-model``'s loading (serve_command.load_engine) and HTTP: greedy
+    completions equal the model's own greedy tokens (static Generator), /metrics counts the
+    proposals."""
     from starlette.testclient import TestClient
 
     from neuron_tp import init_mesh
     from neuron_tp.cli.args import serve_parser
     from neuron_tp.infer.engine import Engine
-    from neuron_tp.infer.server import _load, create_app
+    from neuron_tp.infer.serve_command import load_engine as _load
+    from neuron_tp.infer.server import create_app
     from neuron_tp.infer.static_generator import generate
     from neuron_tp.job.config import ServeConfig
 

@@ -153,7 +153,7 @@ def test_missing_tokenizers_are_refused_with_what_to_pass(dirs, tmp_path):
 
 def test_tokenizer_larger_than_the_model_is_refused(dirs, tmp_path):
     """train, generate (the CPU path, which crashed with IndexError) and serve (its loader)."""
-    from neuron_tp.infer import server
+    from neuron_tp.infer import serve_command
     from neuron_tp.infer.generate_command import run_cli
     from neuron_tp.train.loop import setup
 
@@ -166,7 +166,7 @@ def test_tokenizer_larger_than_the_model_is_refused(dirs, tmp_path):
     ntp.set_default_mesh(None)
     config = ServeConfig.from_args(serve_parser().parse_args(gen))
     with pytest.raises(UserError, match=msg):
-        server._load(server.Engine(None), config, ntp.Mesh(1, 0))
+        serve_command.load_engine(serve_command.Engine(None), config, ntp.Mesh(1, 0))
 
 
 def _run_and_generate(tmp: str, dirs: dict) -> None:

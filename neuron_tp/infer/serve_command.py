@@ -1,0 +1,187 @@
+"""``neuron-tp serve`` on this rank: the start-up (agreement, mesh, the slot generator's one
+start-up in :mod:`.slots_setup`, the prefix cache, the model's sampling defaults, warm-up), then
+rank 0 answers HTTP (:mod:`.server`) while the other tp ranks follow its batches."""
+
+import logging
+import os
+import threading
+import time
+
+from ..errors import UserError
+from .completion_request import generation_defaults
+from .engine import Engine
+from .limits import API_KEY_ENV, ServeLimits
+from .metrics import LOG
+from .prefix_cache import PrefixCache, held_per_block, pool_blocks, resolve_block
+from .server import create_app
+from .speculation_setup import check_speculation_options
+from .speculative import SpeculativeGenerator
+
+
+def serve(config, stop: threading.Event | None = None) -> None:
+    """``neuron-tp serve`` on this rank: load the model, warm up, then rank 0 answers HTTP
+    (``/health`` from the start, ``/ready`` once warm) while the other tp ranks follow its
+    batches. SIGTERM/SIGINT (on the main thread; or ``stop`` set by the caller): rank 0 stops
+    accepting, finishes what runs, tells the other ranks to stop; every rank returns."""
+    from ..job.config import ServeConfig
+    from ..job.runtime import start
+    from ..parallel import agreement
+    from ..parallel.mesh import init_mesh
+
+    config = ServeConfig.from_args(config)
+    world = start(config.device)
+    with agreement.agreed(world, "neuron-tp serve") as agree:  # local checks, then the check
+        if world.size != config.tp:
+            raise UserError(
+                f"neuron-tp serve runs one server over its tp ranks: launch exactly --tp "
+                f"{config.tp} processes, got {world.size}"
+            )
+        check_speculation_options(config.generate_config(), _max_len(config))
+        if world.rank == 0:
+            import fastapi  # noqa: F401 - fail before loading a model
+            import uvicorn  # noqa: F401
+        if config.prefix_cache_on:
+            resolve_block(config.prefix_block, _chunk(config))
+        from .kv_split import check_mode
+
+        check_mode(config.kv_split)
+        agree.values = {**config.option_values(), "library versions": agreement.versions()}
+        agree.values.pop("--api-key", None)  # rank 0's alone; never shown in a mismatch report
+    mesh = init_mesh(tp=config.tp)
+    engine = Engine(mesh.group("world"), max_queue=config.max_queue)
+    stop = stop or stop_on_signals()
+    if mesh.rank != 0:
+        load_engine(engine, config, mesh)
+        engine.follow(should_stop=stop.is_set)
+        return
+    import uvicorn
+
+    limits = ServeLimits(
+        api_key=config.api_key or os.environ.get(API_KEY_ENV) or None,
+        max_body_bytes=config.max_body_bytes,
+        request_timeout_s=config.request_timeout_s,
+    )
+    log_requests()
+    app = create_app(engine, config.model_name, limits)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app, config.host, config.port, log_level="warning", timeout_graceful_shutdown=10
+        )
+    )
+    # HTTP on a thread from the start (/health answers while the model loads); the model
+    # loads on the main thread, like the other ranks (host exchanges count calls per thread).
+    http = threading.Thread(target=server.run, name="http", daemon=True)
+    http.start()
+    while not server.started and http.is_alive():
+        time.sleep(0.05)
+    if not server.started:
+        raise RuntimeError(f"neuron-tp serve: cannot listen on {config.host}:{config.port}")
+    try:
+        load_engine(engine, config, mesh)
+        engine.start()
+        print(f"neuron-tp serve: ready on http://{config.host}:{config.port}", flush=True)
+        while not stop.wait(0.1) and http.is_alive() and engine.error is None:
+            pass
+    finally:
+        server.should_exit = True
+        http.join()
+        engine.shutdown()
+    if engine.error is not None:
+        raise RuntimeError(f"neuron-tp serve: {engine.error}")
+
+
+def log_requests() -> None:
+    """Print the log line of each finished request (``neuron_tp.serve``) on stderr."""
+    if not LOG.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s neuron-tp serve: %(message)s"))
+        LOG.addHandler(handler)
+        LOG.setLevel(logging.INFO)
+        LOG.propagate = False
+
+
+def stop_on_signals() -> threading.Event:
+    """An event set by SIGTERM or SIGINT (handlers installed when called on the main
+    thread)."""
+    import signal
+
+    stop = threading.Event()
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda _s, _f: stop.set())
+    return stop
+
+
+def load_engine(engine: Engine, config, mesh) -> None:
+    """Load the model onto this rank's device, attach it to ``engine`` and warm up."""
+    from .slots_setup import SlotShape, load_slot_generator
+
+    generate = config.generate_config()
+    loaded = load_slot_generator(
+        generate, mesh, SlotShape.of(generate, config.prefill_chunk), serving=True
+    )
+    gen, tok, model = loaded.gen, loaded.tokenizer, loaded.gen.model
+    if mesh.rank == 0:
+        print(
+            f"neuron-tp serve: KV cache split by {gen.kv_split}, "
+            f"{gen.kv_bytes / 2**20:.1f} MiB per rank",
+            flush=True,
+        )
+    prefix = _prefix_cache(config, gen, rank0=mesh.rank == 0)
+    engine.attach(gen, tok, loaded.eos_ids, config.max_new_tokens, prefix)
+    defaults = generation_defaults(getattr(model, "generation_config", None))
+    left_out = {}
+    if loaded.speculative:  # speculation applies temperature and top_k only
+        left_out = {k: v for k, v in defaults.items() if k not in ("temperature", "top_k")}
+        defaults = {k: v for k, v in defaults.items() if k not in left_out}
+    engine.sampling_defaults = defaults
+    engine.tool_call_parser = config.tool_call_parser
+    if mesh.rank == 0:
+        said = ", ".join(f"{k}={v}" for k, v in defaults.items()) or "none"
+        print(
+            f"neuron-tp serve: sampling defaults from the model's generation_config: {said} "
+            "(a request's own values win)",
+            flush=True,
+        )
+        if left_out:
+            said = ", ".join(f"{k}={v}" for k, v in left_out.items())
+            print(
+                f"neuron-tp serve: generation_config's {said} not applied: speculative "
+                "decoding applies temperature and top_k only",
+                flush=True,
+            )
+    engine.warmup(every_shape=config.warmup == "all")
+
+
+def _max_len(config) -> int:
+    """Positions per slot: the longest prompt bucket and ``--max-new-tokens``."""
+    return max(config.buckets) + config.max_new_tokens
+
+
+def _chunk(config) -> int:
+    """Prompt tokens prefilled per step: ``--prefill-chunk`` capped to the largest bucket."""
+    return min(config.prefill_chunk, max(config.buckets))
+
+
+def _prefix_cache(config, gen, rank0: bool) -> PrefixCache | None:
+    """This rank's prefix cache (None: ``--no-prefix-caching``); rank 0 prints its size."""
+    if not config.prefix_cache_on:
+        return None
+    block = resolve_block(config.prefix_block, gen.chunk)
+    draft = gen.draft.model if isinstance(gen, SpeculativeGenerator) else None
+    blocks = pool_blocks(
+        gen.model,
+        draft=draft,
+        block=held_per_block(gen, block),  # split by sequence: a rank holds 1/r of a block
+        blocks=config.prefix_cache_blocks,
+        budget_mib=config.prefix_cache_mib,
+        default=gen.slots * gen.max_len // block,
+    )
+    prefix = PrefixCache(gen, blocks=blocks, block=block, index=rank0)
+    if rank0:
+        print(
+            f"neuron-tp serve: prefix cache of {blocks} blocks x {block} tokens, "
+            f"{prefix.nbytes / 2**20:.1f} MiB per rank",
+            flush=True,
+        )
+    return prefix
