@@ -73,8 +73,8 @@ def encode_pair(obj: object, tokenizer, where: str) -> tuple[tuple, tuple]:
             out.append((prompt + answer, [False] * len(prompt) + [True] * len(answer)))
         return out[0], out[1]
     if isinstance(c, list) and isinstance(r, list):
-        template_of(tokenizer)
         prompt_msgs, chosen, rejected = _messages_pair(obj, where)
+        template_of(tokenizer)
         out = []
         for completion in (chosen, rejected):
             msgs = prompt_msgs + completion

@@ -7,10 +7,12 @@ the full vocabulary never gathered). With ``c``/``r`` the policy's chosen/reject
 log-probabilities and ``c0``/``r0`` the reference's, ``z = (c - c0) - (r - r0)``:
 
 * DPO sigmoid: ``-(1-ε) logσ(βz) - ε logσ(-βz)`` (``ε``: ``--label-smoothing``);
-* IPO: ``(z - 1/(2β))²`` with mean (not summed) token log-probabilities;
+* IPO: ``(z̄ - 1/(2β))²``, ``z̄`` of the mean (not summed) token log-probabilities;
 * hinge: ``relu(1 - βz)``;
-* ORPO (no reference): the chosen rows' mean token NLL ``- β logσ(log odds)``, the log odds
-  ``(c̄ - r̄) - (log(1 - e^c̄) - log(1 - e^r̄))`` of the mean token log-probabilities.
+* ORPO (no reference): the NLL of the chosen completions' tokens (their mean) ``- β logσ(log
+  odds)``, the log odds ``(c̄ - r̄) - (log(1 - e^c̄) - log(1 - e^r̄))`` of the mean token
+  log-probabilities (``logps/*`` and ``rewards/*`` of those means, as TRL's). The NLL is on
+  the completion only, as in the paper (TRL's ORPOTrainer takes it over prompt + completion).
 
 The reference: with ``--lora-r`` the same model with its adapters disabled (no grad), else
 the initial model's log-probabilities of every pair, computed before the first step
@@ -139,6 +141,7 @@ def preference_loss(config, policy, reference=None, chosen_nll=None):
         ratio = F.logsigmoid(log_odds)
         losses = chosen_nll - beta * ratio
         rc, rr = beta * mc.detach(), beta * mr.detach()
+        pc, pr = mc, mr  # ORPO's logps/*: per-token means
         extra = [
             chosen_nll.detach().expand_as(rc),
             ratio.detach(),
@@ -146,9 +149,11 @@ def preference_loss(config, policy, reference=None, chosen_nll=None):
         ]
     else:
         c0, r0 = reference
-        if p.dpo_loss == "ipo":  # mean token log-probabilities
-            pc, pr, c0, r0 = pc / nc, pr / nr, c0 / nc, r0 / nr
-        z = (pc - c0) - (pr - r0)
+        rc, rr = beta * (pc - c0).detach(), beta * (pr - r0).detach()
+        if p.dpo_loss == "ipo":  # on mean token log-probabilities
+            z = (pc - c0) / nc - (pr - r0) / nr
+        else:
+            z = (pc - c0) - (pr - r0)
         if p.dpo_loss == "sigmoid":
             ls = p.label_smoothing
             losses = -(1 - ls) * F.logsigmoid(beta * z) - ls * F.logsigmoid(-beta * z)
@@ -156,8 +161,6 @@ def preference_loss(config, policy, reference=None, chosen_nll=None):
             losses = (z - 1 / (2 * beta)) ** 2
         else:
             losses = torch.relu(1 - beta * z)
-        rc, rr = beta * (pc - c0).detach(), beta * (pr - r0).detach()
-        pc, pr = policy[0], policy[1]
         extra = []
     metrics = [rc, rr, (rc > rr).float(), rc - rr, pc.detach(), pr.detach(), *extra]
     return losses, torch.stack(metrics, dim=-1)

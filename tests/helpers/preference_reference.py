@@ -87,6 +87,7 @@ def trl_run(pairs: str, tokenizer_dir: str, out: str, objective: str = "dpo", lo
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tok.pad_token = tok.pad_token or tok.eos_token
     model = tiny_model(len(tok), lora_r)
     data = datasets.Dataset.from_list([json.loads(line) for line in open(pairs)])
     common = dict(
@@ -138,3 +139,61 @@ def trl_run(pairs: str, tokenizer_dir: str, out: str, objective: str = "dpo", lo
     trainer.train()
     logs = [e for e in trainer.state.log_history if "rewards/chosen" in e]
     return [{**e, "loss": loss} for e, loss in zip(logs, losses, strict=True)]
+
+
+def orpo_written(pairs: str, tokenizer_dir: str, beta: float = 0.1) -> list[dict]:
+    """ORPO from the paper's definition, NLL on the chosen completion's tokens only (TRL's
+    ORPOTrainer takes it over prompt + completion): plain transformers and torch AdamW, the
+    settings of ``trl_run``, every pair in each step's batch."""
+    import torch.nn.functional as F
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    model = tiny_model(len(tok))
+    model.train()
+    rows = [json.loads(line) for line in open(pairs)]
+    seqs = []
+    for key in ("chosen", "rejected"):  # batch: every chosen, then every rejected
+        for r in rows:
+            prompt = tok(r["prompt"], add_special_tokens=False)["input_ids"]
+            whole = tok(r["prompt"] + r[key] + tok.eos_token, add_special_tokens=False)
+            seqs.append((whole["input_ids"], len(prompt)))
+    width = max(len(ids) for ids, _ in seqs)
+    ids = torch.full((len(seqs), width), tok.eos_token_id)
+    attn = torch.zeros_like(ids)
+    completion = torch.zeros_like(ids, dtype=torch.bool)
+    for i, (s, start) in enumerate(seqs):
+        ids[i, : len(s)], attn[i, : len(s)] = torch.tensor(s), 1
+        completion[i, start : len(s)] = True
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    k, out = len(rows), []
+    for _ in range(STEPS):
+        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
+        token_logps = logits.log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]
+        mask = completion[:, 1:].float()
+        mean = (token_logps * mask).sum(-1) / mask.sum(-1)
+        mc, mr = mean[:k], mean[k:]
+        log_odds = (mc - mr) - (torch.log1p(-torch.exp(mc)) - torch.log1p(-torch.exp(mr)))
+        ratio = F.logsigmoid(log_odds)
+        nll = -(token_logps[:k] * mask[:k]).sum() / mask[:k].sum()
+        loss = nll - beta * ratio.mean()
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        rc, rr = beta * mc.detach(), beta * mr.detach()
+        out.append(
+            {
+                "loss": float(loss),
+                "rewards/chosen": float(rc.mean()),
+                "rewards/rejected": float(rr.mean()),
+                "rewards/accuracies": float((rc > rr).float().mean()),
+                "rewards/margins": float((rc - rr).mean()),
+                "logps/chosen": float(mc.mean()),
+                "logps/rejected": float(mr.mean()),
+                "nll_loss": float(nll),
+                "log_odds_ratio": float(ratio.mean()),
+                "log_odds_chosen": float(log_odds.mean()),
+            }
+        )
+    return out

@@ -1,0 +1,182 @@
+"""``neuron-tp train --objective dpo|orpo`` at tp=2 on gloo ranks follows TRL's DPOTrainer /
+ORPOTrainer training the unsharded model on the same four pairs (same AdamW, constant lr,
+clipping): per-step loss, rewards/* and logps/* for 3 steps (ORPO: TRL's first step for the
+odds-ratio terms, a written reference with the NLL on the completion only for 3 steps); the first DPO loss is ln 2
+(policy = reference). Cases: DPO sigmoid with the precomputed reference (and the same with
+--zero1), LoRA DPO (reference: adapters disabled), ORPO, IPO resumed after step 2 (the stored
+reference is read, not recomputed), conversational pairs with an implicit prompt. One DPO run
+on 2 XLA CPU devices: the same values, no compile after step 2. Bad rows and unsupported
+layouts are refused before training."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+import gloo_dist  # noqa: E402
+import preference_reference as ref  # noqa: E402
+from tiny_tokenizer import CHAT_TEMPLATE, bpe_tokenizer_dir  # noqa: E402
+
+# case: (our extra options, conversational pairs, TRL's run)
+CASES = {
+    "dpo": (["--objective", "dpo"], False, {"objective": "dpo"}),
+    "dpo-zero1": (["--objective", "dpo", "--zero1"], False, {"objective": "dpo"}),
+    "dpo-lora": (
+        ["--objective", "dpo", "--lora-r", "4", "--lora-alpha", "8"],
+        False,
+        {"objective": "dpo", "lora_r": 4},
+    ),
+    "orpo": (["--objective", "orpo"], False, {"objective": "orpo"}),
+    "ipo-resume": (
+        ["--objective", "dpo", "--dpo-loss", "ipo"],
+        False,
+        {"objective": "dpo", "loss_type": "ipo"},
+    ),
+    "dpo-chat": (["--objective", "dpo"], True, {"objective": "dpo"}),
+}
+TRL_RUNS = {"dpo", "dpo-lora", "orpo", "ipo-resume", "dpo-chat"}  # zero1 reads "dpo"'s
+
+
+def _trl_reference(base: str) -> None:
+    """Every TRL run, in a fresh process without torch-xla (accelerate would take its device)."""
+    out = {}
+    for case in sorted(TRL_RUNS):
+        _, chat, kw = CASES[case]
+        pairs = f"{base}/chat_pairs.jsonl" if chat else f"{base}/pairs.jsonl"
+        out[case] = ref.trl_run(pairs, f"{base}/tok", f"{base}/trl-{case}", **kw)
+    out["orpo-written"] = ref.orpo_written(f"{base}/pairs.jsonl", f"{base}/tok")
+    with open(f"{base}/trl.json", "w") as f:
+        json.dump(out, f)
+
+
+def _ours(base: str) -> None:
+    """Rank body: every case at tp=2; rank 0 writes the logs."""
+    from neuron_tp.cli.args import train_parser
+    from neuron_tp.train.loop import train
+
+    mesh = gloo_dist.shared_mesh(2)
+    logs, notes = {}, {}
+    for case, (extra, chat, _) in CASES.items():
+        pairs = f"{base}/chat_pairs.jsonl" if chat else f"{base}/pairs.jsonl"
+        argv = ["--device", "cpu", "--tp", "2", "--micro-batch", "4", "--data", pairs]
+        argv += ["--tokenizer", f"{base}/tok", *ref.ARGS, *extra, "--output-dir", f"{base}/{case}"]
+        lines: list[str] = []
+
+        def say(*a, **_k):
+            lines.append(" ".join(map(str, a)))
+
+        if case == "ipo-resume":  # 2 steps and a checkpoint, then a new run resumes it
+            first = train_parser().parse_args([*argv, "--save-every", "2"])
+            head = train(first, mesh, stop_at=2, printer=say)["log"]
+            tail = train(train_parser().parse_args(argv), mesh, printer=say)["log"]
+            logs[case] = head + tail
+        else:
+            logs[case] = train(train_parser().parse_args(argv), mesh, printer=say)["log"]
+        notes[case] = [x for x in lines if "reference log-probabilities" in x]
+    if mesh.rank == 0:
+        with open(f"{base}/ours.json", "w") as f:
+            json.dump({"logs": logs, "notes": notes}, f)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> tuple[dict, dict]:
+    base = str(tmp_path_factory.mktemp("preference"))
+    bpe_tokenizer_dir(f"{base}/tok", 300, chat_template=CHAT_TEMPLATE)
+    ref.write_pairs(base)
+    ref.write_pairs(base, conversational=True)
+    env = {**os.environ, "USE_TORCH_XLA": "0"}
+    here = os.path.dirname(os.path.abspath(__file__))
+    paths = [os.path.dirname(os.path.dirname(here)), os.path.dirname(ref.__file__), here]
+    code = f"import sys; sys.path[:0] = {paths!r}; import test_preference_train as t; "
+    code += f"t._trl_reference({base!r})"
+    trl = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert trl.returncode == 0, trl.stderr[-3000:]
+    gloo_dist.run(_ours, base, world_size=2)
+    with open(f"{base}/trl.json") as f, open(f"{base}/ours.json") as g:
+        return json.load(f), json.load(g) | {"base": base}
+
+
+def _compare(ours: list[dict], theirs: list[dict], keys=("loss", *ref.KEYS), tol=2e-5):
+    assert [e["step"] for e in ours] == [1, 2, 3]
+    for step, (a, b) in enumerate(zip(ours, theirs, strict=True), 1):
+        for k in keys:
+            assert math.isclose(a[k], float(b[k]), rel_tol=tol, abs_tol=tol), (step, k, a[k], b[k])
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_trl(runs, case):
+    trl, ours = runs
+    theirs = trl["dpo" if case == "dpo-zero1" else case]
+    keys = ("loss", *ref.KEYS)
+    if case == "orpo":  # TRL's NLL is over prompt + completion: its first step's odds terms
+        odds = [k for k in keys if k != "loss"] + ["log_odds_ratio", "log_odds_chosen"]
+        for k in odds:
+            assert ours["logs"][case][0][k] == pytest.approx(float(theirs[0][k]), abs=2e-5), k
+        theirs, keys = trl["orpo-written"], (*keys, "nll_loss", "log_odds_ratio")
+    _compare(ours["logs"][case], theirs, keys)
+    if case.startswith("dpo"):
+        assert ours["logs"][case][0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    margins = [e["rewards/margins"] for e in ours["logs"][case]]
+    assert margins[-1] > margins[0]  # it learns the preference
+
+
+def test_reference_stored_and_read(runs):
+    _, ours = runs
+    notes = ours["notes"]
+    assert len(notes["ipo-resume"]) == 2, notes
+    assert "computed" in notes["ipo-resume"][0] and "read from" in notes["ipo-resume"][1]
+    assert len(notes["dpo"]) == 1 and "4 pairs computed" in notes["dpo"][0]
+    assert notes["dpo-lora"] == []  # the base with the adapters disabled: no pass
+    assert notes["orpo"] == []  # no reference
+    assert os.path.exists(f"{ours['base']}/dpo/reference_logps.pt")
+
+
+def test_bad_rows_refused(tmp_path):
+    from neuron_tp.errors import UserError
+    from neuron_tp.job.data import ByteTokenizer
+    from neuron_tp.job.pairs import pair_rows
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(
+        '{"prompt": "a", "chosen": "b", "rejected": "c"}\n{"prompt": "a", "chosen": "b"}\n'
+    )
+    with pytest.raises(UserError, match=r"bad.jsonl:2: expected a preference pair"):
+        pair_rows(str(bad), ByteTokenizer(), 16)
+    long = tmp_path / "long.jsonl"
+    long.write_text(json.dumps({"prompt": "x" * 40, "chosen": "b", "rejected": "c"}) + "\n")
+    with pytest.raises(UserError, match=r"long.jsonl:1: the chosen completion has no token"):
+        pair_rows(str(long), ByteTokenizer(), 16)
+    chat = tmp_path / "chat.jsonl"
+    u = {"role": "user", "content": "hi"}
+    chat.write_text(json.dumps({"chosen": [u], "rejected": [u]}) + "\n")
+    from neuron_tp.job.pairs import encode_pair
+
+    with pytest.raises(UserError, match="has no message after the prompt"):
+        encode_pair(json.loads(chat.read_text()), None, "chat.jsonl:1")
+
+
+@pytest.mark.parametrize(
+    "extra, match",
+    [
+        (["--pp", "2"], r"does not support --pp > 1"),
+        (["--cp", "2"], r"does not support --cp > 1"),
+        (["--tp-mode", "2d", "--tp", "4"], r"does not support --tp-mode 2d"),
+        (["--dpo-loss", "ipo", "--label-smoothing", "0.1"], "sigmoid only"),
+    ],
+)
+def test_unsupported_refused(tmp_path, extra, match):
+    from neuron_tp.cli.args import train_parser
+    from neuron_tp.errors import UserError
+    from neuron_tp.train.loop import train
+
+    args = train_parser().parse_args(
+        ["--device", "cpu", "--objective", "dpo", "--output-dir", str(tmp_path), *extra]
+    )
+    with pytest.raises(UserError, match=match):
+        train(args)  # refused before the process group or any collective exists
