@@ -1,12 +1,13 @@
-"""``neuron-tp train --objective dpo|orpo`` at tp=2 on gloo ranks follows TRL's DPOTrainer /
-ORPOTrainer training the unsharded model on the same four pairs (same AdamW, constant lr,
-clipping): per-step loss, rewards/* and logps/* for 3 steps (ORPO: TRL's first step for the
-odds-ratio terms, a written reference with the NLL on the completion only for 3 steps); the first DPO loss is ln 2
-(policy = reference). Cases: DPO sigmoid with the precomputed reference (and the same with
---zero1), LoRA DPO (reference: adapters disabled), ORPO, IPO resumed after step 2 (the stored
-reference is read, not recomputed), conversational pairs with an implicit prompt. One DPO run
-on 2 XLA CPU devices: the same values, no compile after step 2. Bad rows and unsupported
-layouts are refused before training."""
+"""``neuron-tp train --objective dpo|orpo`` at tp=2 on gloo ranks follows TRL's DPOTrainer
+training the unsharded model on the same four pairs (same AdamW, constant lr, clipping):
+per-step loss, rewards/* and logps/* for 3 steps, the first DPO loss ln 2 (policy =
+reference). ORPO: TRL's ORPOTrainer for the first step's odds-ratio terms (its NLL is over
+prompt + completion), a written reference (the paper's, NLL on the completion) for 3 steps.
+Cases: DPO sigmoid with the precomputed reference (and with --zero1), LoRA DPO (reference:
+adapters disabled), ORPO, IPO resumed after step 2 (the stored reference read, not
+recomputed), conversational pairs with an implicit prompt. One DPO run on 2 XLA CPU devices:
+the same values, no compile after step 2. Bad rows and unsupported layouts are refused
+before training."""
 
 from __future__ import annotations
 
