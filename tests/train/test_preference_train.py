@@ -181,3 +181,20 @@ def test_unsupported_refused(tmp_path, extra, match):
     )
     with pytest.raises(UserError, match=match):
         train(args)  # refused before the process group or any collective exists
+
+
+def test_xla_two_devices(runs):
+    """DPO at tp=2 on 2 XLA CPU devices (real collectives, one graph per step): TRL's values
+    for 3 steps; the reference pass and steps 1-2 compile, steps 3 and 4 do not."""
+    import xla_multi_train_cases as cases
+
+    import xla_dist
+
+    trl, ours = runs
+    base = ours["base"]
+    extra = ["--micro-batch", "4", "--data", f"{base}/pairs.jsonl", "--tokenizer", f"{base}/tok"]
+    extra += [*ref.ARGS, "--objective", "dpo", "--steps", "4"]
+    out = xla_dist.run(cases.run_train, 2, f"{base}/xla", extra, devices=2)
+    _compare(out[0]["log"][:3], trl["dpo"], tol=1e-4)  # XLA:CPU rounds differently
+    compiles = {e["step"]: e["compiles"] for e in out[0]["per_step"]}
+    assert compiles[2] > 0 and compiles[4] == compiles[3] == compiles[2], compiles
