@@ -26,8 +26,9 @@ class StepLogger:
     def __init__(self, run: Run, steps: int, say: Printer, extract: bool):
         config, mesh = run.config, run.mesh
         self.run, self.steps, self.say, self.extract = run, steps, say, extract
+        rows = 2 if config.preference.objective != "lm" else 1  # a pair: chosen + rejected
         self.tokens_per_step = (
-            config.seq_len * config.micro_batch * config.grad_accum * mesh.dp_size
+            rows * config.seq_len * config.micro_batch * config.grad_accum * mesh.dp_size
         )
         self.writer = None
         if config.tensorboard and mesh.rank == 0 and not extract:
