@@ -148,6 +148,11 @@ def test_reference_stored_and_read(runs):
     assert notes["dpo-lora"] == []  # the base with the adapters disabled: no pass
     assert notes["orpo"] == []  # no reference
     assert os.path.exists(f"{ours['base']}/dpo/reference_logps.pt")
+    with open(f"{ours['base']}/orpo/metrics.jsonl") as f:
+        lines = [json.loads(line) for line in f]
+    assert [e["step"] for e in lines] == [1, 2, 3]
+    assert {*ref.KEYS, "nll_loss", "log_odds_ratio", "log_odds_chosen"} <= set(lines[0])
+    assert lines[-1]["nll_loss"] == ours["logs"]["orpo"][-1]["nll_loss"]
 
 
 def test_bad_rows_refused(tmp_path):
