@@ -32,21 +32,13 @@ from ..errors import UserError
 from ..job.pairs import rows_checksum
 from ..layers import parallel_cross_entropy
 from ..parallel.mesh import Mesh
+from .metrics import DPO_KEYS, ORPO_KEYS
 
-DPO_METRICS = (
-    "rewards/chosen",
-    "rewards/rejected",
-    "rewards/accuracies",
-    "rewards/margins",
-    "logps/chosen",
-    "logps/rejected",
-)
-ORPO_METRICS = (*DPO_METRICS, "nll_loss", "log_odds_ratio", "log_odds_chosen")
 REFERENCE_FILE = "reference_logps.pt"
 
 
 def metric_names(objective: str) -> tuple[str, ...]:
-    return ORPO_METRICS if objective == "orpo" else DPO_METRICS
+    return ORPO_KEYS if objective == "orpo" else DPO_KEYS
 
 
 def uses_adapter_reference(config) -> bool:

@@ -40,9 +40,14 @@ CASES = {
         {"objective": "dpo", "loss_type": "ipo"},
     ),
     "dpo-chat": (["--objective", "dpo"], True, {"objective": "dpo"}),
+    "hinge": (
+        ["--objective", "dpo", "--dpo-loss", "hinge", "--beta", "0.5"],
+        False,
+        {"objective": "dpo", "loss_type": "hinge", "beta": 0.5},
+    ),
     "dpo-bf16": (["--objective", "dpo", "--bf16"], False, {}),  # against our fp32 run
 }
-TRL_RUNS = {"dpo", "dpo-lora", "orpo", "ipo-resume", "dpo-chat"}  # zero1 reads "dpo"'s
+TRL_RUNS = {"dpo", "dpo-lora", "orpo", "ipo-resume", "dpo-chat", "hinge"}  # zero1 reads "dpo"'s
 
 
 def _trl_reference(base: str) -> None:
@@ -122,7 +127,7 @@ def test_matches_trl(runs, case):
             assert ours["logs"][case][0][k] == pytest.approx(float(theirs[0][k]), abs=2e-5), k
         theirs, keys = trl["orpo-written"], (*keys, "nll_loss", "log_odds_ratio")
     _compare(ours["logs"][case], theirs, keys)
-    if case.startswith("dpo"):
+    if case.startswith("dpo"):  # sigmoid: ln 2 at z = 0
         assert ours["logs"][case][0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
     margins = [e["rewards/margins"] for e in ours["logs"][case]]
     assert margins[-1] > margins[0]  # it learns the preference
@@ -153,6 +158,28 @@ def test_reference_stored_and_read(runs):
     assert [e["step"] for e in lines] == [1, 2, 3]
     assert {*ref.KEYS, "nll_loss", "log_odds_ratio", "log_odds_chosen"} <= set(lines[0])
     assert lines[-1]["nll_loss"] == ours["logs"]["orpo"][-1]["nll_loss"]
+
+
+def test_label_smoothing_is_conservative_dpo():
+    """--label-smoothing ε (TRL's sigmoid loss has none): the conservative-DPO loss, the
+    expected sigmoid loss when each preference is flipped with probability ε."""
+    import torch
+
+    from neuron_tp.cli.args import train_parser
+    from neuron_tp.job.config import TrainConfig
+    from neuron_tp.train.preference import preference_loss
+
+    argv = ["--objective", "dpo", "--beta", "0.3", "--label-smoothing", "0.2"]
+    config = TrainConfig.from_args(train_parser().parse_args(argv))
+    g = torch.Generator().manual_seed(0)
+    pc, pr, c0, r0 = (-20 * torch.rand(5, generator=g) for _ in range(4))
+    n = torch.full((5,), 7.0)
+    losses, metrics = preference_loss(config, (pc, pr, n, n), (c0, r0))
+    z = 0.3 * ((pc - c0) - (pr - r0))
+    p = torch.sigmoid(z)
+    expected = -(0.8 * torch.log(p) + 0.2 * torch.log(1 - p))
+    torch.testing.assert_close(losses, expected)
+    torch.testing.assert_close(metrics[:, 3], z)  # rewards/margins
 
 
 def test_bad_rows_refused(tmp_path):
