@@ -46,6 +46,12 @@ CASES = {
         {"objective": "dpo", "loss_type": "hinge", "beta": 0.5},
     ),
     "dpo-bf16": (["--objective", "dpo", "--bf16"], False, {}),  # against our fp32 run
+    # tp=1, dp=2, 1 pair per micro-batch, 2 micro-batches: the same 4 pairs a step
+    "dpo-dp2-accum": (
+        ["--objective", "dpo", "--tp", "1", "--micro-batch", "1", "--grad-accum", "2"],
+        False,
+        {"objective": "dpo"},
+    ),
 }
 TRL_RUNS = {"dpo", "dpo-lora", "orpo", "ipo-resume", "dpo-chat", "hinge"}  # zero1 reads "dpo"'s
 
@@ -67,9 +73,9 @@ def _ours(base: str) -> None:
     from neuron_tp.cli.args import train_parser
     from neuron_tp.train.loop import train
 
-    mesh = gloo_dist.shared_mesh(2)
     logs, notes = {}, {}
     for case, (extra, chat, _) in CASES.items():
+        mesh = gloo_dist.shared_mesh(1 if "dp2" in case else 2)
         pairs = f"{base}/chat_pairs.jsonl" if chat else f"{base}/pairs.jsonl"
         argv = ["--device", "cpu", "--tp", "2", "--micro-batch", "4", "--data", pairs]
         argv += ["--tokenizer", f"{base}/tok", *ref.ARGS, *extra, "--output-dir", f"{base}/{case}"]
@@ -119,7 +125,7 @@ def _compare(ours: list[dict], theirs: list[dict], keys=("loss", *ref.KEYS), tol
 @pytest.mark.parametrize("case", [c for c in CASES if c != "dpo-bf16"])
 def test_matches_trl(runs, case):
     trl, ours = runs
-    theirs = trl["dpo" if case == "dpo-zero1" else case]
+    theirs = trl["dpo" if case in ("dpo-zero1", "dpo-dp2-accum") else case]
     keys = ("loss", *ref.KEYS)
     if case == "orpo":  # TRL's NLL is over prompt + completion: its first step's odds terms
         odds = [k for k in keys if k != "loss"] + ["log_odds_ratio", "log_odds_chosen"]
