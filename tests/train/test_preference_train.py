@@ -248,3 +248,17 @@ def test_xla_two_devices(runs):
     _compare(out[0]["log"][:3], trl["dpo"], tol=1e-4)  # XLA:CPU rounds differently
     compiles = {e["step"]: e["compiles"] for e in out[0]["per_step"]}
     assert compiles[2] > 0 and compiles[4] == compiles[3] == compiles[2], compiles
+
+
+def test_check_reads_pairs(tmp_path, capsys):
+    """``--check`` reads the pairs as training would: an SFT file is named as not pairs."""
+    from neuron_tp.cli.entry import main
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    base = ["train", "--check", "--device", "cpu", "--objective", "dpo", "--micro-batch", "2"]
+    base += ["--output-dir", str(tmp_path)]
+    assert main([*base, "--data", f"{root}/examples/preference/pairs.jsonl"]) in (0, None)
+    assert "--check: ok" in capsys.readouterr().out
+    code = main([*base, "--data", f"{root}/examples/sft/chat.jsonl"])
+    assert code not in (0, None)
+    assert "chat.jsonl:1: expected a preference pair" in capsys.readouterr().out
