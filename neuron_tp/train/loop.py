@@ -292,6 +292,10 @@ def startup_values(
             "sequences": len(data.chunks),
             "checksum": tensor_checksum(data.chunks),
         }
+        if "rejected_input_ids" in data.rows:  # preference pairs: the other half too
+            values["training data (tokens)"]["rejected"] = tensor_checksum(
+                data.rows["rejected_input_ids"]
+            )
     return values, details
 
 
