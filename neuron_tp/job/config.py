@@ -153,6 +153,47 @@ class LoraConfig:
 
 
 @dataclass(frozen=True)
+class PreferenceConfig:
+    """Preference optimisation on ``{prompt, chosen, rejected}`` pairs
+    (:mod:`neuron_tp.train.preference`); ``lm``: next-token loss as before."""
+
+    objective: str = opt(
+        "--objective",
+        "lm",
+        "lm: next-token loss on the data (SFT / pre-training); dpo or orpo: preference "
+        "optimisation on pairs {'prompt', 'chosen', 'rejected'} (strings or messages)",
+        choices=("lm", "dpo", "orpo"),
+    )
+    beta: float = opt(
+        "--beta",
+        0.1,
+        "DPO's beta (KL strength) or ORPO's lambda (odds-ratio weight)",
+        type=pos(float),
+    )
+    dpo_loss: str = opt(
+        "--dpo-loss",
+        "sigmoid",
+        "DPO loss: sigmoid (the paper's, with --label-smoothing: conservative DPO), ipo "
+        "(on mean token log-probabilities) or hinge",
+        choices=("sigmoid", "ipo", "hinge"),
+    )
+    label_smoothing: float = opt(
+        "--label-smoothing",
+        0.0,
+        "DPO sigmoid loss: probability that a pair's preference is flipped (0 <= x < 0.5)",
+        type=non_negative(float),
+    )
+    precompute_reference: bool = opt(
+        "--precompute-reference",
+        False,
+        "DPO: the reference log-probabilities from one pass of the initial model over the "
+        "pairs before training, stored in --output-dir (always so without --lora-r; with "
+        "--lora-r the default is the base model with the adapters disabled at each step)",
+        action="store_true",
+    )
+
+
+@dataclass(frozen=True)
 class PlanConfig:
     """``--plan auto``: the planner chooses the layout options (:mod:`neuron_tp.plan.auto`)."""
 
@@ -389,6 +430,7 @@ class TrainConfig(_CommonConfig):
         action="store_true",
     )
     lora: LoraConfig = group(LoraConfig)
+    preference: PreferenceConfig = group(PreferenceConfig)
     pipeline: PipelineConfig = group(PipelineConfig)
     context: ContextConfig = group(ContextConfig)
     plan: PlanConfig = group(PlanConfig)

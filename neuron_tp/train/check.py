@@ -67,24 +67,32 @@ def _model(config: TrainConfig, problems: list[str]):
 
 def _data_problems(config: TrainConfig, tokenizer, layout: ParallelLayout) -> list[str]:
     """The training (and eval) data read as rank 0 of this layout would read it."""
+    from ..job.pairs import load_pairs
     from ..job.sft_data import load_data
+    from . import preference
 
     out = []
     for what, path in (("--data", config.data), ("--eval-data", config.eval.data)):
         if path is None:
             continue
         try:
-            data = load_data(
-                path,
-                tokenizer,
-                config.seq_len,
-                config.micro_batch,
-                dp_size=layout.dp,
-                loss_on=config.loss_on,
-                packing=config.packing,
-                overlong=config.overlong,
-                shuffle=False,
-            )
+            if what == "--data" and config.preference.objective != "lm":
+                preference.check_options(config)
+                data = load_pairs(
+                    path, tokenizer, config.seq_len, config.micro_batch, dp_size=layout.dp
+                )
+            else:
+                data = load_data(
+                    path,
+                    tokenizer,
+                    config.seq_len,
+                    config.micro_batch,
+                    dp_size=layout.dp,
+                    loss_on=config.loss_on,
+                    packing=config.packing,
+                    overlong=config.overlong,
+                    shuffle=False,
+                )
         except (UserError, OSError) as e:
             out.append(f"{what} {path}: {e}")
             continue

@@ -31,6 +31,7 @@ from ..hf.recompute import apply_activation_checkpointing
 from ..job.config import TrainConfig
 from ..job.data import RowData, vocab_size
 from ..job.layout_rules import BatchShape, refuse
+from ..job.pairs import load_pairs
 from ..job.presets import build_model, is_preset, model_config, preload
 from ..job.runtime import BUILD_LOCK, rank_device, start
 from ..job.sft_data import load_data
@@ -42,7 +43,7 @@ from ..parallel.layout import ParallelLayout
 from ..parallel.mesh import Mesh, init_mesh
 from ..parallel.sharding import move_to
 from . import peft_wrap as lora
-from . import pipelined
+from . import pipelined, preference
 from .checkpoint_policy import (
     check_finite,
     claim_output,
@@ -107,6 +108,7 @@ def setup(args: TrainConfig | argparse.Namespace, mesh: Mesh | None = None) -> R
     from ..parallel import agreement
 
     config = TrainConfig.from_args(args)
+    preference.check_options(config)
     world = start(config.device, mesh.group("world") if mesh is not None else None)
     with agreement.agreed(world, "neuron-tp train") as agree:  # local work, then the check
         with BUILD_LOCK:
@@ -116,19 +118,30 @@ def setup(args: TrainConfig | argparse.Namespace, mesh: Mesh | None = None) -> R
         hf_config = model_config(config.model, resolved.size)
         check_vocab(resolved, config_vocab(hf_config), config.model)
         layout = _layout(config, world, mesh, hf_config)  # this rank's place; the layout's checks
-        data = load_data(
-            config.data,
-            tokenizer,
-            config.seq_len,
-            config.micro_batch,
-            dp_size=layout.dp_size,
-            dp_rank=layout.dp_rank,
-            seed=config.seed,
-            loss_on=config.loss_on,
-            packing=config.packing,
-            overlong=config.overlong,
-            cache=config.data_cache,
-        )
+        if config.preference.objective != "lm":  # preference pairs, padded, never packed
+            data = load_pairs(
+                config.data,
+                tokenizer,
+                config.seq_len,
+                config.micro_batch,
+                dp_size=layout.dp_size,
+                dp_rank=layout.dp_rank,
+                seed=config.seed,
+            )
+        else:
+            data = load_data(
+                config.data,
+                tokenizer,
+                config.seq_len,
+                config.micro_batch,
+                dp_size=layout.dp_size,
+                dp_rank=layout.dp_rank,
+                seed=config.seed,
+                loss_on=config.loss_on,
+                packing=config.packing,
+                overlong=config.overlong,
+                cache=config.data_cache,
+            )
         evaluation = eval_data(config, tokenizer, layout)
         if any("segment_ids" in d.rows for d in (data, evaluation) if d is not None):
             check_packable(hf_config, config.seq_len)  # a 4D mask, or segment ids at --cp
@@ -279,6 +292,10 @@ def startup_values(
             "sequences": len(data.chunks),
             "checksum": tensor_checksum(data.chunks),
         }
+        if "rejected_input_ids" in data.rows:  # preference pairs: the other half too
+            values["training data (tokens)"]["rejected"] = tensor_checksum(
+                data.rows["rejected_input_ids"]
+            )
     return values, details
 
 
@@ -297,7 +314,17 @@ def train_step(run: Run, log_this_step: bool, on_log: Callable | None) -> None:
     if run.pipeline is not None:
         loss_sum = pipelined.forward_backward(run.pipeline, run.data, per_rank)
     segments = takes_segments(model.config)  # blockwise / ring attention: no [b, 1, s, s] mask
-    for _ in range(config.grad_accum if run.pipeline is None else 0):
+    pairs = config.preference.objective != "lm"
+    metrics = None
+    if pairs:  # the mean over the step's pairs: each micro-batch's sum / (k * grad_accum)
+        scale = torch.tensor(float(config.micro_batch * config.grad_accum)).to(dev)
+    for _ in range(config.grad_accum if pairs else 0):
+        batch = {k: t.to(dev) for k, t in run.data.next_batch().items()}
+        loss, summed = preference.micro_step(run, batch, scale, run.reference)
+        loss.backward()
+        loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
+        metrics = summed.detach() if metrics is None else metrics + summed.detach()
+    for _ in range(config.grad_accum if run.pipeline is None and not pairs else 0):
         batch = {k: t.to(dev) for k, t in run.data.next_batch().items()}
         # a packed batch's 4D mask in the model's dtype (half the bytes of fp32 under --bf16)
         inputs = model_inputs(batch, dtype=config.model_dtype, segments=segments)
@@ -316,6 +343,10 @@ def train_step(run: Run, log_this_step: bool, on_log: Callable | None) -> None:
     # Computed at every step (so every step traces the same graph), read only at log steps,
     # after the graph ran (step closure): the dp-mean loss and the global gradient norm.
     mean_loss = comm.all_reduce(loss_sum.float().reshape(1), mesh.dp) / mesh.dp_size
+    if metrics is not None:  # the step's pairs: micro_batch x grad_accum x dp
+        metrics = comm.all_reduce(metrics.float(), mesh.dp) / (
+            config.micro_batch * config.grad_accum * mesh.dp_size
+        )
     norm = norm.float().reshape(1)
     guard = run.guard
     if guard is None:
@@ -330,7 +361,10 @@ def train_step(run: Run, log_this_step: bool, on_log: Callable | None) -> None:
     run.schedule.step()
     run.step += 1
     if log_this_step:
-        on_step_end(dev, on_log, run.step, lr, mean_loss, norm)
+        if metrics is not None:
+            on_step_end(dev, on_log, run.step, lr, mean_loss, norm, metrics)
+        else:
+            on_step_end(dev, on_log, run.step, lr, mean_loss, norm)
     if dev.type == "xla" and not run.graph_checked:  # before it runs: a mismatch would hang
         state = [
             t
@@ -339,6 +373,7 @@ def train_step(run: Run, log_this_step: bool, on_log: Callable | None) -> None:
             if isinstance(t, torch.Tensor)
         ]
         tensors = [*model.parameters(), *state, mean_loss, norm]
+        tensors += [] if metrics is None else [metrics]
         check_same_graph(tensors, pipelined.guard_group(mesh))
         run.graph_checked = True
     step_boundary(dev)
@@ -398,6 +433,8 @@ def _train(
     config, extract = run.config, extract_graphs_only()
     steps = min(config.steps, 3) if extract else config.steps
     restore(run, say)  # the checkpoint claim_output chose, if any
+    if preference.needs_reference_pass(config) and not extract:
+        run.reference = preference.reference_pass(run, say)
     if run.guard is not None:
         run.guard.base = run.step
     start_step = run.step

@@ -10,6 +10,15 @@ import os
 METRICS_FILE = "metrics.jsonl"
 KEYS = ("step", "loss", "lr", "grad_norm", "tokens_per_s", "skipped_steps")
 EVAL_KEYS = ("eval_loss", "eval_perplexity")
+DPO_KEYS = (  # --objective dpo (neuron_tp.train.preference), TRL's names
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+)
+ORPO_KEYS = (*DPO_KEYS, "nll_loss", "log_odds_ratio", "log_odds_chosen")
 
 
 def metrics_path(output_dir: str) -> str:
@@ -39,8 +48,9 @@ class MetricsFile:
         self._file = open(self.path, "a")  # noqa: SIM115 - open for the run, closed by close()
 
     def write(self, entry: dict) -> None:
-        """One line of ``entry``'s metrics (the keys of :data:`KEYS` and :data:`EVAL_KEYS`)."""
-        line = {k: entry[k] for k in (*KEYS, *EVAL_KEYS) if k in entry}
+        """One line of ``entry``'s metrics (the keys of :data:`KEYS`, :data:`EVAL_KEYS` and
+        :data:`ORPO_KEYS`)."""
+        line = {k: entry[k] for k in (*KEYS, *EVAL_KEYS, *ORPO_KEYS) if k in entry}
         self._file.write(json.dumps(line) + "\n")
         self._file.flush()
 

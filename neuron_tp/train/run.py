@@ -42,3 +42,4 @@ class Run:
     checkpoint_files: dict = field(default_factory=dict)
     eval_data: RowData | None = None  # --eval-data of this dp rank (train.evaluate)
     pipeline: PipelineRunner | None = None  # --pp > 1: this rank's stage and schedule
+    reference: torch.Tensor | None = None  # --objective dpo: [pairs, 2] reference log-probs

@@ -11,6 +11,7 @@ import torch
 
 from ..backend.graphs import graph_counters
 from .metrics import MetricsFile
+from .preference import metric_names
 from .run import Printer, Run
 
 
@@ -25,8 +26,9 @@ class StepLogger:
     def __init__(self, run: Run, steps: int, say: Printer, extract: bool):
         config, mesh = run.config, run.mesh
         self.run, self.steps, self.say, self.extract = run, steps, say, extract
+        rows = 2 if config.preference.objective != "lm" else 1  # a pair: chosen + rejected
         self.tokens_per_step = (
-            config.seq_len * config.micro_batch * config.grad_accum * mesh.dp_size
+            rows * config.seq_len * config.micro_batch * config.grad_accum * mesh.dp_size
         )
         self.writer = None
         if config.tensorboard and mesh.rank == 0 and not extract:
@@ -57,7 +59,14 @@ class StepLogger:
             )
         )
 
-    def on_log(self, step: int, lr: float, loss: torch.Tensor, norm: torch.Tensor) -> None:
+    def on_log(
+        self,
+        step: int,
+        lr: float,
+        loss: torch.Tensor,
+        norm: torch.Tensor,
+        metrics: torch.Tensor | None = None,
+    ) -> None:
         """Record and print logged step ``step`` (called once its values exist)."""
         now = time.perf_counter()
         tps = (step - self._last_log[0]) * self.tokens_per_step / max(now - self._last_log[1], 1e-9)
@@ -75,6 +84,9 @@ class StepLogger:
             "tokens_per_s": tps,
             **graph_counters(),
         }
+        if metrics is not None:  # --objective dpo|orpo (neuron_tp.train.preference)
+            names = metric_names(run.config.preference.objective)
+            entry.update(zip(names, (float(v) for v in metrics.cpu()), strict=True))
         if run.guard is not None:
             run.guard.note(step, loss, norm)
             if run.guard.skip:
@@ -85,6 +97,7 @@ class StepLogger:
             f"step {step:>6}/{self.steps} | loss {entry['loss']:.4f} | lr {lr:.2e} | grad "
             f"norm {entry['grad_norm']:.3f} | {tps:,.0f} tok/s | compiles "
             f"{entry['compiles'] if run.device.type == 'xla' else 'n/a (eager)'}"
+            + "".join(f" | {k} {entry[k]:.4f}" for k in self._preference_keys(entry))
             + (
                 f" | skipped {entry['skipped_steps']} non-finite step(s)"
                 if entry.get("skipped_steps")
@@ -95,6 +108,10 @@ class StepLogger:
         if self.writer is not None:
             for key in ("loss", "lr", "grad_norm", "tokens_per_s"):
                 self.writer.add_scalar(f"train/{key}", entry[key], step)
+
+    @staticmethod
+    def _preference_keys(entry: dict) -> list[str]:
+        return [k for k in ("rewards/margins", "rewards/accuracies", "nll_loss") if k in entry]
 
     def on_eval(self, step: int, result: dict | None) -> None:
         """Add an evaluation's values (:meth:`~.evaluate.Evaluator.evaluate`) to step

@@ -1,0 +1,264 @@
+"""``neuron-tp train --objective dpo|orpo`` at tp=2 on gloo ranks follows TRL's DPOTrainer
+training the unsharded model on the same four pairs (same AdamW, constant lr, clipping):
+per-step loss, rewards/* and logps/* for 3 steps, the first DPO loss ln 2 (policy =
+reference). ORPO: TRL's ORPOTrainer for the first step's odds-ratio terms (its NLL is over
+prompt + completion), a written reference (the paper's, NLL on the completion) for 3 steps.
+Cases: DPO sigmoid with the precomputed reference (and with --zero1), LoRA DPO (reference:
+adapters disabled), ORPO, IPO resumed after step 2 (the stored reference read, not
+recomputed), conversational pairs with an implicit prompt. One DPO run on 2 XLA CPU devices:
+the same values, no compile after step 2. Bad rows and unsupported layouts are refused
+before training."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+import gloo_dist  # noqa: E402
+import preference_reference as ref  # noqa: E402
+from tiny_tokenizer import CHAT_TEMPLATE, bpe_tokenizer_dir  # noqa: E402
+
+# case: (our extra options, conversational pairs, TRL's run)
+CASES = {
+    "dpo": (["--objective", "dpo"], False, {"objective": "dpo"}),
+    "dpo-zero1": (["--objective", "dpo", "--zero1"], False, {"objective": "dpo"}),
+    "dpo-lora": (
+        ["--objective", "dpo", "--lora-r", "4", "--lora-alpha", "8"],
+        False,
+        {"objective": "dpo", "lora_r": 4},
+    ),
+    "orpo": (["--objective", "orpo"], False, {"objective": "orpo"}),
+    "ipo-resume": (
+        ["--objective", "dpo", "--dpo-loss", "ipo"],
+        False,
+        {"objective": "dpo", "loss_type": "ipo"},
+    ),
+    "dpo-chat": (["--objective", "dpo"], True, {"objective": "dpo"}),
+    "hinge": (
+        ["--objective", "dpo", "--dpo-loss", "hinge", "--beta", "0.5"],
+        False,
+        {"objective": "dpo", "loss_type": "hinge", "beta": 0.5},
+    ),
+    "dpo-bf16": (["--objective", "dpo", "--bf16"], False, {}),  # against our fp32 run
+    # tp=1, dp=2, 1 pair per micro-batch, 2 micro-batches: the same 4 pairs a step
+    "dpo-dp2-accum": (
+        ["--objective", "dpo", "--tp", "1", "--micro-batch", "1", "--grad-accum", "2"],
+        False,
+        {"objective": "dpo"},
+    ),
+}
+TRL_RUNS = {"dpo", "dpo-lora", "orpo", "ipo-resume", "dpo-chat", "hinge"}  # zero1 reads "dpo"'s
+
+
+def _trl_reference(base: str) -> None:
+    """Every TRL run, in a fresh process without torch-xla (accelerate would take its device)."""
+    out = {}
+    for case in sorted(TRL_RUNS):
+        _, chat, kw = CASES[case]
+        pairs = f"{base}/chat_pairs.jsonl" if chat else f"{base}/pairs.jsonl"
+        out[case] = ref.trl_run(pairs, f"{base}/tok", f"{base}/trl-{case}", **kw)
+    out["orpo-written"] = ref.orpo_written(f"{base}/pairs.jsonl", f"{base}/tok")
+    with open(f"{base}/trl.json", "w") as f:
+        json.dump(out, f)
+
+
+def _ours(base: str) -> None:
+    """Rank body: every case at tp=2; rank 0 writes the logs."""
+    from neuron_tp.cli.args import train_parser
+    from neuron_tp.train.loop import train
+
+    logs, notes = {}, {}
+    for case, (extra, chat, _) in CASES.items():
+        mesh = gloo_dist.shared_mesh(1 if "dp2" in case else 2)
+        pairs = f"{base}/chat_pairs.jsonl" if chat else f"{base}/pairs.jsonl"
+        argv = ["--device", "cpu", "--tp", "2", "--micro-batch", "4", "--data", pairs]
+        argv += ["--tokenizer", f"{base}/tok", *ref.ARGS, *extra, "--output-dir", f"{base}/{case}"]
+        lines: list[str] = []
+
+        def say(*a, **_k):
+            lines.append(" ".join(map(str, a)))
+
+        if case == "ipo-resume":  # 2 steps and a checkpoint, then a new run resumes it
+            first = train_parser().parse_args([*argv, "--save-every", "2"])
+            head = train(first, mesh, stop_at=2, printer=say)["log"]
+            tail = train(train_parser().parse_args(argv), mesh, printer=say)["log"]
+            logs[case] = head + tail
+        else:
+            logs[case] = train(train_parser().parse_args(argv), mesh, printer=say)["log"]
+        notes[case] = [x for x in lines if "reference log-probabilities" in x]
+    if mesh.rank == 0:
+        with open(f"{base}/ours.json", "w") as f:
+            json.dump({"logs": logs, "notes": notes}, f)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> tuple[dict, dict]:
+    base = str(tmp_path_factory.mktemp("preference"))
+    bpe_tokenizer_dir(f"{base}/tok", 300, chat_template=CHAT_TEMPLATE)
+    ref.write_pairs(base)
+    ref.write_pairs(base, conversational=True)
+    env = {**os.environ, "USE_TORCH_XLA": "0"}
+    here = os.path.dirname(os.path.abspath(__file__))
+    paths = [os.path.dirname(os.path.dirname(here)), os.path.dirname(ref.__file__), here]
+    code = f"import sys; sys.path[:0] = {paths!r}; import test_preference_train as t; "
+    code += f"t._trl_reference({base!r})"
+    trl = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert trl.returncode == 0, trl.stderr[-3000:]
+    gloo_dist.run(_ours, base, world_size=2)
+    with open(f"{base}/trl.json") as f, open(f"{base}/ours.json") as g:
+        return json.load(f), json.load(g) | {"base": base}
+
+
+def _compare(ours: list[dict], theirs: list[dict], keys=("loss", *ref.KEYS), tol=2e-5):
+    assert [e["step"] for e in ours] == [1, 2, 3]
+    for step, (a, b) in enumerate(zip(ours, theirs, strict=True), 1):
+        for k in keys:
+            assert math.isclose(a[k], float(b[k]), rel_tol=tol, abs_tol=tol), (step, k, a[k], b[k])
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c != "dpo-bf16"])
+def test_matches_trl(runs, case):
+    trl, ours = runs
+    theirs = trl["dpo" if case in ("dpo-zero1", "dpo-dp2-accum") else case]
+    keys = ("loss", *ref.KEYS)
+    if case == "orpo":  # TRL's NLL is over prompt + completion: its first step's odds terms
+        odds = [k for k in keys if k != "loss"] + ["log_odds_ratio", "log_odds_chosen"]
+        for k in odds:
+            assert ours["logs"][case][0][k] == pytest.approx(float(theirs[0][k]), abs=2e-5), k
+        theirs, keys = trl["orpo-written"], (*keys, "nll_loss", "log_odds_ratio")
+    _compare(ours["logs"][case], theirs, keys)
+    if case.startswith("dpo"):  # sigmoid: ln 2 at z = 0
+        assert ours["logs"][case][0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    margins = [e["rewards/margins"] for e in ours["logs"][case]]
+    assert margins[-1] > margins[0]  # it learns the preference
+
+
+def test_bf16(runs):
+    """--bf16 (ZeRO-1 fp32 masters): ln 2 first, then it learns the preference like the fp32
+    run (bf16 weights and compute: the trajectories part at this learning rate)."""
+    _, ours = runs
+    bf16, fp32 = ours["logs"]["dpo-bf16"], ours["logs"]["dpo"]
+    assert bf16[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert bf16[0]["logps/chosen"] == pytest.approx(fp32[0]["logps/chosen"], rel=0.02)
+    assert all(e["loss"] < math.log(2) and e["rewards/accuracies"] == 1.0 for e in bf16[1:])
+    assert all(e["rewards/margins"] > 0.1 for e in bf16[1:])
+
+
+def test_reference_stored_and_read(runs):
+    _, ours = runs
+    notes = ours["notes"]
+    assert len(notes["ipo-resume"]) == 2, notes
+    assert "computed" in notes["ipo-resume"][0] and "read from" in notes["ipo-resume"][1]
+    assert len(notes["dpo"]) == 1 and "4 pairs computed" in notes["dpo"][0]
+    assert notes["dpo-lora"] == []  # the base with the adapters disabled: no pass
+    assert notes["orpo"] == []  # no reference
+    assert os.path.exists(f"{ours['base']}/dpo/reference_logps.pt")
+    with open(f"{ours['base']}/orpo/metrics.jsonl") as f:
+        lines = [json.loads(line) for line in f]
+    assert [e["step"] for e in lines] == [1, 2, 3]
+    assert {*ref.KEYS, "nll_loss", "log_odds_ratio", "log_odds_chosen"} <= set(lines[0])
+    assert lines[-1]["nll_loss"] == ours["logs"]["orpo"][-1]["nll_loss"]
+
+
+def test_label_smoothing_is_conservative_dpo():
+    """--label-smoothing ε (TRL's sigmoid loss has none): the conservative-DPO loss, the
+    expected sigmoid loss when each preference is flipped with probability ε."""
+    import torch
+
+    from neuron_tp.cli.args import train_parser
+    from neuron_tp.job.config import TrainConfig
+    from neuron_tp.train.preference import preference_loss
+
+    argv = ["--objective", "dpo", "--beta", "0.3", "--label-smoothing", "0.2"]
+    config = TrainConfig.from_args(train_parser().parse_args(argv))
+    g = torch.Generator().manual_seed(0)
+    pc, pr, c0, r0 = (-20 * torch.rand(5, generator=g) for _ in range(4))
+    n = torch.full((5,), 7.0)
+    losses, metrics = preference_loss(config, (pc, pr, n, n), (c0, r0))
+    z = 0.3 * ((pc - c0) - (pr - r0))
+    p = torch.sigmoid(z)
+    expected = -(0.8 * torch.log(p) + 0.2 * torch.log(1 - p))
+    torch.testing.assert_close(losses, expected)
+    torch.testing.assert_close(metrics[:, 3], z)  # rewards/margins
+
+
+def test_bad_rows_refused(tmp_path):
+    from neuron_tp.errors import UserError
+    from neuron_tp.job.data import ByteTokenizer
+    from neuron_tp.job.pairs import pair_rows
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(
+        '{"prompt": "a", "chosen": "b", "rejected": "c"}\n{"prompt": "a", "chosen": "b"}\n'
+    )
+    with pytest.raises(UserError, match=r"bad.jsonl:2: expected a preference pair"):
+        pair_rows(str(bad), ByteTokenizer(), 16)
+    long = tmp_path / "long.jsonl"
+    long.write_text(json.dumps({"prompt": "x" * 40, "chosen": "b", "rejected": "c"}) + "\n")
+    with pytest.raises(UserError, match=r"long.jsonl:1: the chosen completion has no token"):
+        pair_rows(str(long), ByteTokenizer(), 16)
+    chat = tmp_path / "chat.jsonl"
+    u = {"role": "user", "content": "hi"}
+    chat.write_text(json.dumps({"chosen": [u], "rejected": [u]}) + "\n")
+    from neuron_tp.job.pairs import encode_pair
+
+    with pytest.raises(UserError, match="has no message after the prompt"):
+        encode_pair(json.loads(chat.read_text()), None, "chat.jsonl:1")
+
+
+@pytest.mark.parametrize(
+    "extra, match",
+    [
+        (["--pp", "2"], r"does not support --pp > 1"),
+        (["--cp", "2"], r"does not support --cp > 1"),
+        (["--tp-mode", "2d", "--tp", "4"], r"does not support --tp-mode 2d"),
+        (["--dpo-loss", "ipo", "--label-smoothing", "0.1"], "sigmoid only"),
+    ],
+)
+def test_unsupported_refused(tmp_path, extra, match):
+    from neuron_tp.cli.args import train_parser
+    from neuron_tp.errors import UserError
+    from neuron_tp.train.loop import train
+
+    args = train_parser().parse_args(
+        ["--device", "cpu", "--objective", "dpo", "--output-dir", str(tmp_path), *extra]
+    )
+    with pytest.raises(UserError, match=match):
+        train(args)  # refused before the process group or any collective exists
+
+
+def test_xla_two_devices(runs):
+    """DPO at tp=2 on 2 XLA CPU devices (real collectives, one graph per step): TRL's values
+    for 3 steps; the reference pass and steps 1-2 compile, steps 3 and 4 do not."""
+    import xla_multi_train_cases as cases
+
+    import xla_dist
+
+    trl, ours = runs
+    base = ours["base"]
+    extra = ["--micro-batch", "4", "--data", f"{base}/pairs.jsonl", "--tokenizer", f"{base}/tok"]
+    extra += [*ref.ARGS, "--objective", "dpo", "--steps", "4"]
+    out = xla_dist.run(cases.run_train, 2, f"{base}/xla", extra, devices=2)
+    _compare(out[0]["log"][:3], trl["dpo"], tol=1e-4)  # XLA:CPU rounds differently
+    compiles = {e["step"]: e["compiles"] for e in out[0]["per_step"]}
+    assert compiles[2] > 0 and compiles[4] == compiles[3] == compiles[2], compiles
+
+
+def test_check_reads_pairs(tmp_path, capsys):
+    """``--check`` reads the pairs as training would: an SFT file is named as not pairs."""
+    from neuron_tp.cli.entry import main
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    base = ["train", "--check", "--device", "cpu", "--objective", "dpo", "--micro-batch", "2"]
+    base += ["--output-dir", str(tmp_path)]
+    assert main([*base, "--data", f"{root}/examples/preference/pairs.jsonl"]) in (0, None)
+    assert "--check: ok" in capsys.readouterr().out
+    code = main([*base, "--data", f"{root}/examples/sft/chat.jsonl"])
+    assert code not in (0, None)
+    assert "chat.jsonl:1: expected a preference pair" in capsys.readouterr().out
