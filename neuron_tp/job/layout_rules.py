@@ -35,10 +35,8 @@ class BatchShape:
 def refusals(layout: ParallelLayout, shape: BatchShape, model_config=None) -> list[str]:
     """Every reason ``layout`` cannot train ``model_config`` (a transformers config; None:
     only the rules that need no model) at ``shape``; empty when it can."""
-    degrees = layout.refusals()
-    if degrees:
-        return degrees  # the rules below assume a mesh that exists
-    out = _tp_rules(layout, shape) + _cp_rules(layout, shape) + _pp_rules(layout, shape)
+    out = layout.refusals()  # the degrees first: what no mesh of ``world`` ranks can hold
+    out += _tp_rules(layout, shape) + _cp_rules(layout, shape) + _pp_rules(layout, shape)
     if model_config is not None:
         out += _model_rules(layout, shape, model_config)
     return out
