@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections import Counter
 from types import SimpleNamespace
 
@@ -62,7 +63,8 @@ class HFColumnLinear(ReplicaRows, ColumnParallelLinear):
 
     hf_name = ""
     shared_region = False
-    region_input = None  # weakref to the parent's region output (not kept after forward)
+    # weakref to the parent's region output (not kept after forward)
+    region_input: weakref.ref[torch.Tensor] | None = None
 
     @property
     def input_layout(self) -> str:
