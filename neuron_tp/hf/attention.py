@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -14,6 +15,11 @@ from ..layers.activation_layout import SHARDED_FEATURES
 from ..layers.blockwise_attention import blockwise_attention
 from ..parallel import comm, regions
 from ..parallel.mesh import Mesh, divisors, valid_tp_degrees
+
+if TYPE_CHECKING:
+    # transformers is not analysed (pyproject): a model read by its attribute names
+    # (``config._attn_implementation``), a documented dynamic boundary.
+    from transformers import PreTrainedModel
 
 SUPPORTED_ATTN = ("eager", "sdpa", None)
 BLOCKWISE = "ntp-blockwise"  # registered as f"{BLOCKWISE}-{block}" (the block size in the name)
@@ -31,8 +37,9 @@ def takes_segments(config) -> bool:
     return isinstance(impl, str) and impl.startswith((BLOCKWISE + "-", RING + "-"))
 
 
-def is_supported_attention(impl: str | None) -> bool:
-    """An attention implementation that tensor parallelism can run (heads split per rank)."""
+def is_supported_attention(impl: object) -> bool:
+    """An attention implementation that tensor parallelism can run (heads split per rank);
+    ``impl`` as read from a config (None: transformers' default, anything else: not one)."""
     return impl in SUPPORTED_ATTN or (isinstance(impl, str) and impl.startswith(BLOCKWISE + "-"))
 
 
@@ -125,7 +132,7 @@ class ShardedRMSNorm(nn.Module):
         super().__init__()
         self.mesh, self.full_features = mesh, full_features
         self.eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
-        self.weight = norm.weight
+        self.weight = norm.get_parameter("weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
@@ -236,7 +243,7 @@ def blockwise_name(block: int = DEFAULT_BLOCK) -> str:
     return name
 
 
-def use_blockwise_attention(model: nn.Module, block: int = DEFAULT_BLOCK) -> str:
+def use_blockwise_attention(model: PreTrainedModel, block: int = DEFAULT_BLOCK) -> str:
     """Switch ``model`` (a transformers model, parallelized or not) to blockwise attention with
     ``block``, in place: the [heads, s, s] scores are never materialised. Returns the name."""
     name = blockwise_name(block)

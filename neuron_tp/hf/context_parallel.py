@@ -31,6 +31,7 @@ than sdpa / eager / blockwise.
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -41,6 +42,11 @@ from ..parallel import regions
 from ..parallel.mesh import Group, Mesh
 from .attention import DEFAULT_BLOCK, RING, SEGMENTS_KW, is_supported_attention
 from .packing import IGNORE_INDEX, next_token_targets
+
+if TYPE_CHECKING:
+    # transformers is not analysed (pyproject): a causal LM read by its attribute names
+    # (``config``, ``forward``), a documented dynamic boundary.
+    from transformers import PreTrainedModel
 
 __all__ = ["context_parallel", "ring_name", "RING"]
 
@@ -103,7 +109,7 @@ def _attention_modules(model: nn.Module) -> list[nn.Module]:
     ]
 
 
-def _check_model(model: nn.Module) -> None:
+def _check_model(model: PreTrainedModel) -> None:
     name = type(model).__name__
     impl = model.config._attn_implementation
     if not is_supported_attention(impl) or str(impl).startswith(RING):
@@ -126,7 +132,9 @@ def _check_model(model: nn.Module) -> None:
         )
 
 
-def context_parallel(model: nn.Module, mesh: Mesh, block: int = DEFAULT_BLOCK) -> nn.Module:
+def context_parallel(
+    model: PreTrainedModel, mesh: Mesh, block: int = DEFAULT_BLOCK
+) -> PreTrainedModel:
     """Make ``model`` (a transformers causal LM, parallelized or not) context-parallel over
     ``mesh.cp``, in place (see the module doc); returns it. A no-op at cp = 1."""
     if mesh.cp_size == 1:
@@ -139,7 +147,8 @@ def context_parallel(model: nn.Module, mesh: Mesh, block: int = DEFAULT_BLOCK) -
             cfg._attn_implementation = name
     model.config._attn_implementation = name
     for module in _attention_modules(model):
-        module.cp_group = mesh.cp
+        # a plain attribute (nn.Module.__setattr__ is typed for tensors and modules only)
+        module.cp_group = mesh.cp  # type: ignore[assignment]
     model.forward = _split_forward(model.forward, mesh.cp)
     return model
 

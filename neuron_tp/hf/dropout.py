@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -184,8 +185,8 @@ def resumable(fn):
 def install_split_dropout(
     model: nn.Module,
     group: Group,
-    columns: list[nn.Module],
-    rows: list[nn.Module],
+    columns: Sequence[nn.Module],
+    rows: Sequence[nn.Module],
     sequence_end: nn.Module | None = None,
 ) -> None:
     """In training, run under :class:`SplitDropout` from the output of a column projection in

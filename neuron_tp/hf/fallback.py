@@ -8,10 +8,16 @@ plan in :data:`neuron_tp.hf.plans.ARCH_PLANS`, not another guess here."""
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
 from torch import nn
 
 from .plans import STYLES, ModelStructure, Style
+
+if TYPE_CHECKING:
+    # transformers is not analysed (pyproject): a documented dynamic boundary, read by its
+    # attribute names (``config``, ``_tp_plan``, ``get_input_embeddings``).
+    from transformers import PreTrainedModel
 
 # Class-name substrings (lower case) of attention modules, and of the attention / MLP modules
 # whose column-parallel children all read the module's own input.
@@ -35,7 +41,7 @@ def _pattern_matches(pattern: str, name: str) -> bool:
     return re.match(rx, name) is not None
 
 
-def shipped_styles(model: nn.Module) -> dict[str, str]:
+def shipped_styles(model: PreTrainedModel) -> dict[str, str]:
     """``{full module-name pattern: style}`` from the plan transformers ships, plus the input
     embedding (vocab-parallel) and the LM head (gathered column); ValueError if there is none."""
     prefix = getattr(model, "base_model_prefix", "")
@@ -56,7 +62,7 @@ def shipped_styles(model: nn.Module) -> dict[str, str]:
     plan.update(shipped)
     plan = _without_expert_params(plan)
     plan.update(_unplanned_experts(model, plan))
-    head = _name_of(model, _output_embeddings(model))
+    head = _name_of(model, output_embeddings(model))
     if head is not None:
         plan = {
             k: v
@@ -96,8 +102,10 @@ def _unplanned_experts(model: nn.Module, plan: dict[str, str]) -> dict[str, str]
     return found
 
 
-def _output_embeddings(model: nn.Module) -> nn.Module | None:
-    return model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+def output_embeddings(model: nn.Module) -> nn.Module | None:
+    """The model's output embedding (its LM head), None for a model without one."""
+    get = getattr(model, "get_output_embeddings", None)
+    return None if get is None else get()
 
 
 def _longest_module_list(model: nn.Module) -> str | None:
@@ -115,7 +123,7 @@ def _final_norm(model: nn.Module) -> str | None:
     base_name = prefix if prefix and isinstance(getattr(model, prefix, None), nn.Module) else ""
     base = model.get_submodule(base_name)
     for attr in _FINAL_NORMS:
-        mod = base
+        mod: object = base
         for part in attr.split("."):
             mod = getattr(mod, part, None)
         if isinstance(mod, nn.Module):
@@ -138,7 +146,7 @@ def guess_structure(model: nn.Module) -> ModelStructure:
         source=f"the structure guessed for {type(model).__name__} (no explicit plan)",
         layers=_longest_module_list(model),
         final_norm=_final_norm(model),
-        lm_head=_name_of(model, _output_embeddings(model)),
+        lm_head=_name_of(model, output_embeddings(model)),
         attention=frozenset(attention),
         prepares_input=frozenset(units),
         units=frozenset(units),

@@ -5,6 +5,8 @@ output (not the LM head) or a row one, as the model's plan says; LoRA on paramet
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 from torch import nn
 
 from .plans import Style
@@ -48,11 +50,12 @@ def check_targets(inner: nn.Module, names, plan: dict[str, str] | None) -> None:
 def refuse_target_parameters(model: nn.Module, plan: dict[str, str] | None) -> None:
     """ValueError for LoRA on parameters (peft's ``target_parameters``, e.g. an MoE layer's
     fused 3-D ``experts.gate_up_proj``): the experts are sharded by the MoE block."""
-    cfg = next(iter(model.peft_config.values()))
+    peft_model = cast(Any, model)  # a peft PeftModel, read by its attribute names
+    cfg = next(iter(peft_model.peft_config.values()))
     params = getattr(cfg, "target_parameters", None)
     if params:
         raise ValueError(
             f"LoraConfig target_parameters {list(params)}: LoRA on fused expert (3-D) or other "
             "parameters is not supported under tensor parallelism; LoRA targets this model "
-            f"supports: target_modules {valid_targets(model.base_model.model, plan)}"
+            f"supports: target_modules {valid_targets(peft_model.base_model.model, plan)}"
         )

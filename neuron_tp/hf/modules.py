@@ -2,27 +2,34 @@
 
 from __future__ import annotations
 
+import weakref
 from collections import Counter
 from types import SimpleNamespace
+from typing import cast, overload
 
 import torch
 from torch import nn
 
 from ..layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from ..layers.activation_layout import REPLICATED
+from ..layers.common import LayerMixin
 from ..parallel import gathered_linears
 from ..parallel.mesh import Mesh, valid_tp_degrees
 from .attention import SyncReplicatedRows
 from .slice_map import HFSliceMap, even_pieces, set_slice_map
 
 
-class ReplicaRows:
+class ReplicaRows(LayerMixin):
     """Mixin of a module whose parameter rows (dim 0 of ``weight`` / ``bias``) hold kv heads
     replicated over tp ranks: in backward every copy gets the sum of all copies' gradients (the
     gradient of the one unsharded row), and the global grad norm counts each row once. Needs
     ``self.weight`` and ``self.mesh``."""
 
-    replicas = None  # the number of distinct rows once set
+    mesh: Mesh
+    weight: nn.Parameter
+    _rows: torch.Tensor  # buffers registered by set_replicas
+    _uid: torch.Tensor
+    replicas: int | None = None  # the number of distinct rows once set
 
     def set_replicas(self, rows: list[int], uid_table: list[list[int]], n_unique: int) -> None:
         """``rows``: this rank's local rows that are copies; ``uid_table[r]``: the distinct
@@ -41,6 +48,10 @@ class ReplicaRows:
         """1/copies per row of ``weight`` / ``bias`` (see :func:`neuron_tp.global_grad_norm`)."""
         return getattr(self, "_distinct_w", None) if name in ("weight", "bias") else None
 
+    @overload
+    def _sync(self, t: torch.Tensor, device) -> torch.Tensor: ...
+    @overload
+    def _sync(self, t: None, device) -> None: ...
     def _sync(self, t: torch.Tensor | None, device) -> torch.Tensor | None:
         if t is None or self.replicas is None:
             return t
@@ -62,7 +73,8 @@ class HFColumnLinear(ReplicaRows, ColumnParallelLinear):
 
     hf_name = ""
     shared_region = False
-    region_input = None  # weakref to the parent's region output (not kept after forward)
+    # weakref to the parent's region output (not kept after forward)
+    region_input: weakref.ref[torch.Tensor] | None = None
 
     @property
     def input_layout(self) -> str:
@@ -101,7 +113,7 @@ def linear_view(mod: nn.Module, name: str):
     if isinstance(mod, nn.Linear):
         return mod.weight, mod.bias, False
     if type(mod).__name__ == "Conv1D" and hasattr(mod, "nf"):
-        return mod.weight.t(), mod.bias, True
+        return mod.get_parameter("weight").t(), mod.bias, True
     raise ValueError(
         f"{name}: a linear style was planned for a {type(mod).__name__}, which is "
         "neither nn.Linear nor Conv1D; fix the plan"
@@ -115,7 +127,7 @@ def runs(rows: list[int]) -> list[tuple[int, int]]:
             out[-1][1] = r + 1
         else:
             out.append([r, r + 1])
-    return [tuple(p) for p in out]
+    return [(p[0], p[1]) for p in out]
 
 
 def require_even_split(size: int, mesh: Mesh, name: str, what: str) -> None:
@@ -190,7 +202,7 @@ def build_column_linear(
         pieces = runs(rows_of_rank[r])
     src.in_features, src.out_features = src.weight.shape[1], src.weight.shape[0]
     layer = HFColumnLinear.from_linear(
-        src,
+        cast(nn.Linear, src),  # a stand-in with nn.Linear's four attributes
         mesh=mesh,
         gather_output=gather_output,
         pad_output=pad_output,
@@ -223,7 +235,10 @@ def build_row_linear(
     w, b, transposed = linear_view(mod, name)
     src = SimpleNamespace(weight=w, bias=b, in_features=w.shape[1], out_features=w.shape[0])
     layer = RowParallelLinear.from_linear(
-        src, mesh=mesh, input_is_parallel=input_is_parallel, sequence_parallel=sequence_parallel
+        cast(nn.Linear, src),  # a stand-in with nn.Linear's four attributes
+        mesh=mesh,
+        input_is_parallel=input_is_parallel,
+        sequence_parallel=sequence_parallel,
     )
     pieces = tuple(even_pieces(w.shape[1], mesh.tp_rank, mesh.tp_size))
     set_slice_map(layer, "weight", HFSliceMap(0 if transposed else 1, pieces, transposed))
@@ -235,8 +250,9 @@ def _embed_scale(mod: nn.Embedding) -> torch.Tensor | None:
     return None if type(mod) is nn.Embedding else getattr(mod, "embed_scale", None)
 
 
-def check_vocab_embedding(mod: nn.Module, name: str) -> None:
-    """The refusals of :func:`build_vocab_embedding`, without building."""
+def check_vocab_embedding(mod: nn.Module, name: str) -> nn.Embedding:
+    """The refusals of :func:`build_vocab_embedding`, without building; ``mod`` as the
+    embedding it is."""
     if not isinstance(mod, nn.Embedding):
         raise ValueError(f"{name}: embedding_rowwise planned for a {type(mod).__name__}")
     if type(mod) is not nn.Embedding and not isinstance(_embed_scale(mod), torch.Tensor):
@@ -245,27 +261,30 @@ def check_vocab_embedding(mod: nn.Module, name: str) -> None:
             "way the vocab-parallel embedding does not know (only a scaled "
             "embedding with an `embed_scale` buffer is supported)"
         )
+    return mod
 
 
 def build_vocab_embedding(mod: nn.Module, name: str, mesh: Mesh) -> VocabParallelEmbedding:
     """Shard an embedding over the vocabulary (rows padded to a multiple of tp)."""
-    check_vocab_embedding(mod, name)
-    scale = _embed_scale(mod)
+    emb = check_vocab_embedding(mod, name)
+    scale = _embed_scale(emb)
     layer = (
         ScaledVocabParallelEmbedding if scale is not None else VocabParallelEmbedding
-    ).from_embedding(mod, mesh=mesh)
+    ).from_embedding(emb, mesh=mesh)
     if scale is not None:
         layer.register_buffer("embed_scale", scale.detach().clone(), persistent=False)
     set_slice_map(
         layer,
         "weight",
-        HFSliceMap(0, tuple(even_pieces(mod.num_embeddings, mesh.tp_rank, mesh.tp_size))),
+        HFSliceMap(0, tuple(even_pieces(emb.num_embeddings, mesh.tp_rank, mesh.tp_size))),
     )
     return layer
 
 
 class ScaledVocabParallelEmbedding(VocabParallelEmbedding):
     """Vocab-parallel embedding times ``embed_scale`` (Gemma's scaled word embedding)."""
+
+    embed_scale: torch.Tensor  # a buffer registered by build_vocab_embedding
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return super().forward(ids) * self.embed_scale.to(self.weight.dtype)

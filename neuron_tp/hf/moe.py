@@ -28,6 +28,7 @@ import contextlib
 import copy
 import sys
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 from torch import nn
@@ -36,6 +37,19 @@ from ..moe import ExpertsLayout, ParallelMoEBlock, TPExperts, TPInterfaceExperts
 from ..parallel.mesh import Mesh, divisors, valid_tp_degrees
 from ..parallel.sharding import get_sharding, set_param_meta
 from .slice_map import HFSliceMap, even_pieces, set_slice_map
+
+if TYPE_CHECKING:
+    # transformers is not analysed (pyproject): a model read by its attribute names
+    # (``config``), a documented dynamic boundary.
+    from transformers import PreTrainedModel
+
+
+class _FusedExperts(Protocol):
+    """A transformers (>= 5) experts module of a known block, as :func:`check_moe` checked it."""
+
+    gate_up_proj: torch.Tensor  # [E, 2I, H]
+    down_proj: torch.Tensor  # [E, H, I]
+    act_fn: nn.Module
 
 
 @dataclass(frozen=True)
@@ -150,7 +164,7 @@ def _check_generic(model: nn.Module, name: str, mesh: Mesh) -> None:
 
 def _gate_fn(experts: nn.Module, layout: ExpertsLayout):
     """The original's gating (``_apply_gate``, or ``act_fn``), on a copy holding no weights."""
-    proxy = copy.copy(experts)
+    proxy: Any = copy.copy(experts)  # a transformers experts module, read by attribute name
     proxy._parameters = {}
     if layout.call == "dense":  # Llama-4: up * act(gate), halves
 
@@ -183,7 +197,7 @@ def _build_generic(
     return new
 
 
-def _parts(model: nn.Module, name: str) -> tuple[str, nn.Module, BlockSpec, nn.Module]:
+def _parts(model: nn.Module, name: str) -> tuple[str, nn.Module, BlockSpec, _FusedExperts]:
     """The block's name, the block, its spec and its experts module; ValueError for an unknown
     block or router class."""
     block_name = name.rpartition(".")[0]
@@ -202,7 +216,8 @@ def _parts(model: nn.Module, name: str) -> tuple[str, nn.Module, BlockSpec, nn.M
             f"{block_name}.{spec.router}: unknown router type {rcls}; the routers neuron_tp "
             f"shards exactly: {sorted(ROUTERS)}"
         )
-    return block_name, block, spec, model.get_submodule(name)
+    # a transformers experts module, read by its attribute names (checked by check_moe)
+    return block_name, block, spec, cast(_FusedExperts, model.get_submodule(name))
 
 
 def _require(size: int, mesh: Mesh, name: str, what: str) -> None:
@@ -229,7 +244,12 @@ def check_moe(model: nn.Module, name: str, mesh: Mesh) -> None:
         return
     block_name, block, spec, experts = _parts(model, name)
     gu, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
-    if getattr(gu, "dim", lambda: 0)() != 3 or getattr(down, "dim", lambda: 0)() != 3:
+    if not (
+        isinstance(gu, torch.Tensor)
+        and isinstance(down, torch.Tensor)
+        and gu.dim() == 3
+        and down.dim() == 3
+    ):
         raise ValueError(
             f"{name}: {type(experts).__name__} has no fused 3-D gate_up_proj [E, 2I, H] and "
             "down_proj [E, H, I] (transformers >= 5 layout)"
@@ -254,7 +274,7 @@ def check_moe(model: nn.Module, name: str, mesh: Mesh) -> None:
 
 def build_moe(
     model: nn.Module, name: str, mesh: Mesh, sequence_parallel: bool
-) -> tuple[str, ParallelMoEBlock]:
+) -> tuple[str, ParallelMoEBlock | TPInterfaceExperts]:
     """``(module name, its sharded replacement)`` for the experts module ``name`` (checked by
     :func:`check_moe`): the whole block for the blocks of :data:`BLOCKS`, else the experts
     module itself; the model is not changed."""
@@ -287,7 +307,7 @@ def build_moe(
         set_slice_map(shared.down_proj, "weight", HFSliceMap(1, tuple(even_pieces(s_inter, r, tp))))
         names["shared"] = spec.shared
     gate = getattr(block, spec.shared_gate) if spec.shared_gate else None
-    if gate is not None:
+    if gate is not None and spec.shared_gate:  # gate is set only for a named shared_gate
         names["shared_gate"] = spec.shared_gate
     new = ParallelMoEBlock(
         getattr(block, spec.router),
@@ -342,7 +362,7 @@ def recorded_router_logits(model: nn.Module):
             h.remove()
 
 
-def aux_loss_over_all_tokens(model: nn.Module, logits: list):
+def aux_loss_over_all_tokens(model: PreTrainedModel, logits: list):
     """transformers' load-balancing loss of ``model`` (its modeling module's
     ``load_balancing_loss_func``) over recorded router ``logits``, every position counted:
     what a packed (4-D) attention mask, which that function cannot read, leaves."""

@@ -25,7 +25,7 @@ from .slice_map import HFSliceMap, even_pieces, set_slice_map
 
 def check_sharded_norm(mod: nn.Module, name: str, mesh: Mesh, heads: Heads | None) -> None:
     """The refusals of :func:`build_sharded_norm`."""
-    full = mod.weight.shape[0]
+    full = mod.get_parameter("weight").shape[0]
     if not _over_replicated_kv(full, heads, mesh):
         require_even_split(full, mesh, name, "normalized features")
     check_plain_rms_norm(mod, name, full)
@@ -44,9 +44,9 @@ def _over_replicated_kv(features: int, heads: Heads | None, mesh: Mesh) -> bool:
 def build_sharded_norm(mod: nn.Module, mesh: Mesh, heads: Heads | None = None) -> ShardedRMSNorm:
     """An RMSNorm whose weight is split over tp like the features it normalizes (the kv head
     copies of each rank for a norm over all kv heads that tp does not divide)."""
-    w = mod.weight
+    w = mod.get_parameter("weight")
     full = w.shape[0]
-    if _over_replicated_kv(full, heads, mesh):
+    if heads is not None and _over_replicated_kv(full, heads, mesh):
         return ReplicatedKVNorm(mod, mesh, heads)
     sh = Sharding((("tp", 0),), (full,))
     norm = ShardedRMSNorm(mod, mesh, full)
@@ -65,10 +65,11 @@ def check_plain_rms_norm(mod: nn.Module, name: str, features: int) -> None:
     probe = copy.deepcopy(mod).to_empty(device="cpu").float()
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        probe.weight.copy_(torch.rand(features, generator=gen) + 0.5)
+        weight = probe.get_parameter("weight")
+        weight.copy_(torch.rand(features, generator=gen) + 0.5)
         x = torch.randn(3, features, generator=gen)
         eps = getattr(probe, "variance_epsilon", getattr(probe, "eps", 1e-6))
-        want = probe.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        want = weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
         ok = torch.allclose(probe(x), want, atol=1e-5)
     if not ok:
         raise ValueError(
@@ -83,6 +84,8 @@ class ReplicatedKVNorm(ReplicaRows, ShardedRMSNorm):
     this rank's slots ``[..., L * dim]``, the mean of squares is over the ``kv`` distinct heads
     (each counted on its first copy's rank, then all-reduced over tp), the weight holds the
     slots' rows."""
+
+    _counted: torch.Tensor  # [tp, L], a buffer
 
     def __init__(self, norm: nn.Module, mesh: Mesh, heads: Heads):
         full = heads.kv * heads.dim
@@ -101,7 +104,7 @@ class ReplicatedKVNorm(ReplicaRows, ShardedRMSNorm):
             seen.update(mine)
         self.register_buffer("_counted", torch.tensor(counted), persistent=False)
         self.slots, self.head_dim = len(slots[0]), heads.dim
-        w = norm.weight
+        w = norm.get_parameter("weight")
         sh = Sharding((("tp", 0),), (len(expanded),))
         local = shard_of(w.detach().index_select(0, torch.tensor(expanded)), sh, mesh)
         self.weight = nn.Parameter(local.clone(), requires_grad=w.requires_grad)

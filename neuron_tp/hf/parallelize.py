@@ -88,9 +88,15 @@ def parallelize(
     from . import lora  # LoRA (peft) models: wrappers out, parallelize, wrappers back
 
     if lora.is_peft_model(model):
-        options = dict(sequence_parallel=sequence_parallel, parallel_loss=parallel_loss)
-        options.update(plan=plan, sequence_parallel_regather=sequence_parallel_regather)
-        return lora.parallelize_peft(model, mesh, parallelize, **options)
+        return lora.parallelize_peft(
+            model,
+            mesh,
+            parallelize,
+            sequence_parallel=sequence_parallel,
+            parallel_loss=parallel_loss,
+            plan=plan,
+            sequence_parallel_regather=sequence_parallel_regather,
+        )
     lora.refuse_peft_layers(model)
     from ..parallel.agreement import check_same_model
 
@@ -218,7 +224,7 @@ def _refuse_unsplit_head_params(model: nn.Module, mp: ModelPlan, heads: Heads | 
                 )
 
 
-def _activation_classes() -> tuple[type, ...]:
+def _activation_classes() -> tuple[type[nn.Module], ...]:
     from transformers import activations
 
     found = {v[0] if isinstance(v, tuple) else v for v in activations.ACT2CLS.values()}
@@ -235,7 +241,8 @@ def shared_activation_params(model: nn.Module, mp: ModelPlan) -> list[nn.Module]
     s = mp.structure
     split = {_parent(n) for n, st in mp.targets.items() if st.splits_output}
     split &= s.units | s.attention
-    acts, found = _activation_classes(), []
+    acts = _activation_classes()
+    found: list[nn.Module] = []
     for unit in sorted(split):
         for name, mod in model.get_submodule(unit).named_modules(prefix=unit):
             if name in mp.targets or any(name.startswith(t + ".") for t in mp.targets):
@@ -345,6 +352,8 @@ def _column_args(
     if role == "plain":
         return {"segments": [out // 2] * 2 if style is Style.COLUMN_PACKED else None}
     # An attention q/k/v (or fused qkv) projection, split per head.
+    if heads is None:
+        raise ValueError(f"{name}: an attention projection of a model without head counts")
     tp = mesh.tp_size
     check_heads(heads, tp, mesh.world_size, name)
     q, kv = heads.q * heads.dim, heads.kv * heads.dim
@@ -393,9 +402,10 @@ def _build(
     s = mp.structure
     for name, style in mp.targets.items():
         mod = model.get_submodule(name)
+        new: nn.Module
         if style.is_column:
             role = column_role(name, style, mp)
-            new = build_column_linear(
+            new = column = build_column_linear(
                 mod,
                 name,
                 mesh,
@@ -406,8 +416,8 @@ def _build(
             parent = _parent(name)
             if role == "attention" and parent not in built.attention:
                 built.attention.append(parent)
-            if not new.gather_output and parent and parent in s.prepares_input:
-                built.input_regions.setdefault(parent, []).append(new)
+            if not column.gather_output and parent and parent in s.prepares_input:
+                built.input_regions.setdefault(parent, []).append(column)
         elif style in (Style.ROW, Style.ROW_SPLIT_INPUT):
             new = build_row_linear(
                 mod,
@@ -455,6 +465,8 @@ def _install(
         mark_sequence_parallel(mod)
     tp = mesh.tp_size
     for name in built.attention:
+        if heads is None:
+            raise ValueError(f"{name}: an attention module of a model without head counts")
         patch_attention_module(model.get_submodule(name), heads, tp, len(kv_slots(heads, tp)[0]))
     for name, children in built.input_regions.items():
         install_input_region(

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from typing import TYPE_CHECKING
 
 from torch import nn
 
@@ -62,7 +63,7 @@ from ..layers.vocab_nd import (
 )
 from ..parallel.mesh import Mesh, valid_tp_degrees
 from ..parallel.state import ParallelState, attach
-from .attention import is_supported_attention, model_heads, patch_attention_module
+from .attention import Heads, is_supported_attention, model_heads, patch_attention_module
 
 # Causal LMs with the Llama structure: model.embed_tokens / layers[i].{input_layernorm,
 # self_attn.{q,k,v,o}_proj, post_attention_layernorm, mlp.{gate,up,down}_proj} / norm, lm_head.
@@ -70,6 +71,11 @@ SUPPORTED_ND = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
 _NORMS = ("input_layernorm", "post_attention_layernorm")
+
+if TYPE_CHECKING:
+    # transformers is not analysed (pyproject): a Llama-family causal LM read by its attribute
+    # names (``model.layers``, ``lm_head``, ``config``), a documented dynamic boundary.
+    from transformers import PreTrainedModel
 
 
 def logits_layout(mesh: Mesh) -> ActivationLayout:
@@ -97,10 +103,18 @@ def parallelize_nd(
 # -- 1. validate ----------------------------------------------------------------------------
 
 
+def _heads(config) -> Heads:
+    """The head counts of a Llama-family config (ValueError without them)."""
+    heads = model_heads(config)
+    if heads is None:
+        raise ValueError(f"{type(config).__name__}: no attention head counts")
+    return heads
+
+
 def _sizes(config, mesh_mode: str, q: int) -> list[tuple[str, int, int]]:
     """``(what, size, divisor)`` every split of ``mode`` with side ``q`` needs (the vocabulary
     needs none: the embedding and the LM head pad it to a multiple of their split)."""
-    heads = model_heads(config)
+    heads = _heads(config)
     hidden, ffn = config.hidden_size, config.intermediate_size
     attn = heads.q * heads.dim
     if mesh_mode == "2d":
@@ -132,7 +146,7 @@ def _valid_grids(config, mode: str, world_size: int) -> list[str]:
 
 
 def _alternatives(config, world_size: int) -> str:
-    heads = model_heads(config)
+    heads = _heads(config)
     parts = []
     for mode in ("2d", "3d"):
         grids = _valid_grids(config, mode, world_size)
@@ -230,13 +244,13 @@ def _linear(mesh: Mesh, lin: nn.Linear, orientation: str) -> nn.Module:
 
 def _norm(mesh: Mesh, norm: nn.Module) -> nn.Module:
     cls = RMSNorm2D if mesh.tp_mode == "2d" else RMSNorm3D
-    w = norm.weight
+    w = norm.get_parameter("weight")
     eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
     layer = cls(w.shape[0], eps=eps, mesh=mesh, device="meta", dtype=w.dtype)
     return load_shards_from(layer, norm)
 
 
-def _build(model: nn.Module, mesh: Mesh) -> dict[str, nn.Module]:
+def _build(model: PreTrainedModel, mesh: Mesh) -> dict[str, nn.Module]:
     """``{module name: sharded replacement}`` (the model is not touched)."""
     base = model.model
     out: dict[str, nn.Module] = {}
@@ -261,13 +275,13 @@ def _build(model: nn.Module, mesh: Mesh) -> dict[str, nn.Module]:
 # -- 3. install -----------------------------------------------------------------------------
 
 
-def _install(model: nn.Module, built: dict[str, nn.Module], mesh: Mesh, parallel_loss: bool):
+def _install(model: PreTrainedModel, built: dict[str, nn.Module], mesh: Mesh, parallel_loss: bool):
     from .meta_guard import guard_meta
 
     for name, new in built.items():
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent), attr, new)
-    heads = model_heads(model.config)
+    heads = _heads(model.config)
     q = mesh.grid_side
     for layer in model.model.layers:
         patch_attention_module(layer.self_attn, heads, q, heads.kv // q)
@@ -278,7 +292,7 @@ def _install(model: nn.Module, built: dict[str, nn.Module], mesh: Mesh, parallel
     _wrap_forward(model, mesh)
 
 
-def _wrap_forward(model: nn.Module, mesh: Mesh) -> None:
+def _wrap_forward(model: PreTrainedModel, mesh: Mesh) -> None:
     """Full ``input_ids`` (and ``attention_mask`` / ``position_ids`` / ``labels``) in, this
     rank's batch chunk through the model, the loss from the sharded logits. On a 3d mesh the
     per-sample ``attention_mask`` / ``position_ids`` are the 3d-b chunk (that of q/k/v), so the

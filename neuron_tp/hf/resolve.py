@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .fallback import guess_structure, shipped_styles
+from .fallback import guess_structure, output_embeddings, shipped_styles
 from .plans import STYLES, ArchPlan, ModelStructure, Style, arch_plan
 
 
@@ -229,7 +229,7 @@ def _explicit_structure(model: nn.Module, arch: ArchPlan) -> ModelStructure:
 def _explicit_lm_head(model: nn.Module, arch: ArchPlan, source: str) -> str | None:
     """``arch.lm_head`` when it is the model's output embedding; None for a model without
     one (a base model, a classifier)."""
-    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    out = output_embeddings(model)
     if out is None:
         return None
     if _lookup(model, arch.lm_head) is out:

@@ -10,6 +10,7 @@ return (``input_layout`` / ``output_layout``)."""
 from __future__ import annotations
 
 import weakref
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -18,6 +19,9 @@ from ..layers.activation_layout import REPLICATED, SHARDED_SEQUENCE
 from ..parallel import gathered_linears, regions
 from ..parallel.mesh import Group, Mesh
 from ..parallel.sharding import get_sharding, mark_sequence_parallel
+
+if TYPE_CHECKING:
+    from .modules import HFColumnLinear
 
 
 def _first_input(args, kwargs):
@@ -39,7 +43,13 @@ def check_sequence_parallel(
             f"{type(model).__name__}: sequence_parallel needs a decoder with a "
             "list of layers and a final norm (norm / ln_f / final_layernorm)"
         )
-    return model.get_submodule(layers_name), model.get_submodule(norm_name)
+    layers = model.get_submodule(layers_name)
+    if not isinstance(layers, nn.ModuleList):
+        raise ValueError(
+            f"{type(model).__name__}: sequence_parallel needs the decoder layers "
+            f"{layers_name!r} as a ModuleList, not a {type(layers).__name__}"
+        )
+    return layers, model.get_submodule(norm_name)
 
 
 class ScatterSequence:
@@ -106,7 +116,7 @@ class SharedInputRegion:
     def __init__(
         self,
         tp: Group,
-        children: list[nn.Module],
+        children: list[HFColumnLinear],
         sequence_parallel: bool,
         regather: bool = True,
     ):
@@ -130,7 +140,7 @@ class SharedInputRegion:
 
 def install_input_region(
     parent: nn.Module,
-    children: list[nn.Module],
+    children: list[HFColumnLinear],
     mesh: Mesh,
     sequence_parallel: bool,
     regather: bool = True,

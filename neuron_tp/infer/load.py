@@ -41,7 +41,10 @@ def skipped_checkpoints(path: str, chosen: str) -> list[str]:
     root, name = os.path.split(chosen.rstrip("/"))
     if os.path.normpath(chosen) == os.path.normpath(path):
         return []  # a step directory named explicitly
-    step = int(STEP_RE.match(name).group(1))
+    m = STEP_RE.match(name)
+    if m is None:
+        raise ValueError(f"{chosen}: not a step directory")
+    step = int(m.group(1))
     return [os.path.join(root, step_name(s)) for s in step_dirs(root) if s > step]
 
 
@@ -152,7 +155,7 @@ def load_for_generation(args: GenerateConfig | argparse.Namespace, mesh):
     else:
         check_vocab(resolved, config_vocab(model_config(config.model, 0)), config.model)
         model = hf.from_pretrained(config.model, mesh, torch_dtype=dtype, wrap=wrap)
-    if wrap:
+    if wrap and config.adapter:  # wrap is set exactly when --adapter is
         model = merge_adapter_dir(model, config.adapter)
     from ..hf.int8_model import quantize
     from ..layers.quantized import Int8WeightLinear, is_quantized
@@ -200,6 +203,8 @@ def draft_config(config: GenerateConfig) -> GenerateConfig:
     or a draft of its own (same --tp, --dtype, --seed, --tokenizer)."""
     import dataclasses
 
+    if config.draft_model is None:
+        raise ValueError("draft_config: no --draft-model")
     return dataclasses.replace(
         config, model=config.draft_model, adapter=None, quantize="none", draft_model=None
     )

@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch import nn
 
 
 def pick_bucket(length: int, buckets: Sequence[int], what: str = "prompt") -> int:
@@ -34,13 +38,14 @@ def cache_kwargs(model, cache) -> dict:
     (transformers >= 5.24, which deprecates ``past_key_values=`` for removal in 5.40), else
     ``past_key_values``. A peft wrapper is looked through to its base model."""
     base = getattr(model, "get_base_model", None)
-    cls = type(base() if callable(base) else model)
-    return {_cache_name(cls): cache}
+    cls: type[nn.Module] = type(base() if callable(base) else model)
+    return {_cache_name(cls.forward): cache}
 
 
 @functools.cache
-def _cache_name(cls: type) -> str:
-    params = inspect.signature(cls.forward).parameters  # follows functools.wraps wrappers
+def _cache_name(forward: Callable[..., object]) -> str:
+    """Keyed by the class's forward function (a class object is not Hashable to mypy)."""
+    params = inspect.signature(forward).parameters  # follows functools.wraps wrappers
     return "cache" if "cache" in params else "past_key_values"
 
 

@@ -19,8 +19,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import StaticCache
 
 from ..errors import UserError
 from .model_step import cache_kwargs, check_cache, no_aux_outputs, pick_bucket
@@ -221,7 +225,7 @@ class _CacheSlots:
 
     def __init__(self, config, total: int):
         self.config, self.total = config, total
-        self.cache = None
+        self.cache: StaticCache | None = None
 
     def fresh(self):
         from transformers import StaticCache
@@ -230,6 +234,8 @@ class _CacheSlots:
         return self.cache
 
     def values(self) -> list[torch.Tensor]:
+        if self.cache is None:
+            raise RuntimeError("decode traced before any prefill of this batch size")
         kinds = ("keys", "values", "cumulative_length")
         return [getattr(layer, k) for layer in self.cache.layers for k in kinds]
 

@@ -122,8 +122,10 @@ def _trace_all(config, job: Job, layouts: list[Layout]) -> dict[tuple, dict | st
     for (key, where), res in zip(owners, flat):
         if isinstance(res, str):
             traced[key] = res
-        elif not isinstance(traced.get(key), str):
-            traced.setdefault(key, {})[where] = res
+        else:
+            entry = traced.setdefault(key, {})
+            if isinstance(entry, dict):  # not a key already refused (its reason kept)
+                entry[where] = res
     return traced
 
 
@@ -135,7 +137,7 @@ def _why_not(mem: Memory, usable: int) -> str:
         "activations": mem.activations,
         "comm buffer": mem.comm_buffer,
     }
-    big = max(parts, key=parts.get)
+    big = max(parts, key=parts.__getitem__)
     return (
         f"needs {mem.total / 2**30:.1f} GiB per core > {usable / 2**30:.1f} GiB usable "
         f"(largest: {big} {parts[big] / 2**30:.1f} GiB)"
@@ -152,11 +154,11 @@ def _verdict(job: Job, candidates: list[Candidate]) -> str:
     """What to do when nothing fits (more pipeline stages, or more nodes for ZeRO-1)."""
     if any(c.fits for c in candidates):
         return "fits"
-    sized = [c for c in candidates if c.memory is not None]
+    sized = [(c, c.memory) for c in candidates if c.memory is not None]
     if not sized:
         return "no layout can run: " + "; ".join(sorted({c.why for c in candidates}))[:500]
-    best = min(sized, key=lambda c: c.memory.total)
-    mem, lay = best.memory, best.layout
+    best, mem = min(sized, key=lambda cm: cm[1].total)
+    lay = best.layout
     rest = mem.total - mem.optimizer - mem.masters
     if rest > job.usable_bytes:
         return (
