@@ -102,6 +102,12 @@ def _losses(out: str) -> dict[int, float]:
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the job: torchrun's session and every process under it (torchrun starts its
+    workers in sessions of their own), even when the job failed half-way."""
+    with contextlib.suppress(psutil.Error):
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                child.kill()
     if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
