@@ -67,8 +67,7 @@ def _model(config: TrainConfig, problems: list[str]):
 
 def _data_problems(config: TrainConfig, tokenizer, layout: ParallelLayout) -> list[str]:
     """The training (and eval) data read as rank 0 of this layout would read it."""
-    from ..job.pairs import load_pairs
-    from ..job.sft_data import load_data
+    from ..job.sft_data import load_train_rows
     from . import preference
 
     out = []
@@ -76,23 +75,12 @@ def _data_problems(config: TrainConfig, tokenizer, layout: ParallelLayout) -> li
         if path is None:
             continue
         try:
-            if what == "--data" and config.preference.objective != "lm":
+            training = what == "--data"
+            if training:
                 preference.check_options(config)
-                data = load_pairs(
-                    path, tokenizer, config.seq_len, config.micro_batch, dp_size=layout.dp
-                )
-            else:
-                data = load_data(
-                    path,
-                    tokenizer,
-                    config.seq_len,
-                    config.micro_batch,
-                    dp_size=layout.dp,
-                    loss_on=config.loss_on,
-                    packing=config.packing,
-                    overlong=config.overlong,
-                    shuffle=False,
-                )
+            data = load_train_rows(
+                config, path, tokenizer, dp_size=layout.dp, training=training, in_order=True
+            )
         except (UserError, OSError) as e:
             out.append(f"{what} {path}: {e}")
             continue

@@ -24,7 +24,7 @@ from ..hf.attention import takes_segments
 from ..hf.packing import IGNORE_INDEX, model_inputs
 from ..job.config import TrainConfig
 from ..job.data import RowData
-from ..job.sft_data import load_data
+from ..job.sft_data import load_train_rows
 from ..parallel import comm
 from ..parallel.mesh import Mesh
 from ..pipeline.runner import PipelineRunner
@@ -47,18 +47,14 @@ def eval_data(config: TrainConfig, tokenizer, mesh: Mesh) -> RowData | None:
             ".arrow file or a directory of them"
         )
     try:
-        data = load_data(
+        data = load_train_rows(
+            config,
             config.eval.data,
             tokenizer,
-            config.seq_len,
-            config.micro_batch,
             dp_size=mesh.dp_size,
             dp_rank=mesh.dp_rank,
-            seed=config.seed,
-            loss_on=config.loss_on,
-            packing=config.packing,
-            overlong=config.overlong,
-            shuffle=False,
+            training=False,
+            in_order=True,
         )
     except UserError as e:
         raise UserError(f"--eval-data: {e}") from None

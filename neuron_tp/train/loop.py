@@ -31,10 +31,9 @@ from ..hf.recompute import apply_activation_checkpointing
 from ..job.config import TrainConfig
 from ..job.data import RowData, vocab_size
 from ..job.layout_rules import BatchShape, refuse
-from ..job.pairs import load_pairs
 from ..job.presets import build_model, is_preset, model_config, preload
 from ..job.runtime import BUILD_LOCK, rank_device, start
-from ..job.sft_data import load_data
+from ..job.sft_data import load_train_rows
 from ..job.tokenizer import check_vocab, checkpoint_assets, config_vocab, resolve_tokenizer
 from ..optim.adamw import WarmupCosine, make_optimizer
 from ..optim.grads import reduce_gradients
@@ -118,30 +117,9 @@ def setup(args: TrainConfig | argparse.Namespace, mesh: Mesh | None = None) -> R
         hf_config = model_config(config.model, resolved.size)
         check_vocab(resolved, config_vocab(hf_config), config.model)
         layout = _layout(config, world, mesh, hf_config)  # this rank's place; the layout's checks
-        if config.preference.objective != "lm":  # preference pairs, padded, never packed
-            data = load_pairs(
-                config.data,
-                tokenizer,
-                config.seq_len,
-                config.micro_batch,
-                dp_size=layout.dp_size,
-                dp_rank=layout.dp_rank,
-                seed=config.seed,
-            )
-        else:
-            data = load_data(
-                config.data,
-                tokenizer,
-                config.seq_len,
-                config.micro_batch,
-                dp_size=layout.dp_size,
-                dp_rank=layout.dp_rank,
-                seed=config.seed,
-                loss_on=config.loss_on,
-                packing=config.packing,
-                overlong=config.overlong,
-                cache=config.data_cache,
-            )
+        data = load_train_rows(
+            config, config.data, tokenizer, dp_size=layout.dp_size, dp_rank=layout.dp_rank
+        )
         evaluation = eval_data(config, tokenizer, layout)
         if any("segment_ids" in d.rows for d in (data, evaluation) if d is not None):
             check_packable(hf_config, config.seq_len)  # a 4D mask, or segment ids at --cp
