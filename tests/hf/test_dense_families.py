@@ -32,6 +32,7 @@ from dense_families import (  # noqa: E402
     drops,
     family_table,
 )
+from doc_tables import check_docs_table  # noqa: E402
 
 TP = 2
 ATOL, RTOL = 1e-4, 1e-3
@@ -224,20 +225,14 @@ DOCS = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "hf.md")
 
 
 def _check_docs_table(results: dict) -> None:
-    """docs/hf.md's dense family table is what this sweep finds; ``NTP_WRITE_DENSE_TABLE=1``
-    rewrites it from the results instead."""
-    want = family_table(results)
+    """docs/hf.md's family table is what this sweep finds (``NTP_WRITE_DENSE_TABLE=1``
+    rewrites it)."""
     with open(DOCS) as f:
-        text = f.read()
-    have = docs_table(text)
-    if os.environ.get("NTP_WRITE_DENSE_TABLE") == "1":
-        assert have is not None, "docs/hf.md has no generated dense family table to replace"
-        with open(DOCS, "w") as f:
-            f.write(text.replace(have, want))
-        return
-    stale = sorted(set((have or "").splitlines()) ^ set(want.splitlines()))
-    assert have == want, (
-        "docs/hf.md's dense family table differs from what the sweep finds (rewrite it with "
-        "NTP_WRITE_DENSE_TABLE=1 pytest tests/hf/test_dense_families.py); lines that differ:\n"
-        + "\n".join(stale)
+        have = docs_table(f.read())
+    check_docs_table(
+        DOCS,
+        family_table(results),
+        have,
+        "NTP_WRITE_DENSE_TABLE",
+        "tests/hf/test_dense_families.py",
     )

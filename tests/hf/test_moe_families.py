@@ -24,6 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "helpers"))
 import gloo_dist  # noqa: E402
+from doc_tables import check_docs_table  # noqa: E402
 from moe_families import (  # noqa: E402
     V,
     build_family,
@@ -357,20 +358,10 @@ DOCS = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "moe.md")
 
 
 def _check_docs_table(results: dict) -> None:
-    """docs/moe.md's family table is what this sweep proves; ``NTP_WRITE_MOE_TABLE=1``
-    rewrites it from the results instead."""
-    want = family_table(results)
+    """docs/moe.md's family table is what this sweep finds (``NTP_WRITE_MOE_TABLE=1``
+    rewrites it)."""
     with open(DOCS) as f:
-        text = f.read()
-    have = docs_table(text)
-    if os.environ.get("NTP_WRITE_MOE_TABLE") == "1":
-        assert have is not None, "docs/moe.md has no generated family table to replace"
-        with open(DOCS, "w") as f:
-            f.write(text.replace(have, want))
-        return
-    stale = sorted(set((have or "").splitlines()) ^ set(want.splitlines()))
-    assert have == want, (
-        "docs/moe.md's MoE family table differs from what the sweep proves (rewrite it with "
-        "NTP_WRITE_MOE_TABLE=1 pytest tests/hf/test_moe_families.py); lines that differ:\n"
-        + "\n".join(stale)
+        have = docs_table(f.read())
+    check_docs_table(
+        DOCS, family_table(results), have, "NTP_WRITE_MOE_TABLE", "tests/hf/test_moe_families.py"
     )
