@@ -88,19 +88,11 @@ def _prompt_lookup(bound: str, default: int):  # neuron_tp.infer.ngram
 
 
 @dataclass(frozen=True)
-class GenerateConfig(CommonConfig):
-    """``neuron-tp generate`` options (tp ranks launched by torchrun)."""
+class ModelLoadConfig(CommonConfig):
+    """The options ``generate`` and ``serve`` share: how the model is loaded (dtype, an
+    adapter, int8 weights), the KV cache's split and speculation."""
 
-    PROG: ClassVar[str] = "neuron-tp generate"
-    DESCRIPTION: ClassVar[str] = "Sharded generation with static shapes."
-
-    prompt: list[str] = opt("--prompt", [], "a prompt (repeatable)", action="append")
-    prompts_file: str | None = opt("--prompts-file", None, "one prompt per line")
-    max_new_tokens: int = opt("--max-new-tokens", 32, type=pos(int))
     buckets: list[int] = opt("--buckets", buckets("32,128,512"), **_BUCKETS)  # sorted
-    batch_buckets: list[int] = _batch_buckets(  # sorted; more prompts: several batches
-        "more prompts run in several batches"
-    )
     dtype: str = opt("--dtype", "float32", **_DTYPE)
     adapter: str | None = opt("--adapter", None, _ADAPTER, metavar="DIR")  # merged on load
     quantize: str = opt(  # "int8": weight-only int8 linears (neuron_tp.layers.quantized)
@@ -112,6 +104,21 @@ class GenerateConfig(CommonConfig):
     speculation_method: str | None = _speculation_method()
     prompt_lookup_max: int = _prompt_lookup("max", 4)
     prompt_lookup_min: int = _prompt_lookup("min", 1)
+
+
+@dataclass(frozen=True)
+class GenerateConfig(ModelLoadConfig):
+    """``neuron-tp generate`` options (tp ranks launched by torchrun)."""
+
+    PROG: ClassVar[str] = "neuron-tp generate"
+    DESCRIPTION: ClassVar[str] = "Sharded generation with static shapes."
+
+    prompt: list[str] = opt("--prompt", [], "a prompt (repeatable)", action="append")
+    prompts_file: str | None = opt("--prompts-file", None, "one prompt per line")
+    max_new_tokens: int = opt("--max-new-tokens", 32, type=pos(int))
+    batch_buckets: list[int] = _batch_buckets(  # sorted; more prompts: several batches
+        "more prompts run in several batches"
+    )
     do_sample: bool = opt("--do-sample", False, action="store_true")
     temperature: float = opt("--temperature", 1.0, type=pos(float))
     top_k: int = opt("--top-k", 0, "0 = no top-k filter", type=non_negative(int))
@@ -127,7 +134,7 @@ class GenerateConfig(CommonConfig):
 
 
 @dataclass(frozen=True)
-class ServeConfig(CommonConfig):
+class ServeConfig(ModelLoadConfig):
     """``neuron-tp serve`` options (tp ranks launched by torchrun; rank 0 serves HTTP)."""
 
     PROG: ClassVar[str] = "neuron-tp serve"
@@ -141,22 +148,10 @@ class ServeConfig(CommonConfig):
         "the largest max_tokens a request may ask for (sets the KV cache length)",
         type=pos(int),
     )
-    buckets: list[int] = opt("--buckets", buckets("32,128,512"), **_BUCKETS)  # sorted
     batch_buckets: list[int] = _batch_buckets(  # sorted: concurrent requests share a batch
         "the largest is the number of decode slots (requests generating at once); decode "
         "graphs exist for each"
     )
-    dtype: str = opt("--dtype", "float32", **_DTYPE)
-    adapter: str | None = opt("--adapter", None, _ADAPTER, metavar="DIR")  # merged on load
-    quantize: str = opt(  # "int8": weight-only int8 linears (neuron_tp.layers.quantized)
-        "--quantize", "none", _QUANTIZE_HELP, choices=("none", "int8")
-    )
-    draft_model: str | None = _draft_model()
-    speculation_length: int = _speculation_length()
-    kv_split: str = _kv_split()
-    speculation_method: str | None = _speculation_method()
-    prompt_lookup_max: int = _prompt_lookup("max", 4)
-    prompt_lookup_min: int = _prompt_lookup("min", 1)
     prefill_chunk: int = opt(  # longer prompts: several steps
         "--prefill-chunk",
         256,
@@ -247,8 +242,7 @@ class ServeConfig(CommonConfig):
 
     def generate_config(self) -> GenerateConfig:
         """The equivalent ``neuron-tp generate`` options (for loading the model): the shared
-        ones, the others at their defaults."""
-        shared = {
-            f.name: getattr(self, f.name) for f in fields(GenerateConfig) if hasattr(self, f.name)
-        }
-        return GenerateConfig(**shared)
+        ones (:class:`ModelLoadConfig`'s fields, and ``--max-new-tokens`` and
+        ``--batch-buckets``, which both declare), the others at their defaults."""
+        names = [f.name for f in fields(ModelLoadConfig)] + ["max_new_tokens", "batch_buckets"]
+        return GenerateConfig(**{name: getattr(self, name) for name in names})
