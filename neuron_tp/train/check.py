@@ -67,7 +67,7 @@ def _model(config: TrainConfig, problems: list[str]):
 
 def _data_problems(config: TrainConfig, tokenizer, layout: ParallelLayout) -> list[str]:
     """The training (and eval) data read as rank 0 of this layout would read it."""
-    from ..job.sft_data import load_train_rows
+    from ..job.train_data import load_train_rows
     from . import preference
 
     out = []

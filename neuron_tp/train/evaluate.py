@@ -24,7 +24,7 @@ from ..hf.attention import takes_segments
 from ..hf.packing import IGNORE_INDEX, model_inputs
 from ..job.config import TrainConfig
 from ..job.data import RowData
-from ..job.sft_data import load_train_rows
+from ..job.train_data import load_train_rows
 from ..parallel import comm
 from ..parallel.mesh import Mesh
 from ..pipeline.runner import PipelineRunner

@@ -33,8 +33,8 @@ from ..job.data import RowData, vocab_size
 from ..job.layout_rules import BatchShape, refuse
 from ..job.presets import build_model, is_preset, model_config, preload
 from ..job.runtime import BUILD_LOCK, rank_device, start
-from ..job.sft_data import load_train_rows
 from ..job.tokenizer import check_vocab, checkpoint_assets, config_vocab, resolve_tokenizer
+from ..job.train_data import load_train_rows
 from ..optim.adamw import WarmupCosine, make_optimizer
 from ..optim.grads import reduce_gradients
 from ..parallel import comm
