@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
+
+from http_app import free_port as _free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOKENIZER = os.path.join(REPO, "examples", "sft", "tokenizer")
@@ -72,12 +73,6 @@ def _model_dir(path: str) -> str:
     LlamaForCausalLM(cfg).save_pretrained(path)
     tok.save_pretrained(path)
     return path
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _evaluate(model: str, model_args: str, tasks_dir: str) -> dict:

@@ -9,9 +9,6 @@ streamed log-probabilities) and the refusals of a speculative generator."""
 from __future__ import annotations
 
 import copy
-import socket
-import threading
-import time
 
 import openai
 import pytest
@@ -19,6 +16,8 @@ import sampling_cases as sc
 import torch
 
 import gloo_dist
+from http_app import free_port as _free_port
+from http_app import listen as _listen
 
 
 def test_top_p_min_p_top_k_draw_inside_their_set_with_the_renormalised_distribution():
@@ -128,28 +127,6 @@ def test_engine_tp2_on_two_xla_devices_compiles_nothing_after_warmup(full):
 
 
 # -- the HTTP API ----------------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _listen(app, port: int):
-    import uvicorn
-
-    server = uvicorn.Server(uvicorn.Config(app, "127.0.0.1", port, log_level="error"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.02)
-
-    def stop():
-        server.should_exit = True
-        thread.join(10)
-
-    return stop
 
 
 def _client(url: str) -> openai.OpenAI:

@@ -29,6 +29,8 @@ import pytest
 import torch
 
 import gloo_dist
+from http_app import free_port as _free_port
+from http_app import listen as _listen
 from neuron_tp.infer.completion_request import chat_prompt, encode_prompt
 from neuron_tp.infer.sampling import GREEDY, Sampling
 from neuron_tp.infer.static_generator import Generator
@@ -42,12 +44,6 @@ OPTIONS = {
     "max_new_tokens": 24,
 }
 PROMPTS = ["Hello", "The cat", "Once upon", "abc", "xyz!", "Hi there", "Tensor", "A"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _config(port: int, tp: int = 1):
@@ -113,23 +109,6 @@ def tp1():
     yield engine, ref, f"http://127.0.0.1:{config.port}"
     stop()
     engine.shutdown(10)
-
-
-def _listen(app, port: int):
-    """Serve ``app`` with uvicorn on a thread; returns the function that stops it."""
-    import uvicorn
-
-    server = uvicorn.Server(uvicorn.Config(app, "127.0.0.1", port, log_level="error"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.02)
-
-    def stop():
-        server.should_exit = True
-        thread.join(10)
-
-    return stop
 
 
 def _client(url: str) -> openai.OpenAI:
