@@ -107,6 +107,10 @@ def user_error_exit(cmd: str, error: UserError) -> int:
     after that wait, naming itself, if the launcher has not stopped it by then: an error is
     never lost."""
     rank = int(os.environ.get("RANK", "0"))
+    if "neuron_tp.parallel.store" in sys.modules:
+        from ..parallel.store import stop_heartbeat
+
+        stop_heartbeat()
     who = reporter(error)
     if rank == (0 if who is None else who):
         print(f"neuron-tp {cmd}: error: {error}", file=sys.stderr, flush=True)

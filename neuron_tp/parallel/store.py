@@ -182,10 +182,17 @@ def _beat(addr: str, port: int, rank: int) -> None:
     try:
         client = dist.TCPStore(addr, port, None, False, datetime.timedelta(seconds=5))
         while not _beat_stop.is_set():
+            _listening(addr, port)  # a server gone (rank 0 exited): stop without a C++ warning
             client.add(HEARTBEAT.format(rank=rank), 1)
             _beat_stop.wait(BEAT_S)
     except Exception:  # noqa: BLE001  (the store's server is gone: nothing left to tell)
         return
+
+
+def stop_heartbeat() -> None:
+    """End this rank's heartbeat now (a rank leaving with an error: rank 0's store may go
+    first, and a beat against it would print the store client's warning)."""
+    _beat_stop.set()
 
 
 def _stop_beat(beat: threading.Thread) -> None:
