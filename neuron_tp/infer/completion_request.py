@@ -34,6 +34,7 @@ from typing import Any
 
 from .engine import Engine
 from .grammar import json_grammar, schema_of
+from .lora_slots import AdapterRef
 from .sampling import MAX_LOGPROBS, MAX_SEED, Sampling
 from .schedule import Output
 from .tools import ToolChoice, tool_choice
@@ -103,6 +104,7 @@ class CompletionRequest:
     prompts: list[list[int]]
     max_tokens: list[int] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)
+    adapter: AdapterRef | None = None  # the LoRA adapter ``model`` names (None: the base)
 
 
 class BadRequest(ValueError):
