@@ -4,8 +4,6 @@ base model (``parent``: the base), ``POST /v1/load_lora_adapter`` ``{"lora_name"
 (the API key guards them like every route), and :func:`requested_adapter` resolves a
 request's ``model``: the served name is the base model, an adapter's name that adapter."""
 
-from __future__ import annotations
-
 import asyncio
 
 from ..errors import UserError
