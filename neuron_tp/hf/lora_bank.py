@@ -35,6 +35,7 @@ from torch import nn
 
 from ..errors import UserError
 from ..layers import RowParallelLinear
+from ..layers.quantized import Int8WeightLinear
 from .lora_files import PEFT_PREFIX, SAFETENSORS, read_adapter_config
 from .lora_slices import column_lora_rows, hf_out_rows, row_lora_columns
 from .modules import HFColumnLinear
@@ -118,34 +119,37 @@ def read_adapter(path: str) -> AdapterWeights:
 class _Target:
     """One projection's stacked adapter weights (host copies; on the device: ``bank.tensors``)."""
 
-    def __init__(self, name: str, base: nn.Module, slots: int, rank: int):
+    def __init__(self, name: str, base: HFColumnLinear | RowParallelLinear, slots: int, rank: int):
         self.name, self.base = name, base
+        if isinstance(base, Int8WeightLinear):  # never dequantized here: its shape and dtype
+            local_shape, self.dtype = tuple(base.qweight.shape), base.weight_scale.dtype
+        else:
+            local_shape, self.dtype = tuple(base.weight.shape), base.weight.dtype
+        self.in_full = int(base.in_features)
         self.column = isinstance(base, HFColumnLinear)
-        local = base.qweight if hasattr(base, "qweight") else base.weight
-        self.dtype = base.weight_scale.dtype if hasattr(base, "qweight") else local.dtype
-        self.in_full = base.in_features
-        self.out_full = hf_out_rows(base) if self.column else base.out_features
+        self.out_full = hf_out_rows(base) if isinstance(base, HFColumnLinear) else base.out_features
         width = slots * rank
-        a_in = self.in_full if self.column else local.shape[1]
-        b_out = local.shape[0] if self.column else self.out_full
+        a_in = self.in_full if self.column else local_shape[1]
+        b_out = local_shape[0] if self.column else self.out_full
         self.a = torch.zeros(width, a_in, dtype=self.dtype)
         self.b = torch.zeros(b_out, width, dtype=self.dtype)
 
     def local(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's ``(A, B)`` of the full pair."""
-        if self.column:
+        if isinstance(self.base, HFColumnLinear):
             return a, column_lora_rows(self.base, b)
         return row_lora_columns(self.base, a), b
 
 
-def lora_targets(model: nn.Module) -> dict[str, nn.Module]:
+def lora_targets(model: nn.Module) -> dict[str, HFColumnLinear | RowParallelLinear]:
     """``{name: layer}`` of the projections a bank covers: column-parallel ones with a split
     output and row-parallel ones, outside the LM head."""
-    out = {}
+    out: dict[str, HFColumnLinear | RowParallelLinear] = {}
     for name, mod in model.named_modules():
         column = isinstance(mod, HFColumnLinear) and not mod.gather_output
-        if (column or isinstance(mod, RowParallelLinear)) and not mod.skip_bias_add:
-            out[name] = mod
+        if isinstance(mod, RowParallelLinear) or column:
+            if not mod.skip_bias_add:
+                out[name] = mod
     return out
 
 
@@ -205,7 +209,7 @@ class LoraBank:
         if not 0 <= slot < self.slots:
             raise ValueError(f"slot {slot} outside 0..{self.slots - 1}")
         bad = [] if weights is None else self.problems(weights)
-        if bad:
+        if weights is not None and bad:
             raise UserError(f"{weights.path}: " + "; ".join(bad))
         cols = slice(slot * self.max_rank, (slot + 1) * self.max_rank)
         for name, t in self.targets.items():

@@ -6,20 +6,21 @@ row-parallel base takes its input columns of ``lora_A`` and keeps ``lora_B`` who
 from __future__ import annotations
 
 import torch
-from torch import nn
 
+from ..layers import RowParallelLinear
 from ..parallel.sharding import Sharding, shard_of
+from .modules import HFColumnLinear
 from .slice_map import HFSliceMap, get_slice_map, read_local
 
 
-def hf_out_rows(base: nn.Module) -> int:
+def hf_out_rows(base: HFColumnLinear) -> int:
     """Rows of the HF weight a column-parallel ``base`` was sharded from (each replicated kv
     row once)."""
     keep = get_slice_map(base, "weight").keep_rows
-    return len(keep) if keep is not None else base.out_features
+    return len(keep) if keep is not None else int(base.out_features)
 
 
-def column_lora_rows(base: nn.Module, b_full: torch.Tensor) -> torch.Tensor:
+def column_lora_rows(base: HFColumnLinear, b_full: torch.Tensor) -> torch.Tensor:
     """This rank's rows of the full ``lora_B`` ``[out, r]`` of column-parallel ``base`` (the
     rows its weight holds: packed parts, replicated kv heads, padding)."""
     pieces = get_slice_map(base, "weight").pieces
@@ -30,6 +31,6 @@ def column_lora_rows(base: nn.Module, b_full: torch.Tensor) -> torch.Tensor:
     return read_local(read, tuple(b_full.shape), HFSliceMap(0, pieces))
 
 
-def row_lora_columns(base: nn.Module, a_full: torch.Tensor) -> torch.Tensor:
+def row_lora_columns(base: RowParallelLinear, a_full: torch.Tensor) -> torch.Tensor:
     """This rank's input columns of the full ``lora_A`` ``[r, in]`` of row-parallel ``base``."""
     return shard_of(a_full, Sharding((("tp", 1),), tuple(a_full.shape)), base.mesh)

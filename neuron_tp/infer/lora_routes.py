@@ -83,9 +83,10 @@ def add_lora_routes(app, engine: Engine, limits, error) -> None:
         body = await body_of(request, ("lora_name", "lora_path"))
         if not isinstance(body, dict):
             return body
-        name = body["lora_name"]
+        name, adapters = body["lora_name"], engine.adapters
+        assert adapters is not None  # checked by body_of
         try:  # reads and checks the whole adapter: off the event loop
-            await asyncio.to_thread(engine.adapters.load, name, body["lora_path"])
+            await asyncio.to_thread(adapters.load, name, body["lora_path"])
         except UserError as e:
             return error(400, str(e), param="lora_path")
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
@@ -95,9 +96,10 @@ def add_lora_routes(app, engine: Engine, limits, error) -> None:
         body = await body_of(request, ("lora_name",))
         if not isinstance(body, dict):
             return body
-        name = body["lora_name"]
+        name, adapters = body["lora_name"], engine.adapters
+        assert adapters is not None  # checked by body_of
         try:
-            engine.adapters.unload(name)
+            adapters.unload(name)
         except KeyError:
             message = f"The LoRA adapter {name!r} is not loaded (GET /v1/models)"
             return error(404, message, "not_found_error", param="lora_name", code="model_not_found")

@@ -51,7 +51,7 @@ class ChunkMeta(NamedTuple):
 
     @classmethod
     def read(cls, meta: torch.Tensor) -> ChunkMeta:
-        return cls(*(meta[i : i + 1] for i in range(len(cls._fields))))
+        return cls._make(meta[i : i + 1] for i in range(len(cls._fields)))
 
 
 def default_prefill_buckets(chunk: int) -> list[int]:
@@ -87,7 +87,7 @@ def seq_split(model, mode: str, max_len: int):
 
     state = state_of(model)
     tp = 1 if state is None else state.mesh.tp_size
-    if kv_split.resolve(mode, model.config, tp) == "heads":
+    if state is None or kv_split.resolve(mode, model.config, tp) == "heads":
         return None
     split = kv_split.make_split(model, state.mesh, max_len)
     kv_split.attach(model, split)

@@ -5,7 +5,7 @@ adapters selected (:meth:`~.slot_generator.SlotGenerator.adapters`) and returns 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
@@ -13,8 +13,18 @@ from .model_step import cache_kwargs, no_aux_outputs
 from .sampling import choose_adjusted, token_logprobs
 from .slot_records import ChunkMeta, SlotState
 
-if TYPE_CHECKING:
-    from .slot_generator import SlotGenerator
+
+class SlotGenerator(Protocol):
+    """What the steps read of their :class:`~.slot_generator.SlotGenerator`."""
+
+    model: Any
+    max_len: int
+    slots: int
+    split: Any
+
+    def cache_mask(self, qpos: torch.Tensor) -> torch.Tensor: ...
+    def with_split_attention(self, step): ...
+    def adapters(self, index: torch.Tensor): ...
 
 
 def prefill_step(gen: SlotGenerator, bucket: int, sampled: bool, prompt_lp: bool = False):

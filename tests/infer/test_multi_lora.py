@@ -146,11 +146,11 @@ def test_bank_refuses_what_it_cannot_hold(paths, tmp_path):
 def test_mixed_adapters_on_two_xla_devices_compile_nothing_after_warmup(paths):
     """tp 2 on two XLA CPU devices, replayed graphs: the trace's requests equal peft's merged
     models, and loading adapters into the bank while serving compiled no graph."""
-    import lora_xla_cases
+    import multi_lora_xla_cases
 
     import xla_dist
 
-    r0, r1 = xla_dist.run(lora_xla_cases.job, paths, 24, devices=2)
+    r0, r1 = xla_dist.run(multi_lora_xla_cases.job, paths, 24, devices=2)
     for r in (r0, r1):
         assert r["traces"][0] == r["traces"][1] > 0, r
         assert r["loads"] > lc.BANK, r
