@@ -1,13 +1,13 @@
 """Decode throughput with many LoRA adapters in one batch vs the merged single model, on the
 XLA CPU device (replayed graphs), and the time to put an adapter into the bank.
 
-A Llama of ``--layers`` layers and ``--hidden`` width, 8 slots all decoding. Rows side by side:
-the model without a bank (what a server with one merged adapter runs), then the same model
-with a bank of ``--max-loras`` slots of rank ``--rank`` on every attention and MLP projection,
-its rows naming no adapter, one adapter (all rows) and 4 distinct adapters. Tokens/s is
-active rows / wall time per decode step; the graph count must not grow while timing (writing
-adapters into the bank is data). Also: ``LoraBank.write`` (this rank's slices, host stacks,
-upload) and ``read_adapter`` (a PEFT directory) times.
+A Llama of ``--layers`` layers and ``--hidden`` width (4 heads, 2 kv heads), 8 slots all
+decoding. Rows side by side: the model without a bank (what a server with one merged adapter
+runs), then the same model with a bank of ``--max-loras`` slots of rank ``--rank`` on every
+attention and MLP projection, its rows naming no adapter, one adapter (all rows) and 4 distinct
+adapters. Tokens/s is active rows / wall time per decode step; the graph count must not grow
+while timing (writing adapters into the bank is data). Also: ``LoraBank.write`` (this rank's
+slices, host stacks, upload) and ``read_adapter`` (a PEFT directory) times.
 
 Usage: ``PJRT_DEVICE=CPU python benchmarks/lora_serve.py [--layers 4] [--hidden 256]
 [--rank 16] [--steps 48] [--repeats 3]``; each row is the fastest of its repeats, run
@@ -27,25 +27,10 @@ import torch
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from int8_weights import tiny_llama  # noqa: E402
 from slots_decode import measure_slots  # noqa: E402
 
 SLOTS = 8
-
-
-def llama(layers: int, hidden: int):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        hidden_size=hidden,
-        intermediate_size=hidden * 11 // 4,
-        num_hidden_layers=layers,
-        num_attention_heads=max(hidden // 64, 1) * 4,
-        num_key_value_heads=max(hidden // 64, 1),
-        vocab_size=32000,
-        max_position_embeddings=1024,
-    )
-    return LlamaForCausalLM(cfg).eval()
 
 
 def random_adapter(bank, rank: int, seed: int):
@@ -91,7 +76,7 @@ def main() -> None:
     from neuron_tp.hf.lora_bank import LoraBank, read_adapter
     from neuron_tp.infer.slot_generator import SlotGenerator
 
-    base = llama(args.layers, args.hidden)
+    base = tiny_llama(args.hidden, args.layers)
     shape = dict(max_len=args.steps + 32, chunk=16, decode_buckets=[SLOTS])
     plain = hf.parallelize(copy.deepcopy(base), ntp.Mesh(1, 0)).eval().to(ntp.xla_device())
     gen0 = SlotGenerator(plain, SLOTS, **shape)
