@@ -180,6 +180,11 @@ def test_lora_bank_delta_is_the_merged_product():
     ]
     for slot, (a, b) in enumerate(pairs):
         bank.write(slot, AdapterWeights(f"x{slot}", a.shape[0], {name: (a, b)}))
+    wider = AdapterWeights("w", 4, {name: (pairs[0][0][:, :-2], pairs[0][1])})  # another model's
+    assert bank.problems(wider) == [
+        f"{name}: lora_A (4, {layer.in_features - 2}) / lora_B ({layer.out_features}, 4) do not "
+        f"fit the base projection [{layer.out_features}, {layer.in_features}]"
+    ]
     x = torch.randn(3, 5, layer.in_features, generator=g)
     index = torch.tensor([1, -1, 0])
     with torch.no_grad(), bank.bound(bank.tensors), bank.select(index):

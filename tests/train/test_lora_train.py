@@ -126,6 +126,15 @@ def test_lora_training_follows_unsharded_peft_and_saves_a_peft_adapter(tmp_path)
     torch.testing.assert_close(loaded(ids).logits, ref(ids).logits, atol=2e-4, rtol=1e-4)
     saved = load_file(str(adapter / "adapter_model.safetensors"))
     assert len(saved) == 2 * 4 * 2  # A and B of 4 target modules x 2 layers
+    # the same directory as a served adapter (neuron-tp serve --lora-modules NAME=DIR)
+    from neuron_tp import hf, init_mesh
+    from neuron_tp.hf.lora_bank import LoraBank, read_adapter
+
+    served = hf.parallelize(build_model("tiny-llama", 257, 0), init_mesh(tp=1)).eval()
+    bank = LoraBank(served, 2, 8)
+    bank.write(1, read_adapter(str(adapter)))
+    with torch.no_grad(), bank.bound(bank.tensors), bank.select(torch.tensor([1])):
+        torch.testing.assert_close(served(ids).logits, ref(ids).logits, atol=2e-4, rtol=1e-4)
     hf_losses, _ = reference_run(
         _args(
             tmp_path / "ref-hf",
