@@ -24,6 +24,8 @@ import gloo_dist  # noqa: E402
 import preference_reference as ref  # noqa: E402
 from tiny_tokenizer import CHAT_TEMPLATE, bpe_tokenizer_dir  # noqa: E402
 
+EVAL = ["--eval-data", "{base}/eval_pairs.jsonl", "--eval-every", "1"]
+PP = ["--tp", "1", "--pp", "2", "--micro-batch", "2", "--grad-accum", "2"]
 # case: (our extra options, conversational pairs, TRL's run)
 CASES = {
     "dpo": (["--objective", "dpo"], False, {"objective": "dpo"}),
@@ -52,8 +54,27 @@ CASES = {
         False,
         {"objective": "dpo"},
     ),
+    # the layouts beyond tp 1d: sequence parallel, cp 2 (ring attention), pp 2 (2 micro-batches
+    # of 2 pairs through the stages); evaluations after every step on other pairs
+    "dpo-sp-eval": (["--objective", "dpo", "--sequence-parallel", *EVAL], False, {}),
+    "dpo-cp-eval": (["--objective", "dpo", "--tp", "1", "--cp", "2", *EVAL], False, {}),
+    "orpo-cp": (["--objective", "orpo", "--tp", "1", "--cp", "2"], False, {}),
+    "dpo-pp-eval": (["--objective", "dpo", *PP, *EVAL], False, {}),
+    "dpo-lora-pp": (["--objective", "dpo", *PP, "--lora-r", "4", "--lora-alpha", "8"], False, {}),
 }
 TRL_RUNS = {"dpo", "dpo-lora", "orpo", "ipo-resume", "dpo-chat", "hinge"}  # zero1 reads "dpo"'s
+TRL_OF = {"dpo-zero1": "dpo", "dpo-dp2-accum": "dpo", "dpo-sp-eval": "dpo", "dpo-cp-eval": "dpo"}
+TRL_OF |= {"orpo-cp": "orpo", "dpo-pp-eval": "dpo", "dpo-lora-pp": "dpo-lora"}
+EVAL_KEYS = tuple(f"eval_{k}" for k in ("loss", *ref.KEYS))
+
+
+def _degrees(extra: list[str]) -> tuple[int, int, int]:
+    """(tp, cp, pp) of a case's options (tp 2 unless given)."""
+    got = {"--tp": 2, "--cp": 1, "--pp": 1}
+    for flag in got:
+        if flag in extra:
+            got[flag] = int(extra[extra.index(flag) + 1])
+    return got["--tp"], got["--cp"], got["--pp"]
 
 
 def _trl_reference(base: str) -> None:
@@ -62,6 +83,8 @@ def _trl_reference(base: str) -> None:
     for case in sorted(TRL_RUNS):
         _, chat, kw = CASES[case]
         pairs = f"{base}/chat_pairs.jsonl" if chat else f"{base}/pairs.jsonl"
+        if case == "dpo":  # with an evaluation after each step
+            kw = {**kw, "eval_pairs": f"{base}/eval_pairs.jsonl"}
         out[case] = ref.trl_run(pairs, f"{base}/tok", f"{base}/trl-{case}", **kw)
     out["orpo-written"] = ref.orpo_written(f"{base}/pairs.jsonl", f"{base}/tok")
     with open(f"{base}/trl.json", "w") as f:
@@ -75,7 +98,9 @@ def _ours(base: str) -> None:
 
     logs, notes = {}, {}
     for case, (extra, chat, _) in CASES.items():
-        mesh = gloo_dist.shared_mesh(1 if "dp2" in case else 2)
+        extra = [x.format(base=base) for x in extra]
+        tp, cp, pp = _degrees(extra)
+        mesh = gloo_dist.shared_mesh(tp, cp=cp, pp=pp)
         pairs = f"{base}/chat_pairs.jsonl" if chat else f"{base}/pairs.jsonl"
         argv = ["--device", "cpu", "--tp", "2", "--micro-batch", "4", "--data", pairs]
         argv += ["--tokenizer", f"{base}/tok", *ref.ARGS, *extra, "--output-dir", f"{base}/{case}"]
@@ -103,6 +128,7 @@ def runs(tmp_path_factory) -> tuple[dict, dict]:
     bpe_tokenizer_dir(f"{base}/tok", 300, chat_template=CHAT_TEMPLATE)
     ref.write_pairs(base)
     ref.write_pairs(base, conversational=True)
+    ref.write_pairs(base, evaluation=True)
     env = {**os.environ, "USE_TORCH_XLA": "0"}
     here = os.path.dirname(os.path.abspath(__file__))
     paths = [os.path.dirname(os.path.dirname(here)), os.path.dirname(ref.__file__), here]
@@ -117,17 +143,20 @@ def runs(tmp_path_factory) -> tuple[dict, dict]:
 
 def _compare(ours: list[dict], theirs: list[dict], keys=("loss", *ref.KEYS), tol=2e-5):
     assert [e["step"] for e in ours] == [1, 2, 3]
+    worst = 0.0
     for step, (a, b) in enumerate(zip(ours, theirs, strict=True), 1):
         for k in keys:
             assert math.isclose(a[k], float(b[k]), rel_tol=tol, abs_tol=tol), (step, k, a[k], b[k])
+            worst = max(worst, abs(a[k] - float(b[k])))
+    print(f"max |ours - reference| over {len(keys)} values x 3 steps: {worst:.2e}")
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c != "dpo-bf16"])
 def test_matches_trl(runs, case):
     trl, ours = runs
-    theirs = trl["dpo" if case in ("dpo-zero1", "dpo-dp2-accum") else case]
-    keys = ("loss", *ref.KEYS)
-    if case == "orpo":  # TRL's NLL is over prompt + completion: its first step's odds terms
+    theirs = trl[TRL_OF.get(case, case)]
+    keys = ("loss", *ref.KEYS) + (EVAL_KEYS if "eval" in case else ())
+    if case.startswith("orpo"):  # TRL's NLL is over prompt + completion: its first step's odds
         odds = [k for k in keys if k != "loss"] + ["log_odds_ratio", "log_odds_chosen"]
         for k in odds:
             assert ours["logs"][case][0][k] == pytest.approx(float(theirs[0][k]), abs=2e-5), k
@@ -215,9 +244,10 @@ def test_bad_rows_refused(tmp_path):
 @pytest.mark.parametrize(
     "extra, match",
     [
-        (["--pp", "2"], r"does not support --pp > 1"),
-        (["--cp", "2"], r"does not support --cp > 1"),
         (["--tp-mode", "2d", "--tp", "4"], r"does not support --tp-mode 2d"),
+        (["--pp", "2", "--cp", "2"], r"does not support --pp > 1 with --cp > 1"),
+        (["--ep", "2"], r"does not support --ep > 1"),
+        (["--data-cache", "x"], r"does not support --data-cache"),
         (["--dpo-loss", "ipo", "--label-smoothing", "0.1"], "sigmoid only"),
     ],
 )
