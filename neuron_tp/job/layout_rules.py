@@ -138,13 +138,13 @@ def _preference_rules(layout: ParallelLayout, shape: BatchShape) -> list[str]:
     unsupported = [f"--tp-mode {layout.tp_mode}"] if layout.tp_mode != "1d" else []
     unsupported += ["--ep > 1"] if layout.ep > 1 else []
     unsupported += ["--pp > 1 with --cp > 1"] if layout.pp > 1 and layout.cp > 1 else []
-    unsupported += ["--attention blockwise"] if layout.attention == "blockwise" else []
     if not unsupported:
         return []
     return [
         f"--objective {shape.objective} does not support {', '.join(unsupported)}: preference "
         "training runs with --tp (1d, with or without --sequence-parallel), --cp or --pp, "
-        "data parallelism, --zero1, --bf16, --lora-r, --grad-accum and --eval-data"
+        "data parallelism, --zero1, --bf16, --lora-r, --grad-accum, --attention blockwise "
+        "and --eval-data"
     ]
 
 
