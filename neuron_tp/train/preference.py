@@ -17,7 +17,14 @@ log-probabilities and ``c0``/``r0`` the reference's, ``z = (c - c0) - (r - r0)``
 The reference: with ``--lora-r`` the same model with its adapters disabled (no grad), else
 the initial model's log-probabilities of every pair, computed before the first step
 (:func:`reference_pass`) and stored in ``--output-dir`` (``reference_logps.pt``) so a resumed
-run reads them. Metrics (TRL's names) are means over the step's pairs.
+run reads them. Metrics (TRL's names) are means over the step's pairs; ``--eval-data`` pairs
+give the same as ``eval_*`` (:func:`eval_totals`).
+
+Layouts (the ones refused: :mod:`neuron_tp.job.layout_rules`): under ``--cp`` each rank of
+the ring sums its own completion tokens and the per-row sums are summed over the ring before
+the loss (:func:`sequence_logps`); under ``--pp`` a micro-batch of pairs crosses the stages as
+``2k`` rows and the last stage computes the sums, the loss and the metrics
+(:func:`pipeline_step`), the reference always computed ahead through the stages.
 """
 
 from __future__ import annotations

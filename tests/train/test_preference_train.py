@@ -5,9 +5,11 @@ reference). ORPO: TRL's ORPOTrainer for the first step's odds-ratio terms (its N
 prompt + completion), a written reference (the paper's, NLL on the completion) for 3 steps.
 Cases: DPO sigmoid with the precomputed reference (and with --zero1), LoRA DPO (reference:
 adapters disabled), ORPO, IPO resumed after step 2 (the stored reference read, not
-recomputed), conversational pairs with an implicit prompt. One DPO run on 2 XLA CPU devices:
-the same values, no compile after step 2. Bad rows and unsupported layouts are refused
-before training."""
+recomputed), conversational pairs with an implicit prompt; the layouts beyond tp: sequence
+parallel, blockwise attention, cp 2 (DPO, ORPO), pp 2 (DPO, LoRA DPO), with evaluations on
+other pairs after every step (TRL's eval_* values). DPO at tp 2 (also SP), cp 2 and pp 2 on 2
+XLA CPU devices: the same values, no compile after step 2. Bad rows and unsupported layouts
+are refused before training."""
 
 from __future__ import annotations
 
