@@ -36,7 +36,6 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import UserError
-from ..hf.attention import takes_segments
 from ..hf.context_parallel import split_rows
 from ..hf.packing import IGNORE_INDEX, next_token_targets
 from ..job.pairs import rows_checksum
@@ -105,15 +104,13 @@ def sequence_logps(model, mesh: Mesh, vocab: int, ids, labels, mask):
     """``(sum, count)`` per row: the summed log-probability of the completion tokens (labels
     other than -100, shifted as HF does) and how many there are. At cp > 1 the model runs on
     this rank's part of every row (no attention mask: the padding is at the end and the ring
-    is causal; so too under blockwise attention), its sums are this part's, summed over the
+    is causal), its sums are this part's, summed over the
     ring (backward: identity, so each rank's gradient is that of its own tokens, summed over
     the replicas by the optimizer)."""
     targets = next_token_targets(labels)
     if mesh.cp_size > 1:
         logits = model(input_ids=ids).logits
         targets = split_rows(mesh.cp, targets=targets)["targets"]
-    elif takes_segments(model.config):  # blockwise attention: causal, no mask
-        logits = model(input_ids=ids).logits
     else:
         logits = model(input_ids=ids, attention_mask=mask).logits
     logps, valid = token_logps(mesh, vocab, logits, targets)
