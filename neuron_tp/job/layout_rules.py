@@ -25,11 +25,14 @@ class BatchShape:
     seq_len: int
     micro_batch: int
     grad_accum: int = 1
+    objective: str = "lm"  # dpo / orpo: a micro-batch of pairs, 2 rows each
 
     @classmethod
     def of(cls, config) -> BatchShape:
         """The shape a ``TrainConfig`` (or anything with its fields) trains."""
-        return cls(config.seq_len, config.micro_batch, config.grad_accum)
+        pref = getattr(config, "preference", None)
+        objective = pref.objective if pref is not None else "lm"
+        return cls(config.seq_len, config.micro_batch, config.grad_accum, objective)
 
 
 def refusals(layout: ParallelLayout, shape: BatchShape, model_config=None) -> list[str]:
@@ -37,6 +40,7 @@ def refusals(layout: ParallelLayout, shape: BatchShape, model_config=None) -> li
     only the rules that need no model) at ``shape``; empty when it can."""
     out = layout.refusals()  # the degrees first: what no mesh of ``world`` ranks can hold
     out += _tp_rules(layout, shape) + _cp_rules(layout, shape) + _pp_rules(layout, shape)
+    out += _preference_rules(layout, shape)
     if model_config is not None:
         out += _model_rules(layout, shape, model_config)
     return out
@@ -125,6 +129,23 @@ def _pp_rules(layout: ParallelLayout, shape: BatchShape) -> list[str]:
     except ValueError as e:
         return [str(e)]
     return []
+
+
+def _preference_rules(layout: ParallelLayout, shape: BatchShape) -> list[str]:
+    """What ``--objective dpo|orpo`` (per-sequence log-probabilities of pairs) runs with."""
+    if shape.objective == "lm":
+        return []
+    unsupported = [f"--tp-mode {layout.tp_mode}"] if layout.tp_mode != "1d" else []
+    unsupported += ["--ep > 1"] if layout.ep > 1 else []
+    unsupported += ["--pp > 1 with --cp > 1"] if layout.pp > 1 and layout.cp > 1 else []
+    if not unsupported:
+        return []
+    return [
+        f"--objective {shape.objective} does not support {', '.join(unsupported)}: preference "
+        "training runs with --tp (1d, with or without --sequence-parallel), --cp or --pp, "
+        "data parallelism, --zero1, --bf16, --lora-r, --grad-accum, --attention blockwise "
+        "and --eval-data"
+    ]
 
 
 def _model_rules(layout: ParallelLayout, shape: BatchShape, model_config) -> list[str]:

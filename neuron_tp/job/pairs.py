@@ -160,11 +160,20 @@ def load_pairs(
     dp_size: int = 1,
     dp_rank: int = 0,
     seed: int = 0,
+    shuffle: bool = True,
 ) -> RowData:
-    """This dp rank's batches of ``micro_batch`` pairs (:func:`pair_rows`)."""
+    """This dp rank's batches of ``micro_batch`` pairs (:func:`pair_rows`); ``shuffle=False``:
+    file order (evaluation)."""
     rows, notes = pair_rows(path, tokenizer, seq_len)
     data = RowData(
-        rows, seq_len, micro_batch, dp_size=dp_size, dp_rank=dp_rank, seed=seed, what=f"{path}: "
+        rows,
+        seq_len,
+        micro_batch,
+        dp_size=dp_size,
+        dp_rank=dp_rank,
+        seed=seed,
+        shuffle=shuffle,
+        what=f"{path}: ",
     )
     data.notes = notes
     return data

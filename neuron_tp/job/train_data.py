@@ -19,11 +19,11 @@ def load_train_rows(
     in_order: bool = False,
 ) -> RowData:
     """The rows ``neuron-tp train`` (a ``TrainConfig``) reads from ``path`` for one dp rank:
-    preference pairs (padded, never packed: :func:`~.pairs.load_pairs`) for the training data
-    of ``--objective dpo|orpo``, else text or instruction rows by the data options.
+    preference pairs (padded, never packed: :func:`~.pairs.load_pairs`) for the training and
+    eval data of ``--objective dpo|orpo``, else text or instruction rows by the data options.
     ``training=False``: evaluation data; ``in_order``: file order and no data cache (eval,
     ``train --check``)."""
-    if training and config.preference.objective != "lm":
+    if config.preference.objective != "lm":
         return load_pairs(
             path,
             tokenizer,
@@ -32,6 +32,7 @@ def load_train_rows(
             dp_size=dp_size,
             dp_rank=dp_rank,
             seed=config.seed,
+            shuffle=not in_order,
         )
     return load_data(
         path,

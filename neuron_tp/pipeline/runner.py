@@ -36,7 +36,7 @@ over cp with the pp sum.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -51,6 +51,10 @@ from . import router_loss
 from .exchange import Exchange, Sent
 from .schedule import Schedule, Task, forward_only
 from .stages import PipelineStage
+
+# the last piece's (loss, values) / totals of a micro-batch: (logits, targets, micro-batch)
+LossFn = Callable[[torch.Tensor, torch.Tensor, dict], tuple[torch.Tensor, torch.Tensor]]
+TotalsFn = Callable[[torch.Tensor, torch.Tensor, dict], torch.Tensor]
 
 
 class PipelineRunner:
@@ -114,13 +118,24 @@ class PipelineRunner:
             if p.requires_grad and p.grad is None:
                 p.grad = torch.zeros_like(p)
 
-    def step(self, micro_batches: Sequence[dict], scale: torch.Tensor) -> torch.Tensor:
+    def step(
+        self,
+        micro_batches: Sequence[dict],
+        scale: torch.Tensor,
+        loss_fn: LossFn | None = None,
+        extra: int = 0,
+    ) -> torch.Tensor:
         """Forward and backward of every micro-batch (the data's batch dicts: ``input_ids``
         and ``labels``, packed rows with ``position_ids`` and ``segment_ids``; the same on
         every stage); gradients accumulate in the parameters' ``.grad``. Returns the step's
         loss (device tensor, equal on every rank of the pp group), summed over pp in a new
         graph the stages begin together: add the step's other pp collectives (the tied
-        table's gradients) to it, then :meth:`cut`."""
+        table's gradients) to it, then :meth:`cut`.
+
+        ``loss_fn(logits, targets, micro_batch) -> (loss, values)``: the last piece's loss
+        of a micro-batch instead of the token losses' sum (e.g. a preference loss of per-row
+        sums), and ``extra`` values (detached) summed over the micro-batches: the result is
+        then ``[loss, *values]``."""
         if len(micro_batches) != self.schedule.micro_batches:
             raise ValueError(
                 f"the schedule takes {self.schedule.micro_batches} micro-batches, got "
@@ -131,7 +146,8 @@ class PipelineRunner:
         state = _StepState(
             micro_batches,
             scale.to(self.device).reshape(1).float(),
-            torch.zeros(1, dtype=torch.float32, device=self.device),
+            torch.zeros(1 + extra, dtype=torch.float32, device=self.device),
+            loss_fn=loss_fn,
         )
         self._walk(self.schedule, state)
         return self._whole(state.loss)
@@ -142,10 +158,13 @@ class PipelineRunner:
         t = comm.all_reduce(t, self.stage.mesh.pp)
         return comm.all_reduce(t, self.ring) if self.ring.size > 1 else t
 
-    def evaluate(self, micro_batches: Sequence[dict]) -> torch.Tensor:
+    def evaluate(
+        self, micro_batches: Sequence[dict], totals_fn: TotalsFn | None = None, size: int = 2
+    ) -> torch.Tensor:
         """``[loss sum, label tokens]`` (fp32, this dp rank's) of ``micro_batches`` (any number),
         forward only under ``no_grad`` in eval mode; the last stage's totals, summed over the
-        pp group (in a graph of its own) so every stage holds them."""
+        pp group (in a graph of its own) so every stage holds them. ``totals_fn(logits,
+        targets, micro_batch)``: the ``size`` values the last piece adds up instead."""
         self.stage.check_inputs(micro_batches)
         model = self.stage.model
         training = model.training
@@ -153,8 +172,9 @@ class PipelineRunner:
         state = _StepState(
             micro_batches,
             torch.ones(1, device=self.device),
-            torch.zeros(2, dtype=torch.float32, device=self.device),
+            torch.zeros(size, dtype=torch.float32, device=self.device),
             forward_only=True,
+            totals_fn=totals_fn,
         )
         sched = forward_only(self.schedule.stages, len(micro_batches), self.schedule.virtual)
         try:
@@ -302,6 +322,18 @@ class PipelineRunner:
                 if not state.forward_only:
                     state.saved[key] = (x, out)
                 return out.detach()
+            if state.totals_fn is not None and state.forward_only:
+                value = state.totals_fn(out, inputs["targets"], state.micro_batches[task.micro])
+                state.loss = state.loss + value.float()
+                return None
+            if state.loss_fn is not None and not state.forward_only:
+                loss, values = state.loss_fn(
+                    out, inputs["targets"], state.micro_batches[task.micro]
+                )
+                loss = loss.float().reshape(1) * state.scale
+                state.saved[key] = (x, loss)
+                state.loss = state.loss + torch.cat([loss.detach(), values.detach().float()])
+                return None
             loss = st.loss_sum(out, inputs["targets"]).float().reshape(1)
             if state.forward_only:
                 count = (inputs["targets"] != IGNORE_INDEX).sum().float().reshape(1)
@@ -332,3 +364,5 @@ class _StepState:
     routing: dict = field(default_factory=dict)  # router loss: (micro, piece) -> PieceRouting
     counts: dict = field(default_factory=dict)  # micro -> this stage's counts so far
     weights: dict = field(default_factory=dict)  # micro -> the global weights of its terms
+    loss_fn: LossFn | None = None
+    totals_fn: TotalsFn | None = None

@@ -269,12 +269,21 @@ class PipelineStage:
             return cross_entropy_nd(
                 logits, local, layout, self.mesh, reduction="sum", vocab_size=vocab
             )
+        return self.token_losses(logits, labels, "sum")
+
+    def token_losses(
+        self, logits: torch.Tensor, targets: torch.Tensor, reduction: str = "none"
+    ) -> torch.Tensor:
+        """The token losses ``[b, s]`` of the last piece's logits (``--tp-mode 1d``; 0 where
+        the target is -100), or their sum."""
+        labels = targets.to(logits.device)
         if getattr(self.model.lm_head, "gather_output", True) and self.mesh.tp_size > 1:
             flat = logits.float().reshape(-1, logits.shape[-1])
-            return nn.functional.cross_entropy(flat, labels.reshape(-1), reduction="sum")
+            out = nn.functional.cross_entropy(flat, labels.reshape(-1), reduction=reduction)
+            return out if reduction == "sum" else out.view(labels.shape)
         vocab = self.model.config.vocab_size
         return parallel_cross_entropy(
-            logits, labels, mesh=self.mesh, vocab_size=vocab, reduction="sum"
+            logits, labels, mesh=self.mesh, vocab_size=vocab, reduction=reduction
         )
 
 

@@ -119,6 +119,7 @@ def auto_job(config, printer=print):
         bf16=config.bf16,
         efficiency=efficiency,
         ranks_per_node=per_node,
+        objective=config.preference.objective,
     )
 
 

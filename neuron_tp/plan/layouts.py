@@ -35,6 +35,7 @@ class Job:
     efficiency: float = 0.5  # achievable fraction of peak FLOP/s for matrix products
     memory_fraction: float = 0.9  # of a core's HBM left to the job (runtime, compiler scratch)
     ranks_per_node: int = 0  # 0: one rank per NeuronCore of the instance
+    objective: str = "lm"  # --objective: dpo / orpo run fewer layouts (job.layout_rules)
 
     @property
     def per_node(self) -> int:
@@ -244,7 +245,11 @@ def _at(
                     if pipeline_refusal(layers, pp, per_rank // b, sched, v):
                         continue  # what the stage predictions cover: even cuts
                     layout = ParallelLayout(job.world, tp, mode, sp, pp, sched, v, cp, 1, attention)
-                    why = refusals(layout, BatchShape(job.seq_len, b, per_rank // b), model_config)
+                    why = refusals(
+                        layout,
+                        BatchShape(job.seq_len, b, per_rank // b, job.objective),
+                        model_config,
+                    )
                     if why:
                         refused.update(dict.fromkeys(why))
                         continue

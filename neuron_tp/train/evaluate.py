@@ -6,6 +6,8 @@ the perplexity is its exponential. The model runs in eval mode (no dropout) unde
 ``no_grad``, one micro-batch of the training shape per XLA graph: an evaluation adds exactly
 one graph to a run, compiled once, whatever the number of batches or evaluations. The totals
 (loss sum, token count) stay on the device; the one host read is at the end of an evaluation.
+Preference pairs (``--objective dpo|orpo``): the eval loss and TRL's metrics
+(``eval_rewards/chosen``, ...) as means over the eval pairs (:func:`.preference.eval_totals`).
 With pipeline stages (``--pp``) the eval batches go through the stages on a forward-only
 schedule (:meth:`~neuron_tp.pipeline.runner.PipelineRunner.evaluate`: a fixed set of graphs
 per stage, as in training) and every stage holds the last stage's totals.
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -28,6 +31,7 @@ from ..job.train_data import load_train_rows
 from ..parallel import comm
 from ..parallel.mesh import Mesh
 from ..pipeline.runner import PipelineRunner
+from .preference import metric_names
 
 
 def eval_data(config: TrainConfig, tokenizer, mesh: Mesh) -> RowData | None:
@@ -110,8 +114,16 @@ class Evaluator:
     time). Under ``neuron_parallel_compile`` (``extract``) one batch is traced after the first
     step, so the eval graph is compiled ahead of training, and nothing is read."""
 
-    def __init__(self, config: TrainConfig, data: RowData, first_step: int, extract: bool):
+    def __init__(
+        self,
+        config: TrainConfig,
+        data: RowData,
+        first_step: int,
+        extract: bool,
+        pairs: Callable[[RowData, int], torch.Tensor] | None = None,
+    ):
         self.every, self.data, self.extract = config.eval.every, data, extract
+        self.pairs, self.objective = pairs, config.preference.objective
         self.batches = config.eval.batches or data.batches_per_epoch
         self.first_step, self.last_step = first_step, config.steps
         self.mask_dtype = config.model_dtype  # packed batches' mask: as in training
@@ -121,6 +133,17 @@ class Evaluator:
         if self.extract:
             return step == self.first_step + 1
         return step % self.every == 0 or step == self.last_step
+
+    def _pair_result(self, totals: torch.Tensor) -> dict | None:
+        """TRL's eval names (``eval_loss``, ``eval_rewards/chosen``, ...): means over the
+        eval pairs."""
+        if self.extract:
+            return None
+        values = [float(v) for v in totals.cpu()]  # the one host read
+        count = values[-1]
+        names = ("loss", *metric_names(self.objective))
+        out = {f"eval_{k}": v / count for k, v in zip(names, values[:-1], strict=True)}
+        return out | {"eval_pairs": int(count)}
 
     def evaluate(
         self,
@@ -134,6 +157,8 @@ class Evaluator:
         ``pipeline``: this rank's stage runner at ``--pp`` > 1."""
         self.data.position = 0
         batches = 1 if self.extract else self.batches
+        if self.pairs is not None:
+            return self._pair_result(self.pairs(self.data, batches))
         if pipeline is not None:
             mine = pipeline.evaluate([self.data.next_batch() for _ in range(batches)])
             totals = comm.all_reduce(mine, mesh.dp)

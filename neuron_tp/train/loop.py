@@ -289,14 +289,16 @@ def train_step(run: Run, log_this_step: bool, on_log: Callable | None) -> None:
     # since the dp gradient reduction averages. A device tensor: the graph stays the same.
     tokens = max(1, run.data.loss_tokens(config.grad_accum))
     per_rank = torch.tensor(tokens / mesh.dp_size, dtype=torch.float32).to(dev)
-    if run.pipeline is not None:
-        loss_sum = pipelined.forward_backward(run.pipeline, run.data, per_rank)
     segments = takes_segments(model.config)  # blockwise / ring attention: no [b, 1, s, s] mask
     pairs = config.preference.objective != "lm"
     metrics = None
     if pairs:  # the mean over the step's pairs: each micro-batch's sum / (k * grad_accum)
         scale = torch.tensor(float(config.micro_batch * config.grad_accum)).to(dev)
-    for _ in range(config.grad_accum if pairs else 0):
+    if run.pipeline is not None and pairs:
+        loss_sum, metrics = preference.pipeline_step(run, scale, run.reference)
+    elif run.pipeline is not None:
+        loss_sum = pipelined.forward_backward(run.pipeline, run.data, per_rank)
+    for _ in range(config.grad_accum if pairs and run.pipeline is None else 0):
         batch = {k: t.to(dev) for k, t in run.data.next_batch().items()}
         loss, summed = preference.micro_step(run, batch, scale, run.reference)
         loss.backward()
@@ -395,6 +397,28 @@ def train(
             lock.release()
 
 
+def _references(run: Run, say: Printer, extract: bool) -> torch.Tensor | None:
+    """DPO's reference log-probabilities of the training pairs (into ``run.reference``) and
+    those of the eval pairs (returned), when they are computed ahead (not under extract)."""
+    if not preference.needs_reference_pass(run.config) or extract:
+        return None
+    run.reference = preference.reference_pass(run, say)
+    if run.eval_data is None:
+        return None
+    return preference.reference_pass(run, say, run.eval_data, preference.EVAL_REFERENCE_FILE)
+
+
+def _evaluator(
+    run: Run, start_step: int, extract: bool, eval_reference: torch.Tensor | None
+) -> Evaluator | None:
+    if run.eval_data is None:
+        return None
+    pairs = None
+    if run.config.preference.objective != "lm":
+        pairs = preference.eval_totals(run, eval_reference)
+    return Evaluator(run.config, run.eval_data, start_step, extract, pairs)
+
+
 def _train(
     run: Run,
     stop_at: int | None,
@@ -411,16 +435,13 @@ def _train(
     config, extract = run.config, extract_graphs_only()
     steps = min(config.steps, 3) if extract else config.steps
     restore(run, say)  # the checkpoint claim_output chose, if any
-    if preference.needs_reference_pass(config) and not extract:
-        run.reference = preference.reference_pass(run, say)
+    eval_reference = _references(run, say, extract)
     if run.guard is not None:
         run.guard.base = run.step
     start_step = run.step
     logger = StepLogger(run, steps, say, extract)
     logger.begin()
-    evaluator = (
-        None if run.eval_data is None else Evaluator(config, run.eval_data, start_step, extract)
-    )
+    evaluator = _evaluator(run, start_step, extract, eval_reference)
     saved: list[str] = []
     stopped = False
     while run.step < steps:

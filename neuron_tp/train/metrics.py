@@ -19,6 +19,7 @@ DPO_KEYS = (  # --objective dpo (neuron_tp.train.preference), TRL's names
     "logps/rejected",
 )
 ORPO_KEYS = (*DPO_KEYS, "nll_loss", "log_odds_ratio", "log_odds_chosen")
+EVAL_PAIR_KEYS = tuple(f"eval_{k}" for k in ORPO_KEYS)  # --eval-data of pairs
 
 
 def metrics_path(output_dir: str) -> str:
@@ -48,9 +49,10 @@ class MetricsFile:
         self._file = open(self.path, "a")  # noqa: SIM115 - open for the run, closed by close()
 
     def write(self, entry: dict) -> None:
-        """One line of ``entry``'s metrics (the keys of :data:`KEYS`, :data:`EVAL_KEYS` and
-        :data:`ORPO_KEYS`)."""
-        line = {k: entry[k] for k in (*KEYS, *EVAL_KEYS, *ORPO_KEYS) if k in entry}
+        """One line of ``entry``'s metrics (the keys of :data:`KEYS`, :data:`EVAL_KEYS`,
+        :data:`ORPO_KEYS` and :data:`EVAL_PAIR_KEYS`)."""
+        keys = (*KEYS, *EVAL_KEYS, *ORPO_KEYS, *EVAL_PAIR_KEYS)
+        line = {k: entry[k] for k in keys if k in entry}
         self._file.write(json.dumps(line) + "\n")
         self._file.flush()
 

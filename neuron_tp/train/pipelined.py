@@ -42,7 +42,8 @@ def build(
     return PipelineRunner(
         stage,
         sched,
-        batch=config.micro_batch,
+        # a micro-batch of pairs: 2 rows each (chosen, rejected), together on every stage
+        batch=config.micro_batch * (1 if config.preference.objective == "lm" else 2),
         seq=config.seq_len,
         device=device,
         sequence_parallel=config.sequence_parallel,

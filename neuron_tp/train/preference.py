@@ -17,7 +17,14 @@ log-probabilities and ``c0``/``r0`` the reference's, ``z = (c - c0) - (r - r0)``
 The reference: with ``--lora-r`` the same model with its adapters disabled (no grad), else
 the initial model's log-probabilities of every pair, computed before the first step
 (:func:`reference_pass`) and stored in ``--output-dir`` (``reference_logps.pt``) so a resumed
-run reads them. Metrics (TRL's names) are means over the step's pairs.
+run reads them. Metrics (TRL's names) are means over the step's pairs; ``--eval-data`` pairs
+give the same as ``eval_*`` (:func:`eval_totals`).
+
+Layouts (the ones refused: :mod:`neuron_tp.job.layout_rules`): under ``--cp`` each rank of
+the ring sums its own completion tokens and the per-row sums are summed over the ring before
+the loss (:func:`sequence_logps`); under ``--pp`` a micro-batch of pairs crosses the stages as
+``2k`` rows and the last stage computes the sums, the loss and the metrics
+(:func:`pipeline_step`), the reference always computed ahead through the stages.
 """
 
 from __future__ import annotations
@@ -29,12 +36,18 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import UserError
+from ..hf.context_parallel import split_rows
+from ..hf.packing import IGNORE_INDEX, next_token_targets
 from ..job.pairs import rows_checksum
 from ..layers import parallel_cross_entropy
+from ..parallel import comm, regions
 from ..parallel.mesh import Mesh
+from ..pipeline.runner import PipelineRunner
+from ..pipeline.stages import PipelineStage, sum_tied_grads
 from .metrics import DPO_KEYS, ORPO_KEYS
 
 REFERENCE_FILE = "reference_logps.pt"
+EVAL_REFERENCE_FILE = "reference_logps_eval.pt"  # of the --eval-data pairs
 
 
 def metric_names(objective: str) -> tuple[str, ...]:
@@ -44,6 +57,8 @@ def metric_names(objective: str) -> tuple[str, ...]:
 def uses_adapter_reference(config) -> bool:
     """DPO with LoRA: the reference is the base model, adapters off (unless precomputed)."""
     p = config.preference
+    if config.pipeline.pp > 1:  # the stages run one forward per micro-batch: precomputed
+        return False
     return p.objective == "dpo" and bool(config.lora.r) and not p.precompute_reference
 
 
@@ -62,41 +77,48 @@ def check_options(config) -> None:
         raise UserError(f"--label-smoothing must be in [0, 0.5), got {p.label_smoothing}")
     if p.label_smoothing and (p.objective != "dpo" or p.dpo_loss != "sigmoid"):
         raise UserError("--label-smoothing applies to --objective dpo --dpo-loss sigmoid only")
-    unsupported = {
-        "--pp > 1": config.pipeline.pp > 1,
-        "--cp > 1": config.context.cp > 1,
-        f"--tp-mode {config.tp_mode}": config.tp_mode != "1d",
-        "--sequence-parallel": config.sequence_parallel,
-        "--ep > 1": config.ep > 1,
-        "--eval-data": config.eval.data is not None,
-        "--data-cache": config.data_cache is not None,
-        "--attention blockwise": config.attention == "blockwise",
-    }
-    bad = [k for k, v in unsupported.items() if v]
-    if bad:
+    if config.data_cache is not None:
         raise UserError(
-            f"{flag} does not support {', '.join(bad)}: preference training runs with --tp "
-            "(1d), data parallelism, --zero1, --bf16, --lora-r and --grad-accum"
+            f"{flag} does not support --data-cache: preference pairs are read from --data "
+            "(padded rows, never packed); the layouts it runs: neuron_tp.job.layout_rules"
         )
+
+
+def token_logps(mesh: Mesh, vocab: int, logits, targets):
+    """``log p(target)`` per position (0 where the target is -100) of logits ``[b, s, v]``
+    (vocab-sharded at tp > 1) and ``targets`` ``[b, s]``: the token each position predicts."""
+    if mesh.tp_size > 1:
+        nll = parallel_cross_entropy(logits, targets, mesh=mesh, vocab_size=vocab, reduction="none")
+    else:
+        nll = F.cross_entropy(
+            logits.float().reshape(-1, logits.shape[-1]),
+            targets.reshape(-1),
+            ignore_index=IGNORE_INDEX,
+            reduction="none",
+        ).view(targets.shape)
+    valid = (targets != IGNORE_INDEX).to(nll.dtype)
+    return -(nll.float() * valid), valid.float()
 
 
 def sequence_logps(model, mesh: Mesh, vocab: int, ids, labels, mask):
     """``(sum, count)`` per row: the summed log-probability of the completion tokens (labels
-    other than -100, shifted as HF does) and how many there are."""
-    out = model(input_ids=ids, attention_mask=mask)
-    logits = out.logits[:, :-1]
-    target = labels[:, 1:]
-    if mesh.tp_size > 1:
-        nll = parallel_cross_entropy(logits, target, mesh=mesh, vocab_size=vocab, reduction="none")
+    other than -100, shifted as HF does) and how many there are. At cp > 1 the model runs on
+    this rank's part of every row (no attention mask: the padding is at the end and the ring
+    is causal), its sums are this part's, summed over the
+    ring (backward: identity, so each rank's gradient is that of its own tokens, summed over
+    the replicas by the optimizer)."""
+    targets = next_token_targets(labels)
+    if mesh.cp_size > 1:
+        logits = model(input_ids=ids).logits
+        targets = split_rows(mesh.cp, targets=targets)["targets"]
     else:
-        nll = F.cross_entropy(
-            logits.float().reshape(-1, logits.shape[-1]),
-            target.reshape(-1),
-            ignore_index=-100,
-            reduction="none",
-        ).view(target.shape)
-    valid = (target != -100).to(nll.dtype)
-    return -(nll.float() * valid).sum(-1), valid.sum(-1).float()
+        logits = model(input_ids=ids, attention_mask=mask).logits
+    logps, valid = token_logps(mesh, vocab, logits, targets)
+    s, n = logps.sum(-1), valid.sum(-1)
+    if mesh.cp_size > 1:
+        s = regions.all_reduce_fwd_identity_bwd(s, mesh.cp)
+        n = regions.all_reduce_fwd_identity_bwd(n, mesh.cp)
+    return s, n
 
 
 def pair_inputs(batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -158,24 +180,36 @@ def preference_loss(config, policy, reference=None, chosen_nll=None):
     return losses, torch.stack(metrics, dim=-1)
 
 
-def micro_step(run, batch: dict, scale: torch.Tensor, reference: torch.Tensor | None):
-    """Forward and loss of one micro-batch: ``(loss / scale, summed metrics [m])``; the
-    caller backpropagates the loss. ``reference``: the stored ``[pairs, 2]`` log-probs."""
-    config, model, mesh = run.config, run.model, run.mesh
-    vocab = model.config.vocab_size
-    policy = pair_logps(model, mesh, vocab, batch)
-    ref = None
-    chosen_nll = None
+def _pair_loss(config, policy, batch: dict, reference, base=None):
+    """Per-pair losses and metrics of ``policy`` (:func:`pair_logps`): the reference picked
+    from the stored ``[pairs, 2]`` by ``pair_index``, else ``base()`` (adapters off); ORPO's
+    NLL of the chosen completions from the policy."""
+    ref = chosen_nll = None
     if config.preference.objective == "orpo":
         chosen_nll = -policy[0].sum() / policy[2].sum()
     elif reference is not None:
-        picked = reference.index_select(0, batch["pair_index"])
+        picked = reference.index_select(0, batch["pair_index"].to(reference.device))
         ref = (picked[:, 0], picked[:, 1])
-    else:
-        with torch.no_grad(), adapters_off(model):
-            c0, r0, _, _ = pair_logps(model, mesh, vocab, batch)
+    elif base is not None:
+        c0, r0, _, _ = base()
         ref = (c0.detach(), r0.detach())
-    losses, metrics = preference_loss(config, policy, ref, chosen_nll)
+    else:  # only traced (neuron_parallel_compile: no reference pass): the graph's shape
+        ref = (policy[0].detach(), policy[1].detach())
+    return preference_loss(config, policy, ref, chosen_nll)
+
+
+def micro_step(run, batch: dict, scale: torch.Tensor, reference: torch.Tensor | None):
+    """Forward and loss of one micro-batch: ``(loss / scale, summed metrics [m])``; the
+    caller backpropagates the loss. ``reference``: the stored ``[pairs, 2]`` log-probs."""
+    model, mesh = run.model, run.mesh
+    vocab = model.config.vocab_size
+
+    def base():
+        with torch.no_grad(), adapters_off(model):
+            return pair_logps(model, mesh, vocab, batch)
+
+    losses, metrics = _pair_loss(run.config, pair_logps(model, mesh, vocab, batch), batch,
+                                 reference, base)  # fmt: skip
     return losses.sum() / scale, metrics.sum(0)
 
 
@@ -186,23 +220,82 @@ def adapters_off(model):
         yield
 
 
-def reference_pass(run, say) -> torch.Tensor:
-    """``[pairs, 2]`` reference log-probabilities (chosen, rejected) of every pair on
-    ``run.device``: read from ``--output-dir`` when stored for these pairs, else computed by
-    the current (initial) model, micro-batch by micro-batch in data order (every rank all
-    pairs), and stored there by rank 0. A resumed run without them is refused: the model
+def _stage_pair_logps(stage: PipelineStage, logits, targets):
+    """:func:`pair_logps` of the last stage's logits of ``2k`` rows (chosen, then rejected)."""
+    valid = (targets != IGNORE_INDEX).float()
+    s = -(stage.token_losses(logits, targets).float() * valid).sum(-1)
+    n = valid.sum(-1)
+    k = s.shape[0] // 2
+    return s[:k], s[k:], n[:k], n[k:]
+
+
+def _stage_batch(batch: dict) -> dict:
+    """A micro-batch of pairs as the pipeline runs it: ``2k`` rows (chosen, then rejected;
+    right padding: no mask needed under causal attention) and what the loss reads."""
+    ids, labels, _ = pair_inputs(batch)
+    return {"input_ids": ids, "labels": labels, "pair_index": batch["pair_index"]}
+
+
+def pipeline_step(run, scale: torch.Tensor, reference: torch.Tensor | None):
+    """``--pp``: the step's ``--grad-accum`` micro-batches of pairs through the stages (a
+    pair's rows always in one micro-batch); the last stage computes the per-row sums and the
+    loss. Returns ``(loss, summed metrics)``, summed over pp (every rank holds them)."""
+    runner, config = run.pipeline, run.config
+    stage = runner.stage
+
+    def loss_fn(logits, targets, batch):
+        policy = _stage_pair_logps(stage, logits, targets)
+        losses, metrics = _pair_loss(config, policy, batch, reference)
+        return losses.sum(), metrics.sum(0)
+
+    batches = [_stage_batch(run.data.next_batch()) for _ in range(runner.schedule.micro_batches)]
+    m = len(metric_names(config.preference.objective))
+    out = runner.step(batches, 1.0 / scale, loss_fn, extra=m)
+    sum_tied_grads(stage)
+    runner.cut()
+    return out[:1], out[1:]
+
+
+def _pipeline_reference(runner: PipelineRunner, data, dev) -> torch.Tensor:
+    """``[pairs, 2]`` log-probabilities of every pair through the stages (forward only, in
+    data order), on every rank."""
+    n, k = len(data.rows["input_ids"]), data.micro_batch
+    batches = []
+    for start in range(0, n, k):
+        idx = torch.arange(start, start + k) % n  # a full last micro-batch
+        batch = _stage_batch({name: t[idx] for name, t in data.rows.items()})
+        batch["weight"] = (torch.arange(start, start + k) < n).float()  # wrapped: not again
+        batches.append(batch)
+
+    def totals_fn(logits, targets, batch):
+        c, r, _, _ = _stage_pair_logps(runner.stage, logits, targets)
+        w = batch["weight"].to(logits.device)[:, None]
+        put = torch.zeros(n, 2, device=logits.device)
+        rows = batch["pair_index"].to(logits.device)
+        return put.index_add(0, rows, torch.stack([c, r], -1) * w).reshape(-1)
+
+    return runner.evaluate(batches, totals_fn, size=2 * n).view(n, 2)
+
+
+def reference_pass(run, say, data=None, name: str = REFERENCE_FILE) -> torch.Tensor:
+    """``[pairs, 2]`` reference log-probabilities (chosen, rejected) of every pair of ``data``
+    (default: the training pairs) on ``run.device``: read from ``--output-dir`` (file
+    ``name``) when stored for these pairs, else computed by the current (initial) model,
+    micro-batch by micro-batch in data order (every rank all pairs; ``--pp``: through the
+    stages), and stored there by rank 0. A resumed run without them is refused: the model
     has trained since and is no longer the reference."""
     from ..backend.graphs import step_boundary
 
-    config, data, model, mesh, dev = run.config, run.data, run.model, run.mesh, run.device
-    path = os.path.join(config.checkpoint.output_dir, REFERENCE_FILE)
+    config, model, mesh, dev = run.config, run.model, run.mesh, run.device
+    data = run.data if data is None else data
+    path = os.path.join(config.checkpoint.output_dir, name)
     digest = rows_checksum({k: v for k, v in data.rows.items() if k != "pair_index"})
     if os.path.exists(path):
         stored = torch.load(path, map_location="cpu", weights_only=True)
         if stored.get("pairs") != digest:
             raise UserError(
                 f"{path} holds the reference log-probabilities of other pairs (another --data, "
-                "--tokenizer or --seq-len); remove it or use another --output-dir"
+                "--eval-data, --tokenizer or --seq-len); remove it or use another --output-dir"
             )
         say(f"reference log-probabilities: read from {path}")
         return stored["logps"].to(dev)
@@ -213,19 +306,22 @@ def reference_pass(run, say) -> torch.Tensor:
             "--output-dir"
         )
     n, k = len(data.rows["input_ids"]), data.micro_batch
-    out = []
-    was_training = model.training
-    model.eval()
-    vocab = model.config.vocab_size
-    with torch.no_grad():
-        for start in range(0, n, k):
-            idx = torch.arange(start, start + k) % n  # a full last micro-batch: one graph
-            batch = {name: t[idx].to(dev) for name, t in data.rows.items()}
-            c, r, _, _ = pair_logps(model, mesh, vocab, batch)
-            out.append(torch.stack([c, r], dim=-1)[: min(k, n - start)])
-            step_boundary(dev)
-    model.train(was_training)
-    logps = torch.cat([t.cpu() for t in out])
+    if run.pipeline is not None:
+        logps = _pipeline_reference(run.pipeline, data, dev).cpu()
+    else:
+        out = []
+        was_training = model.training
+        model.eval()
+        vocab = model.config.vocab_size
+        with torch.no_grad():
+            for start in range(0, n, k):
+                idx = torch.arange(start, start + k) % n  # a full last micro-batch: one graph
+                batch = {name: t[idx].to(dev) for name, t in data.rows.items()}
+                c, r, _, _ = pair_logps(model, mesh, vocab, batch)
+                out.append(torch.stack([c, r], dim=-1)[: min(k, n - start)])
+                step_boundary(dev)
+        model.train(was_training)
+        logps = torch.cat([t.cpu() for t in out])
     if mesh.rank == 0:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = path + ".tmp"
@@ -233,3 +329,48 @@ def reference_pass(run, say) -> torch.Tensor:
         os.replace(tmp, path)
     say(f"reference log-probabilities: {n} pairs computed, stored in {path}")
     return logps.to(dev)
+
+
+def eval_totals(run, reference: torch.Tensor | None):
+    """``totals(data, batches)`` of ``--eval-data`` pairs: ``[loss sum, metric sums...,
+    pairs]`` of the next ``batches`` batches (no grad, eval mode, one graph per batch),
+    summed over dp; ``reference``: the eval pairs' stored reference (None: adapters off)."""
+    from ..backend.graphs import step_boundary
+
+    config, model, mesh, dev = run.config, run.model, run.mesh, run.device
+    m = len(metric_names(config.preference.objective))
+
+    def totals_of(losses, metrics):
+        k = torch.ones_like(losses).sum().reshape(1)
+        return torch.cat([losses.sum().reshape(1), metrics.sum(0), k]).float()
+
+    def totals_fn(logits, targets, batch):
+        policy = _stage_pair_logps(run.pipeline.stage, logits, targets)
+        return totals_of(*_pair_loss(config, policy, batch, reference))
+
+    def totals(data, batches: int) -> torch.Tensor:
+        if run.pipeline is not None:
+            got = [_stage_batch(data.next_batch()) for _ in range(batches)]
+            return comm.all_reduce(run.pipeline.evaluate(got, totals_fn, size=m + 2), mesh.dp)
+        vocab = model.config.vocab_size
+        out = torch.zeros(m + 2).to(dev)
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                for _ in range(batches):
+                    batch = {k: t.to(dev) for k, t in data.next_batch().items()}
+
+                    def base(batch=batch):
+                        with adapters_off(model):
+                            return pair_logps(model, mesh, vocab, batch)
+
+                    policy = pair_logps(model, mesh, vocab, batch)
+                    part = totals_of(*_pair_loss(config, policy, batch, reference, base))
+                    out = out + comm.all_reduce(part, mesh.dp)
+                    step_boundary(dev)
+        finally:
+            model.train(was_training)
+        return out
+
+    return totals

@@ -123,14 +123,21 @@ class StepLogger:
         if entry is None or entry["step"] != step:
             raise RuntimeError(f"evaluation at step {step} without that step's log entry")
         entry.update(result)
+        if "eval_pairs" in result:  # --objective dpo|orpo
+            keys = ("eval_rewards/margins", "eval_rewards/accuracies")
+            shown = "".join(f" | {k} {result[k]:.4f}" for k in keys)
+            shown += f" | {result['eval_pairs']} pairs"
+        else:
+            shown = f" | perplexity {result['eval_perplexity']:.3f} | "
+            shown += f"{result['eval_tokens']} tokens"
         self.say(
-            f"eval   {step:>6}/{self.steps} | eval loss {result['eval_loss']:.4f} | "
-            f"perplexity {result['eval_perplexity']:.3f} | {result['eval_tokens']} tokens",
+            f"eval   {step:>6}/{self.steps} | eval loss {result['eval_loss']:.4f}{shown}",
             flush=True,
         )
         if self.writer is not None:
             self.writer.add_scalar("eval/loss", result["eval_loss"], step)
-            self.writer.add_scalar("eval/perplexity", result["eval_perplexity"], step)
+            if "eval_perplexity" in result:
+                self.writer.add_scalar("eval/perplexity", result["eval_perplexity"], step)
 
     def step_done(self, step: int) -> None:
         """After each step (and its evaluation): its metrics line; the throughput clock

@@ -13,6 +13,7 @@ import torch
 
 # The prompt ends on a token boundary ("\n"): TRL tokenizes prompt + completion as one text.
 SUBJECTS = ["cats", "rain", "tea", "maps"]
+EVAL_SUBJECTS = ["owls", "snow", "jazz", "bread"]  # the eval pairs (eval_pairs.jsonl)
 LR, STEPS, SEED = 5e-3, 3, 0
 ARGS = [
     "--steps",
@@ -46,11 +47,13 @@ KEYS = (
 )
 
 
-def write_pairs(out: str, conversational: bool = False) -> str:
-    """Four pairs (one global batch), strings or messages with an implicit prompt."""
-    path = os.path.join(out, "chat_pairs.jsonl" if conversational else "pairs.jsonl")
+def write_pairs(out: str, conversational: bool = False, evaluation: bool = False) -> str:
+    """Four pairs (one global batch), strings or messages with an implicit prompt;
+    ``evaluation``: four other string pairs (``eval_pairs.jsonl``)."""
+    name = "chat_pairs.jsonl" if conversational else "pairs.jsonl"
+    path = os.path.join(out, "eval_" + name if evaluation else name)
     with open(path, "w") as f:
-        for i, s in enumerate(SUBJECTS):
+        for i, s in enumerate(EVAL_SUBJECTS if evaluation else SUBJECTS):
             prompt, good, bad = f"Tell me about {s}.\n", f"{s} are nice {i}.", f"No {i}!"
             if conversational:
                 user = {"role": "user", "content": prompt}
@@ -81,8 +84,10 @@ def tiny_model(vocab: int, lora_r: int = 0):
 
 
 def trl_run(pairs: str, tokenizer_dir: str, out: str, objective: str = "dpo", lora_r: int = 0,
-            beta: float = 0.1, loss_type: str = "sigmoid") -> list[dict]:  # fmt: skip
-    """TRL's per-step loss (as its compute_loss returns it) and metrics."""
+            beta: float = 0.1, loss_type: str = "sigmoid",
+            eval_pairs: str | None = None) -> list[dict]:  # fmt: skip
+    """TRL's per-step loss (as its compute_loss returns it) and metrics; ``eval_pairs``: an
+    evaluation after every step, its ``eval_*`` values in the step's entry."""
     import datasets
     from transformers import AutoTokenizer
 
@@ -110,6 +115,9 @@ def trl_run(pairs: str, tokenizer_dir: str, out: str, objective: str = "dpo", lo
         gradient_checkpointing=False,
         bf16=False,
     )
+    if eval_pairs is not None:
+        common.update(eval_strategy="steps", eval_steps=1, per_device_eval_batch_size=4)
+        evaluation = datasets.Dataset.from_list([json.loads(line) for line in open(eval_pairs)])
     losses: list[float] = []
     if objective == "dpo":
         from trl import DPOConfig, DPOTrainer
@@ -117,13 +125,19 @@ def trl_run(pairs: str, tokenizer_dir: str, out: str, objective: str = "dpo", lo
         class Recording(DPOTrainer):
             def compute_loss(self, *a, **k):
                 loss = super().compute_loss(*a, **k)
-                losses.append(float((loss[0] if isinstance(loss, tuple) else loss).detach()))
+                if self.model.training:
+                    losses.append(float((loss[0] if isinstance(loss, tuple) else loss).detach()))
                 return loss
 
         cfg = DPOConfig(**common, loss_type=[loss_type], max_length=48)
         ref = None if lora_r else copy.deepcopy(model)  # LoRA: the base, adapters disabled
         trainer = Recording(
-            model=model, ref_model=ref, args=cfg, train_dataset=data, processing_class=tok
+            model=model,
+            ref_model=ref,
+            args=cfg,
+            train_dataset=data,
+            eval_dataset=None if eval_pairs is None else evaluation,
+            processing_class=tok,
         )
     else:
         from trl.experimental.orpo import ORPOConfig, ORPOTrainer
@@ -138,7 +152,11 @@ def trl_run(pairs: str, tokenizer_dir: str, out: str, objective: str = "dpo", lo
         trainer = Recording(model=model, args=cfg, train_dataset=data, processing_class=tok)
     trainer.train()
     logs = [e for e in trainer.state.log_history if "rewards/chosen" in e]
-    return [{**e, "loss": loss} for e, loss in zip(logs, losses, strict=True)]
+    evals = {e["step"]: e for e in trainer.state.log_history if "eval_loss" in e}
+    return [
+        {**evals.get(e["step"], {}), **e, "loss": loss}
+        for e, loss in zip(logs, losses, strict=True)
+    ]
 
 
 def orpo_written(pairs: str, tokenizer_dir: str, beta: float = 0.1) -> list[dict]:

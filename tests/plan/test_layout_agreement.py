@@ -68,7 +68,14 @@ def _planner(config: TrainConfig, world: int, model) -> tuple[bool, list[str]]:
     degrees = config.tp * config.pipeline.pp * config.context.cp
     dp = max(1, world // degrees)
     job = plan_layouts.Job(get_instance("trn1.32xlarge"), 1, SEQ, dp * MICRO * ACCUM)
-    job = plan_layouts.Job(job.instance, 1, SEQ, job.global_batch, ranks_per_node=world)
+    job = plan_layouts.Job(
+        job.instance,
+        1,
+        SEQ,
+        job.global_batch,
+        ranks_per_node=world,
+        objective=config.preference.objective,
+    )
     layouts, notes = plan_layouts.enumerate_layouts(job, pins, model)
     return bool(layouts), notes
 
@@ -80,11 +87,15 @@ def _train_check(config: TrainConfig, model) -> list[str]:
     return job_refusals(config, config.check.world_size, model)
 
 
-@pytest.mark.parametrize("model", [LLAMA, GPT2], ids=["llama", "gpt2"])
-def test_planner_and_train_check_agree_on_every_layout(model):
+@pytest.mark.parametrize(
+    "model, objective", [(LLAMA, "lm"), (GPT2, "lm"), (LLAMA, "dpo")], ids=["llama", "gpt2", "dpo"]
+)
+def test_planner_and_train_check_agree_on_every_layout(model, objective):
+    """``objective`` dpo: the layouts preference training runs (fewer: no 2d / 3d, no pp
+    with cp)."""
     counts = {"both run": 0, "both refuse": 0}
     for world, tp, mode, sp, pipe, cp in _grid():
-        config = _config(world, tp, mode, sp, pipe, cp)
+        config = _config(world, tp, mode, sp, pipe, cp, "--objective", objective)
         planned, notes = _planner(config, world, model)
         refused = _train_check(config, model)
         where = f"world {world} tp {tp} {mode} sp={sp} pp={pipe} cp={cp}"
