@@ -11,11 +11,14 @@ room left in the slot, both at most that room and the server limit), ``temperatu
 ``presence_penalty`` / ``frequency_penalty`` (-2..2, OpenAI's), ``repetition_penalty``
 ((0, 10], vLLM's), ``logit_bias`` (``{"token id": -100..100}``), ``seed`` (0..2**63-1; a
 seeded request reproduces its text; choice ``j`` of ``n`` uses ``seed + j``), ``n`` (choices
-per prompt; ``best_of`` only equal to it), ``stop`` (a string or a list of them),
+per prompt), ``stop`` (a string or a list of them),
 ``stop_token_ids`` (ids that end a choice like EOS), ``stream`` (a boolean),
 ``stream_options.include_usage`` (a last chunk with the usage), ``user`` (accepted, no
-effect). Completions: ``logprobs`` (0..20: the chosen token's log-probability and that many
-most likely tokens per position), ``echo`` (the prompt in front of the text; with
+effect). Completions: ``best_of`` (>= ``n``, not streamed: that many candidates per prompt,
+candidate ``j`` drawn with ``seed + j``, the ``n`` with the highest cumulative log-probability
+of their tokens returned, best first; the usage counts every candidate), ``logprobs``
+(0..20: the chosen token's log-probability and that many most likely tokens per position),
+``echo`` (the prompt in front of the text; with
 ``logprobs`` its tokens' log-probabilities too, the first one null). Chat: ``logprobs``
 (a boolean) and ``top_logprobs`` (0..20). The model's ``generation_config`` supplies the
 defaults of ``temperature``, ``top_k``, ``top_p``, ``min_p`` and ``repetition_penalty`` a
@@ -80,6 +83,7 @@ class CompletionParams:
     stop: list[str]
     seeded: bool
     n: int = 1
+    best_of: int = 1  # candidates per prompt (>= n): the n with the highest log-probability win
     logprobs: int | None = None
     echo: bool = False
     stop_ids: tuple[int, ...] = ()
@@ -87,9 +91,20 @@ class CompletionParams:
     tools: ToolChoice | None = None
 
     def output(self) -> Output:
-        """What the engine must return besides the text."""
+        """What the engine must return besides the text (log-probabilities also to rank
+        ``best_of`` candidates)."""
         lp = self.logprobs is not None
-        return Output(lp, lp and self.echo, self.stop_ids, self.grammar)
+        return Output(lp or self.ranked, lp and self.echo, self.stop_ids, self.grammar)
+
+    @property
+    def ranked(self) -> bool:
+        """Whether candidates beyond ``n`` are generated and ranked (``best_of > n``)."""
+        return self.best_of > self.n
+
+    @property
+    def candidates(self) -> int:
+        """Sequences generated per prompt."""
+        return max(self.n, self.best_of)
 
 
 @dataclass(frozen=True)
@@ -243,14 +258,14 @@ def parse_params(
     check_fields(body, chat)
     body_or = {**(defaults or {}), **{k: v for k, v in body.items() if v is not None}}
     n = _number(body, "n", int, 1, low=1, high=MAX_INT, why=" (choices per prompt)")
-    best_of = _number(body, "best_of", int, n, low=1, high=MAX_INT)
-    if best_of != n:
-        raise BadRequest(
-            f"best_of must equal n ({n}): ranking candidates is not supported", "best_of"
-        )
     for flag in ("stream", "echo"):
         if body.get(flag) not in (None, False, True):
             raise BadRequest(f"{flag} must be a boolean, got {body[flag]!r}", flag)
+    best_of = _number(body, "best_of", int, n, low=1, high=MAX_INT)
+    if best_of < n:
+        raise BadRequest(f"best_of must be >= n ({n}), got {best_of}", "best_of")
+    if best_of > n and body.get("stream"):
+        raise BadRequest("best_of > n cannot be streamed (set stream false)", "best_of")
     echo = bool(body.get("echo"))
     server = " (server limit: neuron-tp serve --max-new-tokens" + ("" if echo else "; 0 with echo")
     name = "max_tokens" if body.get("max_tokens") is not None else "max_completion_tokens"
@@ -293,6 +308,7 @@ def parse_params(
         stop,
         seeded=seed is not None,
         n=n,
+        best_of=best_of,
         logprobs=_logprobs(body, chat),
         echo=echo,
         stop_ids=_stop_ids(body, vocab),
@@ -365,11 +381,13 @@ def prepare(engine: Engine, body: dict, chat: bool) -> CompletionRequest:
     usage = stream_usage(body)
     prompts, texts = request_prompts(engine, body, chat, vocab)
     most = getattr(engine, "max_queue", None)
-    if most is not None and len(prompts) * params.n > most:
+    wanted = len(prompts) * params.candidates
+    if most is not None and wanted > most:
+        param = "best_of" if params.ranked else "n" if params.n > 1 else "prompt"
         raise BadRequest(
-            f"at most {most} choices per request (prompts x n; neuron-tp serve --max-queue), "
-            f"got {len(prompts) * params.n}",
-            "n" if params.n > 1 else "prompt",
+            f"at most {most} sequences per request (prompts x max(n, best_of); neuron-tp serve "
+            f"--max-queue), got {wanted}",
+            param,
         )
     lengths = []
     for p in prompts:

@@ -205,13 +205,15 @@ class _Completions:
         return body, completion
 
     def _submit(self, completion: CompletionRequest, sink):
-        """Queue ``n`` choices of each prompt (``sink(i)`` gets choice ``i``'s events, choice
-        ``i * n + j`` is prompt ``i``'s ``j``-th; with a seed, choice ``j`` draws with
-        ``seed + j``): the engine's requests, or (none queued) the 503 / 429 response."""
-        params, reqs, output = completion.params, [], completion.params.output()
+        """Queue ``max(n, best_of)`` sequences of each prompt (``sink(i)`` gets sequence
+        ``i``'s events, ``i * count + j`` is prompt ``i``'s ``j``-th; with a seed, ``j`` draws
+        with ``seed + j``; they share the prompt's prefill): the engine's requests, or (none
+        queued) the 503 / 429 response."""
+        params, reqs = completion.params, []
         try:
             for i, p in enumerate(completion.prompts):
-                for j in range(params.n):
+                output = dataclasses.replace(params.output(), siblings=uuid.uuid4().hex)
+                for j in range(params.candidates):
                     seed = (params.sampling.seed + j) % (MAX_SEED + 1)
                     sampling = dataclasses.replace(params.sampling, seed=seed)
                     args = (p, completion.max_tokens[i], sampling, params.stop)
@@ -262,7 +264,7 @@ class _Answer:
         self, tokenizer, completion: CompletionRequest, chat: bool, parser: str = "hermes"
     ):
         self.tok, self.chat, self.params = tokenizer, chat, completion.params
-        n = self.params.n
+        n = self.params.candidates
         self.prompts = [p for p in completion.prompts for _ in range(n)]
         self.texts = [t for t in completion.texts for _ in range(n)]
         self.offsets = [0] * len(self.prompts)  # characters of each choice's tokens so far
@@ -275,12 +277,27 @@ class _Answer:
     def token_text(self, token: int) -> str:
         return self.tok.decode([token], skip_special_tokens=False)
 
-    def choice(self, i: int, text: str | None, reason: str | None, stream: bool, lps=None):
-        """Choice ``i``; ``lps``: its log-probability entries (None: none in this chunk)."""
+    def choice(
+        self,
+        i: int,
+        text: str | None,
+        reason: str | None,
+        stream: bool,
+        lps=None,
+        index: int | None = None,
+    ):
+        """Sequence ``i`` as choice ``index`` (None: ``i``); ``lps``: its log-probability
+        entries (None: none in this chunk)."""
         wanted = self.params.logprobs is not None and lps is not None
         logprobs = self.format(i, lps) if wanted else None
         if not self.chat:
-            return {"index": i, "text": text or "", "logprobs": logprobs, "finish_reason": reason}
+            index = i if index is None else index
+            return {
+                "index": index,
+                "text": text or "",
+                "logprobs": logprobs,
+                "finish_reason": reason,
+            }
         if stream:
             delta, reason = self.delta(i, text, reason)
             return {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
@@ -384,6 +401,7 @@ async def _collect(
     echo = shape.params.echo
     texts = list(shape.texts) if echo else [""] * len(reqs)
     lps: list[list] = [[] for _ in reqs]
+    scores = [0.0] * len(reqs)  # the cumulative log-probability of each sequence's tokens
     done: list[Done | None] = [None] * len(reqs)
     if echo and not shape.params.output().prompt_logprobs:
         lps = [shape.echo_entries(i) for i in range(len(reqs))]
@@ -398,17 +416,30 @@ async def _collect(
         elif isinstance(ev, Delta):
             texts[i] += ev.text
             lps[i] += shape.entries(ev.logprobs)
+            scores[i] += sum(e.logprob for e in ev.logprobs)
         elif isinstance(ev, Failed):
             return _error(500, ev.message, "server_error")
         else:
             done[i] = ev
     finished = [d for d in done if d is not None]
     choices = [
-        shape.choice(i, t, d.finish_reason, False, lps[i])
-        for i, (t, d) in enumerate(zip(texts, finished))
+        shape.choice(i, texts[i], finished[i].finish_reason, False, lps[i], index=k)
+        for k, i in enumerate(_best(scores, shape.params.candidates, shape.params.n))
     ]
     kind = "chat.completion" if shape.chat else "text_completion"
     return JSONResponse({**meta, "object": kind, "choices": choices, "usage": _usage(finished)})
+
+
+def _best(scores: list[float], count: int, n: int) -> list[int]:
+    """The sequences answered, in choice order: of each prompt's ``count`` (consecutive), the
+    ``n`` with the highest score, best first (all, in order, when ``count == n``)."""
+    if count == n:
+        return list(range(len(scores)))
+    picked = []
+    for first in range(0, len(scores), count):
+        group = range(first, first + count)
+        picked += sorted(group, key=lambda i: -scores[i])[:n]
+    return picked
 
 
 def _usage(done: list[Done]) -> dict:
