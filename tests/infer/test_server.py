@@ -915,6 +915,20 @@ def test_tp2_int8_answers_like_tp1_int8_and_shuts_down_cleanly(tp1, tp2):
     assert _streamed(_complete(client, "Tensor", 16, stream=True), False)[0] == ref.text(
         "Tensor", 16
     )
+    # best_of: candidates drawn with seed + j, sharing the prompt's prefill on both ranks; the
+    # one the tp=1 model gives the highest summed log-probability answers
+    ids = ref.tok.encode("Once upon")
+    cands = [ref.tokens(ids, 8, Sampling(True, 1.0, 0, 3 + j)) for j in range(3)]
+    assert not {t for c in cands for t in c} & set(ref.eos) and len(set(map(tuple, cands))) == 3
+    with ref.lock, torch.no_grad():
+        lps = [
+            ref.gen.model(torch.tensor([ids + c])).logits[0].float().log_softmax(-1) for c in cands
+        ]
+    scores = [
+        sum(float(lp[len(ids) - 1 + k, t]) for k, t in enumerate(c)) for lp, c in zip(lps, cands)
+    ]
+    r = _complete(client, "Once upon", 8, temperature=1.0, seed=3, best_of=3)
+    assert r.choices[0].text == ref.tok.decode(cands[max(range(3), key=lambda j: scores[j])])
     # concurrent: one batch, each row ends at its own max_tokens or stop string (the stopped
     # flags must be identical on both ranks, or they would run different steps and hang)
     full = ref.text("Hello", 16)
