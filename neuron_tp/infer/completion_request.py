@@ -54,14 +54,22 @@ COMMON_FIELDS = frozenset(
 FIELDS = {
     False: COMMON_FIELDS | {"prompt", "echo", "logprobs", "best_of"},
     True: COMMON_FIELDS
-    | {"messages", "logprobs", "top_logprobs", "response_format", "tools", "tool_choice"},
+    | {
+        "messages",
+        "logprobs",
+        "top_logprobs",
+        "response_format",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+    },
 }
 NOT_IMPLEMENTED = {  # OpenAI fields this server refuses, and why
     "suffix": "insertion (suffix) is not supported",
     "response_format": "structured outputs (response_format) are chat-only",
     "functions": "function calls are not supported",
     "function_call": "function calls are not supported",
-    "parallel_tool_calls": "tool calls are not supported",
+    "echo": "chat echo (vLLM's, with add_generation_prompt false) is not supported",
     "audio": "audio output is not supported",
     "modalities": "only text output is supported",
     "prediction": "predicted outputs are not supported",
@@ -320,9 +328,12 @@ def parse_params(
 def _grammar(body: dict) -> tuple[str | None, ToolChoice | None]:
     """The grammar of a chat's ``response_format`` or forced tool call, and its tools."""
     try:
-        tools = tool_choice(body.get("tools"), body.get("tool_choice"))
+        tools = tool_choice(
+            body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls")
+        )
     except ValueError as e:
-        raise BadRequest(str(e), "tools" if body.get("tools") is None else "tool_choice") from None
+        param = "tools" if body.get("tools") is None else "tool_choice"
+        raise BadRequest(str(e), "parallel_tool_calls" if "parallel" in str(e) else param) from None
     try:
         constrained, schema = schema_of(body.get("response_format"))
     except ValueError as e:

@@ -26,7 +26,7 @@ from .limits import Guard, RequestError, ServeLimits, parse_json, read_body
 from .metrics import LOG, RequestTrace, ServerMetrics
 from .sampling import MAX_SEED, TokenLogprob
 from .schedule import Delta, Done, Failed, Prompt
-from .tools import call_id, forced_calls, parse_calls
+from .tools import CallStream, forced_calls, parse_calls
 
 PARSE_INLINE = 64 * 1024  # bytes: larger bodies are parsed on a worker thread
 RETRY_AFTER_S = 1  # the Retry-After of a 429 (queue full)
@@ -271,8 +271,8 @@ class _Answer:
         tools = self.params.tools
         self.tools = tools if chat and tools is not None and tools.mode != "none" else None
         self.parser = parser
-        self.held = [""] * len(self.prompts)  # streamed text kept back to parse tool calls
-        self.call_ids = [call_id() for _ in self.prompts]  # a streamed named call's id
+        tools = self.tools
+        self.streams = [CallStream(tools, parser) if tools else None for _ in self.prompts]
 
     def token_text(self, token: int) -> str:
         return self.tok.decode([token], skip_special_tokens=False)
@@ -314,42 +314,23 @@ class _Answer:
             return None
         if tools.forced:
             return {"content": None, "tool_calls": forced_calls(tools, text)}
-        names = {t["function"]["name"] for t in tools.tools}
-        content, calls = parse_calls(self.parser, text, names)
+        content, calls = parse_calls(self.parser, text, tools.names)
+        calls = calls if tools.parallel else calls[:1]
         return {"content": content, "tool_calls": calls} if calls else None
 
     def delta(self, i: int, text: str | None, reason: str | None) -> tuple[dict, str | None]:
-        """A stream chunk's delta and finish reason: the text as content, or with tools a
-        named call's arguments as they come (``tool_calls`` deltas), other answers kept back
-        and parsed at the end."""
-        tools = self.tools
-        if tools is None:
+        """A stream chunk's delta and finish reason: the text as content, or with tools the
+        content and ``tool_calls`` deltas of :class:`~.tools.CallStream` (finish reason
+        ``tool_calls`` once a call was sent)."""
+        stream = self.streams[i]
+        if stream is None:
             return ({"content": text} if text is not None else {}), reason
-        if tools.mode == "named":
-            if text is None:
-                return {}, "tool_calls" if reason == "stop" else reason
-            if not text:
-                return {}, None
-            first = not self.held[i]
-            self.held[i] += text
-            fn = {"arguments": text}
-            entry: dict = {"index": 0, "function": fn}
-            if first:
-                fn["name"] = str(tools.name)
-                entry.update(id=self.call_ids[i], type="function")
-            return {"tool_calls": [entry]}, None
         if text is not None:
-            self.held[i] += text
-            return {}, None
+            return _delta(*stream.feed(text)), None
         if reason is None:
             return {}, None
-        calls = self.calls(self.held[i], reason)
-        if calls is None:
-            return ({"content": self.held[i]} if self.held[i] else {}), reason
-        delta: dict = {"tool_calls": [{"index": k, **c} for k, c in enumerate(calls["tool_calls"])]}
-        if calls["content"]:
-            delta["content"] = calls["content"]
-        return delta, "tool_calls"
+        delta = _delta(*stream.finish())
+        return delta, "tool_calls" if stream.called and reason == "stop" else reason
 
     def echo_entries(self, i: int, prompt: tuple[TokenLogprob, ...] = ()) -> list:
         """The prompt's entries of choice ``i``: its first token without a log-probability,
@@ -428,6 +409,11 @@ async def _collect(
     ]
     kind = "chat.completion" if shape.chat else "text_completion"
     return JSONResponse({**meta, "object": kind, "choices": choices, "usage": _usage(finished)})
+
+
+def _delta(content: str, calls: list[dict]) -> dict:
+    delta: dict = {"content": content} if content else {}
+    return {**delta, "tool_calls": calls} if calls else delta
 
 
 def _best(scores: list[float], count: int, n: int) -> list[int]:

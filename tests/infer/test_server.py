@@ -301,6 +301,7 @@ def test_chat_only_and_completion_only_fields_are_refused_on_the_other(tp1):
     client = _client(url)
     asks = [
         (lambda: _chat(client, "hi", 4, extra_body={"echo": True}), "echo"),
+        (lambda: _chat(client, "hi", 4, parallel_tool_calls=False), "parallel_tool_calls"),
         (lambda: _chat(client, "hi", 4, logprobs=2), "logprobs"),
         (lambda: _chat(client, "hi", 4, top_logprobs=3), "top_logprobs"),
         (lambda: _complete(client, "Hello", 4, extra_body={"top_logprobs": 3}), "top_logprobs"),
@@ -316,6 +317,8 @@ def test_chat_only_and_completion_only_fields_are_refused_on_the_other(tp1):
         with pytest.raises(openai.BadRequestError) as err:
             ask()
         assert err.value.body["param"] == name, err.value.body
+        if name == "echo":  # vLLM's chat echo: refused by name
+            assert "chat echo" in err.value.body["message"]
     assert _chat(client, "hi", 4, logprobs=False).choices[0].message.content  # off: fine
 
 
