@@ -159,7 +159,7 @@ class _CallText:
     "parameters"): value}``; the name once its string is complete, then the value's text as
     it comes (trailing whitespace held back until more follows)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.buf, self.depth, self.in_str, self.escaped = "", 0, False, False
         self.closed = False
         self.head: int | None = None  # where the value starts, once the name is known
@@ -242,7 +242,8 @@ class CallStream:
     def feed(self, text: str) -> tuple[str, list[dict]]:
         """``(content, entries)`` of the text so far."""
         self.pending += text
-        content, entries = [], []
+        content: list[str] = []
+        entries: list[dict] = []
         while self.pending:
             if not self._step(content, entries):
                 break
