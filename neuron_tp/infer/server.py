@@ -145,7 +145,7 @@ class _Completions:
         if not isinstance(checked, tuple):
             return checked  # an error response
         body, completion = checked
-        trace.choices = len(completion.prompts) * completion.params.n
+        trace.choices = len(completion.prompts) * completion.params.candidates
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
 
         def sink(index: int):
