@@ -267,6 +267,8 @@ class _Answer:
         n = self.params.candidates
         self.prompts = [p for p in completion.prompts for _ in range(n)]
         self.texts = [t for t in completion.texts for _ in range(n)]
+        self.role = completion.role  # a chat answer's, led by its echo
+        self.leads = self.texts if self.params.chat_echo else [""] * len(self.texts)
         self.offsets = [0] * len(self.prompts)  # characters of each choice's tokens so far
         tools = self.params.tools
         self.tools = tools if chat and tools is not None and tools.mode != "none" else None
@@ -301,7 +303,7 @@ class _Answer:
         if stream:
             delta, reason = self.delta(i, text, reason)
             return {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
-        message: dict = {"role": "assistant", "content": text}
+        message: dict = {"role": self.role, "content": self.leads[i] + (text or "")}
         calls = self.calls(text or "", reason)
         if calls is not None:
             message, reason = {"role": "assistant", **calls}, "tool_calls"
@@ -461,7 +463,7 @@ async def _stream(
     try:
         if chat:
             for i in range(len(reqs)):
-                first = {"index": i, "delta": {"role": "assistant", "content": ""}}
+                first = {"index": i, "delta": {"role": shape.role, "content": shape.leads[i]}}
                 yield chunk({**first, "logprobs": None, "finish_reason": None})
         if shape.params.echo and not prompt_lps:
             for i in range(len(reqs)):

@@ -212,6 +212,52 @@ def test_chat_logprobs_content_entries(full, served):
     assert tokens == [c.token for c in content]
 
 
+def test_chat_echo_and_continue_final_message(full, served):
+    """vLLM's chat ``echo`` with ``continue_final_message``: the assistant's unfinished
+    message goes on (transformers' greedy tokens after it) and leads the answer, whole and
+    streamed; after a user turn an assistant answer echoes nothing; the refusals."""
+    import os
+
+    from transformers import AutoTokenizer
+
+    from neuron_tp.infer.completion_request import chat_prompt, encode_prompt
+
+    engine, url = served
+    client = _client(url)
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}]
+    kw = dict(model="tiny", messages=messages, max_tokens=5, temperature=0)
+    turn = {"add_generation_prompt": False, "continue_final_message": True}
+    text = chat_prompt(engine.tokenizer, messages, add_generation_prompt=False, continue_final=True)
+    out = sc.greedy_reference(
+        full, encode_prompt(engine.tokenizer, text, chat=True), 5, sc.Sampling()
+    )
+    want = _text([t for t in out if t not in sc.EOS])
+    plain = client.chat.completions.create(**kw, extra_body=turn).choices[0].message
+    echoed = client.chat.completions.create(**kw, extra_body={**turn, "echo": True})
+    assert plain.content == want and echoed.choices[0].message.content == "Hel" + want
+    assert echoed.choices[0].message.role == "assistant" and text.endswith("assistant: Hel")
+    chunks = client.chat.completions.create(**kw, stream=True, extra_body={**turn, "echo": True})
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Hel" + want
+    asked = dict(model="tiny", messages=messages[:1], max_tokens=4, temperature=0)
+    assert (
+        client.chat.completions.create(**asked, extra_body={"echo": True}).choices[0].message
+        == client.chat.completions.create(**asked).choices[0].message
+    )
+    for body, param in (
+        ({"continue_final_message": True}, "continue_final_message"),  # with the turn opened
+        ({"add_generation_prompt": 1}, "add_generation_prompt"),
+    ):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(**kw, extra_body=body)
+        assert err.value.body["param"] == param
+    with pytest.raises(openai.BadRequestError, match="the last message to be the assistant"):
+        client.chat.completions.create(**asked, extra_body=turn)
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    hf = AutoTokenizer.from_pretrained(os.path.join(repo, "examples", "sft", "tokenizer"))
+    rendered = chat_prompt(hf, messages, add_generation_prompt=False, continue_final=True)
+    assert rendered.rstrip().endswith("Hel"), rendered
+
+
 class _none:
     content = None
 

@@ -300,7 +300,7 @@ def test_chat_only_and_completion_only_fields_are_refused_on_the_other(tp1):
     _, _, url = tp1
     client = _client(url)
     asks = [
-        (lambda: _chat(client, "hi", 4, extra_body={"echo": True}), "echo"),
+        (lambda: _chat(client, "hi", 4, extra_body={"echo": "yes"}), "echo"),
         (lambda: _chat(client, "hi", 4, parallel_tool_calls=False), "parallel_tool_calls"),
         (lambda: _chat(client, "hi", 4, logprobs=2), "logprobs"),
         (lambda: _chat(client, "hi", 4, top_logprobs=3), "top_logprobs"),
@@ -317,8 +317,6 @@ def test_chat_only_and_completion_only_fields_are_refused_on_the_other(tp1):
         with pytest.raises(openai.BadRequestError) as err:
             ask()
         assert err.value.body["param"] == name, err.value.body
-        if name == "echo":  # vLLM's chat echo: refused by name
-            assert "chat echo" in err.value.body["message"]
     assert _chat(client, "hi", 4, logprobs=False).choices[0].message.content  # off: fine
 
 
@@ -738,7 +736,7 @@ def test_an_exception_in_a_handler_fails_only_that_request(tp1, monkeypatch):
 
     _, ref, url = tp1
 
-    def broken(*args):
+    def broken(*args, **kwargs):
         raise RuntimeError("template exploded")
 
     monkeypatch.setattr(completion_request, "chat_prompt", broken)
