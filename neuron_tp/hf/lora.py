@@ -35,10 +35,11 @@ from ..layers.common import WRAP_FIRST, mark_lora_base
 from ..parallel import gathered_linears, regions
 from ..parallel.agreement import check_agreement, tensor_checksum
 from ..parallel.mesh import Mesh, get_mesh
-from ..parallel.sharding import Sharding, gather_full, get_param_meta, mark_sharded, shard_of
+from ..parallel.sharding import Sharding, gather_full, get_param_meta, mark_sharded
 from ..parallel.state import attach, is_parallel, mesh_of, state_of
 from .dropout import replicated_input, split_features_dropout
 from .lora_files import SAFETENSORS, write_adapter_dir
+from .lora_slices import column_lora_rows, row_lora_columns
 from .lora_targets import check_targets, refuse_target_parameters
 from .modules import HFColumnLinear
 from .slice_map import HFSliceMap, even_pieces, get_slice_map, read_local, set_slice_map, to_hf
@@ -217,20 +218,18 @@ def _shard_wrapper(w: nn.Module, base: nn.Module, adapter: str, mesh: Mesh) -> N
     r = a_full.shape[0]
     if isinstance(base, HFColumnLinear):
         sm, sh = get_slice_map(base, "weight"), get_param_meta(base, "weight").sharding
-        rows = HFSliceMap(0, sm.pieces, False, sm.keep_rows)
-        local = read_local(_full_reader(b_full), tuple(b_full.shape), HFSliceMap(0, sm.pieces))
+        local = column_lora_rows(base, b_full)
         _set_param(b_mod, "weight", local, b_mod.weight)
         mark_sharded(b_mod, "weight", Sharding(sh.splits, (sh.full_shape[0], r), sh.segments))
-        set_slice_map(b_mod, "weight", rows)
+        set_slice_map(b_mod, "weight", HFSliceMap(0, sm.pieces, False, sm.keep_rows))
         b_mod.out_features = local.shape[0]
         if base.replicas is not None:  # kv-head rows held by several ranks
             b_mod.__class__ = ReplicatedRowsLinear
             b_mod.register_buffer("_distinct_w", base._distinct_w.clone(), persistent=False)
     else:
-        sh = Sharding((("tp", 1),), tuple(a_full.shape))
-        local = shard_of(a_full, sh, mesh)
+        local = row_lora_columns(base, a_full)
         _set_param(a_mod, "weight", local, a_mod.weight)
-        mark_sharded(a_mod, "weight", sh)
+        mark_sharded(a_mod, "weight", Sharding((("tp", 1),), tuple(a_full.shape)))
         set_slice_map(
             a_mod, "weight", HFSliceMap(1, tuple(even_pieces(a_full.shape[1], *_rank_tp(mesh))))
         )

@@ -17,6 +17,7 @@ import torch
 from ..errors import UserError
 
 SAFETENSORS = "adapter_model.safetensors"
+CONFIG = "adapter_config.json"
 PEFT_PREFIX = "base_model.model."
 
 
@@ -24,6 +25,26 @@ def plain_name(name: str) -> str:
     """The name a parameter of a ``PeftModel`` has in the plain transformers model (PeftModel
     prefix and ``base_layer`` of a wrapped projection removed)."""
     return name.removeprefix(PEFT_PREFIX).replace(".base_layer.", ".")
+
+
+def read_adapter_config(adapter_dir: str, what: str | None = None):
+    """The ``LoraConfig`` of PEFT adapter directory ``adapter_dir`` (``what``: how errors name
+    it, default ``--adapter DIR``); UserError when it is not one, or not a LoRA adapter."""
+    from peft import PeftConfig, PeftType
+
+    what = what or f"--adapter {adapter_dir!r}"
+    if not os.path.isfile(os.path.join(adapter_dir, CONFIG)):
+        raise UserError(
+            f"{what}: no {CONFIG} there; give a PEFT adapter directory (e.g. a LoRA run's "
+            "OUTPUT_DIR/adapter, or `neuron-tp consolidate --adapter-only` output)"
+        )
+    try:
+        config = PeftConfig.from_pretrained(adapter_dir)
+    except Exception as e:  # noqa: BLE001 - an unreadable config is the user's input
+        raise UserError(f"{what}: {CONFIG} cannot be read: {e}") from e
+    if config.peft_type != PeftType.LORA:
+        raise UserError(f"{what}: a {config.peft_type} adapter; LoRA only")
+    return config
 
 
 def config_from_record(record: dict):

@@ -6,14 +6,11 @@ weights (:func:`neuron_tp.hf.lora.merge_adapters`): the full model is never buil
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 from torch import nn
 
-from ..errors import UserError
-
-CONFIG = "adapter_config.json"
+from ..hf.lora_files import read_adapter_config
 
 
 def peft_wrap(model: nn.Module, config) -> nn.Module:
@@ -31,22 +28,6 @@ def peft_wrap(model: nn.Module, config) -> nn.Module:
         wrapped = get_peft_model(model, config)
         materialize_adapters(wrapped)
     return wrapped
-
-
-def read_adapter_config(adapter_dir: str):
-    """The ``LoraConfig`` of PEFT adapter directory ``adapter_dir``; UserError when it is not
-    one, or not a LoRA adapter."""
-    from peft import PeftConfig, PeftType
-
-    if not os.path.isfile(os.path.join(adapter_dir, CONFIG)):
-        raise UserError(
-            f"--adapter {adapter_dir!r}: no {CONFIG} there; give a PEFT adapter directory (e.g. "
-            "a LoRA run's OUTPUT_DIR/adapter, or `neuron-tp consolidate --adapter-only` output)"
-        )
-    config = PeftConfig.from_pretrained(adapter_dir)
-    if config.peft_type != PeftType.LORA:
-        raise UserError(f"--adapter {adapter_dir!r}: a {config.peft_type} adapter; LoRA only")
-    return config
 
 
 def adapter_wrap(adapter_dir: str) -> Callable[[nn.Module], nn.Module]:

@@ -40,6 +40,7 @@ from typing import Any
 
 from .engine import Engine
 from .grammar import json_grammar, schema_of
+from .lora_slots import AdapterRef
 from .sampling import MAX_LOGPROBS, MAX_SEED, Sampling
 from .schedule import Output
 from .tools import ToolChoice, tool_choice
@@ -136,6 +137,7 @@ class CompletionRequest:
     max_tokens: list[int] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)
     role: str = "assistant"  # a chat answer's
+    adapter: AdapterRef | None = None  # the LoRA adapter ``model`` names (None: the base)
 
 
 class BadRequest(ValueError):

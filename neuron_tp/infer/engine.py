@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..parallel import host
+from .lora_slots import AdapterRef, Adapters, AdapterUse, BankSlots
 from .prefix_cache import PrefixCache, PrefixStats
 from .sampling import Sampling, check_vocab
 from .schedule import Admission, Event, Failed, Lease, Output, Request, Shutdown, decode, encode
@@ -76,6 +77,7 @@ class Engine:
         self.max_new_tokens = 0
         self.sampling_defaults: dict = {}  # the model's generation_config values (server)
         self.tool_call_parser = "hermes"  # how the server finds tool calls (--tool-call-parser)
+        self.adapters: Adapters | None = None  # rank 0: the LoRA adapters requests may name
         self._queue: queue.Queue = queue.Queue()
         self._waiting: deque[Request] = deque()  # rank 0: taken off the queue, no slot yet
         self.rows: SlotRows | None = None  # the requests in the slots (every rank)
@@ -100,12 +102,16 @@ class Engine:
         eos_ids: Sequence[int],
         max_new_tokens: int,
         prefix: PrefixCache | None = None,
+        lora: BankSlots | None = None,
     ) -> None:
         """Give the engine its model (a slot generator on this rank's device), the most
-        tokens a request may ask for and this rank's prefix cache (None: no caching)."""
+        tokens a request may ask for, this rank's prefix cache (None: no caching) and the
+        slots of its LoRA bank (None: the base model only)."""
         self.gen, self.tokenizer, self.eos_ids = gen, tokenizer, list(eos_ids)
         self.max_new_tokens = max_new_tokens
-        self.rows = SlotRows(gen, tokenizer, eos_ids, self.prefill_budget, self.stats, prefix)
+        self.rows = SlotRows(
+            gen, tokenizer, eos_ids, self.prefill_budget, self.stats, prefix=prefix, lora=lora
+        )
 
     def warmup(self, every_shape: bool = False) -> None:
         """Capture the graphs before serving (every rank, in the same order): all of them
@@ -244,14 +250,18 @@ class Engine:
         sink: Callable[[Event], None],
         seeded: bool = False,
         output: Output | None = None,
+        adapter: AdapterRef | None = None,
     ) -> Request:
         """Queue one request (ValueError when invalid, :class:`QueueFull` when ``max_queue``
         requests wait already, :class:`NotReady` before :meth:`start` or after
         :meth:`shutdown`); its events go to ``sink``; ``output``: log-probabilities and stop
-        token ids."""
+        token ids; ``adapter``: the LoRA adapter it runs with (None: the base model)."""
         output = output or Output()
         self.check(prompt, max_tokens, stop, sampling, output)
+        if adapter is not None and (self.rows is None or self.rows.lora is None):
+            raise ValueError("this server serves no LoRA adapters (start it with --enable-lora)")
         req = Request(list(prompt), max_tokens, sampling, list(stop), seeded, sink, output=output)
+        req.adapter = adapter
         with self._lock:
             if not self.ready:
                 raise NotReady(self.error or ("shutting down" if self._closed else "loading"))
@@ -315,29 +325,51 @@ class Engine:
 
     def _lease(self) -> tuple[Lease | None, list[Request]]:
         """The next lease (cancelled slots, admitted requests, iterations to run; None when
-        there is nothing to do) and the admitted requests."""
+        there is nothing to do) and the admitted requests. A request whose adapter finds no
+        bank slot (all held by running requests' adapters) waits, keeping its place."""
         gen = self._model()
         cancel = [s for s, r in self._rows.items() if r.request is not None and r.request.cancelled]
         free = gen.slots - len(self._rows) + len(cancel)
-        admit = []
+        busy = {r.adapter for s, r in self._rows.items() if r.adapter >= 0 and s not in cancel}
+        admit, admissions, later = [], [], []
         while self._waiting and len(admit) < free:
             req = self._waiting.popleft()
             if req.cancelled:
                 self.stats["dropped"] += 1
                 continue
+            use = self._place(req, busy)
+            if req.adapter is not None and use is None:
+                later.append(req)
+                continue
             admit.append(req)
+            admissions.append(self._admission(req, use))
+        self._waiting.extendleft(reversed(later))
         if not (cancel or admit or self._rows):
             return None, []
         self._admitting = admit  # known to _fail_all until the lease has placed them
-        lease = Lease(tuple(cancel), tuple(self._admission(r) for r in admit), self.lease_steps)
-        return lease, admit
+        return Lease(tuple(cancel), tuple(admissions), self.lease_steps), admit
 
-    def _admission(self, req: Request) -> Admission:
-        """``req``'s admission, with its prefix-cache plan when caching."""
+    def _place(self, req: Request, busy: set[int]) -> AdapterUse | None:
+        """The bank slot of ``req``'s adapter (added to ``busy``); None: no adapter, or no
+        slot for it now."""
+        lora = self.rows.lora if self.rows is not None else None
+        if req.adapter is None or lora is None:
+            return None
+        slot = lora.place(req.adapter.uid, busy)
+        if slot is None:
+            return None
+        busy.add(slot)
+        return AdapterUse(req.adapter.uid, req.adapter.path, slot)
+
+    def _admission(self, req: Request, adapter: AdapterUse | None = None) -> Admission:
+        """``req``'s admission, with its adapter's bank slot and its prefix-cache plan when
+        caching (blocks keyed by the adapter too)."""
         admission, prefix = Admission.of(req), self.rows.prefix
+        admission = dataclasses.replace(admission, adapter=adapter)
         if prefix is None or req.output.prompt_logprobs:  # every prompt position is computed
             return admission
-        return dataclasses.replace(admission, prefix=prefix.plan(req.prompt))
+        salt = b"" if adapter is None else f"lora:{adapter.uid}".encode()
+        return dataclasses.replace(admission, prefix=prefix.plan(req.prompt, salt))
 
     def run_all(self, requests: Sequence[Request]) -> None:
         """Offline generation (``neuron-tp generate``): run ``requests``, the same on every

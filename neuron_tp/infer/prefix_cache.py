@@ -74,10 +74,11 @@ class PrefixStats(NamedTuple):
         return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
-def block_keys(prompt: Sequence[int], block: int) -> list[bytes]:
+def block_keys(prompt: Sequence[int], block: int, salt: bytes = b"") -> list[bytes]:
     """The chained keys of ``prompt``'s full blocks: key ``i`` hashes key ``i - 1`` and the
-    tokens of block ``i``."""
-    keys, parent = [], b""
+    tokens of block ``i``; the first hashes ``salt`` (what else the KV depends on: a LoRA
+    adapter) and block 0."""
+    keys, parent = [], salt
     for i in range(len(prompt) // block):
         data = array("q", prompt[i * block : (i + 1) * block]).tobytes()
         parent = hashlib.blake2b(parent + data, digest_size=16).digest()
@@ -118,11 +119,12 @@ class PrefixIndex:
         self._lru: OrderedDict[int, None] = OrderedDict()  # ready, unreferenced; oldest first
         self.prompt_tokens = self.hit_tokens = self.evictions = 0
 
-    def plan(self, prompt: Sequence[int]) -> PrefixPlan:
+    def plan(self, prompt: Sequence[int], salt: bytes = b"") -> PrefixPlan:
         """The hits (the longest run of written blocks from the start, never the block of the
         last token's prefill) and the pool blocks for the next uncached full blocks (as many as
-        can be had without evicting a referenced block); every one referenced."""
-        keys = block_keys(prompt, self.block)
+        can be had without evicting a referenced block); every one referenced. ``salt``: see
+        :func:`block_keys`."""
+        keys = block_keys(prompt, self.block, salt)
         hit: list[int] = []
         for key in keys[: (len(prompt) - 1) // self.block]:
             b = self._block_of.get(key)
@@ -262,10 +264,10 @@ class PrefixCache:
         return sum(t.numel() * t.element_size() for pool in self.pools for t in pool)
 
     # -- rank 0 ------------------------------------------------------------------------------
-    def plan(self, prompt: Sequence[int]) -> PrefixPlan:
+    def plan(self, prompt: Sequence[int], salt: bytes = b"") -> PrefixPlan:
         if self.index is None:
             raise RuntimeError("only rank 0's prefix cache plans")
-        return self.index.plan(prompt)
+        return self.index.plan(prompt, salt)
 
     def stats(self) -> PrefixStats | None:
         return self.index.stats() if self.index is not None else None

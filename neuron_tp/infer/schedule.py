@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
+from .lora_slots import AdapterRef, AdapterUse
 from .prefix_cache import PrefixPlan
 from .sampling import Sampling, TokenLogprob
 
@@ -84,6 +85,7 @@ class Request:
     created: float = field(default_factory=time.monotonic)
     tokens: list[int] = field(default_factory=list)  # generated so far (EOS included)
     output: Output = Output()
+    adapter: AdapterRef | None = None  # the LoRA adapter it names (None: the base model)
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -92,7 +94,8 @@ class Request:
 @dataclass(frozen=True)
 class Admission:
     """What every rank needs to run an admitted request (``prefix``: the prefix-cache copies
-    rank 0 planned for it, None without prefix caching)."""
+    rank 0 planned for it, None without prefix caching; ``adapter``: its LoRA adapter and bank
+    slot, None for the base model)."""
 
     prompt: tuple[int, ...]
     max_tokens: int
@@ -100,6 +103,7 @@ class Admission:
     stop: tuple[str, ...]
     prefix: PrefixPlan | None = None
     output: Output = Output()
+    adapter: AdapterUse | None = None
 
     @classmethod
     def of(cls, req: Request) -> Admission:
@@ -138,6 +142,7 @@ def encode(message: Lease | Shutdown) -> bytes:
             "stop": list(a.stop),
             "prefix": a.prefix.to_json() if a.prefix is not None else None,
             "output": asdict(a.output),
+            "adapter": a.adapter.to_json() if a.adapter is not None else None,
         }
         for a in message.admit
     ]
@@ -158,6 +163,7 @@ def decode(data: bytes) -> Lease | Shutdown:
             tuple(a["stop"]),
             PrefixPlan.from_json(a["prefix"]) if a["prefix"] is not None else None,
             _output(a["output"]),
+            AdapterUse.from_json(a["adapter"]) if a.get("adapter") is not None else None,
         )
         for a in body["admit"]
     )

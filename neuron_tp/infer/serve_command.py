@@ -37,6 +37,7 @@ def serve(config, stop: threading.Event | None = None) -> None:
                 f"{config.tp} processes, got {world.size}"
             )
         check_speculation_options(config.generate_config(), _max_len(config))
+        check_lora_options(config)
         if world.rank == 0:
             import fastapi  # noqa: F401 - fail before loading a model
             import uvicorn  # noqa: F401
@@ -128,7 +129,9 @@ def load_engine(engine: Engine, config, mesh) -> None:
             flush=True,
         )
     prefix = _prefix_cache(config, gen, rank0=mesh.rank == 0)
-    engine.attach(gen, tok, loaded.eos_ids, config.max_new_tokens, prefix)
+    slots, adapters = _lora_bank(config, gen, rank0=mesh.rank == 0)
+    engine.attach(gen, tok, loaded.eos_ids, config.max_new_tokens, prefix, lora=slots)
+    engine.adapters = adapters
     defaults = generation_defaults(getattr(model, "generation_config", None))
     left_out = {}
     if loaded.speculative:  # speculation applies temperature and top_k only
@@ -151,6 +154,64 @@ def load_engine(engine: Engine, config, mesh) -> None:
                 flush=True,
             )
     engine.warmup(every_shape=config.warmup == "all")
+
+
+def check_lora_options(config) -> None:
+    """UserError (before any collective) for LoRA options that cannot be served: what does
+    not combine with adapters, a ``--lora-modules`` entry that is not ``NAME=DIR`` of a LoRA
+    adapter directory."""
+    from ..hf.lora_files import read_adapter_config
+    from .lora_slots import parse_lora_module
+
+    lora = config.lora
+    if not lora.on:
+        return
+    if config.draft_model or config.speculation_method:
+        raise UserError(
+            "--enable-lora / --lora-modules do not combine with speculative decoding yet "
+            "(--draft-model, --speculation-method): leave one out"
+        )
+    if config.adapter:
+        raise UserError(
+            "--adapter merges one adapter into the base; with --lora-modules serve it as "
+            f"NAME={config.adapter} instead"
+        )
+    names = []
+    for spec in lora.lora_modules:
+        name, path = parse_lora_module(spec)
+        read_adapter_config(path, what=f"--lora-modules {name}={path}")
+        names.append(name)
+    if len(set(names)) < len(names) or config.model_name in names:
+        raise UserError(
+            f"--lora-modules names {names}: each must be unique and not the served model "
+            f"name {config.model_name!r}"
+        )
+
+
+def _lora_bank(config, gen, rank0: bool):
+    """The LoRA bank of ``gen``'s model (``--max-loras`` slots of rank ``--max-lora-rank``)
+    with the ``--lora-modules`` adapters known (None, None without LoRA serving)."""
+    from ..hf.lora_bank import LoraBank
+    from .lora_slots import Adapters, BankSlots, HostAdapters, parse_lora_module
+
+    lora = config.lora
+    if not lora.on:
+        return None, None
+    bank = LoraBank(gen.model, lora.max_loras, lora.max_lora_rank)
+    gen.lora = bank  # before warm-up: every graph takes the bank's tensors
+    host = HostAdapters(lora.max_cpu_loras or lora.max_loras)
+    adapters = Adapters(config.model_name, bank, host)
+    for spec in lora.lora_modules:  # every rank checks them: the same refusal everywhere
+        adapters.load(*parse_lora_module(spec))
+    if rank0:
+        mib = sum(t.numel() * t.element_size() for t in bank.tensors) / 2**20
+        names = ", ".join(r.name for r in adapters.all()) or "none yet"
+        print(
+            f"neuron-tp serve: LoRA bank of {bank.slots} slots x rank {bank.max_rank} on "
+            f"{len(bank.targets)} projections, {mib:.1f} MiB per rank; adapters: {names}",
+            flush=True,
+        )
+    return BankSlots(bank, host), adapters
 
 
 def _max_len(config) -> int:

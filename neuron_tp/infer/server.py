@@ -7,11 +7,11 @@ warm-up graphs are captured, else 503) and ``GET /metrics`` (Prometheus, :mod:`.
 
 What a request may ask for and how it is checked is :mod:`.completion_request` (parameters,
 prompts as text, token ids or chat messages); the API key, body size and JSON depth are
-:mod:`.limits`. ``model``: the served name (what ``/v1/models`` lists; absent: that one), any
-other gets 404 ``model_not_found``. Invalid requests get 400 with ``{"error": {"message", "type":
-"invalid_request_error", "param", ...}}``; a full queue 429 with ``Retry-After``; a request
-past its timeout 504 (a stream: an error event); an exception of the server's own a JSON 500
-for that request only.
+:mod:`.limits`. ``model``: the served name (what ``/v1/models`` lists; absent: that one) or a
+LoRA adapter's name (:mod:`.lora_routes`); any other gets 404 ``model_not_found``. Invalid
+requests get 400 with ``{"error": {"message", "type": "invalid_request_error", "param",
+...}}``; a full queue 429 with ``Retry-After``; a request past its timeout 504 (a stream: an
+error event); an exception of the server's own a JSON 500 for that request only.
 """
 
 import asyncio
@@ -23,6 +23,7 @@ import uuid
 from .completion_request import BadRequest, CompletionRequest, prepare
 from .engine import Engine, NotReady, QueueFull
 from .limits import Guard, RequestError, ServeLimits, parse_json, read_body
+from .lora_routes import UnknownModel, add_lora_routes, model_cards, requested_adapter
 from .metrics import LOG, RequestTrace, ServerMetrics
 from .sampling import MAX_SEED, TokenLogprob
 from .schedule import Delta, Done, Failed, Prompt
@@ -98,8 +99,9 @@ def create_app(engine: Engine, model_name: str, limits: ServeLimits | None = Non
 
     @app.get("/v1/models")
     async def models():
-        card = {"id": model_name, "object": "model", "created": 0, "owned_by": "neuron-tp"}
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": model_cards(engine, model_name)}
+
+    add_lora_routes(app, engine, limits, _error)
 
     answers = _Completions(engine, model_name, limits, metrics)
 
@@ -154,7 +156,8 @@ class _Completions:
         reqs = self._submit(completion, sink)
         if not isinstance(reqs, list):
             return reqs  # an error response
-        meta = {"id": trace.id, "created": int(time.time()), "model": self.model_name}
+        served = completion.adapter.name if completion.adapter is not None else self.model_name
+        meta = {"id": trace.id, "created": int(time.time()), "model": served}
         timeout = self.limits.request_timeout_s
         wait = Deadline(trace.start + timeout, timeout)
         parser = getattr(self.engine, "tool_call_parser", "hermes")
@@ -184,12 +187,10 @@ class _Completions:
             return _error(e.status, str(e), param=e.param, code=e.code)
         if not isinstance(body, dict):
             return _error(400, "the request body must be a JSON object")
-        if body.get("model") not in (None, model_name):
-            message = (
-                f"The model {body['model']!r} does not exist: this server serves "
-                f"{model_name!r} (GET /v1/models)"
-            )
-            return _error(404, message, param="model", code="model_not_found")
+        try:
+            adapter = requested_adapter(engine, model_name, body.get("model"))
+        except UnknownModel as e:
+            return _error(404, str(e), param="model", code="model_not_found")
         if not engine.ready:
             why = engine.error or "the model is not ready yet"
             return _error(503, why, "service_unavailable")
@@ -202,7 +203,7 @@ class _Completions:
             return _error(400, str(e), param=e.param)
         except ValueError as e:
             return _error(400, str(e))
-        return body, completion
+        return body, dataclasses.replace(completion, adapter=adapter)
 
     def _submit(self, completion: CompletionRequest, sink):
         """Queue ``max(n, best_of)`` sequences of each prompt (``sink(i)`` gets sequence
@@ -219,7 +220,13 @@ class _Completions:
                     args = (p, completion.max_tokens[i], sampling, params.stop)
                     sunk = sink(len(reqs))
                     reqs.append(
-                        self.engine.submit(*args, sink=sunk, seeded=params.seeded, output=output)
+                        self.engine.submit(
+                            *args,
+                            sink=sunk,
+                            seeded=params.seeded,
+                            output=output,
+                            adapter=completion.adapter,
+                        )
                     )
         except (NotReady, QueueFull) as e:
             for r in reqs:

@@ -31,73 +31,38 @@ sequence with its own position, sampling parameters and host RNG.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..errors import UserError
-from .model_step import cache_kwargs, check_cache, no_aux_outputs, pick_bucket
+from .model_step import check_cache, pick_bucket
 from .replay import StepGraphs, StepGraphsOwner
 from .sampling import (
     Sampling,
     TokenLogprob,
     bias_row,
     check_per_row,
-    choose_adjusted,
     host_generator,
     host_noise,
     seen_row,
-    token_logprobs,
 )
+from .slot_records import (
+    ChunkMeta,
+    SlotState,
+    default_prefill_buckets,
+    read_logprobs,
+    seq_split,
+    variants_of,
+)
+from .slot_steps import decode_step, prefill_step
 
+if TYPE_CHECKING:
+    from ..hf.lora_bank import LoraBank
 
-class SlotState(NamedTuple):
-    """The per-slot device tensors (one row per slot) every step reads and the last prompt
-    chunk of a slot writes, in this order wherever they are graph arguments or results."""
-
-    tokens: torch.Tensor  # the last token of each slot
-    pos: torch.Tensor  # its cache index
-    temperature: torch.Tensor
-    top_k: torch.Tensor
-    sample: torch.Tensor  # False: a greedy row
-    params: torch.Tensor  # [slots, 5]: sampling.ROW_PARAMS (top_p, min_p, the penalties)
-    counts: torch.Tensor  # [slots, vocab]: tokens generated so far
-    seen: torch.Tensor  # [slots, vocab]: 1 at the prompt's tokens
-    bias: torch.Tensor  # [slots, vocab]: the logit bias
-
-
-class ChunkMeta(NamedTuple):
-    """The host values of one prefill chunk, uploaded as ONE int64 tensor (:meth:`tensor`):
-    its slot, the position it starts at, how many of its tokens are real, whether it is the
-    prompt's last (then a token is chosen and the slot's :class:`SlotState` row written),
-    the row's ``top_k``, whether it samples and the prompt token after the chunk (the target
-    of its last position's prompt log-probability). In the graph :meth:`read` names the
-    fields of the uploaded tensor, each a ``[1]`` tensor."""
-
-    slot: int
-    start: int
-    length: int
-    final: bool
-    top_k: int
-    sampled: bool
-    next: int = 0
-
-    def tensor(self) -> torch.Tensor:
-        return torch.tensor([int(v) for v in self])
-
-    @classmethod
-    def read(cls, meta: torch.Tensor) -> ChunkMeta:
-        return cls(*(meta[i : i + 1] for i in range(len(cls._fields))))
-
-
-def default_prefill_buckets(chunk: int) -> list[int]:
-    """Powers of 2 from 16 up to ``chunk`` (and ``chunk`` itself)."""
-    out, b = [], 16
-    while b < chunk:
-        out.append(b)
-        b *= 2
-    return out + [chunk]
+__all__ = ["ChunkMeta", "SlotGenerator", "SlotState", "default_prefill_buckets"]
 
 
 class SlotGenerator(StepGraphsOwner):
@@ -133,6 +98,7 @@ class SlotGenerator(StepGraphsOwner):
         kv_split: str = "heads",
         prompt_logprobs: bool = False,
         top_p: bool = False,
+        lora: LoraBank | None = None,
     ):
         if slots < 1 or max_len < 2 or chunk < 1:
             raise UserError(
@@ -158,7 +124,7 @@ class SlotGenerator(StepGraphsOwner):
         check_cache(model.config, max_len + 1, "(max_len + 1 scratch); use a smaller max_len")
         from .slot_cache import allocate
 
-        self.split = _seq_split(model, kv_split, max_len)
+        self.split = seq_split(model, kv_split, max_len)
 
         self.model, self.slots, self.max_len, self.chunk = model, slots, max_len, chunk
         self.prompt_logprob_graphs, self.top_p_graphs = prompt_logprobs, top_p
@@ -177,7 +143,9 @@ class SlotGenerator(StepGraphsOwner):
             counts=torch.zeros(slots, self.vocab).to(dev),
             seen=torch.zeros(slots, self.vocab).to(dev),
             bias=torch.zeros(slots, self.vocab).to(dev),
+            adapter=torch.full((slots,), -1, dtype=torch.long).to(dev),
         )
+        self.lora = lora  # the resident LoRA adapters' weights (None: the base model only)
         # the prefill's seen and bias rows when zero: two tensors (a capture maps one tensor
         # fed as two arguments to one graph input)
         self._zero_rows = [torch.zeros(1, self.vocab).to(dev) for _ in range(2)]
@@ -254,6 +222,7 @@ class SlotGenerator(StepGraphsOwner):
         prompt_logprobs: bool = False,
         next_token: int = 0,
         mask: torch.Tensor | None = None,
+        adapter: int = -1,
     ) -> int | None:
         """Write one chunk of ``slot``'s prompt at positions ``start..start+len-1``. With
         ``sampling`` (the LAST chunk): choose and return the first new token; the slot then
@@ -262,7 +231,8 @@ class SlotGenerator(StepGraphsOwner):
         :attr:`prompt_logprobs` to the log-probabilities of the prompt tokens at
         ``start+1..start+len`` (``next_token``: the one after the chunk; a last chunk gives
         one fewer). ``mask``: a ``[vocab]`` row added to the logits of the first new token (a
-        grammar's, with :attr:`masks` the rows of the next ones)."""
+        grammar's, with :attr:`masks` the rows of the next ones). ``adapter``: the slot of
+        :attr:`lora` holding the request's LoRA adapter (-1: the base model)."""
         n = len(tokens)
         self._check_chunk(slot, n, start)
         if sampling is not None:
@@ -271,7 +241,7 @@ class SlotGenerator(StepGraphsOwner):
         final = sampling is not None
         s = sampling or Sampling()
         sampled = final and s.do_sample
-        meta = ChunkMeta(slot, start, n, final, s.top_k, sampled, next_token)
+        meta = ChunkMeta(slot, start, n, final, s.top_k, sampled, next_token, adapter)
         ids = torch.full((1, bucket), self.pad_id, dtype=torch.long)
         ids[0, :n] = torch.tensor(list(tokens), dtype=torch.long)
         dev = self.device
@@ -294,7 +264,7 @@ class SlotGenerator(StepGraphsOwner):
         self._filled[slot] = start + n
         if prompt_logprobs:
             targets = [*tokens[1:], next_token][: n - 1 if final else n]
-            self.prompt_logprobs = _read_logprobs(self._prompt_lp, targets)
+            self.prompt_logprobs = read_logprobs(self._prompt_lp, targets)
         if not final:
             return None
         self.active.add(slot)
@@ -303,7 +273,7 @@ class SlotGenerator(StepGraphsOwner):
         token = int(tok.cpu()[0])
         self.logprobs = {}
         if slot in self.logprob_slots:
-            self.logprobs[slot] = _read_logprobs(self._lp_out, [token])[0]
+            self.logprobs[slot] = read_logprobs(self._lp_out, [token])[0]
         return token
 
     def _row(self, which: int, needed: bool, make) -> torch.Tensor:
@@ -376,7 +346,7 @@ class SlotGenerator(StepGraphsOwner):
         self.logprobs = {}
         wanted = sorted(self.active & self.logprob_slots)
         if wanted:
-            read = _read_logprobs(self._lp_out, [toks[s] for s in wanted], wanted)
+            read = read_logprobs(self._lp_out, [toks[s] for s in wanted], wanted)
             self.logprobs = dict(zip(wanted, read))
         return {s: [toks[s]] for s in sorted(self.active)}
 
@@ -448,8 +418,8 @@ class SlotGenerator(StepGraphsOwner):
             args = [*args, torch.ones(1, self.vocab).to(self.device)]
             sampled = True
         key = ("prefill", bucket, sampled, prompt_lp) if prompt_lp else ("prefill", bucket, sampled)
-        build = lambda: self._prefill_fn(bucket, sampled, prompt_lp)  # noqa: E731
-        out = self._run(key, build, [*args, *self._state])
+        build = lambda: prefill_step(self, bucket, sampled, prompt_lp)  # noqa: E731
+        out = self._run_model(key, build, [*args, *self._state])
         n, m = len(SlotState._fields), 7 if prompt_lp else 4
         self._lp_out = tuple(out[1:4])
         if prompt_lp:
@@ -465,10 +435,33 @@ class SlotGenerator(StepGraphsOwner):
         sampled = noise is not None
         key = ("decode", bucket, sampled, "top_p") if nucleus else ("decode", bucket, sampled)
         args = [active, *self._state, *([noise] if noise is not None else [])]
-        out = self._run(key, lambda: self._decode_fn(bucket, sampled, nucleus), args)
+        out = self._run_model(key, lambda: decode_step(self, bucket, sampled, nucleus), args)
         self._state = self._state._replace(tokens=out[0], pos=out[1], counts=out[2])
         self._lp_out = tuple(out[3:6])
         self._kv = out[6:]
+
+    def _run_model(self, key: tuple, build, args: list[torch.Tensor]) -> list[torch.Tensor]:
+        """A step that runs the model: the LoRA bank's tensors are its first arguments (data:
+        loading an adapter changes them, never the graph)."""
+        if self.lora is None:
+            return self._run(key, build, args)
+        n = len(self.lora.tensors)
+
+        def bound():
+            step = build()
+
+            def run(*all_args):
+                with self.lora.bound(all_args[:n]):
+                    return step(*all_args[n:])
+
+            return run
+
+        return self._run(key, bound, [*self.lora.tensors, *args])
+
+    def adapters(self, index: torch.Tensor):
+        """In a step: the model's LoRA layers add each row's adapter (``index``: its bank
+        slot per row, -1 none) while the context is open."""
+        return contextlib.nullcontext() if self.lora is None else self.lora.select(index)
 
     def _run(self, key: tuple, build, args: list[torch.Tensor]) -> list[torch.Tensor]:
         # This device's earlier steps finish first: a capture waits for every device
@@ -494,131 +487,3 @@ class SlotGenerator(StepGraphsOwner):
                 return step(*args)
 
         return run
-
-    def _prefill_fn(self, bucket: int, sampled: bool, prompt_lp: bool = False):
-        from .slot_cache import SlotCache
-
-        model, scratch, n_state = self.model, self.max_len, len(SlotState._fields)
-
-        def step(ids, meta, floats, seen, bias, *rest):  # noqa: PLR0917
-            noise, rest = (rest[0], rest[1:]) if sampled else (None, rest)
-            temp, params = floats[:, 0], floats[:, 1:]
-            state, kv = SlotState(*rest[:n_state]), rest[n_state:]
-            m = ChunkMeta.read(meta)
-            final = m.final.bool()
-            idx = torch.arange(bucket, device=ids.device)
-            valid = idx < m.length
-            qpos = torch.where(valid, m.start + idx, torch.full_like(idx, scratch))[None]
-            cache = SlotCache(list(kv), m.slot, qpos, m.slot, split=self.split)
-            out = model(
-                input_ids=ids,
-                attention_mask=self.cache_mask(qpos),
-                position_ids=torch.where(valid, m.start + idx, torch.zeros_like(idx))[None],
-                **cache_kwargs(model, cache),
-                use_cache=True,
-                logits_to_keep=0 if prompt_lp else (m.length - 1).clamp(min=0),
-                **no_aux_outputs(model.config),
-            )
-            last = (m.length - 1).clamp(min=0)
-            logits = out.logits[0] if prompt_lp else None
-            row = out.logits[0].index_select(0, last) if prompt_lp else out.logits[:, -1]
-            zeros = torch.zeros_like(bias)
-            rows = (temp, m.top_k, params, zeros, seen, bias)
-            tok = choose_adjusted(row, rows, m.sampled.bool(), noise)
-            lp = token_logprobs(row, tok)
-
-            def put(row, value):  # row[slot] = value on the last chunk
-                new = torch.where(final, value.to(row.dtype), row.index_select(0, m.slot))
-                return row.index_put((m.slot,), new)
-
-            counted = zeros.scatter(-1, tok[:, None], 1.0)
-            new = SlotState(
-                tokens=put(state.tokens, tok),
-                pos=put(state.pos, m.start + m.length),
-                temperature=put(state.temperature, temp),
-                top_k=put(state.top_k, m.top_k),
-                sample=put(state.sample, m.sampled.bool()),
-                params=put(state.params, params),
-                counts=put(state.counts, counted),
-                seen=put(state.seen, seen),
-                bias=put(state.bias, bias),
-            )
-            prompt = []
-            if prompt_lp:
-                targets = torch.where(idx < m.length - 1, ids[0].roll(-1), m.next)
-                prompt = list(token_logprobs(logits, targets))
-            return [tok, *lp, *prompt, *new, *cache.tensors()]
-
-        return self.with_split_attention(step)
-
-    def _decode_fn(self, bucket: int, sampled: bool, nucleus: bool = False):
-        from .slot_cache import SlotCache
-
-        model, scratch, n_state = self.model, self.max_len, len(SlotState._fields)
-
-        def step(active, *rest):
-            state = SlotState(*rest[:n_state])
-            noise, kv = (rest[n_state], rest[n_state + 1 :]) if sampled else (None, rest[n_state:])
-            b = slice(0, bucket)
-            a, last, pos = active[b], state.tokens[b], state.pos[b]
-            qpos = torch.where(a, pos, torch.full_like(pos, scratch))[:, None]
-            rows = torch.arange(bucket, device=last.device)
-            cache = SlotCache(list(kv), rows, qpos, b, split=self.split)
-            out = model(
-                input_ids=last[:, None],
-                attention_mask=self.cache_mask(qpos),
-                position_ids=torch.where(a, pos, torch.zeros_like(pos))[:, None],
-                **cache_kwargs(model, cache),
-                use_cache=True,
-                logits_to_keep=1,
-                **no_aux_outputs(model.config),
-            )
-            logits = out.logits[:, -1]
-            counts = state.counts[b]
-            rows = (state.temperature[b], state.top_k[b], state.params[b], counts)
-            rows += (state.seen[b], state.bias[b])
-            tok = choose_adjusted(logits, rows, state.sample[b], noise, nucleus)
-            tok = torch.where(a, tok, last)
-            counts = counts + torch.zeros_like(counts).scatter(-1, tok[:, None], a.float()[:, None])
-            lp = token_logprobs(logits, tok)
-            rest_rows = self.slots - bucket
-            return [
-                torch.cat([tok, state.tokens[bucket:]]),
-                torch.cat([pos + a.long(), state.pos[bucket:]]),
-                torch.cat([counts, state.counts[bucket:]]),
-                *(torch.cat([t, t.new_zeros((rest_rows, *t.shape[1:]))]) for t in lp),
-                *cache.tensors(),
-            ]
-
-        return self.with_split_attention(step)
-
-
-def variants_of(variants: Sequence[bool], prompt_lp: bool) -> list[tuple[bool, bool]]:
-    """The prefill graphs ``(sampled, prompt log-probabilities)`` of the ``variants`` asked
-    for: with ``prompt_lp`` and both greedy and sampled, also the prompt log-probability one."""
-    out = [(v, False) for v in variants]
-    return out + [(True, True)] if prompt_lp and set(variants) == {False, True} else out
-
-
-def _read_logprobs(out, tokens: Sequence[int], rows: Sequence[int] | None = None):
-    """The :class:`TokenLogprob` of ``tokens`` from a step's ``(logprob, top logprobs, top
-    ids)`` device tensors, at ``rows`` (None: the first ``len(tokens)``); one transfer each."""
-    lp, top_lp, top_ids = (t.cpu() for t in out)
-    rows = list(rows) if rows is not None else list(range(len(tokens)))
-    lp, top_lp, top_ids = lp[rows].tolist(), top_lp[rows].tolist(), top_ids[rows].tolist()
-    return [TokenLogprob(t, lp[i], tuple(zip(top_ids[i], top_lp[i]))) for i, t in enumerate(tokens)]
-
-
-def _seq_split(model, mode: str, max_len: int):
-    """The :class:`~.kv_split.SeqSplit` of ``model`` for ``--kv-split mode`` (None: the cache
-    is split by heads), attached to its attention modules."""
-    from ..parallel.state import state_of
-    from . import kv_split
-
-    state = state_of(model)
-    tp = 1 if state is None else state.mesh.tp_size
-    if kv_split.resolve(mode, model.config, tp) == "heads":
-        return None
-    split = kv_split.make_split(model, state.mesh, max_len)
-    kv_split.attach(model, split)
-    return split

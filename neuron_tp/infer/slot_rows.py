@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from .grammar import Grammars, Guide
+from .lora_slots import BankSlots
 from .prefix_cache import PrefixCache
 from .sampling import Sampling, TokenLogprob
 from .schedule import Admission, Delta, Done, Event, Failed, Lease, Output, Prompt, Request
@@ -46,6 +47,7 @@ class Row:
     output: Output = Output()
     prompt_logprobs: list[TokenLogprob] | None = None  # gathered chunk by chunk
     guide: Guide | None = None  # the grammar state of a constrained row
+    adapter: int = -1  # the LoRA bank slot of its adapter (-1: the base model)
 
     @property
     def prefilling(self) -> bool:
@@ -56,7 +58,8 @@ class SlotRows:
     """The rows of ``gen``'s slots (``by_slot``); ``stats`` (the engine's counters) gets steps,
     the largest batch, cancelled, dropped and failed requests; ``prefix``: this rank's prefix
     cache (an admission's plan is copied in before its first chunk, its blocks stored after
-    their chunk)."""
+    their chunk); ``lora``: the adapters of ``gen``'s LoRA bank (an admission's is written
+    into its slot before its first chunk)."""
 
     def __init__(
         self,
@@ -65,10 +68,13 @@ class SlotRows:
         eos_ids: Sequence[int],
         prefill_budget: int | None,
         stats: dict,
+        *,
         prefix: PrefixCache | None = None,
+        lora: BankSlots | None = None,
     ):
         self.gen, self.tokenizer, self.eos_ids = gen, tokenizer, list(eos_ids)
         self.prefill_budget, self.stats, self.prefix = prefill_budget, stats, prefix
+        self.lora = lora
         self.by_slot: dict[int, Row] = {}
         self.admitted = 0  # requests admitted so far (every rank)
         self.forked = 0  # rows whose prompt's KV was copied from a sibling's slot
@@ -104,7 +110,9 @@ class SlotRows:
             self.admitted += 1
             if admission.output.logprobs:
                 self.gen.logprob_slots.add(slot)
-            if admission.output.grammar is not None:
+            if admission.adapter is not None:
+                self._adapter(self.by_slot[slot], admission)
+            if slot in self.by_slot and admission.output.grammar is not None:
                 self._guide(self.by_slot[slot], admission.output.grammar)
             if slot in self.by_slot and self.prefix is not None and admission.prefix is not None:
                 self._load(self.by_slot[slot], admission)
@@ -196,6 +204,24 @@ class SlotRows:
             pair = torch.tensor([src, dst], dtype=torch.long).to(part.device)
             part.run_on_cache(("fork",), _copy_slot_step, [pair], writes=True)
 
+    def adapter_slots(self) -> set[int]:
+        """The bank slots the rows' adapters use."""
+        return {r.adapter for r in self.by_slot.values() if r.adapter >= 0}
+
+    def _adapter(self, row: Row, admission: Admission) -> None:
+        """Write the row's adapter into its bank slot unless there already (a directory that
+        cannot be read any more fails this request only)."""
+        use = admission.adapter
+        assert use is not None
+        try:
+            if self.lora is None:
+                raise ValueError("this server has no LoRA bank (--enable-lora)")
+            self.lora.ensure(use)
+        except Exception as e:  # noqa: BLE001 - fails this request only
+            self._fail(row, e)
+            return
+        row.adapter = use.slot
+
     def _guide(self, row: Row, grammar: str) -> None:
         """Give the row its grammar state (a grammar that does not compile fails it)."""
         try:
@@ -230,6 +256,7 @@ class SlotRows:
                     else {}
                 ),
                 **({"mask": row.guide.mask()} if last and row.guide is not None else {}),
+                **({"adapter": row.adapter} if row.adapter >= 0 else {}),
             )
         except Exception as e:  # noqa: BLE001 - fails this request only
             self._fail(row, e)

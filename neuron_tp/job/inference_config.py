@@ -8,7 +8,7 @@ from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
 from .common_config import CommonConfig
-from .options import buckets, non_negative, opt
+from .options import buckets, group, non_negative, opt
 from .options import positive as pos
 
 
@@ -134,6 +134,51 @@ class GenerateConfig(ModelLoadConfig):
 
 
 @dataclass(frozen=True)
+class ServeLoraConfig:
+    """Many LoRA adapters behind one server (vLLM's options): chosen per request by
+    ``model``, several in one batch, loaded and unloaded at run time."""
+
+    TITLE: ClassVar[str] = "LoRA adapters (a request names one as its model)"
+
+    enable_lora: bool = opt(  # implied by --lora-modules
+        "--enable-lora",
+        False,
+        "serve LoRA adapters of --model: those of --lora-modules and any POSTed to "
+        "/v1/load_lora_adapter",
+        action="store_true",
+    )
+    lora_modules: list[str] = opt(  # NAME=DIR or {"name": .., "path": ..}
+        "--lora-modules",
+        [],
+        "adapters served from the start: NAME=DIR (a PEFT adapter directory) or JSON "
+        '{"name": NAME, "path": DIR}',
+        nargs="+",
+        metavar="NAME=DIR",
+    )
+    max_loras: int = opt(  # the bank's slots (hf.lora_bank)
+        "--max-loras",
+        1,
+        "adapters resident on the device at once (in one batch); others wait for a slot",
+        type=pos(int),
+    )
+    max_lora_rank: int = opt(  # every slot is padded to it
+        "--max-lora-rank", 16, "the largest adapter rank accepted", type=pos(int)
+    )
+    max_cpu_loras: int | None = opt(  # None: --max-loras
+        "--max-cpu-loras",
+        None,
+        "adapters kept read in host memory (default: --max-loras); others are read again "
+        "from their directory when needed",
+        type=pos(int),
+    )
+
+    @property
+    def on(self) -> bool:
+        """Whether the server serves adapters."""
+        return self.enable_lora or bool(self.lora_modules)
+
+
+@dataclass(frozen=True)
 class ServeConfig(ModelLoadConfig):
     """``neuron-tp serve`` options (tp ranks launched by torchrun; rank 0 serves HTTP)."""
 
@@ -223,6 +268,7 @@ class ServeConfig(ModelLoadConfig):
         "larger request bodies get 413 (default 4 MiB)",
         type=pos(int),
     )
+    lora: ServeLoraConfig = group(ServeLoraConfig)
     api_key: str | None = opt(  # None: $NEURON_TP_API_KEY, else no key asked
         "--api-key",
         None,

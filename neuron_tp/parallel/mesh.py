@@ -198,33 +198,14 @@ class Mesh:
         )
 
     @classmethod
-    def virtual(
-        cls,
-        world_size: int,
-        rank: int,
-        tp: int,
-        tp_mode: str = "1d",
-        reduce_dtype: torch.dtype | None = None,
-        ep: int = 1,
-        *,
-        pp: int = 1,
-        cp: int = 1,
-    ) -> Mesh:
-        """A trace-only mesh: layers emit XLA collectives for rank ``rank`` of ``world_size``.
+    def virtual(cls, world_size: int, rank: int, tp: int = 1, **degrees) -> Mesh:
+        """A trace-only mesh: layers emit XLA collectives for rank ``rank`` of ``world_size``
+        (``degrees``: Mesh's other keywords, ``tp_mode``, ``ep``, ``pp``, ``cp``,
+        ``reduce_dtype``).
 
         Only XLA tensors may be fed to its layers; the graph is traced, not executed.
         """
-        return cls(
-            world_size,
-            rank,
-            tp=tp,
-            tp_mode=tp_mode,
-            virtual=True,
-            reduce_dtype=reduce_dtype,
-            ep=ep,
-            pp=pp,
-            cp=cp,
-        )
+        return cls(world_size, rank, tp=tp, virtual=True, **degrees)
 
     def group(self, name: str) -> Group:
         try:

@@ -857,7 +857,17 @@ def _serve(cmd: list[str], env: dict, log, port: int) -> tuple[subprocess.Popen,
 
 
 @pytest.fixture(scope="module")
-def tp2(tmp_path_factory):
+def lora(tmp_path_factory) -> dict[str, str]:
+    """PEFT adapters of the tiny preset (tests/helpers/lora_serving.py) for the tp=2 server."""
+    from lora_serving import write_adapter
+
+    root = str(tmp_path_factory.mktemp("adapters"))
+    return {n: write_adapter(root, n, seed=i + 1) for i, n in enumerate(("alpha", "beta"))}
+
+
+@pytest.fixture(scope="module")
+def tp2(tmp_path_factory, lora):
+    """``neuron-tp serve --tp 2 --quantize int8`` over torchrun, with LoRA adapter alpha."""
     port = _free_port()
     o = OPTIONS
     cmd = [
@@ -869,6 +879,7 @@ def tp2(tmp_path_factory):
         "--max-new-tokens", str(o["max_new_tokens"]),
         "--max-queue", "64", "--request-timeout-s", "120", "--max-body-bytes", "100000",
         "--quantize", "int8",
+        "--lora-modules", f"alpha={lora['alpha']}", "--max-loras", "2", "--max-lora-rank", "8",
     ]  # fmt: skip
     log = tmp_path_factory.mktemp("tp2") / "serve.log"
     # the key from the environment: _client sends "Bearer none"
@@ -900,6 +911,49 @@ def _int8_reference(tp1) -> Reference:
     got = ref.tokens(ids, 12)
     assert got and got == want.tolist()[: len(got)], (got, want)
     return ref
+
+
+def _lora_text(full, tok, eos, prompt: str, n: int) -> str:
+    ids = tok.encode(prompt)
+    with torch.no_grad():
+        out = full.generate(
+            torch.tensor([ids]), max_new_tokens=n, do_sample=False, pad_token_id=0, eos_token_id=eos
+        )[0, len(ids) :].tolist()
+    ends = [i for i, t in enumerate(out) if t in eos]
+    return tok.decode(out[: ends[0]] if ends else out)
+
+
+def test_tp2_int8_serves_lora_adapters_like_peft_merged(tp1, tp2, lora):
+    """The same server (int8 base weights, tp 2): requests naming alpha (from --lora-modules)
+    and beta (POSTed at run time, then in one batch with the base and alpha) equal
+    transformers on peft's merge of the adapter into the dequantized int8 base; the ranks'
+    banks change at the same step (a divergence would hang or mix tokens)."""
+    from int8_reference import reference_model
+    from lora_serving import merged
+    from neuron_tp.job.presets import build_model
+
+    engine, _, _ = tp1
+    tok, eos = engine.tokenizer, engine.eos_ids
+    dq = reference_model(build_model(OPTIONS["model"], 257, OPTIONS["seed"]).eval()).eval()
+    refs = {"tiny": dq, **{n: merged(p, dq) for n, p in lora.items()}}
+    url, client = tp2["url"], _client(tp2["url"])
+    assert [m.id for m in client.models.list().data] == ["tiny", "alpha"]
+    r = client.completions.create(model="alpha", prompt="Hello", max_tokens=10, temperature=0)
+    assert r.choices[0].text == _lora_text(refs["alpha"], tok, eos, "Hello", 10)
+    body = json.dumps({"lora_name": "beta", "lora_path": lora["beta"]}).encode()
+    status, _, text = _raw(url, "/v1/load_lora_adapter", body, {"Authorization": "Bearer none"})
+    assert status == 200 and "beta" in text, text
+    asks = [(m, p) for m in ("tiny", "alpha", "beta") for p in ("Hi", "The cat")]
+    barrier = threading.Barrier(len(asks))
+
+    def ask(a):
+        c = _client(url)
+        barrier.wait()
+        return c.completions.create(model=a[0], prompt=a[1], max_tokens=8, temperature=0)
+
+    with ThreadPoolExecutor(len(asks)) as pool:
+        got = [r.choices[0].text for r in pool.map(ask, asks)]
+    assert got == [_lora_text(refs[m], tok, eos, p, 8) for m, p in asks]
 
 
 def test_tp2_int8_answers_like_tp1_int8_and_shuts_down_cleanly(tp1, tp2):

@@ -1,0 +1,94 @@
+"""The records of a :class:`~.slot_generator.SlotGenerator`: the per-slot device state its
+graphs carry (:class:`SlotState`), the host values of a prefill chunk (:class:`ChunkMeta`), and
+the small helpers of its shapes and results."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+from .sampling import TokenLogprob
+
+
+class SlotState(NamedTuple):
+    """The per-slot device tensors (one row per slot) every step reads and the last prompt
+    chunk of a slot writes, in this order wherever they are graph arguments or results."""
+
+    tokens: torch.Tensor  # the last token of each slot
+    pos: torch.Tensor  # its cache index
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    sample: torch.Tensor  # False: a greedy row
+    params: torch.Tensor  # [slots, 5]: sampling.ROW_PARAMS (top_p, min_p, the penalties)
+    counts: torch.Tensor  # [slots, vocab]: tokens generated so far
+    seen: torch.Tensor  # [slots, vocab]: 1 at the prompt's tokens
+    bias: torch.Tensor  # [slots, vocab]: the logit bias
+    adapter: torch.Tensor  # the LoRA bank slot of each row's adapter (-1: the base model)
+
+
+class ChunkMeta(NamedTuple):
+    """The host values of one prefill chunk, uploaded as ONE int64 tensor (:meth:`tensor`):
+    its slot, the position it starts at, how many of its tokens are real, whether it is the
+    prompt's last (then a token is chosen and the slot's :class:`SlotState` row written),
+    the row's ``top_k``, whether it samples, the prompt token after the chunk (the target
+    of its last position's prompt log-probability) and the LoRA bank slot of the request's
+    adapter (-1: the base model). In the graph :meth:`read` names the
+    fields of the uploaded tensor, each a ``[1]`` tensor."""
+
+    slot: int
+    start: int
+    length: int
+    final: bool
+    top_k: int
+    sampled: bool
+    next: int = 0
+    adapter: int = -1
+
+    def tensor(self) -> torch.Tensor:
+        return torch.tensor([int(v) for v in self])
+
+    @classmethod
+    def read(cls, meta: torch.Tensor) -> ChunkMeta:
+        return cls._make(meta[i : i + 1] for i in range(len(cls._fields)))
+
+
+def default_prefill_buckets(chunk: int) -> list[int]:
+    """Powers of 2 from 16 up to ``chunk`` (and ``chunk`` itself)."""
+    out, b = [], 16
+    while b < chunk:
+        out.append(b)
+        b *= 2
+    return out + [chunk]
+
+
+def variants_of(variants: Sequence[bool], prompt_lp: bool) -> list[tuple[bool, bool]]:
+    """The prefill graphs ``(sampled, prompt log-probabilities)`` of the ``variants`` asked
+    for: with ``prompt_lp`` and both greedy and sampled, also the prompt log-probability one."""
+    out = [(v, False) for v in variants]
+    return out + [(True, True)] if prompt_lp and set(variants) == {False, True} else out
+
+
+def read_logprobs(out, tokens: Sequence[int], rows: Sequence[int] | None = None):
+    """The :class:`TokenLogprob` of ``tokens`` from a step's ``(logprob, top logprobs, top
+    ids)`` device tensors, at ``rows`` (None: the first ``len(tokens)``); one transfer each."""
+    lp, top_lp, top_ids = (t.cpu() for t in out)
+    rows = list(rows) if rows is not None else list(range(len(tokens)))
+    lp, top_lp, top_ids = lp[rows].tolist(), top_lp[rows].tolist(), top_ids[rows].tolist()
+    return [TokenLogprob(t, lp[i], tuple(zip(top_ids[i], top_lp[i]))) for i, t in enumerate(tokens)]
+
+
+def seq_split(model, mode: str, max_len: int):
+    """The :class:`~.kv_split.SeqSplit` of ``model`` for ``--kv-split mode`` (None: the cache
+    is split by heads), attached to its attention modules."""
+    from ..parallel.state import state_of
+    from . import kv_split
+
+    state = state_of(model)
+    tp = 1 if state is None else state.mesh.tp_size
+    if state is None or kv_split.resolve(mode, model.config, tp) == "heads":
+        return None
+    split = kv_split.make_split(model, state.mesh, max_len)
+    kv_split.attach(model, split)
+    return split
