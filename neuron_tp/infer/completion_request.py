@@ -11,13 +11,19 @@ room left in the slot, both at most that room and the server limit), ``temperatu
 ``presence_penalty`` / ``frequency_penalty`` (-2..2, OpenAI's), ``repetition_penalty``
 ((0, 10], vLLM's), ``logit_bias`` (``{"token id": -100..100}``), ``seed`` (0..2**63-1; a
 seeded request reproduces its text; choice ``j`` of ``n`` uses ``seed + j``), ``n`` (choices
-per prompt; ``best_of`` only equal to it), ``stop`` (a string or a list of them),
+per prompt), ``stop`` (a string or a list of them),
 ``stop_token_ids`` (ids that end a choice like EOS), ``stream`` (a boolean),
 ``stream_options.include_usage`` (a last chunk with the usage), ``user`` (accepted, no
-effect). Completions: ``logprobs`` (0..20: the chosen token's log-probability and that many
-most likely tokens per position), ``echo`` (the prompt in front of the text; with
+effect). Completions: ``best_of`` (>= ``n``, not streamed: that many candidates per prompt,
+candidate ``j`` drawn with ``seed + j``, the ``n`` with the highest cumulative log-probability
+of their tokens returned, best first; the usage counts every candidate), ``logprobs``
+(0..20: the chosen token's log-probability and that many most likely tokens per position),
+``echo`` (the prompt in front of the text; with
 ``logprobs`` its tokens' log-probabilities too, the first one null). Chat: ``logprobs``
-(a boolean) and ``top_logprobs`` (0..20). The model's ``generation_config`` supplies the
+(a boolean) and ``top_logprobs`` (0..20); vLLM's ``echo`` (the last message's content leads
+the answer when it has the answer's role), ``add_generation_prompt`` (default true) and
+``continue_final_message`` (the assistant's last message goes on; the answer's role is the
+last message's when the turn is not opened). The model's ``generation_config`` supplies the
 defaults of ``temperature``, ``top_k``, ``top_p``, ``min_p`` and ``repetition_penalty`` a
 request leaves out (:func:`generation_defaults`). A chat message's ``content`` is a string or
 a list of text parts (``[{"type": "text", "text": ...}]``, joined with newlines; other part
@@ -52,14 +58,24 @@ COMMON_FIELDS = frozenset(
 FIELDS = {
     False: COMMON_FIELDS | {"prompt", "echo", "logprobs", "best_of"},
     True: COMMON_FIELDS
-    | {"messages", "logprobs", "top_logprobs", "response_format", "tools", "tool_choice"},
+    | {
+        "echo",
+        "add_generation_prompt",
+        "continue_final_message",
+        "messages",
+        "logprobs",
+        "top_logprobs",
+        "response_format",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+    },
 }
 NOT_IMPLEMENTED = {  # OpenAI fields this server refuses, and why
     "suffix": "insertion (suffix) is not supported",
     "response_format": "structured outputs (response_format) are chat-only",
     "functions": "function calls are not supported",
     "function_call": "function calls are not supported",
-    "parallel_tool_calls": "tool calls are not supported",
     "audio": "audio output is not supported",
     "modalities": "only text output is supported",
     "prediction": "predicted outputs are not supported",
@@ -81,29 +97,46 @@ class CompletionParams:
     stop: list[str]
     seeded: bool
     n: int = 1
+    best_of: int = 1  # candidates per prompt (>= n): the n with the highest log-probability win
     logprobs: int | None = None
     echo: bool = False
     stop_ids: tuple[int, ...] = ()
     grammar: str | None = None  # what the text follows (response_format, a forced tool call)
     tools: ToolChoice | None = None
+    chat_echo: bool = False  # the last message's content leads the answer (its role's)
+    add_generation_prompt: bool = True  # chat: the template opens the assistant's turn
+    continue_final: bool = False  # chat: the answer goes on with the last message
 
     def output(self) -> Output:
-        """What the engine must return besides the text."""
+        """What the engine must return besides the text (log-probabilities also to rank
+        ``best_of`` candidates)."""
         lp = self.logprobs is not None
-        return Output(lp, lp and self.echo, self.stop_ids, self.grammar)
+        return Output(lp or self.ranked, lp and self.echo, self.stop_ids, self.grammar)
+
+    @property
+    def ranked(self) -> bool:
+        """Whether candidates beyond ``n`` are generated and ranked (``best_of > n``)."""
+        return self.best_of > self.n
+
+    @property
+    def candidates(self) -> int:
+        """Sequences generated per prompt."""
+        return max(self.n, self.best_of)
 
 
 @dataclass(frozen=True)
 class CompletionRequest:
     """A checked completion or chat request: its parameters, whether its stream ends with a
     usage chunk, its prompts as token ids and each one's ``max_tokens`` (``n`` choices each),
-    and the prompts' texts (what ``echo`` shows)."""
+    the prompts' texts (what ``echo`` shows; a chat's: the text its ``echo`` leads the answer
+    with) and a chat answer's role."""
 
     params: CompletionParams
     include_usage: bool
     prompts: list[list[int]]
     max_tokens: list[int] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)
+    role: str = "assistant"  # a chat answer's
     adapter: AdapterRef | None = None  # the LoRA adapter ``model`` names (None: the base)
 
 
@@ -115,19 +148,34 @@ class BadRequest(ValueError):
         self.param = param
 
 
-def chat_prompt(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> str:
+def chat_prompt(
+    tokenizer,
+    messages: list[dict],
+    tools: list[dict] | None = None,
+    *,
+    add_generation_prompt: bool = True,
+    continue_final: bool = False,
+) -> str:
     """The prompt text of a chat (with the request's ``tools``): the tokenizer's chat
     template, else ``role: content`` lines (an assistant's tool calls and the tools as JSON)
-    and ``assistant: ``."""
+    and ``assistant: `` (``add_generation_prompt``); ``continue_final``: the last message
+    left open, the answer goes on with it."""
     if getattr(tokenizer, "chat_template", None) and hasattr(tokenizer, "apply_chat_template"):
+        more = {"continue_final_message": True} if continue_final else {}
         return tokenizer.apply_chat_template(
-            messages, tools=tools, tokenize=False, add_generation_prompt=True
+            messages,
+            tools=tools,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            **more,
         )
     lines = f"tools: {json.dumps(tools)}\n" if tools else ""
     for m in messages:
         calls = [c.get("function") for c in m.get("tool_calls") or []]
         lines += f"{m['role']}: {m['content']}{json.dumps(calls) if calls else ''}\n"
-    return lines + "assistant: "
+    if continue_final:
+        return lines[:-1]
+    return lines + ("assistant: " if add_generation_prompt else "")
 
 
 def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
@@ -245,15 +293,15 @@ def parse_params(
     check_fields(body, chat)
     body_or = {**(defaults or {}), **{k: v for k, v in body.items() if v is not None}}
     n = _number(body, "n", int, 1, low=1, high=MAX_INT, why=" (choices per prompt)")
-    best_of = _number(body, "best_of", int, n, low=1, high=MAX_INT)
-    if best_of != n:
-        raise BadRequest(
-            f"best_of must equal n ({n}): ranking candidates is not supported", "best_of"
-        )
     for flag in ("stream", "echo"):
         if body.get(flag) not in (None, False, True):
             raise BadRequest(f"{flag} must be a boolean, got {body[flag]!r}", flag)
-    echo = bool(body.get("echo"))
+    best_of = _number(body, "best_of", int, n, low=1, high=MAX_INT)
+    if best_of < n:
+        raise BadRequest(f"best_of must be >= n ({n}), got {best_of}", "best_of")
+    if best_of > n and body.get("stream"):
+        raise BadRequest("best_of > n cannot be streamed (set stream false)", "best_of")
+    echo = bool(body.get("echo")) and not chat
     server = " (server limit: neuron-tp serve --max-new-tokens" + ("" if echo else "; 0 with echo")
     name = "max_tokens" if body.get("max_tokens") is not None else "max_completion_tokens"
     max_tokens = _number(body, name, int, None, low=0 if echo else 1, high=limit, why=server + ")")
@@ -285,6 +333,7 @@ def parse_params(
         **penalties,
     )
     grammar, tools = _grammar(body) if chat else (None, None)
+    turn = _turn(body) if chat else (True, False)
     if temperature == 0:
         sampling = Sampling(seed=seed or 0, **rest)
     else:
@@ -295,20 +344,42 @@ def parse_params(
         stop,
         seeded=seed is not None,
         n=n,
+        best_of=best_of,
         logprobs=_logprobs(body, chat),
         echo=echo,
         stop_ids=_stop_ids(body, vocab),
         grammar=grammar,
         tools=tools,
+        chat_echo=chat and bool(body.get("echo")),
+        add_generation_prompt=turn[0],
+        continue_final=turn[1],
     )
+
+
+def _turn(body: dict) -> tuple[bool, bool]:
+    """A chat's ``add_generation_prompt`` (default true) and ``continue_final_message``
+    (vLLM's); BadRequest when they are not booleans or both true."""
+    for flag in ("add_generation_prompt", "continue_final_message"):
+        if body.get(flag) is not None and not isinstance(body[flag], bool):
+            raise BadRequest(f"{flag} must be a boolean, got {body[flag]!r}", flag)
+    opened = body.get("add_generation_prompt") is not False
+    final = bool(body.get("continue_final_message"))
+    if opened and final:
+        raise BadRequest(
+            "continue_final_message needs add_generation_prompt: false", "continue_final_message"
+        )
+    return opened, final
 
 
 def _grammar(body: dict) -> tuple[str | None, ToolChoice | None]:
     """The grammar of a chat's ``response_format`` or forced tool call, and its tools."""
     try:
-        tools = tool_choice(body.get("tools"), body.get("tool_choice"))
+        tools = tool_choice(
+            body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls")
+        )
     except ValueError as e:
-        raise BadRequest(str(e), "tools" if body.get("tools") is None else "tool_choice") from None
+        param = "tools" if body.get("tools") is None else "tool_choice"
+        raise BadRequest(str(e), "parallel_tool_calls" if "parallel" in str(e) else param) from None
     try:
         constrained, schema = schema_of(body.get("response_format"))
     except ValueError as e:
@@ -365,13 +436,15 @@ def prepare(engine: Engine, body: dict, chat: bool) -> CompletionRequest:
     defaults = getattr(engine, "sampling_defaults", None)
     params = parse_params(body, limit, vocab, chat=chat, defaults=defaults)
     usage = stream_usage(body)
-    prompts, texts = request_prompts(engine, body, chat, vocab)
+    prompts, texts = request_prompts(engine, body, chat, vocab, params)
     most = getattr(engine, "max_queue", None)
-    if most is not None and len(prompts) * params.n > most:
+    wanted = len(prompts) * params.candidates
+    if most is not None and wanted > most:
+        param = "best_of" if params.ranked else "n" if params.n > 1 else "prompt"
         raise BadRequest(
-            f"at most {most} choices per request (prompts x n; neuron-tp serve --max-queue), "
-            f"got {len(prompts) * params.n}",
-            "n" if params.n > 1 else "prompt",
+            f"at most {most} sequences per request (prompts x max(n, best_of); neuron-tp serve "
+            f"--max-queue), got {wanted}",
+            param,
         )
     lengths = []
     for p in prompts:
@@ -381,7 +454,10 @@ def prepare(engine: Engine, body: dict, chat: bool) -> CompletionRequest:
             n = max(1, min(room, COMPLETION_DEFAULT_MAX) if not chat else room)
         engine.check(p, n, params.stop, params.sampling, params.output())
         lengths.append(n)
-    return CompletionRequest(params, usage, prompts, lengths, texts)
+    role = "assistant"
+    if chat and not params.add_generation_prompt:  # the answer goes on in the last turn
+        role = body["messages"][-1]["role"]
+    return CompletionRequest(params, usage, prompts, lengths, texts, role)
 
 
 def stream_usage(body: dict) -> bool:
@@ -398,11 +474,17 @@ def stream_usage(body: dict) -> bool:
 
 
 def request_prompts(
-    engine: Engine, body: dict, chat: bool, vocab: int | None
+    engine: Engine,
+    body: dict,
+    chat: bool,
+    vocab: int | None,
+    params: CompletionParams | None = None,
 ) -> tuple[list[list[int]], list[str]]:
     """The prompts of a request as token ids and as text: a chat's messages through the chat
-    template; a completion's ``prompt`` as a string, a list of strings, a list of token ids or
-    a list of such lists (ids checked by :func:`token_ids`, their text decoded)."""
+    template (its text: what its ``echo`` shows, the last message's content when that is the
+    answer's role, per ``params``); a completion's ``prompt`` as a string, a list of strings,
+    a list of token ids or a list of such lists (ids checked by :func:`token_ids`, their text
+    decoded)."""
     tok = engine.tokenizer
     if chat:
         messages = body.get("messages")
@@ -410,8 +492,23 @@ def request_prompts(
             raise BadRequest("messages must be a non-empty list of {role, content}", "messages")
         messages = [message_text(i, m) for i, m in enumerate(messages)]
         tools = body.get("tools") if body.get("tool_choice") != "none" else None
-        text = chat_prompt(tok, messages, tools)
-        return [encode_prompt(tok, text, chat=True)], [text]
+        params = params or CompletionParams(None, Sampling(), [], False)
+        last = messages[-1]
+        if params.continue_final and last["role"] != "assistant":
+            raise BadRequest(
+                "continue_final_message needs the last message to be the assistant's",
+                "continue_final_message",
+            )
+        text = chat_prompt(
+            tok,
+            messages,
+            tools,
+            add_generation_prompt=params.add_generation_prompt,
+            continue_final=params.continue_final,
+        )
+        role = "assistant" if params.add_generation_prompt else last["role"]
+        lead = last["content"] if params.chat_echo and last["role"] == role else ""
+        return [encode_prompt(tok, text, chat=True)], [lead]
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and all(_is_id(t) for t in prompt):
         ids = [token_ids(prompt, vocab, "prompt")]  # one prompt of token ids

@@ -120,6 +120,7 @@ class Engine:
         gen = self._model()
         if every_shape:
             gen.warmup()
+            self.rows.warmup()
             if self.rows.prefix is not None:
                 self.rows.prefix.warmup(gen)
             return

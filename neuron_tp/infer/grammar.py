@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import numpy as np
 import torch
 
 MASKED = float("-inf")
@@ -86,14 +87,13 @@ class Guide:
     def mask(self) -> torch.Tensor:
         """``[vocab]`` float: 0 where the grammar allows the token next, ``-inf`` elsewhere
         (an end token only where the grammar may end, even when it is also a text token)."""
-        bits = torch.frombuffer(bytearray(self.matcher.compute_bitmask()), dtype=torch.uint8)
-        bits = ((bits[:, None] >> torch.arange(8, dtype=torch.uint8)) & 1).flatten()[: self.vocab]
-        allowed = torch.zeros(self.vocab, dtype=torch.bool)  # ids past the tokenizer's: never
-        allowed[: len(bits)] = bits.bool()
+        packed = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
+        bits = np.unpackbits(packed, bitorder="little")[: self.vocab].view(bool)
+        row = np.full(self.vocab, MASKED, dtype=np.float32)  # ids past the tokenizer's: never
+        row[: len(bits)][bits] = 0.0
         if self.eos_ids:
-            allowed[self.eos_ids] = self.matcher.is_accepting()
-        row = torch.full((self.vocab,), MASKED)
-        return row.masked_fill(allowed, 0.0)
+            row[self.eos_ids] = 0.0 if self.matcher.is_accepting() else MASKED
+        return torch.from_numpy(row)
 
     def accept(self, token: int) -> None:
         """Advance by ``token``; ValueError when the grammar does not allow it."""

@@ -22,13 +22,16 @@ from .sampling import Sampling, TokenLogprob
 class Output:
     """What a request wants besides its text: its tokens' log-probabilities (``logprobs``),
     its prompt's (``prompt_logprobs``: every prompt token after the first), the token ids
-    that end it like an EOS (``stop_ids``) and the grammar its text follows (``grammar``, an
-    llguidance grammar: :mod:`.grammar`)."""
+    that end it like an EOS (``stop_ids``), the grammar its text follows (``grammar``, an
+    llguidance grammar: :mod:`.grammar`) and the key of the choices of one prompt
+    (``siblings``: the first of them prefilled lends its prompt's KV to the others,
+    :class:`~.slot_rows.SlotRows`)."""
 
     logprobs: bool = False
     prompt_logprobs: bool = False
     stop_ids: tuple[int, ...] = ()
     grammar: str | None = None
+    siblings: str | None = None
 
 
 @dataclass(frozen=True)
@@ -169,4 +172,5 @@ def decode(data: bytes) -> Lease | Shutdown:
 
 def _output(body: dict) -> Output:
     stop_ids = tuple(body["stop_ids"])
-    return Output(body["logprobs"], body["prompt_logprobs"], stop_ids, body.get("grammar"))
+    grammar, siblings = body.get("grammar"), body.get("siblings")
+    return Output(body["logprobs"], body["prompt_logprobs"], stop_ids, grammar, siblings)

@@ -27,7 +27,7 @@ from .lora_routes import UnknownModel, add_lora_routes, model_cards, requested_a
 from .metrics import LOG, RequestTrace, ServerMetrics
 from .sampling import MAX_SEED, TokenLogprob
 from .schedule import Delta, Done, Failed, Prompt
-from .tools import call_id, forced_calls, parse_calls
+from .tools import CallStream, forced_calls, parse_calls
 
 PARSE_INLINE = 64 * 1024  # bytes: larger bodies are parsed on a worker thread
 RETRY_AFTER_S = 1  # the Retry-After of a 429 (queue full)
@@ -147,7 +147,7 @@ class _Completions:
         if not isinstance(checked, tuple):
             return checked  # an error response
         body, completion = checked
-        trace.choices = len(completion.prompts) * completion.params.n
+        trace.choices = len(completion.prompts) * completion.params.candidates
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
 
         def sink(index: int):
@@ -206,13 +206,15 @@ class _Completions:
         return body, dataclasses.replace(completion, adapter=adapter)
 
     def _submit(self, completion: CompletionRequest, sink):
-        """Queue ``n`` choices of each prompt (``sink(i)`` gets choice ``i``'s events, choice
-        ``i * n + j`` is prompt ``i``'s ``j``-th; with a seed, choice ``j`` draws with
-        ``seed + j``): the engine's requests, or (none queued) the 503 / 429 response."""
-        params, reqs, output = completion.params, [], completion.params.output()
+        """Queue ``max(n, best_of)`` sequences of each prompt (``sink(i)`` gets sequence
+        ``i``'s events, ``i * count + j`` is prompt ``i``'s ``j``-th; with a seed, ``j`` draws
+        with ``seed + j``; they share the prompt's prefill): the engine's requests, or (none
+        queued) the 503 / 429 response."""
+        params, reqs = completion.params, []
         try:
             for i, p in enumerate(completion.prompts):
-                for j in range(params.n):
+                output = dataclasses.replace(params.output(), siblings=uuid.uuid4().hex)
+                for j in range(params.candidates):
                     seed = (params.sampling.seed + j) % (MAX_SEED + 1)
                     sampling = dataclasses.replace(params.sampling, seed=seed)
                     args = (p, completion.max_tokens[i], sampling, params.stop)
@@ -269,29 +271,46 @@ class _Answer:
         self, tokenizer, completion: CompletionRequest, chat: bool, parser: str = "hermes"
     ):
         self.tok, self.chat, self.params = tokenizer, chat, completion.params
-        n = self.params.n
+        n = self.params.candidates
         self.prompts = [p for p in completion.prompts for _ in range(n)]
         self.texts = [t for t in completion.texts for _ in range(n)]
+        self.role = completion.role  # a chat answer's, led by its echo
+        self.leads = self.texts if self.params.chat_echo else [""] * len(self.texts)
         self.offsets = [0] * len(self.prompts)  # characters of each choice's tokens so far
         tools = self.params.tools
         self.tools = tools if chat and tools is not None and tools.mode != "none" else None
         self.parser = parser
-        self.held = [""] * len(self.prompts)  # streamed text kept back to parse tool calls
-        self.call_ids = [call_id() for _ in self.prompts]  # a streamed named call's id
+        tools = self.tools
+        self.streams = [CallStream(tools, parser) if tools else None for _ in self.prompts]
 
     def token_text(self, token: int) -> str:
         return self.tok.decode([token], skip_special_tokens=False)
 
-    def choice(self, i: int, text: str | None, reason: str | None, stream: bool, lps=None):
-        """Choice ``i``; ``lps``: its log-probability entries (None: none in this chunk)."""
+    def choice(
+        self,
+        i: int,
+        text: str | None,
+        reason: str | None,
+        stream: bool,
+        lps=None,
+        index: int | None = None,
+    ):
+        """Sequence ``i`` as choice ``index`` (None: ``i``); ``lps``: its log-probability
+        entries (None: none in this chunk)."""
         wanted = self.params.logprobs is not None and lps is not None
         logprobs = self.format(i, lps) if wanted else None
         if not self.chat:
-            return {"index": i, "text": text or "", "logprobs": logprobs, "finish_reason": reason}
+            index = i if index is None else index
+            return {
+                "index": index,
+                "text": text or "",
+                "logprobs": logprobs,
+                "finish_reason": reason,
+            }
         if stream:
             delta, reason = self.delta(i, text, reason)
             return {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
-        message: dict = {"role": "assistant", "content": text}
+        message: dict = {"role": self.role, "content": self.leads[i] + (text or "")}
         calls = self.calls(text or "", reason)
         if calls is not None:
             message, reason = {"role": "assistant", **calls}, "tool_calls"
@@ -304,42 +323,23 @@ class _Answer:
             return None
         if tools.forced:
             return {"content": None, "tool_calls": forced_calls(tools, text)}
-        names = {t["function"]["name"] for t in tools.tools}
-        content, calls = parse_calls(self.parser, text, names)
+        content, calls = parse_calls(self.parser, text, tools.names)
+        calls = calls if tools.parallel else calls[:1]
         return {"content": content, "tool_calls": calls} if calls else None
 
     def delta(self, i: int, text: str | None, reason: str | None) -> tuple[dict, str | None]:
-        """A stream chunk's delta and finish reason: the text as content, or with tools a
-        named call's arguments as they come (``tool_calls`` deltas), other answers kept back
-        and parsed at the end."""
-        tools = self.tools
-        if tools is None:
+        """A stream chunk's delta and finish reason: the text as content, or with tools the
+        content and ``tool_calls`` deltas of :class:`~.tools.CallStream` (finish reason
+        ``tool_calls`` once a call was sent)."""
+        stream = self.streams[i]
+        if stream is None:
             return ({"content": text} if text is not None else {}), reason
-        if tools.mode == "named":
-            if text is None:
-                return {}, "tool_calls" if reason == "stop" else reason
-            if not text:
-                return {}, None
-            first = not self.held[i]
-            self.held[i] += text
-            fn = {"arguments": text}
-            entry: dict = {"index": 0, "function": fn}
-            if first:
-                fn["name"] = str(tools.name)
-                entry.update(id=self.call_ids[i], type="function")
-            return {"tool_calls": [entry]}, None
         if text is not None:
-            self.held[i] += text
-            return {}, None
+            return _delta(*stream.feed(text)), None
         if reason is None:
             return {}, None
-        calls = self.calls(self.held[i], reason)
-        if calls is None:
-            return ({"content": self.held[i]} if self.held[i] else {}), reason
-        delta: dict = {"tool_calls": [{"index": k, **c} for k, c in enumerate(calls["tool_calls"])]}
-        if calls["content"]:
-            delta["content"] = calls["content"]
-        return delta, "tool_calls"
+        delta = _delta(*stream.finish())
+        return delta, "tool_calls" if stream.called and reason == "stop" else reason
 
     def echo_entries(self, i: int, prompt: tuple[TokenLogprob, ...] = ()) -> list:
         """The prompt's entries of choice ``i``: its first token without a log-probability,
@@ -391,6 +391,7 @@ async def _collect(
     echo = shape.params.echo
     texts = list(shape.texts) if echo else [""] * len(reqs)
     lps: list[list] = [[] for _ in reqs]
+    scores = [0.0] * len(reqs)  # the cumulative log-probability of each sequence's tokens
     done: list[Done | None] = [None] * len(reqs)
     if echo and not shape.params.output().prompt_logprobs:
         lps = [shape.echo_entries(i) for i in range(len(reqs))]
@@ -405,17 +406,35 @@ async def _collect(
         elif isinstance(ev, Delta):
             texts[i] += ev.text
             lps[i] += shape.entries(ev.logprobs)
+            scores[i] += sum(e.logprob for e in ev.logprobs)
         elif isinstance(ev, Failed):
             return _error(500, ev.message, "server_error")
         else:
             done[i] = ev
     finished = [d for d in done if d is not None]
     choices = [
-        shape.choice(i, t, d.finish_reason, False, lps[i])
-        for i, (t, d) in enumerate(zip(texts, finished))
+        shape.choice(i, texts[i], finished[i].finish_reason, False, lps[i], index=k)
+        for k, i in enumerate(_best(scores, shape.params.candidates, shape.params.n))
     ]
     kind = "chat.completion" if shape.chat else "text_completion"
     return JSONResponse({**meta, "object": kind, "choices": choices, "usage": _usage(finished)})
+
+
+def _delta(content: str, calls: list[dict]) -> dict:
+    delta: dict = {"content": content} if content else {}
+    return {**delta, "tool_calls": calls} if calls else delta
+
+
+def _best(scores: list[float], count: int, n: int) -> list[int]:
+    """The sequences answered, in choice order: of each prompt's ``count`` (consecutive), the
+    ``n`` with the highest score, best first (all, in order, when ``count == n``)."""
+    if count == n:
+        return list(range(len(scores)))
+    picked = []
+    for first in range(0, len(scores), count):
+        group = range(first, first + count)
+        picked += sorted(group, key=lambda i: -scores[i])[:n]
+    return picked
 
 
 def _usage(done: list[Done]) -> dict:
@@ -451,7 +470,7 @@ async def _stream(
     try:
         if chat:
             for i in range(len(reqs)):
-                first = {"index": i, "delta": {"role": "assistant", "content": ""}}
+                first = {"index": i, "delta": {"role": shape.role, "content": shape.leads[i]}}
                 yield chunk({**first, "logprobs": None, "finish_reason": None})
         if shape.params.echo and not prompt_lps:
             for i in range(len(reqs)):

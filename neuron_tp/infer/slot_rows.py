@@ -7,12 +7,20 @@ per iteration), then one decoded token for every running row. A row ends on EOS,
 token ids, a stop string or its ``max_tokens`` (0: right after its prompt); a failure while
 generating ends only the rows of that step. Every rank holds
 the same rows; only rank 0's have a client :class:`Request` to stream events to.
+
+Rows with the same ``siblings`` key and prompt (the ``n`` / ``best_of`` choices of one prompt)
+share its prefill: the oldest prefills it while the others wait; then each of them gets the
+slot's KV copied (one captured graph, the slot ids as data) and prefills only the prompt's last
+token, which draws its own first token. Rows asking for the prompt's log-probabilities prefill
+themselves.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import torch
 
 from .grammar import Grammars, Guide
 from .lora_slots import BankSlots
@@ -69,6 +77,7 @@ class SlotRows:
         self.lora = lora
         self.by_slot: dict[int, Row] = {}
         self.admitted = 0  # requests admitted so far (every rank)
+        self.forked = 0  # rows whose prompt's KV was copied from a sibling's slot
         self._grammars: Grammars | None = None
 
     @property
@@ -121,6 +130,14 @@ class SlotRows:
         for row in sorted(self.by_slot.values(), key=lambda r: r.order):  # oldest first
             if not row.prefilling:
                 continue
+            if row.filled == 0 and self._shares(row):
+                lender = self._lender(row)
+                if lender is None:
+                    continue  # an older sibling prefills the prompt now
+                if lender is not row:
+                    self._fork(lender, row)
+                    if row.slot not in self.by_slot:
+                        continue
             size = min(len(row.prompt) - row.filled, gen.chunk)
             if spent and spent + size > budget:
                 break  # the next iteration takes it: a decode step comes first
@@ -148,6 +165,44 @@ class SlotRows:
             self.gen.release(slot)
             if self.prefix is not None:
                 self.prefix.end(slot)
+
+    def warmup(self) -> None:
+        """Capture the graph copying a slot's KV to a sibling's (slot 0 onto itself)."""
+        self._copy_slot(0, 0)
+
+    @staticmethod
+    def _shares(row: Row) -> bool:
+        return row.output.siblings is not None and row.prompt_logprobs is None
+
+    def _lender(self, row: Row) -> Row | None:
+        """The sibling whose slot holds ``row``'s prompt but its last token (``row`` itself:
+        none, it prefills; None: wait, an older sibling prefills it)."""
+        need, waits = len(row.prompt) - 1, False
+        for other in self.by_slot.values():
+            same = other.output.siblings == row.output.siblings and other.prompt == row.prompt
+            if other is row or not same or not self._shares(other):
+                continue
+            if other.filled >= need:
+                return other if need else row
+            waits = waits or other.order < row.order
+        return None if waits else row
+
+    def _fork(self, lender: Row, row: Row) -> None:
+        """Copy ``lender``'s slot cache into ``row``'s: its prompt but the last token."""
+        n = len(row.prompt) - 1
+        try:
+            self._copy_slot(lender.slot, row.slot)
+            self.gen.mark_filled(row.slot, row.prompt[:n])
+        except Exception as e:  # noqa: BLE001 - fails this request only
+            self._fail(row, e)
+            return
+        row.filled = n
+        self.forked += 1
+
+    def _copy_slot(self, src: int, dst: int) -> None:
+        for part in self.gen.cache_parts():
+            pair = torch.tensor([src, dst], dtype=torch.long).to(part.device)
+            part.run_on_cache(("fork",), _copy_slot_step, [pair], writes=True)
 
     def adapter_slots(self) -> set[int]:
         """The bank slots the rows' adapters use."""
@@ -274,3 +329,14 @@ class SlotRows:
             except Exception:  # noqa: BLE001 - a consumer that went away must not stop others
                 req.cancel()
         self.stats["dropped"] += 1
+
+
+def _copy_slot_step():
+    """The step copying slot ``pair[0]``'s rows of every cache tensor to slot ``pair[1]``."""
+
+    def step(pair, *kv):
+        for c in kv:
+            c.index_copy_(0, pair[1:2], c.index_select(0, pair[0:1]))
+        return list(kv)
+
+    return step

@@ -58,13 +58,17 @@ def cases() -> list[dict]:
     lp = Output(logprobs=True)
     echo = Output(logprobs=True, prompt_logprobs=True)
     schema, anything = Output(grammar=json_grammar(SCHEMA)), Output(grammar=json_grammar(None))
-    return [  # the sampled row without top_p in slot 0, the top_p row in slot 1
+    # two choices of one prompt first (the second copies the first's prefilled KV), then the
+    # sampled row without top_p in slot 1 beside the top_p row in slot 2
+    siblings = Output(logprobs=True, siblings="choices of LONG")
+    return [
+        dict(kind="greedy", prompt=LONG, max_tokens=MAX_NEW, sampling=Sampling(), output=siblings),
         dict(
             kind="allowed",
-            prompt=LONG[:5],
+            prompt=LONG,
             max_tokens=MAX_NEW,
             sampling=Sampling(True, 1.3, 40, 12, min_p=0.3, frequency_penalty=0.5),
-            output=Output(),
+            output=siblings,
         ),
         dict(
             kind="allowed",
@@ -306,7 +310,8 @@ def xla_job(tp: int) -> dict:
     if mesh.rank != 0:
         engine.follow()
         barrier.wait()
-        return {"traces": [traces, engine.gen.traces], "compiles": [compiles, compiles]}
+        traced = [traces, engine.gen.traces]
+        return {"traces": traced, "compiles": [compiles, compiles], "forked": engine.rows.forked}
     out: dict = {}
 
     def driver() -> None:
@@ -326,6 +331,7 @@ def xla_job(tp: int) -> dict:
         "compiles": [compiles, graph_counters()["compiles"]],
         "results": out["results"],
         "items": items,
+        "forked": engine.rows.forked,
         "seconds": time.time() - t0,
     }
 

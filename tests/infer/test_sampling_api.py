@@ -87,7 +87,9 @@ def served(full):
 def test_engine_tp1_every_parameter_as_data_in_one_batch(full, served):
     engine, _ = served
     items = sc.with_stop_ids(full, sc.cases())
+    forked = engine.rows.forked
     result = sc.check(full, items, sc.run(engine, items))
+    assert engine.rows.forked == forked + 1  # the second choice of LONG copied the first's KV
     print(f"largest log-probability error {result['worst']:.2e}")
 
 
@@ -102,6 +104,7 @@ def _tp2_gloo(case: str) -> None:
     engine.warmup()
     if mesh.rank != 0:
         engine.follow()
+        assert engine.rows.forked == 1  # every rank copies the sibling's KV
         return
     engine.start()
     try:
@@ -109,6 +112,7 @@ def _tp2_gloo(case: str) -> None:
     finally:
         engine.shutdown(60)
     sc.check(full, items, results)
+    assert engine.rows.forked == 1
 
 
 def test_engine_tp2_gloo():
@@ -120,7 +124,8 @@ def test_engine_tp2_on_two_xla_devices_compiles_nothing_after_warmup(full):
 
     r0, r1 = xla_dist.run(sc.xla_job, 2, devices=2)
     for r in (r0, r1):
-        assert r["traces"][0] == r["traces"][1] == 12, r["traces"]
+        assert r["traces"][0] == r["traces"][1] == 13, r["traces"]
+        assert r["forked"] == 1
     assert r0["compiles"][0] == r0["compiles"][1], r0["compiles"]
     result = sc.check(full, r0["items"], r0["results"])
     print(f"XLA tp2: largest log-probability error {result['worst']:.2e}, {r0['seconds']:.1f} s")
@@ -207,6 +212,52 @@ def test_chat_logprobs_content_entries(full, served):
     assert tokens == [c.token for c in content]
 
 
+def test_chat_echo_and_continue_final_message(full, served):
+    """vLLM's chat ``echo`` with ``continue_final_message``: the assistant's unfinished
+    message goes on (transformers' greedy tokens after it) and leads the answer, whole and
+    streamed; after a user turn an assistant answer echoes nothing; the refusals."""
+    import os
+
+    from transformers import AutoTokenizer
+
+    from neuron_tp.infer.completion_request import chat_prompt, encode_prompt
+
+    engine, url = served
+    client = _client(url)
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}]
+    kw = dict(model="tiny", messages=messages, max_tokens=5, temperature=0)
+    turn = {"add_generation_prompt": False, "continue_final_message": True}
+    text = chat_prompt(engine.tokenizer, messages, add_generation_prompt=False, continue_final=True)
+    out = sc.greedy_reference(
+        full, encode_prompt(engine.tokenizer, text, chat=True), 5, sc.Sampling()
+    )
+    want = _text([t for t in out if t not in sc.EOS])
+    plain = client.chat.completions.create(**kw, extra_body=turn).choices[0].message
+    echoed = client.chat.completions.create(**kw, extra_body={**turn, "echo": True})
+    assert plain.content == want and echoed.choices[0].message.content == "Hel" + want
+    assert echoed.choices[0].message.role == "assistant" and text.endswith("assistant: Hel")
+    chunks = client.chat.completions.create(**kw, stream=True, extra_body={**turn, "echo": True})
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Hel" + want
+    asked = dict(model="tiny", messages=messages[:1], max_tokens=4, temperature=0)
+    assert (
+        client.chat.completions.create(**asked, extra_body={"echo": True}).choices[0].message
+        == client.chat.completions.create(**asked).choices[0].message
+    )
+    for body, param in (
+        ({"continue_final_message": True}, "continue_final_message"),  # with the turn opened
+        ({"add_generation_prompt": 1}, "add_generation_prompt"),
+    ):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(**kw, extra_body=body)
+        assert err.value.body["param"] == param
+    with pytest.raises(openai.BadRequestError, match="the last message to be the assistant"):
+        client.chat.completions.create(**asked, extra_body=turn)
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    hf = AutoTokenizer.from_pretrained(os.path.join(repo, "examples", "sft", "tokenizer"))
+    rendered = chat_prompt(hf, messages, add_generation_prompt=False, continue_final=True)
+    assert rendered.rstrip().endswith("Hel"), rendered
+
+
 class _none:
     content = None
 
@@ -274,6 +325,39 @@ def test_n_choices_stop_strings_and_stop_token_ids(full, served):
     )  # fmt: skip
     assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == k + 1
     assert r.choices[0].text == _text(ids[:k])
+
+
+def test_best_of_answers_the_candidates_of_highest_cumulative_logprob(full, served):
+    """``best_of`` 3, ``n`` 2 over two token-id prompts: of each prompt's 3 candidates (the
+    choices of ``n`` 3 with the same seed), the 2 whose tokens transformers gives the highest
+    summed log-probability, best first; the candidates share their prompt's prefill."""
+    engine, url = served
+    client = _client(url)
+    ascii_only = {str(t): -100 for t in range(128, sc.VOCAB)}  # text -> ids is exact
+    prompts = [sc.LONG, sc.PROMPT]
+    kw = dict(model="tiny", prompt=prompts, max_tokens=6, temperature=1.0, seed=21)
+    every = client.completions.create(n=3, logit_bias=ascii_only, **kw).choices
+    forked = engine.rows.forked
+    best = client.completions.create(n=2, best_of=3, logprobs=0, logit_bias=ascii_only, **kw)
+    assert engine.rows.forked == forked + 4  # two candidates of each prompt copied its KV
+    want, scores = [], []
+    for i, prompt in enumerate(prompts):
+        ref = []
+        for c in every[3 * i : 3 * i + 3]:
+            ids = list(c.text.encode())
+            lp = sc.logits_of(full, prompt + ids).log_softmax(-1)[len(prompt) - 1 :]
+            ref.append(sum(float(lp[k, t]) for k, t in enumerate(ids)))
+        order = sorted(range(3), key=lambda j: -ref[j])
+        assert ref[order[1]] - ref[order[2]] > 10 * sc.LP_TOL  # no near tie
+        want += [every[3 * i + j].text for j in order[:2]]
+        scores += [ref[j] for j in order[:2]]
+    assert [c.text for c in best.choices] == want and len(set(want)) == 4
+    assert [c.index for c in best.choices] == [0, 1, 2, 3]
+    for c, score in zip(best.choices, scores):
+        assert abs(sum(c.logprobs.token_logprobs) - score) < 6 * sc.LP_TOL
+    assert best.usage.completion_tokens == 2 * 3 * 6  # every candidate's tokens
+    plain = client.completions.create(n=1, best_of=2, logit_bias=ascii_only, **kw)
+    assert all(c.logprobs is None for c in plain.choices)  # ranked, not shown unasked
 
 
 def test_default_max_tokens_is_the_room_left_and_generation_config_defaults(full, served):

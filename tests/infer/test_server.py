@@ -300,7 +300,8 @@ def test_chat_only_and_completion_only_fields_are_refused_on_the_other(tp1):
     _, _, url = tp1
     client = _client(url)
     asks = [
-        (lambda: _chat(client, "hi", 4, extra_body={"echo": True}), "echo"),
+        (lambda: _chat(client, "hi", 4, extra_body={"echo": "yes"}), "echo"),
+        (lambda: _chat(client, "hi", 4, parallel_tool_calls=False), "parallel_tool_calls"),
         (lambda: _chat(client, "hi", 4, logprobs=2), "logprobs"),
         (lambda: _chat(client, "hi", 4, top_logprobs=3), "top_logprobs"),
         (lambda: _complete(client, "Hello", 4, extra_body={"top_logprobs": 3}), "top_logprobs"),
@@ -470,7 +471,9 @@ def test_bad_requests_from_the_issue_each_followed_by_a_good_one(tp1, guarded):
             "--max-new-tokens; 0 with echo)",
             None,
         ),
-        ({**hi, "best_of": 3}, 400, "best_of must equal n (1)", "best_of"),
+        ({**hi, "n": 2, "best_of": 1}, 400, "best_of must be >= n (2), got 1", "best_of"),
+        ({**hi, "best_of": 2, "stream": True}, 400, "best_of > n cannot be streamed", "best_of"),
+        ({**hi, "best_of": 257}, 400, "at most 256 sequences per request", "best_of"),
         ({**hi, "suffix": "x"}, 400, "suffix: insertion (suffix) is not supported", "suffix"),
         ({**hi, "response_format": {"type": "json_object"}}, 400, "structured outputs", None),
         ({**hi, "tools": [{"type": "function"}]}, 400, "unknown field 'tools'", "tools"),
@@ -482,7 +485,7 @@ def test_bad_requests_from_the_issue_each_followed_by_a_good_one(tp1, guarded):
         ({**hi, "prompt": [[1], []]}, 400, "prompt[1] has no token ids", "prompt"),
         ({**hi, "prompt": [[1], ["a"]]}, 400, "prompt[1][0]: 'a' is not a token id", None),
         ({**hi, "prompt": [1] * 53}, 400, "exceeds the 56 positions of a slot", None),
-        ({**hi, "prompt": ["a"] * 257}, 400, "at most 256 choices per request", "prompt"),
+        ({**hi, "prompt": ["a"] * 257}, 400, "at most 256 sequences per request", "prompt"),
         (too_big, 413, f"limit of {BODY_LIMIT} bytes", None),
         (b"[1, 2]", 400, "must be a JSON object", None),
         (b'{"prompt": "\xff\xfe"}', 400, "not valid JSON (UTF-8)", None),
@@ -733,7 +736,7 @@ def test_an_exception_in_a_handler_fails_only_that_request(tp1, monkeypatch):
 
     _, ref, url = tp1
 
-    def broken(*args):
+    def broken(*args, **kwargs):
         raise RuntimeError("template exploded")
 
     monkeypatch.setattr(completion_request, "chat_prompt", broken)
@@ -967,6 +970,20 @@ def test_tp2_int8_answers_like_tp1_int8_and_shuts_down_cleanly(tp1, tp2):
     assert _streamed(_complete(client, "Tensor", 16, stream=True), False)[0] == ref.text(
         "Tensor", 16
     )
+    # best_of: candidates drawn with seed + j, sharing the prompt's prefill on both ranks; the
+    # one the tp=1 model gives the highest summed log-probability answers
+    ids = ref.tok.encode("Once upon")
+    cands = [ref.tokens(ids, 8, Sampling(True, 1.0, 0, 3 + j)) for j in range(3)]
+    assert not {t for c in cands for t in c} & set(ref.eos) and len(set(map(tuple, cands))) == 3
+    with ref.lock, torch.no_grad():
+        lps = [
+            ref.gen.model(torch.tensor([ids + c])).logits[0].float().log_softmax(-1) for c in cands
+        ]
+    scores = [
+        sum(float(lp[len(ids) - 1 + k, t]) for k, t in enumerate(c)) for lp, c in zip(lps, cands)
+    ]
+    r = _complete(client, "Once upon", 8, temperature=1.0, seed=3, best_of=3)
+    assert r.choices[0].text == ref.tok.decode(cands[max(range(3), key=lambda j: scores[j])])
     # concurrent: one batch, each row ends at its own max_tokens or stop string (the stopped
     # flags must be identical on both ranks, or they would run different steps and hang)
     full = ref.text("Hello", 16)

@@ -90,7 +90,9 @@ def served():
     engine.start()
     port = _free_port()
     stop = _listen(create_app(engine, "tiny"), port)
-    yield tok, _client(f"http://127.0.0.1:{port}")
+    client = _client(f"http://127.0.0.1:{port}")
+    client._engine = engine
+    yield tok, client
     stop()
     engine.shutdown(10)
 
@@ -145,11 +147,27 @@ def test_named_and_required_tool_calls_and_a_second_turn(served):
         assert call.type == "function" and call.function.name == "weather" and call.id
         jsonschema.validate(json.loads(call.function.arguments), WEATHER)
     assert tok.rendered[-1][1] == TOOLS  # the tools went through the chat template
-    r = _ask(client, "which?", tools=TOOLS, tool_choice="required", temperature=1.0, seed=2)
-    (call,) = r.choices[0].message.tool_calls
-    assert call.function.name in ("weather", "flag") and r.choices[0].finish_reason == "tool_calls"
     schema = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
-    jsonschema.validate(json.loads(call.function.arguments), schema[call.function.name])
+    for seed in range(3):  # parallel_tool_calls false: the grammar allows exactly one call
+        r = _ask(
+            client, "which?", tools=TOOLS, tool_choice="required", temperature=1.0, seed=seed,
+            parallel_tool_calls=False,
+        )  # fmt: skip
+        (call,) = r.choices[0].message.tool_calls
+        assert r.choices[0].finish_reason == "tool_calls"
+        jsonschema.validate(json.loads(call.function.arguments), schema[call.function.name])
+    # parallel (the default): an array of one or more calls (a random model goes on with more
+    # until max_tokens unless "]" is favoured)
+    close = {str(ord("]")): 2.0}
+    r = _ask(
+        client, "which?", tools=TOOLS, tool_choice="required", temperature=1.0, seed=2,
+        logit_bias=close,
+    )  # fmt: skip
+    calls = r.choices[0].message.tool_calls
+    assert calls and r.choices[0].finish_reason == "tool_calls"
+    assert len({c.id for c in calls}) == len(calls)
+    for c in calls:
+        jsonschema.validate(json.loads(c.function.arguments), schema[c.function.name])
     # the second turn: the assistant's call (content null) and the tool's answer in the history
     first = _ask(client, "weather?", tools=TOOLS, tool_choice=named, temperature=0)
     said = first.choices[0].message
@@ -162,7 +180,7 @@ def test_named_and_required_tool_calls_and_a_second_turn(served):
         },
         {"role": "tool", "tool_call_id": said.tool_calls[0].id, "content": '{"temp": 3}'},
     ]
-    r = _ask(client, messages=history, tools=TOOLS, tool_choice="none", max_tokens=6)
+    r = _ask(client, messages=history, tools=TOOLS, tool_choice="none", max_tokens=6, seed=1)
     assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason == "length"
     messages, tools = tok.rendered[-1]
     assert tools is None and messages[2]["role"] == "tool"
@@ -181,11 +199,138 @@ def test_streamed_tool_calls_are_deltas(served):
     assert calls[0].id and calls[0].function.name == "weather" and calls[0].type == "function"
     assert all(c.index == 0 and c.id is None and c.function.name is None for c in calls[1:])
     jsonschema.validate(json.loads("".join(c.function.arguments for c in calls)), WEATHER)
-    stream = _ask(client, tools=TOOLS, tool_choice="required", temperature=0, stream=True)
-    text, calls, reason = _streamed(stream)
-    (call,) = calls
-    assert reason == "tool_calls" and call.function.name in ("weather", "flag")
-    json.loads(call.function.arguments)
+    schema = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    close = {str(ord("]")): 2.0}  # the array of calls ends within max_tokens
+    for kw in (
+        dict(temperature=0, logit_bias=close),
+        dict(temperature=1.2, seed=4, parallel_tool_calls=False),
+    ):
+        kw = dict(tools=TOOLS, tool_choice="required", **kw)
+        text, deltas, reason = _streamed(_ask(client, stream=True, **kw))
+        whole = _ask(client, **kw).choices[0].message.tool_calls
+        assert text == "" and reason == "tool_calls" and len(deltas) > len(whole)
+        calls = _joined(deltas)
+        assert [c["name"] for c in calls] == [c.function.name for c in whole]
+        for c, w in zip(calls, whole):
+            value = json.loads(c["arguments"])
+            assert value == json.loads(w.function.arguments) and c["id"]
+            jsonschema.validate(value, schema[c["name"]])
+
+
+def _joined(deltas) -> list[dict]:
+    """The calls of streamed ``tool_calls`` deltas as a client joins them (by index): the
+    first delta of each with its id, type and name, then only argument pieces."""
+    calls: dict[int, dict] = {}
+    for d in deltas:
+        if d.index not in calls:
+            assert d.id and d.type == "function" and d.function.name, d
+            calls[d.index] = {"id": d.id, "name": d.function.name, "arguments": ""}
+        else:
+            assert d.id is None and d.function.name is None, d
+        calls[d.index]["arguments"] += d.function.arguments or ""
+    assert sorted(calls) == list(range(len(calls)))
+    return [calls[i] for i in sorted(calls)]
+
+
+def test_streamed_auto_calls_are_deltas_as_they_are_generated(served):
+    """``auto`` with the ``llama3_json`` parser, the model's text made a call by a
+    ``response_format`` of the call's shape: the name first, then the arguments in pieces,
+    finish reason ``tool_calls``; equal to the whole answer's call."""
+    tok, client = served
+    engine = client._engine
+    shape = {
+        "type": "object",
+        "properties": {"name": {"const": "weather"}, "parameters": WEATHER},
+        "required": ["name", "parameters"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "call", "schema": shape}}
+    kw = dict(tools=TOOLS, response_format=fmt, temperature=1.0, seed=3)
+    engine.tool_call_parser = "llama3_json"
+    try:
+        text, deltas, reason = _streamed(_ask(client, stream=True, **kw))
+        whole = _ask(client, **kw).choices[0]
+    finally:
+        engine.tool_call_parser = "hermes"
+    (call,) = _joined(deltas)
+    assert text == "" and reason == "tool_calls" == whole.finish_reason and len(deltas) > 2
+    assert call["name"] == "weather" == whole.message.tool_calls[0].function.name
+    value = json.loads(call["arguments"])
+    assert value == json.loads(whole.message.tool_calls[0].function.arguments)
+    jsonschema.validate(value, WEATHER)
+
+
+def test_call_stream_equals_the_whole_answers_parse_in_any_pieces():
+    """:class:`CallStream` fed a text in random pieces: the content (up to surrounding
+    whitespace) and calls of :func:`parse_calls` / :func:`forced_calls` of the whole text,
+    the arguments as their pieces came; the first call only without parallel_tool_calls."""
+    import random
+
+    from neuron_tp.infer.tools import CallStream, ToolChoice, forced_calls, parse_calls
+
+    tools = tuple(TOOLS)
+    args = r'{"city": "Oslo", "x": [1, {"a": "}\\"}], "s": "a\"b"}'  # escapes, braces in strings
+    weather = '{"name": "weather", "parameters": {"days": 2}}'
+    cases = [
+        ("hermes", f'Let me look.<tool_call>\n{{"name": "weather", "arguments": {args}}}\n'
+                   "</tool_call>"),
+        ("hermes", '<tool_call>{"name": "flag", "arguments": {"on": true}}</tool_call>'
+                   '<tool_call>{"name": "weather", "arguments": {}}</tool_call> done'),
+        ("hermes", "no call here <tool"),
+        ("hermes", '<tool_call>{"name": "other", "arguments": {}}</tool_call>'),
+        ("hermes", '<tool_call>{"arguments": {"on": true}, "name": "flag"}</tool_call>'),
+        ("llama3_json", weather + '; {"name": "flag", "parameters": {}}'),
+        ("llama3_json", "<|python_tag|>" + '{"name": "flag", "parameters": {"on": false}}'),
+        ("llama3_json", " It is sunny."),
+    ]  # fmt: skip
+    forced = [
+        (ToolChoice("required", tools), '[{"name":"weather","arguments":{"days":3}},'
+                                        '{"name":"flag","arguments":{"on":true}}]'),
+        (ToolChoice("required", tools, parallel=False), '{"name":"flag","arguments":{"on":true}}'),
+        (ToolChoice("named", tools, "weather"), '{"city":"Paris","days":3}'),
+    ]  # fmt: skip
+    rng = random.Random(0)
+
+    def fed(choice, parser, text):
+        stream, content, deltas, k = CallStream(choice, parser), "", [], 0
+        while k < len(text):
+            n = rng.randint(1, 6)
+            piece, entries = stream.feed(text[k : k + n])
+            content, deltas, k = content + piece, deltas + entries, k + n
+        piece, entries = stream.finish()
+        return content + piece, deltas + entries
+
+    def joined(deltas):
+        calls = {}
+        for d in deltas:
+            if d["index"] not in calls:
+                calls[d["index"]] = {"name": d["function"]["name"], "arguments": ""}
+                assert d["id"].startswith("call_") and d["type"] == "function"
+            else:
+                assert "id" not in d and "name" not in d["function"]
+            calls[d["index"]]["arguments"] += d["function"]["arguments"]
+        return [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())]
+
+    names = {"weather", "flag"}
+    for parallel in (True, False):
+        auto = ToolChoice("auto", tools, parallel=parallel)
+        for parser, text in cases:
+            for _ in range(4):
+                content, deltas = fed(auto, parser, text)
+                want_content, want = parse_calls(parser, text, names)
+                want = [
+                    (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in want
+                ]
+                assert joined(deltas) == (want if parallel else want[:1]), (parser, text)
+                assert content.strip() == (want_content or "").strip(), (parser, text, content)
+    for choice, text in forced:
+        for _ in range(4):
+            content, deltas = fed(choice, "hermes", text)
+            want = forced_calls(choice, text)
+            assert content == ""
+            assert joined(deltas) == [
+                (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in want
+            ]
 
 
 def test_tool_call_parsers_of_auto():
@@ -242,6 +387,17 @@ def test_langchain_bind_tools_and_with_structured_output(served):
     jsonschema.validate(call["args"], WEATHER)
     again = bound.invoke([*asked, said, ToolMessage('{"temp": 3}', tool_call_id=call["id"])])
     jsonschema.validate(again.tool_calls[0]["args"], WEATHER)
+    # streamed: the chunks add up to the call ("any" is required; one call, parallel off)
+    schema = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    anyone = llm.bind_tools(TOOLS, tool_choice="any", parallel_tool_calls=False)
+    for model in (bound, anyone):
+        chunks = list(model.stream(asked))
+        joined = chunks[0]
+        for c in chunks[1:]:
+            joined = joined + c
+        (call,) = joined.tool_calls
+        assert len(chunks) > 4 and joined.response_metadata["finish_reason"] == "tool_calls"
+        jsonschema.validate(call["args"], schema[call["name"]])
     structured = llm.with_structured_output(
         {"title": "pick", "description": "a pick", **sc.SCHEMA}, method="json_schema"
     )
