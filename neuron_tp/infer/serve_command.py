@@ -8,11 +8,11 @@ import threading
 import time
 
 from ..errors import UserError
-from .completion_request import generation_defaults
 from .engine import Engine
 from .limits import API_KEY_ENV, ServeLimits
 from .metrics import LOG
 from .prefix_cache import PrefixCache, held_per_block, pool_blocks, resolve_block
+from .request_params import generation_defaults
 from .server import create_app
 from .speculation_setup import check_speculation_options
 from .speculative import SpeculativeGenerator

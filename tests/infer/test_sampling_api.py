@@ -363,7 +363,7 @@ def test_best_of_answers_the_candidates_of_highest_cumulative_logprob(full, serv
 def test_default_max_tokens_is_the_room_left_and_generation_config_defaults(full, served):
     from transformers import GenerationConfig
 
-    from neuron_tp.infer.completion_request import generation_defaults
+    from neuron_tp.infer.request_params import generation_defaults
 
     engine, url = served
     client = _client(url)
