@@ -157,8 +157,8 @@ def load_engine(engine: Engine, config, mesh) -> None:
 
 
 def check_lora_options(config) -> None:
-    """UserError (before any collective) for LoRA options that cannot be served: what does
-    not combine with adapters, a ``--lora-modules`` entry that is not ``NAME=DIR`` of a LoRA
+    """UserError (before any collective) for LoRA options that cannot be served: ``--adapter``
+    beside them, a ``--lora-modules`` entry that is not ``NAME=DIR`` of a LoRA
     adapter directory."""
     from ..hf.lora_files import read_adapter_config
     from .lora_slots import parse_lora_module
@@ -166,11 +166,6 @@ def check_lora_options(config) -> None:
     lora = config.lora
     if not lora.on:
         return
-    if config.draft_model or config.speculation_method:
-        raise UserError(
-            "--enable-lora / --lora-modules do not combine with speculative decoding yet "
-            "(--draft-model, --speculation-method): leave one out"
-        )
     if config.adapter:
         raise UserError(
             "--adapter merges one adapter into the base; with --lora-modules serve it as "

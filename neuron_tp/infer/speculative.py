@@ -238,7 +238,7 @@ class VerifyingGenerator(SlotGenerator):
         sampled = noise is not None
         inputs = self._proposer_inputs(bucket)
         args = [active, *self._state, *(noise or []), *inputs]
-        out = self._run(
+        out = self._run_model(
             ("speculate", bucket, sampled),
             lambda: self._speculate_fn(bucket, sampled, len(inputs)),
             args,
@@ -264,7 +264,8 @@ class VerifyingGenerator(SlotGenerator):
             )
             last = state.tokens[b]
             proposed, q, proposer_out = self._propose(rows, last, inputs, noise)
-            logits, target_out = self._verify(rows, last, proposed, kv)
+            with self.adapters(state.adapter[b]):  # the target's LoRA adapters, not the draft's
+                logits, target_out = self._verify(rows, last, proposed, kv)
             verdict = accept_greedy(proposed, logits)
             if sampled:
                 p = row_probs(

@@ -99,6 +99,34 @@ def test_an_adapter_waits_for_a_slot_no_running_request_uses(paths):
     assert slots.place(9, {1}) == 0 and slots.place(8, {0}) == 1 and slots.place(9, set()) == 0
 
 
+@pytest.mark.parametrize("method", ["draft", "ngram"])
+def test_speculation_verifies_with_the_adapters_the_draft_without(paths, method):
+    """Speculative decoding under adapters: the draft (a model of its own, no bank) or the
+    n-gram proposer proposes, the target verifies with each row's adapter; greedy tokens equal
+    peft's merged models (a verification without the adapters would give the base's)."""
+    from neuron_tp import hf, init_mesh
+    from neuron_tp.infer.engine import Engine
+    from neuron_tp.infer.ngram import NgramGenerator
+    from neuron_tp.infer.speculative import SpeculativeGenerator
+
+    mesh = init_mesh(tp=1)
+    model = hf.parallelize(lc.base_copy(), mesh).eval()
+    if method == "draft":
+        from neuron_tp.job.presets import build_model
+
+        draft = hf.parallelize(build_model("tiny-llama", 257, 9).eval(), mesh).eval()
+        gen = SpeculativeGenerator(model, draft, k=3, **ec.SHAPES)
+    else:
+        gen = NgramGenerator(model, k=3, **ec.SHAPES)
+    engine = Engine(lease_steps=3)
+    lc.attach(engine, gen, paths)
+    engine.warmup()
+    items = [it for it in lc.make_trace(6, 30) if it["sampling"] is None]
+    results = _serve(engine, items, paths)
+    lc.check(results, items, lc.references(items, paths))
+    assert gen.stats.steps > 0
+
+
 def _tp2_trace(case: str, paths: dict[str, str]) -> None:
     from neuron_tp import init_mesh
 
