@@ -120,8 +120,8 @@ def test_a_parameter_left_whole_inside_a_split_mlp():
     parameters (Apertus' xIELU) are accepted and get their gradients summed over tp."""
     from torch import nn
 
-    from neuron_tp.hf.parallelize import shared_activation_params
     from neuron_tp.hf.resolve import plan_model
+    from neuron_tp.hf.validate import shared_activation_params
 
     model = _llama(num_attention_heads=8)
     model.model.layers[0].mlp.act_fn = nn.PReLU(num_parameters=40)
