@@ -9,8 +9,9 @@ recomputed), conversational pairs with an implicit prompt; the layouts beyond tp
 parallel, blockwise attention, cp 2 (DPO, ORPO), pp 2 (DPO, LoRA DPO), with evaluations on
 other pairs after every step (TRL's eval_* values); the reference a frozen sharded copy
 (``--reference copy``, TRL's ref_model a copy) resumed after step 2 (the copy the initial
-model again). DPO at tp 2 (also SP, also with the copy), cp 2 and pp 2 on 2 XLA CPU devices:
-the same values, no compile after step 2. Bad rows and unsupported layouts
+model again), also under cp 2 and with LoRA (the copy: the base without adapters). DPO at
+tp 2 (also SP, also with the copy), cp 2 and pp 2 on 2 XLA CPU devices: the same values, no
+compile after step 2. Bad rows and unsupported layouts
 are refused before training."""
 
 from __future__ import annotations
@@ -70,11 +71,22 @@ CASES = {
     # the reference a frozen sharded copy (TRL's ref_model: a copy), resumed after step 2:
     # the copy is again the initial model, not the checkpoint
     "dpo-copy-eval-resume": (["--objective", "dpo", "--reference", "copy", *EVAL], False, {}),
+    "dpo-copy-cp": (
+        ["--objective", "dpo", "--reference", "copy", "--tp", "1", "--cp", "2"],
+        False,
+        {},
+    ),
+    "dpo-lora-copy": (  # the copy has no adapters: the base, as TRL's peft reference
+        ["--objective", "dpo", "--reference", "copy", "--lora-r", "4", "--lora-alpha", "8"],
+        False,
+        {},
+    ),
 }
 TRL_RUNS = {"dpo", "dpo-lora", "orpo", "ipo-resume", "dpo-chat", "hinge"}  # zero1 reads "dpo"'s
 TRL_OF = {"dpo-zero1": "dpo", "dpo-dp2-accum": "dpo", "dpo-sp-eval": "dpo", "dpo-cp-eval": "dpo"}
 TRL_OF |= {"orpo-cp": "orpo", "dpo-pp-eval": "dpo", "dpo-lora-pp": "dpo-lora"}
-TRL_OF |= {"dpo-blockwise": "dpo", "dpo-copy-eval-resume": "dpo"}
+TRL_OF |= {"dpo-blockwise": "dpo", "dpo-copy-eval-resume": "dpo", "dpo-copy-cp": "dpo"}
+TRL_OF |= {"dpo-lora-copy": "dpo-lora"}
 EVAL_KEYS = tuple(f"eval_{k}" for k in ("loss", *ref.KEYS))
 
 
