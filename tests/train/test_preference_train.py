@@ -54,6 +54,7 @@ CASES = {
         {"objective": "dpo", "loss_type": "hinge", "beta": 0.5},
     ),
     "dpo-bf16": (["--objective", "dpo", "--bf16"], False, {}),  # against our fp32 run
+    "dpo-copy-bf16": (["--objective", "dpo", "--bf16", "--reference", "copy"], False, {}),
     # tp=1, dp=2, 1 pair per micro-batch, 2 micro-batches: the same 4 pairs a step
     "dpo-dp2-accum": (
         ["--objective", "dpo", "--tp", "1", "--micro-batch", "1", "--grad-accum", "2"],
@@ -195,7 +196,7 @@ def _compare(ours: list[dict], theirs: list[dict], keys=("loss", *ref.KEYS), tol
     print(f"max |ours - reference| over {len(keys)} values x 3 steps: {worst:.2e}")
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c != "dpo-bf16"])
+@pytest.mark.parametrize("case", [c for c in CASES if "bf16" not in c])
 def test_matches_trl(runs, case):
     trl, ours = runs
     theirs = trl[TRL_OF.get(case, case)]
@@ -214,13 +215,19 @@ def test_matches_trl(runs, case):
 
 def test_bf16(runs):
     """--bf16 (ZeRO-1 fp32 masters): ln 2 first, then it learns the preference like the fp32
-    run (bf16 weights and compute: the trajectories part at this learning rate)."""
+    run (bf16 weights and compute: the trajectories part at this learning rate); with
+    ``--reference copy`` (a bf16 copy) the same values as with the precomputed reference."""
     _, ours = runs
     bf16, fp32 = ours["logs"]["dpo-bf16"], ours["logs"]["dpo"]
     assert bf16[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
     assert bf16[0]["logps/chosen"] == pytest.approx(fp32[0]["logps/chosen"], rel=0.02)
     assert all(e["loss"] < math.log(2) and e["rewards/accuracies"] == 1.0 for e in bf16[1:])
     assert all(e["rewards/margins"] > 0.1 for e in bf16[1:])
+    # the frozen bf16 copy forwards the pairs as the precomputation pass did: the same run
+    copy = ours["logs"]["dpo-copy-bf16"]
+    for a, b in zip(copy, bf16, strict=True):
+        for k in ("loss", *ref.KEYS):
+            assert a[k] == pytest.approx(b[k], abs=1e-6), (a["step"], k)
 
 
 def test_reference_stored_and_read(runs):
