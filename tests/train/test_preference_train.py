@@ -359,3 +359,20 @@ def test_check_reads_pairs(tmp_path, capsys):
     code = main([*base, "--data", f"{root}/examples/sft/chat.jsonl"])
     assert code not in (0, None)
     assert "chat.jsonl:1: expected a preference pair" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("reference", ["precompute", "copy"])
+def test_traced_under_neuron_parallel_compile(tmp_path, monkeypatch, reference):
+    """``neuron_parallel_compile``'s trial run (graphs traced, no reference pass): the DPO
+    step traces without a stored reference (the graph's shape only) or with the copy."""
+    from neuron_tp.cli.args import train_parser
+    from neuron_tp.train.loop import train
+
+    monkeypatch.setenv("NEURON_EXTRACT_GRAPHS_ONLY", "1")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    argv = ["--device", "cpu", "--objective", "dpo", "--reference", reference, "--steps", "2"]
+    argv += ["--data", f"{root}/examples/preference/pairs.jsonl", "--seq-len", "64"]
+    argv += ["--micro-batch", "2", "--output-dir", str(tmp_path)]
+    summary = train(train_parser().parse_args(argv), printer=lambda *a, **k: None)
+    assert summary["extract_graphs_only"] and summary["steps"] == 2
+    assert not os.path.exists(tmp_path / "reference_logps.pt")
