@@ -8,7 +8,7 @@ import sys
 from dataclasses import dataclass
 from typing import ClassVar
 
-from ..job.options import build_parser, group, opt, positive
+from ..job.options import build_parser, group, non_negative, opt, positive
 from ..plan.hardware import INSTANCES
 
 
@@ -81,6 +81,27 @@ class PlanOptions:
         "--global-batch", None, "sequences per optimizer step", type=positive(int), required=True
     )
     fp32: bool = opt("--fp32", False, "fp32 training (default: --bf16)", action="store_true")
+    objective: str = opt(
+        "--objective",
+        "lm",
+        "train's --objective: dpo / orpo count --global-batch and --micro-batch in pairs, "
+        "two rows each",
+        choices=("lm", "dpo", "orpo"),
+    )
+    reference: str = opt(
+        "--reference",
+        "auto",
+        "train's --reference of --objective dpo (auto: precompute): its memory per core "
+        "(adapters 0, copy one more set of the sharded weights, precompute 2 floats per pair)",
+        choices=("auto", "adapters", "copy", "precompute"),
+    )
+    pairs: int = opt(
+        "--pairs",
+        0,
+        "preference pairs of the training data (--reference precompute holds 2 floats per "
+        "pair of a rank's share; 0: one global batch)",
+        type=non_negative(int),
+    )
     pins: LayoutPins = group(LayoutPins)
     assumptions: Assumptions = group(Assumptions)
     top: int = opt("--top", 20, "rows to print (0: all)", type=int)
@@ -118,6 +139,8 @@ def job_from_args(args: argparse.Namespace, ranks_per_node: int = 0):
         )
     if not 0 < efficiency <= 1 or not 0 < args.memory_fraction <= 1:
         raise ValueError("--efficiency and --memory-fraction must be in (0, 1]")
+    if args.reference != "auto" and args.objective != "dpo":
+        raise ValueError(f"--reference applies to --objective dpo, not {args.objective}")
     return Job(
         instance,
         args.nodes,
@@ -127,6 +150,9 @@ def job_from_args(args: argparse.Namespace, ranks_per_node: int = 0):
         efficiency=efficiency,
         memory_fraction=args.memory_fraction,
         ranks_per_node=ranks_per_node,
+        objective=args.objective,
+        reference=args.reference,
+        pairs=args.pairs,
     )
 
 

@@ -26,13 +26,15 @@ class BatchShape:
     micro_batch: int
     grad_accum: int = 1
     objective: str = "lm"  # dpo / orpo: a micro-batch of pairs, 2 rows each
+    reference: str = "auto"  # --reference of dpo (adapters / copy: a forward at each step)
 
     @classmethod
     def of(cls, config) -> BatchShape:
         """The shape a ``TrainConfig`` (or anything with its fields) trains."""
         pref = getattr(config, "preference", None)
         objective = pref.objective if pref is not None else "lm"
-        return cls(config.seq_len, config.micro_batch, config.grad_accum, objective)
+        reference = pref.reference if pref is not None else "auto"
+        return cls(config.seq_len, config.micro_batch, config.grad_accum, objective, reference)
 
 
 def refusals(layout: ParallelLayout, shape: BatchShape, model_config=None) -> list[str]:
@@ -138,9 +140,16 @@ def _preference_rules(layout: ParallelLayout, shape: BatchShape) -> list[str]:
     unsupported = [f"--tp-mode {layout.tp_mode}"] if layout.tp_mode != "1d" else []
     unsupported += ["--ep > 1"] if layout.ep > 1 else []
     unsupported += ["--pp > 1 with --cp > 1"] if layout.pp > 1 and layout.cp > 1 else []
+    out = []
+    if layout.pp > 1 and shape.objective == "dpo" and shape.reference in ("adapters", "copy"):
+        out.append(
+            f"--reference {shape.reference} does not combine with --pp {layout.pp}: the "
+            "pipeline stages run one forward per micro-batch, so the reference is computed "
+            "ahead through them (--reference precompute, the default under --pp)"
+        )
     if not unsupported:
-        return []
-    return [
+        return out
+    return out + [
         f"--objective {shape.objective} does not support {', '.join(unsupported)}: preference "
         "training runs with --tp (1d, with or without --sequence-parallel), --cp or --pp, "
         "data parallelism, --zero1, --bf16, --lora-r, --grad-accum, --attention blockwise "

@@ -119,13 +119,15 @@ class PreferenceConfig:
         "DPO sigmoid loss: probability that a pair's preference is flipped (0 <= x < 0.5)",
         type=non_negative(float),
     )
-    precompute_reference: bool = opt(
-        "--precompute-reference",
-        False,
-        "DPO: the reference log-probabilities from one pass of the initial model over the "
-        "pairs before training, stored in --output-dir (always so without --lora-r; with "
-        "--lora-r the default is the base model with the adapters disabled at each step)",
-        action="store_true",
+    reference: str = opt(
+        "--reference",
+        "auto",
+        "DPO's reference log-probabilities (the initial model's): adapters (the base model "
+        "with the --lora-r adapters disabled, at each step), copy (a frozen sharded copy of "
+        "the initial model forwarded at each step: no pass, no file), precompute (one pass "
+        "over the pairs before training, stored in --output-dir); auto: adapters under "
+        "--lora-r without --pp, else precompute",
+        choices=("auto", "adapters", "copy", "precompute"),
     )
 
 

@@ -120,6 +120,7 @@ def auto_job(config, printer=print):
         efficiency=efficiency,
         ranks_per_node=per_node,
         objective=config.preference.objective,
+        reference=config.preference.reference,
     )
 
 

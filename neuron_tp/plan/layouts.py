@@ -36,6 +36,13 @@ class Job:
     memory_fraction: float = 0.9  # of a core's HBM left to the job (runtime, compiler scratch)
     ranks_per_node: int = 0  # 0: one rank per NeuronCore of the instance
     objective: str = "lm"  # --objective: dpo / orpo run fewer layouts (job.layout_rules)
+    reference: str = "auto"  # --reference of dpo (predict.reference_kind)
+    pairs: int = 0  # preference pairs of the training data (0: one global batch)
+
+    @property
+    def rows(self) -> int:
+        """Rows a sequence of the batch is: a preference pair is two (chosen, rejected)."""
+        return 1 if self.objective == "lm" else 2
 
     @property
     def per_node(self) -> int:
@@ -247,7 +254,7 @@ def _at(
                     layout = ParallelLayout(job.world, tp, mode, sp, pp, sched, v, cp, 1, attention)
                     why = refusals(
                         layout,
-                        BatchShape(job.seq_len, b, per_rank // b, job.objective),
+                        BatchShape(job.seq_len, b, per_rank // b, job.objective, job.reference),
                         model_config,
                     )
                     if why:

@@ -34,6 +34,7 @@ class Memory:
     activations: int  # saved for backward by one micro-batch (+ one layer's recompute)
     micro_buffer: int  # the largest collective buffer of forward + backward
     step_buffer: int  # the largest of the gradient reduction and optimizer step
+    reference: int = 0  # DPO's reference (:func:`reference_bytes`), held the whole step
 
     @property
     def state(self) -> int:
@@ -50,9 +51,11 @@ class Memory:
 
     @property
     def total(self) -> int:
-        """The peak: the model state plus the larger of forward/backward (activations and a
-        collective buffer) and the gradient reduction / optimizer step (activations freed)."""
-        return self.state + max(self.activations + self.micro_buffer, self.step_buffer)
+        """The peak: the model state (and DPO's reference) plus the larger of
+        forward/backward (activations and a collective buffer) and the gradient reduction /
+        optimizer step (activations freed)."""
+        peak = max(self.activations + self.micro_buffer, self.step_buffer)
+        return self.state + self.reference + peak
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,28 @@ def extend(traces: dict[tuple[int, int], Trace], layers: int, k: float, attr) ->
     and ``k`` x b0 sequences per micro-batch."""
     f11, f21, f12, f22 = (attr(traces[key]) for key in ((1, 1), (2, 1), (1, 2), (2, 2)))
     return _bilinear(f11, f21, f12, f22, layers, k)
+
+
+REFERENCE_FLOATS = 2  # --reference precompute: (chosen, rejected) log-probabilities, fp32
+
+
+def reference_kind(objective: str, reference: str) -> str:
+    """The reference ``neuron-tp train`` uses (``job.train.preference.reference_kind`` for a
+    job without LoRA, which the planner plans): none, adapters, copy or precompute."""
+    if objective != "dpo":
+        return "none"
+    return "precompute" if reference == "auto" else reference
+
+
+def reference_bytes(kind: str, params: int, pairs_per_rank: int) -> int:
+    """Bytes of DPO's reference on one rank: adapters 0 (the policy with its adapters off);
+    copy one more set of this rank's sharded weights (``params``: their bytes in the model's
+    dtype); precompute two fp32 per pair of this rank's data."""
+    if kind == "copy":
+        return params
+    if kind == "precompute":
+        return REFERENCE_FLOATS * 4 * pairs_per_rank
+    return 0
 
 
 def comm_seconds(comms: tuple[Comm, ...], instance: Instance, ranks_per_node: int) -> float:

@@ -6,6 +6,7 @@ import shlex
 from dataclasses import asdict
 from typing import Any
 
+from .predict import reference_kind
 from .search import Candidate, Plan
 
 GIB = 2**30
@@ -29,10 +30,14 @@ def _attn(c: Candidate) -> str:
 def train_args(plan: Plan, c: Candidate) -> list[str]:
     """The ``neuron-tp train`` options that run ``c`` for the plan's job: the model, the
     layout (tp, mode, micro-batch x gradient accumulation: the global batch over dp), the
-    sequence length and the precision."""
+    sequence length, the objective (and DPO's reference) and the precision."""
     job = plan.job
     args = ["--model", plan.model] if plan.model else []
     args += c.layout.train_args() + ["--seq-len", str(job.seq_len)]
+    if job.objective != "lm":
+        args += ["--objective", job.objective]
+    if job.reference != "auto":
+        args += ["--reference", job.reference]
     return args + (["--bf16"] if job.bf16 else [])
 
 
@@ -79,6 +84,8 @@ def plan_dict(plan: Plan, limit: int = 0) -> dict:
             "seq_len": job.seq_len,
             "global_batch": job.global_batch,
             "bf16": job.bf16,
+            "objective": job.objective,
+            "reference": reference_kind(job.objective, job.reference),
         },
         "assumptions": {
             "efficiency": job.efficiency,
@@ -104,6 +111,28 @@ def memory_total(c: Candidate) -> float:
     return c.memory.total
 
 
+def _ref_head(job) -> str:
+    """The reference column of ``--objective dpo`` (empty for the other objectives)."""
+    return f"{'ref':>5} " if job.objective == "dpo" else ""
+
+
+def _objective_line(job) -> list[str]:
+    if job.objective == "lm":
+        return []
+    line = (
+        f"objective {job.objective}: --global-batch and --micro-batch count pairs, two rows "
+        "each (activations and compute of 2 x --micro-batch rows); seq/s is pairs/s"
+    )
+    if job.objective == "dpo":
+        kind = reference_kind(job.objective, job.reference)
+        line += (
+            f"; reference {kind} (ref: adapters 0, copy one more set of the sharded weights, "
+            "precompute 2 fp32 per pair of a rank's data"
+            + (f", {job.pairs or job.global_batch} pairs)" if kind == "precompute" else ")")
+        )
+    return [line]
+
+
 def plan_table(plan: Plan, limit: int = 20) -> str:
     """The ranked candidates as a text table, then the recommendation or the verdict."""
     job = plan.job
@@ -112,7 +141,8 @@ def plan_table(plan: Plan, limit: int = 20) -> str:
         f"{'#':>3} {'tp':>3} {'mode':>6} {'pp':>4} {'cp':>2} {'dp':>4} {'attn':>5} {'mb':>3} "
         f"{'acc':>4} {'recomp':>9} "
         f"{'zero1':>5} | {'params':>6} {'grads':>6} {'optim':>6} {'activ':>6} {'buf':>5} "
-        f"{'total':>6} GiB | {'step s':>7} {'seq/s':>7} {'tok/s':>9} {'MFU':>5} | fit"
+        f"{_ref_head(job)}{'total':>6} GiB | {'step s':>7} {'seq/s':>7} {'tok/s':>9} "
+        f"{'MFU':>5} | fit"
     )
     lines = [
         f"plan: {job.nodes} x {job.instance.name} ({job.world} ranks), seq {job.seq_len}, "
@@ -120,6 +150,7 @@ def plan_table(plan: Plan, limit: int = 20) -> str:
         f"{job.usable_bytes / GIB:.1f} GiB usable ({job.memory_fraction:.0%} of "
         f"{job.instance.hbm_per_core / GIB:.0f}); compute at {job.efficiency:.0%} of peak",
         *plan.summary,
+        *_objective_line(job),
         head,
         "-" * len(head),
     ]
@@ -142,7 +173,8 @@ def plan_table(plan: Plan, limit: int = 20) -> str:
         row += " ".join(
             f"{v / GIB:>6.2f}" for v in (m.params, m.grads, m.optimizer + m.masters, m.activations)
         )
-        row += f" {m.comm_buffer / GIB:>5.2f} {m.total / GIB:>6.2f}     | "
+        ref = f"{m.reference / GIB:>5.2f} " if _ref_head(job) else ""
+        row += f" {m.comm_buffer / GIB:>5.2f} {ref}{m.total / GIB:>6.2f}     | "
         row += f"{t.step:>7.2f} {c.seq_per_s:>7.2f} {c.seq_per_s * tokens:>9.0f} {c.mfu:>5.1%} | "
         if c.fits:
             lines.append(row + (f"tight ({c.headroom:.0%} free)" if c.tight else "yes"))

@@ -19,7 +19,7 @@ from ..parallel.layout import grid_side
 from . import trace_store
 from .layouts import Job, Layout, enumerate_layouts
 from .moe import dense_standin, flops_per_token, moe_shape, param_counts, summary, tp_refusal
-from .predict import Memory, Timing
+from .predict import Memory, Timing, reference_bytes, reference_kind
 from .stages import TRACED_DP, model_shape, stage_memories, stage_timing
 from .state import StateBytes, stage_state_bytes
 from .trace import Spec
@@ -260,15 +260,26 @@ def _over(states: list[StateBytes], job: Job) -> bool:
 def _predict(cand: Candidate, job: Job, config, *, traces, base, states, useful: float) -> None:
     """Fill ``cand``'s memory (its worst stage), timing, throughput, MFU and fit."""
     lay = cand.layout
-    k = lay.micro_batch / _b0(lay)
+    k = job.rows * lay.micro_batch / _b0(lay)  # rows: a preference pair is two
     shape = model_shape(config, lay, job.seq_len, job.bf16)
     mems = stage_memories(lay, traces, None if base is traces else base, states, shape, k)
+    kind = reference_kind(job.objective, job.reference)
+    pairs = -(-(job.pairs or job.global_batch) // lay.dp)  # this rank's: its dp share
+    mems = [
+        replace(m, reference=reference_bytes(kind, st.params, pairs))
+        for m, st in zip(mems, states, strict=True)
+    ]
     cand.stage = max(range(len(mems)), key=lambda i: mems[i].total)
     cand.memory = mems[cand.stage]
     cand.timing, _ = stage_timing(lay, traces, states, shape, job, k)
     plain = replace(lay, activation_checkpointing="none")
     _, model_flops = stage_timing(plain, base, states, shape, job, k)
     peak = job.instance.peak_flops_per_core if job.bf16 else job.instance.peak_fp32_flops_per_core
+    if kind in ("adapters", "copy"):  # a forward of the step's rows: a third of its FLOPs,
+        # half its tp collectives (forward's)
+        t = cand.timing
+        extra = model_flops / 3 / (peak * job.efficiency)
+        cand.timing = replace(t, compute=t.compute + extra, tp_comm=1.5 * t.tp_comm)
     cand.seq_per_s = job.global_batch / cand.timing.step
     cand.mfu = useful * model_flops / (peak * cand.timing.step)
     cand.fits = cand.memory.total <= job.usable_bytes

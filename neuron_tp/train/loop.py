@@ -24,14 +24,13 @@ from ..backend.graphs import (
     step_boundary,
 )
 from ..errors import UserError
-from ..hf.attention import takes_segments, use_blockwise_attention
-from ..hf.context_parallel import context_parallel
+from ..hf.attention import takes_segments
 from ..hf.packing import check_packable, model_inputs
 from ..hf.recompute import apply_activation_checkpointing
 from ..job.config import TrainConfig
 from ..job.data import RowData, vocab_size
 from ..job.layout_rules import BatchShape, refuse
-from ..job.presets import build_model, is_preset, model_config, preload
+from ..job.presets import is_preset, model_config, preload
 from ..job.runtime import BUILD_LOCK, rank_device, start
 from ..job.tokenizer import check_vocab, checkpoint_assets, config_vocab, resolve_tokenizer
 from ..job.train_data import load_train_rows
@@ -41,8 +40,8 @@ from ..parallel import comm
 from ..parallel.layout import ParallelLayout
 from ..parallel.mesh import Mesh, init_mesh
 from ..parallel.sharding import move_to
+from . import build, pipelined, preference
 from . import peft_wrap as lora
-from . import pipelined, preference
 from .checkpoint_policy import (
     check_finite,
     claim_output,
@@ -139,13 +138,15 @@ def setup(args: TrainConfig | argparse.Namespace, mesh: Mesh | None = None) -> R
     def cut(whole) -> None:
         stages.append(pipelined.cut(config, mesh, whole))
 
-    model = _sharded_model(config, mesh, vocab_size(tokenizer), cut if mesh.pp_size > 1 else None)
+    vocab = vocab_size(tokenizer)
+    model = build.sharded_model(config, mesh, vocab, cut if mesh.pp_size > 1 else None)
     pipeline = pipelined.build(config, mesh, model, device, stage=stages[0]) if stages else None
-    if config.attention == "blockwise":
-        use_blockwise_attention(model, config.attention_block)
-    context_parallel(model, mesh, config.attention_block)  # cp 1: unchanged
+    build.attention(model, config, mesh)
     apply_activation_checkpointing(model, config.activation_checkpointing)
     move_to(model, device).train()  # keeps tied embeddings tied (CPU -> XLA unties them)
+    reference_model = None  # --reference copy: the initial model, frozen, no optimizer state
+    if preference.reference_kind(config) == "copy":
+        reference_model = build.reference_copy(config, mesh, vocab, device)
     optimizer = make_optimizer(
         model,
         config.optim.lr,
@@ -171,67 +172,8 @@ def setup(args: TrainConfig | argparse.Namespace, mesh: Mesh | None = None) -> R
         checkpoint_files=files,
         eval_data=evaluation,
         pipeline=pipeline,
+        reference_model=reference_model,
     )
-
-
-def _sharded_model(config: TrainConfig, mesh: Mesh, vocab: int, cut: Callable | None = None):
-    """The model of this rank, built (a preset, from ``--seed``) or loaded (each rank reads
-    its slices), with LoRA adapters when asked, sharded over ``mesh``, then ``cut`` (in place:
-    a pipeline stage; for a loaded model before any weight is read); a failure on any rank,
-    or replicas that differ, raises on every rank."""
-    from .. import hf
-    from ..parallel import agreement
-
-    dtype = torch.bfloat16 if config.bf16 else torch.float32
-    model, error = None, None
-    try:
-        # Seeding and drawing the global RNG (shared by a process's threads) under one lock:
-        # a thread seeding while another draws its init would give the ranks other weights.
-        with BUILD_LOCK:
-            torch.manual_seed(config.seed)
-            # presets: built whole, then sharded; a local HF directory: from_pretrained (any
-            # tp_mode) reads only this rank's slices / blocks of every tensor
-            if is_preset(config.model):
-                model = build_model(config.model, vocab, config.seed, dtype)
-                if config.lora.r:  # adapters from --seed, then sharded
-                    model = lora.wrap(model, config)
-        if is_preset(config.model):
-            hf.parallelize(
-                model,
-                mesh,
-                sequence_parallel=config.sequence_parallel,
-                parallel_loss=mesh.tp_size > 1,
-            )
-            if cut is not None:  # built whole: the same weights as at pp 1
-                cut(model)
-        else:
-            model = hf.from_pretrained(
-                config.model,
-                mesh,
-                sequence_parallel=config.sequence_parallel,
-                parallel_loss=mesh.tp_size > 1,
-                torch_dtype=dtype,
-                wrap=_seeded_lora_wrap(config) if config.lora.r else None,
-                cut=cut,
-            )
-        if config.lora.r:
-            lora.frozen_check(model)
-    except Exception as e:  # noqa: BLE001 - re-raised on this rank by the check below
-        error = e
-    # Same shard on data-parallel replicas, same replicated parameters everywhere.
-    agreement.check_model_replicas(model, mesh, error=error, what="neuron-tp train")
-    return model
-
-
-def _seeded_lora_wrap(config: TrainConfig):
-    """``wrap`` for ``from_pretrained``: LoRA adapters from ``--seed`` (under the build lock:
-    ranks may be threads sharing the global RNG)."""
-
-    def wrap(model):
-        with BUILD_LOCK:
-            return lora.wrap(model, config)
-
-    return wrap
 
 
 def startup_values(

@@ -14,11 +14,14 @@ log-probabilities and ``c0``/``r0`` the reference's, ``z = (c - c0) - (r - r0)``
   log-probabilities (``logps/*`` and ``rewards/*`` of those means, as TRL's). The NLL is on
   the completion only, as in the paper (TRL's ORPOTrainer takes it over prompt + completion).
 
-The reference: with ``--lora-r`` the same model with its adapters disabled (no grad), else
-the initial model's log-probabilities of every pair, computed before the first step
-(:func:`reference_pass`) and stored in ``--output-dir`` (``reference_logps.pt``) so a resumed
-run reads them. Metrics (TRL's names) are means over the step's pairs; ``--eval-data`` pairs
-give the same as ``eval_*`` (:func:`eval_totals`).
+The reference (``--reference``, :func:`reference_kind`): ``adapters``, the same model with its
+LoRA adapters disabled; ``copy``, a frozen sharded copy of the initial model
+(:func:`neuron_tp.train.build.reference_copy`), both forwarded at each step under no grad on
+the same ``2k`` rows (:func:`reference_logps`); ``precompute``, the initial model's
+log-probabilities of every pair, computed before the first step (:func:`reference_pass`) and
+stored in ``--output-dir`` (``reference_logps.pt``) so a resumed run reads them. Metrics
+(TRL's names) are means over the step's pairs; ``--eval-data`` pairs give the same as
+``eval_*`` (:func:`eval_totals`).
 
 Layouts (the ones refused: :mod:`neuron_tp.job.layout_rules`): under ``--cp`` each rank of
 the ring sums its own completion tokens and the per-row sums are summed over the ring before
@@ -54,17 +57,20 @@ def metric_names(objective: str) -> tuple[str, ...]:
     return ORPO_KEYS if objective == "orpo" else DPO_KEYS
 
 
-def uses_adapter_reference(config) -> bool:
-    """DPO with LoRA: the reference is the base model, adapters off (unless precomputed)."""
+def reference_kind(config) -> str:
+    """Where DPO's reference log-probabilities come from: ``adapters``, ``copy`` or
+    ``precompute`` (``--reference``; auto: adapters under ``--lora-r`` without ``--pp``, else
+    precompute), ``none`` for the other objectives."""
     p = config.preference
-    if config.pipeline.pp > 1:  # the stages run one forward per micro-batch: precomputed
-        return False
-    return p.objective == "dpo" and bool(config.lora.r) and not p.precompute_reference
+    if p.objective != "dpo":
+        return "none"
+    if p.reference != "auto":
+        return p.reference
+    return "adapters" if config.lora.r and config.pipeline.pp == 1 else "precompute"
 
 
 def needs_reference_pass(config) -> bool:
-    p = config.preference
-    return p.objective == "dpo" and not uses_adapter_reference(config)
+    return reference_kind(config) == "precompute"
 
 
 def check_options(config) -> None:
@@ -77,6 +83,13 @@ def check_options(config) -> None:
         raise UserError(f"--label-smoothing must be in [0, 0.5), got {p.label_smoothing}")
     if p.label_smoothing and (p.objective != "dpo" or p.dpo_loss != "sigmoid"):
         raise UserError("--label-smoothing applies to --objective dpo --dpo-loss sigmoid only")
+    if p.reference != "auto" and p.objective != "dpo":
+        raise UserError(f"--reference applies to --objective dpo ({flag} has no reference)")
+    if p.reference == "adapters" and not config.lora.r:
+        raise UserError(
+            "--reference adapters needs --lora-r (the base model is the policy with its "
+            "adapters disabled); without LoRA use --reference copy or precompute"
+        )
     if config.data_cache is not None:
         raise UserError(
             f"{flag} does not support --data-cache: preference pairs are read from --data "
@@ -198,18 +211,31 @@ def _pair_loss(config, policy, batch: dict, reference, base=None):
     return preference_loss(config, policy, ref, chosen_nll)
 
 
+def reference_logps(run, batch: dict):
+    """:func:`pair_logps` of the reference computed at each step (no grad): the frozen copy
+    (``--reference copy``) or the policy with its adapters disabled (``adapters``)."""
+    model, mesh = run.model, run.mesh
+    vocab = model.config.vocab_size
+    with torch.no_grad():
+        if run.reference_model is not None:
+            return pair_logps(run.reference_model, mesh, vocab, batch)
+        with adapters_off(model):
+            return pair_logps(model, mesh, vocab, batch)
+
+
+def _step_reference(run, batch: dict):
+    """``base()`` of :func:`_pair_loss` when the reference is a forward at each step."""
+    if reference_kind(run.config) not in ("adapters", "copy"):
+        return None
+    return lambda: reference_logps(run, batch)
+
+
 def micro_step(run, batch: dict, scale: torch.Tensor, reference: torch.Tensor | None):
     """Forward and loss of one micro-batch: ``(loss / scale, summed metrics [m])``; the
     caller backpropagates the loss. ``reference``: the stored ``[pairs, 2]`` log-probs."""
     model, mesh = run.model, run.mesh
-    vocab = model.config.vocab_size
-
-    def base():
-        with torch.no_grad(), adapters_off(model):
-            return pair_logps(model, mesh, vocab, batch)
-
-    losses, metrics = _pair_loss(run.config, pair_logps(model, mesh, vocab, batch), batch,
-                                 reference, base)  # fmt: skip
+    policy = pair_logps(model, mesh, model.config.vocab_size, batch)
+    losses, metrics = _pair_loss(run.config, policy, batch, reference, _step_reference(run, batch))
     return losses.sum() / scale, metrics.sum(0)
 
 
@@ -334,7 +360,8 @@ def reference_pass(run, say, data=None, name: str = REFERENCE_FILE) -> torch.Ten
 def eval_totals(run, reference: torch.Tensor | None):
     """``totals(data, batches)`` of ``--eval-data`` pairs: ``[loss sum, metric sums...,
     pairs]`` of the next ``batches`` batches (no grad, eval mode, one graph per batch),
-    summed over dp; ``reference``: the eval pairs' stored reference (None: adapters off)."""
+    summed over dp; ``reference``: the eval pairs' stored reference (None: computed at each
+    batch, :func:`reference_logps`)."""
     from ..backend.graphs import step_boundary
 
     config, model, mesh, dev = run.config, run.model, run.mesh, run.device
@@ -360,11 +387,7 @@ def eval_totals(run, reference: torch.Tensor | None):
             with torch.no_grad():
                 for _ in range(batches):
                     batch = {k: t.to(dev) for k, t in data.next_batch().items()}
-
-                    def base(batch=batch):
-                        with adapters_off(model):
-                            return pair_logps(model, mesh, vocab, batch)
-
+                    base = _step_reference(run, batch)
                     policy = pair_logps(model, mesh, vocab, batch)
                     part = totals_of(*_pair_loss(config, policy, batch, reference, base))
                     out = out + comm.all_reduce(part, mesh.dp)

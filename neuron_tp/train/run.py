@@ -43,3 +43,4 @@ class Run:
     eval_data: RowData | None = None  # --eval-data of this dp rank (train.evaluate)
     pipeline: PipelineRunner | None = None  # --pp > 1: this rank's stage and schedule
     reference: torch.Tensor | None = None  # --objective dpo: [pairs, 2] reference log-probs
+    reference_model: torch.nn.Module | None = None  # --reference copy: the frozen initial model

@@ -7,8 +7,11 @@ Cases: DPO sigmoid with the precomputed reference (and with --zero1), LoRA DPO (
 adapters disabled), ORPO, IPO resumed after step 2 (the stored reference read, not
 recomputed), conversational pairs with an implicit prompt; the layouts beyond tp: sequence
 parallel, blockwise attention, cp 2 (DPO, ORPO), pp 2 (DPO, LoRA DPO), with evaluations on
-other pairs after every step (TRL's eval_* values). DPO at tp 2 (also SP), cp 2 and pp 2 on 2
-XLA CPU devices: the same values, no compile after step 2. Bad rows and unsupported layouts
+other pairs after every step (TRL's eval_* values); the reference a frozen sharded copy
+(``--reference copy``, TRL's ref_model a copy) resumed after step 2 (the copy the initial
+model again), also under cp 2 and with LoRA (the copy: the base without adapters). DPO at
+tp 2 (also SP, also with the copy), cp 2 and pp 2 on 2 XLA CPU devices: the same values, no
+compile after step 2. Bad rows and unsupported layouts
 are refused before training."""
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ CASES = {
         {"objective": "dpo", "loss_type": "hinge", "beta": 0.5},
     ),
     "dpo-bf16": (["--objective", "dpo", "--bf16"], False, {}),  # against our fp32 run
+    "dpo-copy-bf16": (["--objective", "dpo", "--bf16", "--reference", "copy"], False, {}),
     # tp=1, dp=2, 1 pair per micro-batch, 2 micro-batches: the same 4 pairs a step
     "dpo-dp2-accum": (
         ["--objective", "dpo", "--tp", "1", "--micro-batch", "1", "--grad-accum", "2"],
@@ -65,11 +69,25 @@ CASES = {
     "dpo-pp-eval": (["--objective", "dpo", *PP, *EVAL], False, {}),
     "dpo-lora-pp": (["--objective", "dpo", *PP, "--lora-r", "4", "--lora-alpha", "8"], False, {}),
     "dpo-blockwise": (["--objective", "dpo", "--attention", "blockwise", *BLOCK], False, {}),
+    # the reference a frozen sharded copy (TRL's ref_model: a copy), resumed after step 2:
+    # the copy is again the initial model, not the checkpoint
+    "dpo-copy-eval-resume": (["--objective", "dpo", "--reference", "copy", *EVAL], False, {}),
+    "dpo-copy-cp": (
+        ["--objective", "dpo", "--reference", "copy", "--tp", "1", "--cp", "2"],
+        False,
+        {},
+    ),
+    "dpo-lora-copy": (  # the copy has no adapters: the base, as TRL's peft reference
+        ["--objective", "dpo", "--reference", "copy", "--lora-r", "4", "--lora-alpha", "8"],
+        False,
+        {},
+    ),
 }
 TRL_RUNS = {"dpo", "dpo-lora", "orpo", "ipo-resume", "dpo-chat", "hinge"}  # zero1 reads "dpo"'s
 TRL_OF = {"dpo-zero1": "dpo", "dpo-dp2-accum": "dpo", "dpo-sp-eval": "dpo", "dpo-cp-eval": "dpo"}
 TRL_OF |= {"orpo-cp": "orpo", "dpo-pp-eval": "dpo", "dpo-lora-pp": "dpo-lora"}
-TRL_OF |= {"dpo-blockwise": "dpo"}
+TRL_OF |= {"dpo-blockwise": "dpo", "dpo-copy-eval-resume": "dpo", "dpo-copy-cp": "dpo"}
+TRL_OF |= {"dpo-lora-copy": "dpo-lora"}
 EVAL_KEYS = tuple(f"eval_{k}" for k in ("loss", *ref.KEYS))
 
 
@@ -96,6 +114,20 @@ def _trl_reference(base: str) -> None:
         json.dump(out, f)
 
 
+def _copy_state(run) -> dict:
+    """What the ``--reference copy`` model is after a step: frozen, in eval mode, unknown
+    to the optimizer, another set of tensors than the policy's."""
+    copy = run.reference_model
+    trained = {id(p) for g in run.optimizer.param_groups for p in g["params"]}
+    policy = {p.data_ptr() for p in run.model.parameters()}
+    return {
+        "frozen": all(not p.requires_grad for p in copy.parameters()),
+        "eval": not copy.training,
+        "in_optimizer": any(id(p) in trained for p in copy.parameters()),
+        "shares_policy": any(p.data_ptr() in policy for p in copy.parameters()),
+    }
+
+
 def _ours(base: str) -> None:
     """Rank body: every case at tp=2; rank 0 writes the logs."""
     from neuron_tp.cli.args import train_parser
@@ -114,14 +146,22 @@ def _ours(base: str) -> None:
         def say(*a, **_k):
             lines.append(" ".join(map(str, a)))
 
-        if case == "ipo-resume":  # 2 steps and a checkpoint, then a new run resumes it
+        states: list[dict] = []
+
+        def on_step(run, states=states):
+            if run.reference_model is not None:
+                states.append(_copy_state(run))
+
+        if case.endswith("resume"):  # 2 steps and a checkpoint, then a new run resumes it
             first = train_parser().parse_args([*argv, "--save-every", "2"])
-            head = train(first, mesh, stop_at=2, printer=say)["log"]
-            tail = train(train_parser().parse_args(argv), mesh, printer=say)["log"]
-            logs[case] = head + tail
+            head = train(first, mesh, stop_at=2, printer=say, on_step=on_step)["log"]
+            tail = train(train_parser().parse_args(argv), mesh, printer=say, on_step=on_step)
+            logs[case] = head + tail["log"]
         else:
             logs[case] = train(train_parser().parse_args(argv), mesh, printer=say)["log"]
         notes[case] = [x for x in lines if "reference log-probabilities" in x]
+        if states:
+            notes[f"{case}/copy"] = states
     if mesh.rank == 0:
         with open(f"{base}/ours.json", "w") as f:
             json.dump({"logs": logs, "notes": notes}, f)
@@ -156,7 +196,7 @@ def _compare(ours: list[dict], theirs: list[dict], keys=("loss", *ref.KEYS), tol
     print(f"max |ours - reference| over {len(keys)} values x 3 steps: {worst:.2e}")
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c != "dpo-bf16"])
+@pytest.mark.parametrize("case", [c for c in CASES if "bf16" not in c])
 def test_matches_trl(runs, case):
     trl, ours = runs
     theirs = trl[TRL_OF.get(case, case)]
@@ -175,13 +215,19 @@ def test_matches_trl(runs, case):
 
 def test_bf16(runs):
     """--bf16 (ZeRO-1 fp32 masters): ln 2 first, then it learns the preference like the fp32
-    run (bf16 weights and compute: the trajectories part at this learning rate)."""
+    run (bf16 weights and compute: the trajectories part at this learning rate); with
+    ``--reference copy`` (a bf16 copy) the same values as with the precomputed reference."""
     _, ours = runs
     bf16, fp32 = ours["logs"]["dpo-bf16"], ours["logs"]["dpo"]
     assert bf16[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
     assert bf16[0]["logps/chosen"] == pytest.approx(fp32[0]["logps/chosen"], rel=0.02)
     assert all(e["loss"] < math.log(2) and e["rewards/accuracies"] == 1.0 for e in bf16[1:])
     assert all(e["rewards/margins"] > 0.1 for e in bf16[1:])
+    # the frozen bf16 copy forwards the pairs as the precomputation pass did: the same run
+    copy = ours["logs"]["dpo-copy-bf16"]
+    for a, b in zip(copy, bf16, strict=True):
+        for k in ("loss", *ref.KEYS):
+            assert a[k] == pytest.approx(b[k], abs=1e-6), (a["step"], k)
 
 
 def test_reference_stored_and_read(runs):
@@ -192,6 +238,11 @@ def test_reference_stored_and_read(runs):
     assert len(notes["dpo"]) == 1 and "4 pairs computed" in notes["dpo"][0]
     assert notes["dpo-lora"] == []  # the base with the adapters disabled: no pass
     assert notes["orpo"] == []  # no reference
+    copy = "dpo-copy-eval-resume"  # a copy forwarded at each step: no pass, no file
+    assert notes[copy] == [] and not os.path.exists(f"{ours['base']}/{copy}/reference_logps.pt")
+    assert len(notes[f"{copy}/copy"]) == 3  # steps 1-2, then step 3 resumed
+    expected = {"frozen": True, "eval": True, "in_optimizer": False, "shares_policy": False}
+    assert all(state == expected for state in notes[f"{copy}/copy"]), notes[f"{copy}/copy"]
     assert os.path.exists(f"{ours['base']}/dpo/reference_logps.pt")
     with open(f"{ours['base']}/orpo/metrics.jsonl") as f:
         lines = [json.loads(line) for line in f]
@@ -254,6 +305,9 @@ def test_bad_rows_refused(tmp_path):
         (["--ep", "2"], r"does not support --ep > 1"),
         (["--data-cache", "x"], r"does not support --data-cache"),
         (["--dpo-loss", "ipo", "--label-smoothing", "0.1"], "sigmoid only"),
+        (["--reference", "copy", "--pp", "2"], r"--reference copy does not combine with --pp 2"),
+        (["--reference", "adapters"], r"--reference adapters needs --lora-r"),
+        (["--objective", "orpo", "--reference", "copy"], r"--reference applies to --objective dpo"),
     ],
 )
 def test_unsupported_refused(tmp_path, extra, match):
@@ -278,11 +332,12 @@ def xla_runs(runs):
     return xla_dist.run_cases(cases.on_two, list(cases.CASES), runs[1]["base"], devices=2)
 
 
-@pytest.mark.parametrize("case", ["dpo", "dpo-sp-eval", "dpo-cp-eval", "dpo-pp-eval"])
+@pytest.mark.parametrize("case", ["dpo", "dpo-sp-eval", "dpo-cp-eval", "dpo-pp-eval", "dpo-copy"])
 def test_xla_two_devices(runs, xla_runs, case):
     """DPO on 2 XLA CPU devices (real collectives, one graph per step; --pp: a fixed set per
-    stage): tp 2, with --sequence-parallel, --cp 2, --pp 2, evaluations after each step: TRL's
-    values for 3 steps; the reference pass and steps 1-2 compile, step 3 (and 4) do not."""
+    stage): tp 2, with --sequence-parallel, --cp 2, --pp 2, evaluations after each step, the
+    reference a frozen copy: TRL's values for 3 steps; the reference pass and steps 1-2
+    compile, step 3 (and 4) do not."""
     trl, _ = runs
     out = xla_runs.get(case)
     keys = ("loss", *ref.KEYS) + (EVAL_KEYS if "eval" in case else ())
@@ -304,3 +359,20 @@ def test_check_reads_pairs(tmp_path, capsys):
     code = main([*base, "--data", f"{root}/examples/sft/chat.jsonl"])
     assert code not in (0, None)
     assert "chat.jsonl:1: expected a preference pair" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("reference", ["precompute", "copy"])
+def test_traced_under_neuron_parallel_compile(tmp_path, monkeypatch, reference):
+    """``neuron_parallel_compile``'s trial run (graphs traced, no reference pass): the DPO
+    step traces without a stored reference (the graph's shape only) or with the copy."""
+    from neuron_tp.cli.args import train_parser
+    from neuron_tp.train.loop import train
+
+    monkeypatch.setenv("NEURON_EXTRACT_GRAPHS_ONLY", "1")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    argv = ["--device", "cpu", "--objective", "dpo", "--reference", reference, "--steps", "2"]
+    argv += ["--data", f"{root}/examples/preference/pairs.jsonl", "--seq-len", "64"]
+    argv += ["--micro-batch", "2", "--output-dir", str(tmp_path)]
+    summary = train(train_parser().parse_args(argv), printer=lambda *a, **k: None)
+    assert summary["extract_graphs_only"] and summary["steps"] == 2
+    assert not os.path.exists(tmp_path / "reference_logps.pt")

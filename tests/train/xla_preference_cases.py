@@ -15,6 +15,7 @@ CASES = {
     "dpo-sp-eval": (2, 1, 1, ["--sequence-parallel", *EVAL]),
     "dpo-cp-eval": (1, 2, 1, ["--cp", "2", *EVAL]),
     "dpo-pp-eval": (1, 1, 2, ["--pp", "2", "--micro-batch", "2", "--grad-accum", "2", *EVAL]),
+    "dpo-copy": (2, 1, 1, ["--reference", "copy"]),
 }
 
 
