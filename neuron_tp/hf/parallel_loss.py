@@ -29,7 +29,11 @@ def full_logits(model: nn.Module):
 
 
 def is_causal(model: nn.Module) -> bool:
+    """A causal LM (labels shifted): a decoder's LM head, or a multimodal decoder's (Gemma-3's
+    ``ForConditionalGeneration`` without an encoder-decoder config)."""
     n = type(model).__name__
+    if "ForConditionalGeneration" in n:
+        return not getattr(getattr(model, "config", None), "is_encoder_decoder", False)
     return "CausalLM" in n or "LMHead" in n
 
 
@@ -39,7 +43,7 @@ def wrap_loss(model: nn.Module, mesh: Mesh) -> None:
     an MoE model's router auxiliary loss times ``router_aux_loss_coef`` when it returns one
     (with a 4-D packed attention mask, computed over every position)."""
     forward = model.forward
-    vocab = model.config.vocab_size
+    vocab = model.config.get_text_config(decoder=True).vocab_size
     causal = is_causal(model)
 
     @functools.wraps(forward)

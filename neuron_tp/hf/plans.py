@@ -209,6 +209,110 @@ def _glm4_moe(config: Any) -> ArchPlan:
     )
 
 
+def _stablelm(config: Any) -> ArchPlan:
+    """StableLM: Llama's layout; its per-head q/k LayerNorms (one module per head) are refused."""
+    if not getattr(config, "qk_layernorm", False):
+        return _LLAMA
+    return replace(
+        _LLAMA,
+        unsupported="stablelm: qk_layernorm (a LayerNorm module per head) is not split over tp; "
+        "pass plan= to shard only the MLPs",
+    )
+
+
+def _persimmon(config: Any) -> ArchPlan:
+    """Persimmon: fused qkv interleaved per head (a plain split by heads), q/k LayerNorms over
+    one head's features (shared by every head)."""
+    styles = {
+        "self_attn.query_key_value": Style.COLUMN,
+        "self_attn.dense": Style.ROW,
+        "mlp.dense_h_to_4h": Style.COLUMN,
+        "mlp.dense_4h_to_h": Style.ROW,
+    }
+    if getattr(config, "qk_layernorm", False):
+        styles["self_attn.q_layernorm"] = Style.REPLICATED_GRAD_ALLREDUCE
+        styles["self_attn.k_layernorm"] = Style.REPLICATED_GRAD_ALLREDUCE
+    return replace(_LLAMA, final_norm="final_layernorm", layer_styles=styles)
+
+
+def _gpt_bigcode(config: Any) -> ArchPlan:
+    """StarCoder: multi-query ``[q heads | k | v]`` is packed qkv (the one kv head replicated),
+    multi-head interleaves q/k/v per head (a plain split by heads)."""
+    qkv = Style.COLUMN_PACKED_QKV if getattr(config, "multi_query", False) else Style.COLUMN
+    return _GPT2_LIKE.with_styles({"attn.c_attn": qkv, "attn.c_proj": Style.ROW})
+
+
+def _bloom(config: Any) -> ArchPlan:
+    """BLOOM: fused qkv interleaved per head; the ALiBi biases are sliced to each rank's heads
+    (neuron_tp.hf.head_bias)."""
+    exact_tp = getattr(config, "pretraining_tp", 1) > 1 and getattr(config, "slow_but_exact", False)
+    return ArchPlan(
+        layers="h",
+        embedding="word_embeddings",
+        final_norm="ln_f",
+        attention="self_attention",
+        mlp="mlp",
+        prepares_input=("self_attention", "mlp"),
+        layer_styles={
+            "self_attention.query_key_value": Style.COLUMN,
+            "self_attention.dense": Style.ROW,
+            "mlp.dense_h_to_4h": Style.COLUMN,
+            "mlp.dense_4h_to_h": Style.ROW,
+        },
+        unsupported="bloom: slow_but_exact with pretraining_tp > 1 slices the projections "
+        "itself; load with slow_but_exact=False"
+        if exact_tp
+        else None,
+    )
+
+
+_MPT = ArchPlan(  # ALiBi position_bias sliced to each rank's heads (neuron_tp.hf.head_bias)
+    layers="blocks",
+    embedding="wte",
+    final_norm="norm_f",
+    attention="attn",
+    mlp="ffn",
+    prepares_input=("attn", "ffn"),
+    layer_styles={
+        "attn.Wqkv": Style.COLUMN_PACKED_QKV,
+        "attn.out_proj": Style.ROW,
+        "ffn.up_proj": Style.COLUMN,
+        "ffn.down_proj": Style.ROW,
+    },
+)
+
+
+def _xglm(config: Any) -> ArchPlan:
+    """XGLM: OPT's layout (fc1/fc2 in the decoder layer: no sequence parallelism); its eager
+    attention drops out probabilities with the heads folded into the batch dim, which the split
+    dropout cannot tell from features, so attention dropout is refused."""
+    if getattr(config, "attention_dropout", 0.0) > 0:
+        return replace(
+            _XGLM,
+            unsupported="xglm: attention_dropout > 0 on probabilities shaped [batch * heads, "
+            "q, k] is not split over tp; load with attention_dropout=0",
+        )
+    return _XGLM
+
+
+_XGLM = ArchPlan(
+    layers="layers",
+    embedding="embed_tokens",
+    final_norm="layer_norm",
+    attention="self_attn",
+    mlp=None,
+    prepares_input=("self_attn",),
+    layer_styles={
+        "self_attn.q_proj": Style.COLUMN,
+        "self_attn.k_proj": Style.COLUMN,
+        "self_attn.v_proj": Style.COLUMN,
+        "self_attn.out_proj": Style.ROW,
+        "fc1": Style.COLUMN,
+        "fc2": Style.ROW,
+    },
+)
+
+
 # model_type -> its plan, or a function of the config returning it. Architectures not listed
 # use the plan transformers ships (neuron_tp.hf.fallback).
 ARCH_PLANS: dict[str, ArchPlan | Callable[[Any], ArchPlan]] = {
@@ -306,6 +410,12 @@ ARCH_PLANS: dict[str, ArchPlan | Callable[[Any], ArchPlan]] = {
         {"self_attn.q_norm": Style.SHARDED_NORM, "self_attn.k_norm": Style.SHARDED_NORM}
     ),
     "glm4_moe": _glm4_moe,
+    "stablelm": _stablelm,
+    "persimmon": _persimmon,
+    "gpt_bigcode": _gpt_bigcode,
+    "bloom": _bloom,
+    "mpt": _MPT,
+    "xglm": _xglm,
 }
 
 
