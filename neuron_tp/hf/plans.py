@@ -36,6 +36,8 @@ class Style(str, Enum):
     COLUMN_PACKED = "packed_colwise"
     # A fused ``[q | k | v]`` projection split per head of each part.
     COLUMN_PACKED_QKV = "packed_qkv"
+    # CodeGen's fused qkv: 4 blocks of ``[q | v | k]`` (neuron_tp.hf.grouped_qkv).
+    COLUMN_GROUPED_QKV = "grouped_qkv"
     # Vocabulary-parallel embedding.
     VOCAB_EMBEDDING = "embedding_rowwise"
     # Kept whole, gradients summed over tp after backward (Qwen3's per-head q/k norms).
@@ -55,10 +57,21 @@ class Style(str, Enum):
     @property
     def splits_output(self) -> bool:
         """Its output stays split over tp: a row-parallel projection must consume it."""
-        return self in (Style.COLUMN, Style.COLUMN_PACKED, Style.COLUMN_PACKED_QKV)
+        return self in (
+            Style.COLUMN,
+            Style.COLUMN_PACKED,
+            Style.COLUMN_PACKED_QKV,
+            Style.COLUMN_GROUPED_QKV,
+        )
 
 
-_COLUMN = (Style.COLUMN, Style.COLUMN_GATHER_OUTPUT, Style.COLUMN_PACKED, Style.COLUMN_PACKED_QKV)
+_COLUMN = (
+    Style.COLUMN,
+    Style.COLUMN_GATHER_OUTPUT,
+    Style.COLUMN_PACKED,
+    Style.COLUMN_PACKED_QKV,
+    Style.COLUMN_GROUPED_QKV,
+)
 STYLES = tuple(s.value for s in Style)  # the names ``plan=`` accepts
 
 
@@ -416,6 +429,15 @@ ARCH_PLANS: dict[str, ArchPlan | Callable[[Any], ArchPlan]] = {
     "bloom": _bloom,
     "mpt": _MPT,
     "xglm": _xglm,
+    "codegen": replace(
+        _GPT2_LIKE,
+        layer_styles={
+            "attn.qkv_proj": Style.COLUMN_GROUPED_QKV,
+            "attn.out_proj": Style.ROW,
+            "mlp.fc_in": Style.COLUMN,
+            "mlp.fc_out": Style.ROW,
+        },
+    ),
 }
 
 
