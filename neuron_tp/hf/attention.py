@@ -61,10 +61,8 @@ def model_heads(config) -> Heads | None:
         inner = text(decoder=True) if callable(text) else None
         return model_heads(inner) if inner is not None and inner is not config else None
     kv = getattr(config, "num_key_value_heads", None) or getattr(config, "num_kv_heads", None)
-    if getattr(config, "multi_query", False) and not getattr(
-        config, "new_decoder_architecture", False
-    ):
-        kv = 1
+    if hasattr(config, "multi_query") and not getattr(config, "new_decoder_architecture", False):
+        kv = 1 if config.multi_query else q  # Falcon / StarCoder: MQA, else multi-head
     hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
     dim = getattr(config, "head_dim", None) or hidden // q
     return Heads(q, kv or q, dim)
