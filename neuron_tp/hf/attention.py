@@ -164,6 +164,7 @@ def patch_attention_module(attn: nn.Module, heads: Heads, tp: int, slots_per_ran
         "split_size": local_q * heads.dim,
         "all_head_size": local_q * heads.dim,
         "embed_dim": local_q * heads.dim,
+        "d_model_size": local_q * heads.dim,
     }
     for name, value in updates.items():
         if isinstance(getattr(attn, name, None), int):

@@ -34,7 +34,17 @@ def is_causal(model: nn.Module) -> bool:
     n = type(model).__name__
     if "ForConditionalGeneration" in n:
         return not getattr(getattr(model, "config", None), "is_encoder_decoder", False)
-    return "CausalLM" in n or "LMHead" in n
+    return "CausalLM" in n or "LMHead" in n or n in _causal_lm_classes()
+
+
+def _causal_lm_classes() -> set[str]:
+    """The class names transformers maps as causal LMs (e.g. ``BertGenerationDecoder``)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    found: set[str] = set()
+    for v in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
+        found.update([v] if isinstance(v, str) else v)
+    return found
 
 
 def wrap_loss(model: nn.Module, mesh: Mesh) -> None:

@@ -409,6 +409,20 @@ ARCH_PLANS: dict[str, ArchPlan | Callable[[Any], ArchPlan]] = {
     ),
     "bert": _BERT,
     "roberta": replace(_BERT, lm_head="lm_head.decoder"),
+    # BERT's layer layout under other names of the LM head
+    **dict.fromkeys(
+        ("camembert", "xlm-roberta", "xlm-roberta-xl", "data2vec-text", "bert-generation"),
+        replace(_BERT, lm_head="lm_head.decoder"),
+    ),
+    **dict.fromkeys(
+        ("ernie", "megatron-bert", "rembert", "roc_bert", "roformer", "big_bird"), _BERT
+    ),
+    "electra": replace(_BERT, lm_head="generator_lm_head"),
+    # a LayerNorm inside ``intermediate`` before its projection: the projection prepares its
+    # own input (after the norm), so the norm's gradient is whole
+    "roberta-prelayernorm": replace(
+        _BERT, lm_head="lm_head.decoder", mlp=None, prepares_input=("attention.self",)
+    ),
     "falcon": _falcon,
     # Mixture of experts (neuron_tp.hf.moe).
     "mixtral": _MOE,
@@ -429,6 +443,27 @@ ARCH_PLANS: dict[str, ArchPlan | Callable[[Any], ArchPlan]] = {
     "bloom": _bloom,
     "mpt": _MPT,
     "xglm": _xglm,
+    "biogpt": replace(_XGLM, lm_head="output_projection"),
+    "openai-gpt": replace(_GPT2_LIKE, embedding="tokens_embed", final_norm=None).with_styles(
+        {"attn.c_attn": Style.COLUMN_PACKED_QKV, "attn.c_proj": Style.ROW}
+    ),
+    "ctrl": ArchPlan(
+        layers="h",
+        embedding="w",
+        final_norm="layernorm",
+        attention="multi_head_attention",
+        mlp="ffn",
+        # the attention gets q, k and v as three arguments: each projection prepares its own
+        prepares_input=("ffn",),
+        layer_styles={
+            "multi_head_attention.Wq": Style.COLUMN,
+            "multi_head_attention.Wk": Style.COLUMN,
+            "multi_head_attention.Wv": Style.COLUMN,
+            "multi_head_attention.dense": Style.ROW,
+            "ffn.0": Style.COLUMN,
+            "ffn.2": Style.ROW,
+        },
+    ),
     "codegen": replace(
         _GPT2_LIKE,
         layer_styles={
