@@ -444,6 +444,38 @@ ARCH_PLANS: dict[str, ArchPlan | Callable[[Any], ArchPlan]] = {
     "mpt": _MPT,
     "xglm": _xglm,
     "biogpt": replace(_XGLM, lm_head="output_projection"),
+    "gpt_neox_japanese": ArchPlan(  # fused qkv interleaved per head
+        layers="layers",
+        embedding="embed_in",
+        final_norm="final_layer_norm",
+        attention="attention",
+        mlp="mlp",
+        prepares_input=("attention", "mlp"),
+        layer_styles={
+            "attention.query_key_value": Style.COLUMN,
+            "attention.dense": Style.ROW,
+            "mlp.dense_h_to_4h": Style.COLUMN,
+            "mlp.dense_4h_to_h": Style.ROW,
+        },
+        lm_head="embed_out",
+    ),
+    "modernbert-decoder": ArchPlan(  # Wi: [gate | up] packed
+        layers="layers",
+        embedding="embeddings.tok_embeddings",
+        final_norm="final_norm",
+        attention="attn",
+        mlp="mlp",
+        prepares_input=("attn", "mlp"),
+        layer_styles={
+            "attn.q_proj": Style.COLUMN,
+            "attn.k_proj": Style.COLUMN,
+            "attn.v_proj": Style.COLUMN,
+            "attn.Wo": Style.ROW,
+            "mlp.Wi": Style.COLUMN_PACKED,
+            "mlp.Wo": Style.ROW,
+        },
+        lm_head="decoder",
+    ),
     "openai-gpt": replace(_GPT2_LIKE, embedding="tokens_embed", final_norm=None).with_styles(
         {"attn.c_attn": Style.COLUMN_PACKED_QKV, "attn.c_proj": Style.ROW}
     ),
