@@ -5,7 +5,8 @@ transformers model's (and, for a family with dropout, in training mode from the 
 state). MQA with one kv head replicated on every rank (StarCoder), ALiBi slopes of each
 rank's heads (BLOOM, MPT), attention sinks split by heads (Granite-SWA), CodeGen's 4-block qkv,
 Gemma-3's text config. The configurations neuron_tp cannot shard exactly are refused before
-anything is changed, with the reason."""
+anything is changed, with the reason. A sample (BLOOM, StarCoder, Granite-SWA) also runs on 2
+XLA CPU devices."""
 
 from __future__ import annotations
 
@@ -114,3 +115,14 @@ def test_modern_families_at_tp4(tmp_path):
         for name, (_, _, why) in REFUSED.items():
             got = results[name]["tp"]
             assert got.startswith("refused ") and why in got, (name, got)
+
+
+def test_modern_families_on_xla_devices():
+    """BLOOM, StarCoder and Granite-SWA at tp 2 on 2 XLA CPU devices: logits, loss, every
+    gradient equal the unsharded model's (tests/hf/llm_xla_cases.py)."""
+    import llm_xla_cases
+
+    import xla_dist
+
+    (r0, r1) = xla_dist.run(llm_xla_cases.job, devices=2)
+    assert r0["checks"] == r1["checks"] and len(r0["checks"]) > 30
