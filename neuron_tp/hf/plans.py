@@ -444,6 +444,10 @@ ARCH_PLANS: dict[str, ArchPlan | Callable[[Any], ArchPlan]] = {
     "mpt": _MPT,
     "xglm": _xglm,
     "biogpt": replace(_XGLM, lm_head="output_projection"),
+    # RMSNorms over the attention output and the MLP's features, before the row projections
+    "bitnet": _LLAMA.with_styles(
+        {"self_attn.attn_sub_norm": Style.SHARDED_NORM, "mlp.ffn_sub_norm": Style.SHARDED_NORM}
+    ),
     "gpt_neox_japanese": ArchPlan(  # fused qkv interleaved per head
         layers="layers",
         embedding="embed_in",

@@ -35,6 +35,7 @@ CASES: dict[str, tuple[str, dict]] = {
     "gemma3": ("gemma3", {}),
     "granite_swa": ("granite_swa", {}),
     "xglm": ("xglm", {}),
+    "bitnet": ("bitnet", {}),  # RMSNorms over split features before o_proj / down_proj
     # 4 query heads per rank at tp 4
     "codegen": (
         "codegen",
