@@ -56,12 +56,13 @@ def model_heads(config) -> Heads | None:
     """Query/key-value head counts and head size from a transformers config (None if absent)."""
     q = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None)
     if not q:
-        return None
+        # A multimodal model's decoder keeps its head counts in its text config (Gemma-3).
+        text = getattr(config, "get_text_config", None)
+        inner = text(decoder=True) if callable(text) else None
+        return model_heads(inner) if inner is not None and inner is not config else None
     kv = getattr(config, "num_key_value_heads", None) or getattr(config, "num_kv_heads", None)
-    if getattr(config, "multi_query", False) and not getattr(
-        config, "new_decoder_architecture", False
-    ):
-        kv = 1
+    if hasattr(config, "multi_query") and not getattr(config, "new_decoder_architecture", False):
+        kv = 1 if config.multi_query else q  # Falcon / StarCoder: MQA, else multi-head
     hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
     dim = getattr(config, "head_dim", None) or hidden // q
     return Heads(q, kv or q, dim)
@@ -154,6 +155,7 @@ def patch_attention_module(attn: nn.Module, heads: Heads, tp: int, slots_per_ran
         )
     updates = {
         "num_heads": local_q,
+        "n_heads": local_q,
         "num_attention_heads": local_q,
         "n_head": local_q,
         "num_key_value_heads": slots_per_rank,
@@ -161,6 +163,8 @@ def patch_attention_module(attn: nn.Module, heads: Heads, tp: int, slots_per_ran
         "num_key_value_groups": local_q // slots_per_rank,
         "split_size": local_q * heads.dim,
         "all_head_size": local_q * heads.dim,
+        "embed_dim": local_q * heads.dim,
+        "d_model_size": local_q * heads.dim,
     }
     for name, value in updates.items():
         if isinstance(getattr(attn, name, None), int):

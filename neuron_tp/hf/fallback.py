@@ -108,19 +108,33 @@ def output_embeddings(model: nn.Module) -> nn.Module | None:
     return None if get is None else get()
 
 
-def _longest_module_list(model: nn.Module) -> str | None:
-    """The decoder-layer list, guessed as the longest non-empty ModuleList."""
+def _longest_module_list(model: nn.Module, home: str = "") -> str | None:
+    """The decoder-layer list, guessed as the longest non-empty ModuleList (of ``home``)."""
     best: tuple[str, int] | None = None
-    for name, mod in model.named_modules():
+    for name, mod in model.get_submodule(home).named_modules(prefix=home):
         if isinstance(mod, nn.ModuleList) and len(mod) and (best is None or len(mod) > best[1]):
             best = (name, len(mod))
     return None if best is None else best[0]
 
 
+def _decoder_home(model: nn.Module) -> str:
+    """The module holding the input embedding when it also holds a ModuleList (a multimodal
+    model's ``language_model``, whose layers a longer vision tower must not outnumber), else
+    ``""`` (the whole model)."""
+    get = getattr(model, "get_input_embeddings", None)
+    emb = _name_of(model, get()) if callable(get) else None
+    home = emb.rpartition(".")[0] if emb else ""
+    if home and _longest_module_list(model, home) is not None:
+        return home
+    return ""
+
+
 def _final_norm(model: nn.Module) -> str | None:
-    """The final norm, guessed as the first of ``_FINAL_NORMS`` on the base model."""
+    """The final norm, guessed as the first of ``_FINAL_NORMS`` on the module holding the
+    decoder (:func:`_decoder_home`), else on the base model."""
     prefix = getattr(model, "base_model_prefix", "")
     base_name = prefix if prefix and isinstance(getattr(model, prefix, None), nn.Module) else ""
+    base_name = _decoder_home(model) or base_name
     base = model.get_submodule(base_name)
     for attr in _FINAL_NORMS:
         mod: object = base
@@ -144,7 +158,7 @@ def guess_structure(model: nn.Module) -> ModelStructure:
             units.add(name)
     return ModelStructure(
         source=f"the structure guessed for {type(model).__name__} (no explicit plan)",
-        layers=_longest_module_list(model),
+        layers=_longest_module_list(model, _decoder_home(model)),
         final_norm=_final_norm(model),
         lm_head=_name_of(model, output_embeddings(model)),
         attention=frozenset(attention),

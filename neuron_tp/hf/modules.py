@@ -246,8 +246,10 @@ def build_row_linear(
 
 
 def _embed_scale(mod: nn.Embedding) -> torch.Tensor | None:
-    """The ``embed_scale`` of a scaled embedding subclass (Gemma), None for nn.Embedding."""
-    return None if type(mod) is nn.Embedding else getattr(mod, "embed_scale", None)
+    """The ``embed_scale`` of a scaled embedding subclass (Gemma's buffer, XGLM's float), None
+    for nn.Embedding."""
+    scale = None if type(mod) is nn.Embedding else getattr(mod, "embed_scale", None)
+    return torch.tensor(float(scale)) if isinstance(scale, (int, float)) else scale
 
 
 def check_vocab_embedding(mod: nn.Module, name: str) -> nn.Embedding:
@@ -259,7 +261,7 @@ def check_vocab_embedding(mod: nn.Module, name: str) -> nn.Embedding:
         raise ValueError(
             f"{name}: {type(mod).__name__} overrides nn.Embedding.forward in a "
             "way the vocab-parallel embedding does not know (only a scaled "
-            "embedding with an `embed_scale` buffer is supported)"
+            "embedding with an `embed_scale` buffer or number is supported)"
         )
     return mod
 

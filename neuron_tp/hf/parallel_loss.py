@@ -29,8 +29,22 @@ def full_logits(model: nn.Module):
 
 
 def is_causal(model: nn.Module) -> bool:
+    """A causal LM (labels shifted): a decoder's LM head, or a multimodal decoder's (Gemma-3's
+    ``ForConditionalGeneration`` without an encoder-decoder config)."""
     n = type(model).__name__
-    return "CausalLM" in n or "LMHead" in n
+    if "ForConditionalGeneration" in n:
+        return not getattr(getattr(model, "config", None), "is_encoder_decoder", False)
+    return "CausalLM" in n or "LMHead" in n or n in _causal_lm_classes()
+
+
+def _causal_lm_classes() -> set[str]:
+    """The class names transformers maps as causal LMs (e.g. ``BertGenerationDecoder``)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    found: set[str] = set()
+    for v in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
+        found.update([v] if isinstance(v, str) else v)
+    return found
 
 
 def wrap_loss(model: nn.Module, mesh: Mesh) -> None:
@@ -39,7 +53,7 @@ def wrap_loss(model: nn.Module, mesh: Mesh) -> None:
     an MoE model's router auxiliary loss times ``router_aux_loss_coef`` when it returns one
     (with a 4-D packed attention mask, computed over every position)."""
     forward = model.forward
-    vocab = model.config.vocab_size
+    vocab = model.config.get_text_config(decoder=True).vocab_size
     causal = is_causal(model)
 
     @functools.wraps(forward)

@@ -17,6 +17,8 @@ from ..parallel.sharding import copy_param_meta, get_sharding, mark_sequence_par
 from ..parallel.state import ParallelState, attach, is_parallel
 from .attention import Heads, kv_slots, patch_attention_module
 from .dropout import install_split_dropout
+from .head_bias import install_head_bias_slicing
+from .head_params import shard_head_params
 from .meta_guard import guard_meta
 from .modules import HFColumnLinear, build_column_linear, build_row_linear, build_vocab_embedding
 from .moe import build_moe, keep_complete_grads
@@ -204,6 +206,9 @@ def _install(
         if heads is None:
             raise ValueError(f"{name}: an attention module of a model without head counts")
         patch_attention_module(model.get_submodule(name), heads, tp, len(kv_slots(heads, tp)[0]))
+        install_head_bias_slicing(model.get_submodule(name), heads.q, tp, mesh.tp_rank, name)
+    if heads is not None:
+        shard_head_params(model, mp.head_params, mesh, heads)
     for name, children in built.input_regions.items():
         install_input_region(
             model.get_submodule(name),

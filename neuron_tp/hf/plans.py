@@ -36,6 +36,8 @@ class Style(str, Enum):
     COLUMN_PACKED = "packed_colwise"
     # A fused ``[q | k | v]`` projection split per head of each part.
     COLUMN_PACKED_QKV = "packed_qkv"
+    # CodeGen's fused qkv: 4 blocks of ``[q | v | k]`` (neuron_tp.hf.grouped_qkv).
+    COLUMN_GROUPED_QKV = "grouped_qkv"
     # Vocabulary-parallel embedding.
     VOCAB_EMBEDDING = "embedding_rowwise"
     # Kept whole, gradients summed over tp after backward (Qwen3's per-head q/k norms).
@@ -55,10 +57,21 @@ class Style(str, Enum):
     @property
     def splits_output(self) -> bool:
         """Its output stays split over tp: a row-parallel projection must consume it."""
-        return self in (Style.COLUMN, Style.COLUMN_PACKED, Style.COLUMN_PACKED_QKV)
+        return self in (
+            Style.COLUMN,
+            Style.COLUMN_PACKED,
+            Style.COLUMN_PACKED_QKV,
+            Style.COLUMN_GROUPED_QKV,
+        )
 
 
-_COLUMN = (Style.COLUMN, Style.COLUMN_GATHER_OUTPUT, Style.COLUMN_PACKED, Style.COLUMN_PACKED_QKV)
+_COLUMN = (
+    Style.COLUMN,
+    Style.COLUMN_GATHER_OUTPUT,
+    Style.COLUMN_PACKED,
+    Style.COLUMN_PACKED_QKV,
+    Style.COLUMN_GROUPED_QKV,
+)
 STYLES = tuple(s.value for s in Style)  # the names ``plan=`` accepts
 
 
@@ -209,6 +222,110 @@ def _glm4_moe(config: Any) -> ArchPlan:
     )
 
 
+def _stablelm(config: Any) -> ArchPlan:
+    """StableLM: Llama's layout; its per-head q/k LayerNorms (one module per head) are refused."""
+    if not getattr(config, "qk_layernorm", False):
+        return _LLAMA
+    return replace(
+        _LLAMA,
+        unsupported="stablelm: qk_layernorm (a LayerNorm module per head) is not split over tp; "
+        "pass plan= to shard only the MLPs",
+    )
+
+
+def _persimmon(config: Any) -> ArchPlan:
+    """Persimmon: fused qkv interleaved per head (a plain split by heads), q/k LayerNorms over
+    one head's features (shared by every head)."""
+    styles = {
+        "self_attn.query_key_value": Style.COLUMN,
+        "self_attn.dense": Style.ROW,
+        "mlp.dense_h_to_4h": Style.COLUMN,
+        "mlp.dense_4h_to_h": Style.ROW,
+    }
+    if getattr(config, "qk_layernorm", False):
+        styles["self_attn.q_layernorm"] = Style.REPLICATED_GRAD_ALLREDUCE
+        styles["self_attn.k_layernorm"] = Style.REPLICATED_GRAD_ALLREDUCE
+    return replace(_LLAMA, final_norm="final_layernorm", layer_styles=styles)
+
+
+def _gpt_bigcode(config: Any) -> ArchPlan:
+    """StarCoder: multi-query ``[q heads | k | v]`` is packed qkv (the one kv head replicated),
+    multi-head interleaves q/k/v per head (a plain split by heads)."""
+    qkv = Style.COLUMN_PACKED_QKV if getattr(config, "multi_query", False) else Style.COLUMN
+    return _GPT2_LIKE.with_styles({"attn.c_attn": qkv, "attn.c_proj": Style.ROW})
+
+
+def _bloom(config: Any) -> ArchPlan:
+    """BLOOM: fused qkv interleaved per head; the ALiBi biases are sliced to each rank's heads
+    (neuron_tp.hf.head_bias)."""
+    exact_tp = getattr(config, "pretraining_tp", 1) > 1 and getattr(config, "slow_but_exact", False)
+    return ArchPlan(
+        layers="h",
+        embedding="word_embeddings",
+        final_norm="ln_f",
+        attention="self_attention",
+        mlp="mlp",
+        prepares_input=("self_attention", "mlp"),
+        layer_styles={
+            "self_attention.query_key_value": Style.COLUMN,
+            "self_attention.dense": Style.ROW,
+            "mlp.dense_h_to_4h": Style.COLUMN,
+            "mlp.dense_4h_to_h": Style.ROW,
+        },
+        unsupported="bloom: slow_but_exact with pretraining_tp > 1 slices the projections "
+        "itself; load with slow_but_exact=False"
+        if exact_tp
+        else None,
+    )
+
+
+_MPT = ArchPlan(  # ALiBi position_bias sliced to each rank's heads (neuron_tp.hf.head_bias)
+    layers="blocks",
+    embedding="wte",
+    final_norm="norm_f",
+    attention="attn",
+    mlp="ffn",
+    prepares_input=("attn", "ffn"),
+    layer_styles={
+        "attn.Wqkv": Style.COLUMN_PACKED_QKV,
+        "attn.out_proj": Style.ROW,
+        "ffn.up_proj": Style.COLUMN,
+        "ffn.down_proj": Style.ROW,
+    },
+)
+
+
+def _xglm(config: Any) -> ArchPlan:
+    """XGLM: OPT's layout (fc1/fc2 in the decoder layer: no sequence parallelism); its eager
+    attention drops out probabilities with the heads folded into the batch dim, which the split
+    dropout cannot tell from features, so attention dropout is refused."""
+    if getattr(config, "attention_dropout", 0.0) > 0:
+        return replace(
+            _XGLM,
+            unsupported="xglm: attention_dropout > 0 on probabilities shaped [batch * heads, "
+            "q, k] is not split over tp; load with attention_dropout=0",
+        )
+    return _XGLM
+
+
+_XGLM = ArchPlan(
+    layers="layers",
+    embedding="embed_tokens",
+    final_norm="layer_norm",
+    attention="self_attn",
+    mlp=None,
+    prepares_input=("self_attn",),
+    layer_styles={
+        "self_attn.q_proj": Style.COLUMN,
+        "self_attn.k_proj": Style.COLUMN,
+        "self_attn.v_proj": Style.COLUMN,
+        "self_attn.out_proj": Style.ROW,
+        "fc1": Style.COLUMN,
+        "fc2": Style.ROW,
+    },
+)
+
+
 # model_type -> its plan, or a function of the config returning it. Architectures not listed
 # use the plan transformers ships (neuron_tp.hf.fallback).
 ARCH_PLANS: dict[str, ArchPlan | Callable[[Any], ArchPlan]] = {
@@ -292,6 +409,20 @@ ARCH_PLANS: dict[str, ArchPlan | Callable[[Any], ArchPlan]] = {
     ),
     "bert": _BERT,
     "roberta": replace(_BERT, lm_head="lm_head.decoder"),
+    # BERT's layer layout under other names of the LM head
+    **dict.fromkeys(
+        ("camembert", "xlm-roberta", "xlm-roberta-xl", "data2vec-text", "bert-generation"),
+        replace(_BERT, lm_head="lm_head.decoder"),
+    ),
+    **dict.fromkeys(
+        ("ernie", "megatron-bert", "rembert", "roc_bert", "roformer", "big_bird"), _BERT
+    ),
+    "electra": replace(_BERT, lm_head="generator_lm_head"),
+    # a LayerNorm inside ``intermediate`` before its projection: the projection prepares its
+    # own input (after the norm), so the norm's gradient is whole
+    "roberta-prelayernorm": replace(
+        _BERT, lm_head="lm_head.decoder", mlp=None, prepares_input=("attention.self",)
+    ),
     "falcon": _falcon,
     # Mixture of experts (neuron_tp.hf.moe).
     "mixtral": _MOE,
@@ -306,6 +437,78 @@ ARCH_PLANS: dict[str, ArchPlan | Callable[[Any], ArchPlan]] = {
         {"self_attn.q_norm": Style.SHARDED_NORM, "self_attn.k_norm": Style.SHARDED_NORM}
     ),
     "glm4_moe": _glm4_moe,
+    "stablelm": _stablelm,
+    "persimmon": _persimmon,
+    "gpt_bigcode": _gpt_bigcode,
+    "bloom": _bloom,
+    "mpt": _MPT,
+    "xglm": _xglm,
+    "biogpt": replace(_XGLM, lm_head="output_projection"),
+    # RMSNorms over the attention output and the MLP's features, before the row projections
+    "bitnet": _LLAMA.with_styles(
+        {"self_attn.attn_sub_norm": Style.SHARDED_NORM, "mlp.ffn_sub_norm": Style.SHARDED_NORM}
+    ),
+    "gpt_neox_japanese": ArchPlan(  # fused qkv interleaved per head
+        layers="layers",
+        embedding="embed_in",
+        final_norm="final_layer_norm",
+        attention="attention",
+        mlp="mlp",
+        prepares_input=("attention", "mlp"),
+        layer_styles={
+            "attention.query_key_value": Style.COLUMN,
+            "attention.dense": Style.ROW,
+            "mlp.dense_h_to_4h": Style.COLUMN,
+            "mlp.dense_4h_to_h": Style.ROW,
+        },
+        lm_head="embed_out",
+    ),
+    "modernbert-decoder": ArchPlan(  # Wi: [gate | up] packed
+        layers="layers",
+        embedding="embeddings.tok_embeddings",
+        final_norm="final_norm",
+        attention="attn",
+        mlp="mlp",
+        prepares_input=("attn", "mlp"),
+        layer_styles={
+            "attn.q_proj": Style.COLUMN,
+            "attn.k_proj": Style.COLUMN,
+            "attn.v_proj": Style.COLUMN,
+            "attn.Wo": Style.ROW,
+            "mlp.Wi": Style.COLUMN_PACKED,
+            "mlp.Wo": Style.ROW,
+        },
+        lm_head="decoder",
+    ),
+    "openai-gpt": replace(_GPT2_LIKE, embedding="tokens_embed", final_norm=None).with_styles(
+        {"attn.c_attn": Style.COLUMN_PACKED_QKV, "attn.c_proj": Style.ROW}
+    ),
+    "ctrl": ArchPlan(
+        layers="h",
+        embedding="w",
+        final_norm="layernorm",
+        attention="multi_head_attention",
+        mlp="ffn",
+        # the attention gets q, k and v as three arguments: each projection prepares its own
+        prepares_input=("ffn",),
+        layer_styles={
+            "multi_head_attention.Wq": Style.COLUMN,
+            "multi_head_attention.Wk": Style.COLUMN,
+            "multi_head_attention.Wv": Style.COLUMN,
+            "multi_head_attention.dense": Style.ROW,
+            "ffn.0": Style.COLUMN,
+            "ffn.2": Style.ROW,
+        },
+    ),
+    "codegen": replace(
+        _GPT2_LIKE,
+        layer_styles={
+            "attn.qkv_proj": Style.COLUMN_GROUPED_QKV,
+            "attn.out_proj": Style.ROW,
+            "mlp.fc_in": Style.COLUMN,
+            "mlp.fc_out": Style.ROW,
+        },
+    ),
 }
 
 

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from .fallback import guess_structure, output_embeddings, shipped_styles
+from .head_params import split_param_entries
 from .plans import STYLES, ArchPlan, ModelStructure, Style, arch_plan
 
 
@@ -21,6 +22,7 @@ class ModelPlan:
 
     targets: dict[str, Style]  # module name -> style, in module order
     structure: ModelStructure
+    head_params: tuple[str, ...] = ()  # per-head parameters split with their heads (sinks)
 
 
 def _compile(pattern: str) -> re.Pattern:
@@ -58,12 +60,13 @@ def _arch_styles(model: nn.Module, arch: ArchPlan, lm_head: str | None) -> dict[
 
 def resolve_plan(model: nn.Module, plan: dict[str, str] | None = None) -> dict[str, Style]:
     """The plan for ``model`` as ``{full module-name pattern: style}``: ``plan`` if given,
-    else the explicit one for its architecture, else the one transformers ships."""
+    else the explicit one for its architecture, else the one transformers ships (without its
+    per-head parameter entries: :func:`neuron_tp.hf.head_params.split_param_entries`)."""
     if plan is not None:
-        return _checked_styles(model, plan)
+        return _checked_styles(model, split_param_entries(model, plan)[0])
     arch = arch_plan(model.config)
     if arch is None:
-        return _checked_styles(model, shipped_styles(model))
+        return _checked_styles(model, split_param_entries(model, shipped_styles(model))[0])
     if arch.unsupported:
         raise ValueError(arch.unsupported)
     return _arch_styles(model, arch, _explicit_structure(model, arch).lm_head)
@@ -135,7 +138,10 @@ def plan_model(model: nn.Module, plan: dict[str, str] | None = None) -> ModelPla
             )
     arch = arch_plan(model.config)
     structure = guess_structure(model) if arch is None else _explicit_structure(model, arch)
-    return ModelPlan(targets, structure)
+    head_params: tuple[str, ...] = ()
+    if plan is not None or arch is None:
+        head_params = split_param_entries(model, shipped_styles(model) if plan is None else plan)[1]
+    return ModelPlan(targets, structure, head_params)
 
 
 def _absorb_moe(targets: dict[str, Style]) -> dict[str, Style]:

@@ -19,6 +19,8 @@ from .attention import (
     kv_slots,
     model_heads,
 )
+from .grouped_qkv import grouped_qkv_rows
+from .head_params import check_head_params
 from .modules import check_column_linear, check_row_linear, check_vocab_embedding, linear_view
 from .moe import check_moe
 from .norms import check_sharded_norm
@@ -54,7 +56,9 @@ def validate(
     for name, style in mp.targets.items():
         if style.is_column and name != s.lm_head and _parent(name) in s.attention and heads is None:
             raise ValueError(f"{name}: attention projection but the config has no head counts")
+    check_head_params(model, mp.head_params, s.attention, heads)
     _refuse_unsplit_head_params(model, mp, heads)
+    _refuse_layer_head_counts(model, mp, heads)
     shared_activation_params(model, mp)
     if sequence_parallel:
         _refuse_unsharded_mixers(model, mp)
@@ -109,13 +113,40 @@ def _refuse_unsplit_head_params(model: nn.Module, mp: ModelPlan, heads: Heads | 
         for pname, p in model.get_submodule(att).named_parameters():
             owner = _parent(f"{att}.{pname}")
             per_head = {n for n in (heads.q, heads.kv) if 1 < n != heads.dim}
-            if owner not in mp.targets and per_head & set(p.shape):
+            sharded = owner in mp.targets or f"{att}.{pname}" in mp.head_params
+            if not sharded and per_head & set(p.shape):
                 raise ValueError(
                     f"{att}.{pname}: a per-head parameter {tuple(p.shape)} ({heads.q} heads, "
                     f"{heads.kv} key/value heads) of "
                     f"{type(model.get_submodule(att)).__name__} that the plan does not shard, "
                     "while it splits the attention's heads over tp; keep this attention "
                     "replicated (pass plan= without its projections)"
+                )
+
+
+def _refuse_layer_head_counts(model: nn.Module, mp: ModelPlan, heads: Heads | None) -> None:
+    """ValueError when an attention module whose heads the plan splits states head counts of
+    its own that differ from the config's (MiMo-V2-Flash's sliding-window layers double the
+    key/value heads): the per-rank counts and the kv head layout are computed from the config."""
+    if heads is None:
+        return
+    want = {
+        "num_heads": heads.q,
+        "num_attention_heads": heads.q,
+        "num_key_value_heads": heads.kv,
+        "num_key_value_groups": heads.q // heads.kv,
+    }
+    split = {_parent(n) for n, st in mp.targets.items() if st.is_column}
+    for att in sorted(split & mp.structure.attention):
+        mod = model.get_submodule(att)
+        for attr, value in want.items():
+            have = getattr(mod, attr, None)
+            if isinstance(have, int) and not isinstance(have, bool) and have != value:
+                raise ValueError(
+                    f"{att}: {type(mod).__name__}.{attr}={have} differs from the config's "
+                    f"{value} (layers with their own head counts); tensor parallelism splits "
+                    "heads by the config's counts, so keep this attention replicated (pass "
+                    "plan= without its projections)"
                 )
 
 
@@ -142,7 +173,11 @@ def shared_activation_params(model: nn.Module, mp: ModelPlan) -> list[nn.Module]
         for name, mod in model.get_submodule(unit).named_modules(prefix=unit):
             if name in mp.targets or any(name.startswith(t + ".") for t in mp.targets):
                 continue
-            params = dict(mod.named_parameters(recurse=False))
+            params = {
+                k: p
+                for k, p in mod.named_parameters(recurse=False)
+                if f"{name}.{k}" not in mp.head_params
+            }
             if not params:
                 continue
             scalar = all(p.numel() == 1 for p in params.values())
@@ -251,6 +286,8 @@ def column_args(
         raise ValueError(f"{name}: an attention projection of a model without head counts")
     tp = mesh.tp_size
     check_heads(heads, tp, mesh.world_size, name)
+    if style is Style.COLUMN_GROUPED_QKV:
+        return {"rows_of_rank": grouped_qkv_rows(heads, tp, mesh.world_size, name)}
     q, kv = heads.q * heads.dim, heads.kv * heads.dim
     plain = is_plain_split(kv_slots(heads, tp), heads.kv)
     if style is Style.COLUMN_PACKED_QKV:
