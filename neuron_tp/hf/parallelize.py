@@ -18,6 +18,7 @@ from ..parallel.state import ParallelState, attach, is_parallel
 from .attention import Heads, kv_slots, patch_attention_module
 from .dropout import install_split_dropout
 from .meta_guard import guard_meta
+from .mla import patch_latent_heads, reads_latent
 from .modules import HFColumnLinear, build_column_linear, build_row_linear, build_vocab_embedding
 from .moe import build_moe, keep_complete_grads
 from .norms import build_sharded_norm
@@ -153,7 +154,11 @@ def _build(
             if role == "attention" and parent not in built.attention:
                 built.attention.append(parent)
             if not column.gather_output and parent and parent in s.prepares_input:
-                built.input_regions.setdefault(parent, []).append(column)
+                region = built.input_regions.setdefault(parent, [])
+                if reads_latent(name, mp.latent):  # its input is made inside the parent
+                    column.input_replicated = True
+                else:
+                    region.append(column)
         elif style in (Style.ROW, Style.ROW_SPLIT_INPUT):
             new = build_row_linear(
                 mod,
@@ -204,6 +209,8 @@ def _install(
         if heads is None:
             raise ValueError(f"{name}: an attention module of a model without head counts")
         patch_attention_module(model.get_submodule(name), heads, tp, len(kv_slots(heads, tp)[0]))
+    for name in sorted(mp.latent):
+        patch_latent_heads(model.get_submodule(name), tp)
     for name, children in built.input_regions.items():
         install_input_region(
             model.get_submodule(name),

@@ -19,6 +19,7 @@ from .attention import (
     kv_slots,
     model_heads,
 )
+from .mla import check_latent
 from .modules import check_column_linear, check_row_linear, check_vocab_embedding, linear_view
 from .moe import check_moe
 from .norms import check_sharded_norm
@@ -46,6 +47,7 @@ def validate(
     heads = model_heads(model.config)
     mp = plan_model(model, plan)
     s = mp.structure
+    check_latent(model, mp.latent, mesh)
     if sequence_parallel:
         check_sequence_parallel(model, s.layers, s.final_norm)
     check_split_pairs(
