@@ -64,10 +64,11 @@ def refuse_extra_parts(model: nn.Module, att: str) -> None:
     sharding does not know (they would be applied to every head on every rank, or split
     wrongly)."""
     raise UserError(
-        f"{att} ({type(model.get_submodule(att)).__name__}): multi-head latent attention with "
-        f"parts {extra_parts(model, att)} besides the low-rank projections, their norms, "
-        "q_b_proj / kv_b_proj and o_proj, which neuron_tp cannot shard by heads; keep the "
-        "attention replicated (pass plan= without its projections)"
+        f"{type(model).__name__}: multi-head latent attention with unknown parts "
+        f"{extra_parts(model, att)} ({att}: {type(model.get_submodule(att)).__name__}; "
+        "neuron_tp shards by heads only the low-rank projections, their norms, q_b_proj / "
+        "kv_b_proj and o_proj); keep the attention replicated (pass plan= without its "
+        "projections)"
     )
 
 

@@ -73,7 +73,7 @@ def test_latent_attention_refusals():
     with pytest.raises(ValueError, match="4 heads cannot be split over tp=8"):
         parallelize(copy.deepcopy(ref), mesh)
     hy = build_family("hy_v4")
-    with pytest.raises(ValueError, match=r"parts \['gate_proj', 'sinks'\]"):
+    with pytest.raises(ValueError, match=r"unknown parts \['gate_proj', 'sinks'\]"):
         parallelize(copy.deepcopy(hy), ntp.Mesh(world_size=2, rank=0, tp=2))
     with pytest.raises(ValueError, match="plan shards"):
         parallelize(
