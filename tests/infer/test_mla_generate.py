@@ -50,8 +50,37 @@ def _generate(tmp: str) -> None:
         gen = SlotGenerator(model, 2, max_len=32, chunk=8)
         res[f"{family} slots"] = run_schedule(gen, reqs, 5)
         res[f"{family} slots ref"] = [reference(full, r) for r in reqs]
+    res["cli"], res["cli ref"] = _cli(tmp, mesh)
     with open(f"{tmp}/gen-{mesh.rank}.json", "w") as fh:
         json.dump(res, fh)
+
+
+def _cli(tmp: str, mesh) -> tuple[list[str], list[str]]:
+    """``neuron-tp generate --tp 2`` on a saved MiniCPM3 directory (each rank loads its slices)
+    and transformers' greedy text of the unsharded model."""
+    from neuron_tp import hf
+    from neuron_tp.cli.args import generate_parser
+    from neuron_tp.infer.generate_command import run_cli
+
+    full = build_dense(
+        "minicpm3", vocab_size=257, max_position_embeddings=256, num_key_value_heads=4
+    )
+    hf.save_pretrained(hf.parallelize(copy.deepcopy(full), mesh), f"{tmp}/model")
+    torch.distributed.barrier()  # rank 0 writes
+    texts = ["The old", "A"]
+    argv = ["--device", "cpu", "--tp", "2", "--model", f"{tmp}/model", "--tokenizer", "bytes"]
+    argv += [a for t in texts for a in ("--prompt", t)]
+    got = run_cli(generate_parser().parse_args([*argv, "--max-new-tokens", "6", "--buckets", "8"]))
+    want = []
+    for t in texts:
+        ids = torch.tensor([list(t.encode())])
+        out = full.generate(
+            ids, max_new_tokens=6, do_sample=False, eos_token_id=256, pad_token_id=0
+        )
+        want.append(
+            bytes(i for i in out[0, ids.shape[1] :].tolist() if i < 256).decode("utf-8", "replace")
+        )
+    return got, want
 
 
 def test_latent_attention_generation_matches_transformers(tmp_path):
@@ -62,3 +91,4 @@ def test_latent_attention_generation_matches_transformers(tmp_path):
         assert r0[family] == r0[f"{family} ref"], family
         assert r0[f"{family} slots"] == r0[f"{family} slots ref"], family
         assert len({tuple(t) for t in r0[f"{family} ref"]}) == len(PROMPTS), "not telling"
+    assert r0["cli"] == r0["cli ref"] and all(r0["cli"]), r0["cli"]
