@@ -73,12 +73,15 @@ class HFColumnLinear(ReplicaRows, ColumnParallelLinear):
 
     hf_name = ""
     shared_region = False
+    # Its input is made inside its parent from the parent's (region) input, e.g. a latent of
+    # multi-head latent attention: no region of its own, its input's gradient stays partial.
+    input_replicated = False
     # weakref to the parent's region output (not kept after forward)
     region_input: weakref.ref[torch.Tensor] | None = None
 
     @property
     def input_layout(self) -> str:
-        return REPLICATED if self.shared_region else super().input_layout
+        return REPLICATED if self.shared_region or self.input_replicated else super().input_layout
 
     def _label(self) -> str:
         return self.hf_name or type(self).__name__
@@ -92,6 +95,8 @@ class HFColumnLinear(ReplicaRows, ColumnParallelLinear):
         return gathered_linears.shared_gathered_linear(self._input_region(x), weight, bias)
 
     def _input_region(self, x: torch.Tensor) -> torch.Tensor:
+        if self.input_replicated:
+            return x
         if not self.shared_region:
             return super()._input_region(x)
         if self.region_input is None or x is not self.region_input():

@@ -20,6 +20,7 @@ from .dropout import install_split_dropout
 from .head_bias import install_head_bias_slicing
 from .head_params import shard_head_params
 from .meta_guard import guard_meta
+from .mla import patch_latent_heads, reads_latent
 from .modules import HFColumnLinear, build_column_linear, build_row_linear, build_vocab_embedding
 from .moe import build_moe, keep_complete_grads
 from .norms import build_sharded_norm
@@ -155,7 +156,11 @@ def _build(
             if role == "attention" and parent not in built.attention:
                 built.attention.append(parent)
             if not column.gather_output and parent and parent in s.prepares_input:
-                built.input_regions.setdefault(parent, []).append(column)
+                region = built.input_regions.setdefault(parent, [])
+                if reads_latent(name, mp.latent):  # its input is made inside the parent
+                    column.input_replicated = True
+                else:
+                    region.append(column)
         elif style in (Style.ROW, Style.ROW_SPLIT_INPUT):
             new = build_row_linear(
                 mod,
@@ -209,6 +214,8 @@ def _install(
         install_head_bias_slicing(model.get_submodule(name), heads.q, tp, mesh.tp_rank, name)
     if heads is not None:
         shard_head_params(model, mp.head_params, mesh, heads)
+    for name in sorted(mp.latent):
+        patch_latent_heads(model.get_submodule(name), tp)
     for name, children in built.input_regions.items():
         install_input_region(
             model.get_submodule(name),

@@ -6,11 +6,12 @@ has a consumer."""
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
+from . import mla
 from .fallback import guess_structure, output_embeddings, shipped_styles
 from .head_params import split_param_entries
 from .plans import STYLES, ArchPlan, ModelStructure, Style, arch_plan
@@ -23,6 +24,7 @@ class ModelPlan:
     targets: dict[str, Style]  # module name -> style, in module order
     structure: ModelStructure
     head_params: tuple[str, ...] = ()  # per-head parameters split with their heads (sinks)
+    latent: frozenset[str] = frozenset()  # multi-head latent attention modules (hf.mla)
 
 
 def _compile(pattern: str) -> re.Pattern:
@@ -58,15 +60,24 @@ def _arch_styles(model: nn.Module, arch: ArchPlan, lm_head: str | None) -> dict[
     return styles
 
 
-def resolve_plan(model: nn.Module, plan: dict[str, str] | None = None) -> dict[str, Style]:
+def resolve_plan(
+    model: nn.Module, plan: dict[str, str] | None = None, latent: list[str] | None = None
+) -> dict[str, Style]:
     """The plan for ``model`` as ``{full module-name pattern: style}``: ``plan`` if given,
     else the explicit one for its architecture, else the one transformers ships (without its
-    per-head parameter entries: :func:`neuron_tp.hf.head_params.split_param_entries`)."""
+    per-head parameter entries: :func:`neuron_tp.hf.head_params.split_param_entries`, and
+    without its entries inside the ``latent`` attention modules, which :mod:`.mla` plans)."""
     if plan is not None:
         return _checked_styles(model, split_param_entries(model, plan)[0])
     arch = arch_plan(model.config)
     if arch is None:
-        return _checked_styles(model, split_param_entries(model, shipped_styles(model))[0])
+        shipped = split_param_entries(model, shipped_styles(model))[0]
+        if latent:
+            inner = [n for n, _ in model.named_modules() if mla.within(n, latent)]
+            shipped = {
+                k: v for k, v in shipped.items() if not any(_compile(k).match(n) for n in inner)
+            }
+        return _checked_styles(model, shipped)
     if arch.unsupported:
         raise ValueError(arch.unsupported)
     return _arch_styles(model, arch, _explicit_structure(model, arch).lm_head)
@@ -83,32 +94,16 @@ def match_modules(model: nn.Module, plan: dict[str, Style]) -> dict[str, Style]:
     return found
 
 
-# Children that mark a multi-head latent attention module (DeepSeek-V2/V3 MLA).
-_LATENT = ("kv_a_proj_with_mqa", "kv_b_proj")
-
-
 def refuse_latent_attention(model: nn.Module, plan: dict[str, str] | None) -> None:
-    """ValueError when the plan (``plan``, else the one transformers ships) shards anything
-    inside a multi-head latent attention module: its low-rank projections and norms are not
-    sharded by neuron_tp, so it must stay replicated. The message gives the plan without
+    """ValueError when ``plan`` shards anything inside a multi-head latent attention module
+    (without ``plan`` :mod:`.mla` plans those modules): the message gives the plan without
     those entries."""
     if plan is None:
-        if arch_plan(model.config) is not None:
-            return
-        try:
-            plan = shipped_styles(model)
-        except ValueError:
-            return  # no plan at all: refused by resolve_plan
-    latent = [
-        n
-        for n, m in model.named_modules()
-        if n and any(isinstance(getattr(m, a, None), nn.Module) for a in _LATENT)
-    ]
+        return
+    latent = mla.latent_modules(model)
     if not latent:
         return
-    within = [
-        n for n, _ in model.named_modules() if any(n == a or n.startswith(a + ".") for a in latent)
-    ]
+    within = [n for n, _ in model.named_modules() if mla.within(n, latent)]
     inside = sorted(k for k in plan if any(_compile(k).match(n) for n in within))
     if not inside:
         return
@@ -116,9 +111,9 @@ def refuse_latent_attention(model: nn.Module, plan: dict[str, str] | None) -> No
     cls = type(model.get_submodule(latent[0])).__name__
     raise ValueError(
         f"{type(model).__name__}: multi-head latent attention ({latent[0]}: {cls}, low-rank "
-        "q_a_proj/q_b_proj and kv_a_proj_with_mqa/kv_b_proj with their norms) is not sharded "
-        f"by neuron_tp, and the plan shards {inside}; keep the attention replicated: "
-        f"plan={rest}"
+        "q_a_proj/q_b_proj and kv_a_proj_with_mqa/kv_b_proj with their norms) is sharded by "
+        f"neuron_tp's own plan only (plan=None), and the plan shards {inside}; keep the "
+        f"attention replicated: plan={rest}"
     )
 
 
@@ -126,8 +121,14 @@ def plan_model(model: nn.Module, plan: dict[str, str] | None = None) -> ModelPla
     """The modules to shard and the structure of ``model``. ``plan`` replaces the styles; the
     structure comes from the architecture's explicit plan, else it is guessed."""
     refuse_latent_attention(model, plan)
-    styles = resolve_plan(model, plan)
+    every_latent = mla.latent_modules(model) if plan is None else []
+    latent = _shardable_latent(model, every_latent)
+    styles = resolve_plan(model, plan, every_latent)
     targets = _absorb_moe(match_modules(model, styles))
+    if latent:
+        targets.update(mla.latent_styles(model, latent))
+        order = {n: i for i, (n, _) in enumerate(model.named_modules())}
+        targets = dict(sorted(targets.items(), key=lambda kv: order[kv[0]]))
     if plan is not None:
         unmatched = [k for k in styles if not match_modules(model, {k: styles[k]})]
         if unmatched:
@@ -141,7 +142,30 @@ def plan_model(model: nn.Module, plan: dict[str, str] | None = None) -> ModelPla
     head_params: tuple[str, ...] = ()
     if plan is not None or arch is None:
         head_params = split_param_entries(model, shipped_styles(model) if plan is None else plan)[1]
-    return ModelPlan(targets, structure, head_params)
+    if latent:  # split by heads in hf.mla, their input prepared once
+        structure = replace(
+            structure,
+            attention=structure.attention - set(latent),
+            prepares_input=structure.prepares_input | set(latent),
+            units=structure.units | set(latent),
+        )
+    return ModelPlan(targets, structure, head_params, frozenset(latent))
+
+
+def _shardable_latent(model: nn.Module, latent: list[str]) -> list[str]:
+    """The latent attention modules :mod:`.mla` shards; one with other parts stays
+    replicated, refused (UserError) when the plan transformers ships shards it."""
+    odd = [a for a in latent if mla.extra_parts(model, a)]
+    if odd and arch_plan(model.config) is None:
+        try:
+            shipped = shipped_styles(model)
+        except ValueError:
+            shipped = {}
+        inner = [n for n, _ in model.named_modules() if mla.within(n, odd)]
+        touched = [n for n in inner if any(_compile(k).match(n) for k in shipped)]
+        if touched:
+            mla.refuse_extra_parts(model, next(a for a in odd if mla.within(touched[0], [a])))
+    return [a for a in latent if a not in odd]
 
 
 def _absorb_moe(targets: dict[str, Style]) -> dict[str, Style]:

@@ -21,6 +21,7 @@ from .attention import (
 )
 from .grouped_qkv import grouped_qkv_rows
 from .head_params import check_head_params
+from .mla import check_latent
 from .modules import check_column_linear, check_row_linear, check_vocab_embedding, linear_view
 from .moe import check_moe
 from .norms import check_sharded_norm
@@ -48,6 +49,7 @@ def validate(
     heads = model_heads(model.config)
     mp = plan_model(model, plan)
     s = mp.structure
+    check_latent(model, mp.latent, mesh)
     if sequence_parallel:
         check_sequence_parallel(model, s.layers, s.final_norm)
     check_split_pairs(

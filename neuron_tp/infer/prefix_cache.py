@@ -195,12 +195,12 @@ class PrefixIndex:
 def pool_bytes_per_block(model, block: int, draft=None) -> int:
     """Device bytes of one block of every layer's keys and values on this rank (and of the
     ``draft`` model's layers: its part of the pool)."""
-    from .slot_cache import kv_shapes
+    from .slot_cache import kv_tensor_shapes
 
     size = 0
     for m in (model,) if draft is None else (model, draft):
-        for heads, dim, dtype in kv_shapes(m):
-            size += 2 * heads * block * dim * torch.empty((), dtype=dtype).element_size()
+        for heads, dim, dtype in kv_tensor_shapes(m):
+            size += heads * block * dim * torch.empty((), dtype=dtype).element_size()
     return size
 
 
@@ -233,7 +233,7 @@ class PrefixCache:
     ``block`` must divide ``gen.chunk``."""
 
     def __init__(self, gen, *, blocks: int, block: int, index: bool):
-        from .slot_cache import kv_shapes
+        from .slot_cache import kv_tensor_shapes
 
         if gen.chunk % block:
             raise UserError(f"the prefix block {block} must divide the chunk {gen.chunk}")
@@ -250,8 +250,7 @@ class PrefixCache:
                 torch.zeros(blocks + 1, heads, held_per_block(part, block), dim, dtype=dtype).to(
                     part.device
                 )
-                for heads, dim, dtype in kv_shapes(part.model)
-                for _ in range(2)
+                for heads, dim, dtype in kv_tensor_shapes(part.model)
             ]
             for part in gen.cache_parts()
         ]

@@ -35,7 +35,32 @@ def kv_shapes(model) -> list[tuple[int, int, torch.dtype]]:
     return [found[i] for i in range(n)]
 
 
+def kv_tensor_shapes(model) -> list[tuple[int, int, torch.dtype]]:
+    """``(heads, dim, dtype)`` of every cache tensor, ``[k0, v0, k1, v1, ...]``: a layer's keys
+    and values alike, except a multi-head latent attention layer's (:mod:`neuron_tp.hf.mla`),
+    whose cache holds its latents, replicated: one "head" of ``kv_lora_rank`` features for the
+    keys and one of ``qk_rope_head_dim`` for the values."""
+    from ..hf.mla import latent_cache_dims
+
+    latent: dict[int, tuple[int, int]] = {}
+    for module in model.modules():
+        dims = latent_cache_dims(module)
+        if dims is not None:
+            latent[module.layer_idx] = dims
+    out = []
+    for i, (heads, dim, dtype) in enumerate(kv_shapes(model)):
+        if i in latent:
+            out += [(1, latent[i][0], dtype), (1, latent[i][1], dtype)]
+        else:
+            out += [(heads, dim, dtype)] * 2
+    return out
+
+
 def _local_kv(module) -> tuple[int, int, torch.dtype] | None:
+    from ..hf.mla import latent_cache_dims
+
+    if (dims := latent_cache_dims(module)) is not None:
+        return 1, dims[0], next(module.parameters()).dtype
     weight = next((p for p in module.parameters(recurse=True)), None)
     dim = getattr(module, "head_dim", None)
     k_proj = getattr(getattr(module, "k_proj", None), "weight", None)
@@ -55,9 +80,8 @@ def allocate(model, slots: int, max_len: int, device, *, split=None) -> list[tor
     :class:`~.kv_split.SeqSplit`, this rank's positions only (``local_len + 1`` per slot)."""
     out = []
     length = max_len + 1 if split is None else split.local_len + 1
-    for heads, dim, dtype in kv_shapes(model):
-        shape = (slots, heads, length, dim)
-        out += [torch.zeros(shape, dtype=dtype).to(device) for _ in range(2)]
+    for heads, dim, dtype in kv_tensor_shapes(model):
+        out.append(torch.zeros((slots, heads, length, dim), dtype=dtype).to(device))
     return out
 
 

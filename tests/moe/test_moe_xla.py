@@ -6,9 +6,10 @@ generation keeps its graph count. Capacity mode (Qwen3-MoE, SP, cf 0.5: pairs ar
 every step) equals transformers with the dropped pairs' weights zeroed by an independent
 loop, and drops the same number of pairs. Families sharded through transformers' experts
 interface (only their experts module replaced): gpt-oss (transposed, interleaved, biased
-experts, its clamped gate) and Cohere2-MoE with SP. (Mixtral / OLMoE: every family on gloo
-ranks, tests/hf/test_moe_families.py; softmax top-k routing on XLA devices also under ep,
-Qwen3-MoE and Llama-4's dense call, tests/moe/test_expert_parallel_xla.py.)"""
+experts, its clamped gate) and Cohere2-MoE with SP. DeepSeek-V2 with SP: multi-head latent
+attention sharded by heads (neuron_tp.hf.mla) with its MoE layers. (Mixtral / OLMoE: every
+family on gloo ranks, tests/hf/test_moe_families.py; softmax top-k routing on XLA devices
+also under ep, Qwen3-MoE and Llama-4's dense call, tests/moe/test_expert_parallel_xla.py.)"""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ def test_moe_on_two_xla_devices():
         ("qwen3_moe", True, 0.5),
         ("family:gpt_oss", False),
         ("family:cohere2_moe", True),
+        ("family:deepseek_v2", True),
     ]
     for ranks in xla_dist.run(run_all, 2, cases, 3, devices=2):
         gen = ranks.pop("generate")
