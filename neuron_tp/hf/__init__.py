@@ -8,9 +8,10 @@ MoE blocks (:mod:`.moe`), inputs of packed rows (:mod:`.packing`) and activation
 from .loading import from_pretrained
 from .parallel_loss import full_logits
 from .parallelize import parallelize
-from .plans import ARCH_PLANS, STYLES, ArchPlan, Style
+from .plans import ARCH_PLANS
 from .resolve import resolve_plan
 from .saving import gather_hf_state_dict, save_pretrained
+from .styles import STYLES, ArchPlan, Style
 
 __all__ = [
     "parallelize",

@@ -1,4 +1,4 @@
-"""The fallback for architectures without an explicit :class:`~neuron_tp.hf.plans.ArchPlan`:
+"""The fallback for architectures without an explicit :class:`~neuron_tp.hf.styles.ArchPlan`:
 the styles transformers ships (``config.base_model_tp_plan`` / ``model._tp_plan``) and the
 model's structure guessed from module names.
 
@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from .plans import STYLES, ModelStructure, Style
+from .styles import STYLES, ModelStructure, Style
 
 if TYPE_CHECKING:
     # transformers is not analysed (pyproject): a documented dynamic boundary, read by its

@@ -9,8 +9,8 @@ from typing import Any, cast
 
 from torch import nn
 
-from .plans import Style
 from .resolve import plan_model
+from .styles import Style
 
 
 def _lora_ok(name: str, style: Style | None, mp) -> bool:

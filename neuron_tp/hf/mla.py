@@ -26,7 +26,7 @@ from torch import nn
 
 from ..errors import UserError
 from ..parallel.mesh import Mesh, valid_tp_degrees
-from .plans import Style
+from .styles import Style
 
 # Children that mark a multi-head latent attention module.
 MARKERS = ("kv_a_proj_with_mqa", "kv_b_proj")

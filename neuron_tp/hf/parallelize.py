@@ -25,9 +25,9 @@ from .modules import HFColumnLinear, build_column_linear, build_row_linear, buil
 from .moe import build_moe, keep_complete_grads
 from .norms import build_sharded_norm
 from .parallel_loss import wrap_loss
-from .plans import Style
 from .resolve import ModelPlan, column_role
 from .sequence_parallel import apply_sequence_parallel, install_input_region
+from .styles import Style
 from .validate import column_args, shared_activation_params, validate
 
 

@@ -1,5 +1,5 @@
 """A plan applied to one model: ``{module name: Style}`` for every module to shard and the
-model's :class:`~neuron_tp.hf.plans.ModelStructure`, every path checked to exist (a clear
+model's :class:`~neuron_tp.hf.styles.ModelStructure`, every path checked to exist (a clear
 ValueError otherwise, before anything is modified); and the check that every split output
 has a consumer."""
 
@@ -14,7 +14,8 @@ from torch import nn
 from . import mla
 from .fallback import guess_structure, output_embeddings, shipped_styles
 from .head_params import split_param_entries
-from .plans import STYLES, ArchPlan, ModelStructure, Style, arch_plan
+from .plans import arch_plan
+from .styles import STYLES, ArchPlan, ModelStructure, Style
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ def check_sequence_parallel(
     model: nn.Module, layers_name: str | None, norm_name: str | None
 ) -> tuple[nn.ModuleList, nn.Module]:
     """The decoder layers and final norm sequence parallelism hooks into (their module names
-    from the plan's :class:`~neuron_tp.hf.plans.ModelStructure`), or a ValueError."""
+    from the plan's :class:`~neuron_tp.hf.styles.ModelStructure`), or a ValueError."""
     if layers_name is None or norm_name is None:
         raise ValueError(
             f"{type(model).__name__}: sequence_parallel needs a decoder with a "

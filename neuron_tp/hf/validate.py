@@ -25,9 +25,9 @@ from .mla import check_latent
 from .modules import check_column_linear, check_row_linear, check_vocab_embedding, linear_view
 from .moe import check_moe
 from .norms import check_sharded_norm
-from .plans import Style
 from .resolve import ModelPlan, check_split_pairs, column_role, plan_model
 from .sequence_parallel import check_sequence_parallel
+from .styles import Style
 
 
 def _parent(name: str) -> str:

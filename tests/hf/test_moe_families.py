@@ -168,8 +168,8 @@ def _compare_ep(ref, plan, mesh) -> tuple[str, str]:
 
 
 def _shards_experts(model) -> bool:
-    from neuron_tp.hf.plans import Style
     from neuron_tp.hf.resolve import plan_model
+    from neuron_tp.hf.styles import Style
 
     return Style.MOE_EXPERTS in plan_model(model).targets.values()
 
