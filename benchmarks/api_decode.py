@@ -1,17 +1,20 @@
 """Decode time per token of the serving paths an OpenAI request can take, on the XLA CPU
-device (replayed graphs), for a tiny Llama (hidden 64) of L layers and a vocabulary of V
-tokens: greedy; sampled with top_p and the three penalties; greedy with the log-probabilities
-read back; greedy under a JSON-schema grammar (each row's matcher advanced with its token and
-its next mask built on the host, then uploaded with the step, as the serving rows do). At 1
+device (replayed graphs), for a Llama of hidden H (64: tiny) and L layers and a vocabulary of
+V tokens: greedy; sampled with top_p and the three penalties; greedy with the
+log-probabilities read back; greedy under a JSON-schema grammar (each row's matcher advanced
+with its token and its next packed mask built on the host, then uploaded with the step, as
+the serving rows do). Each path runs the cheapest decode graph of the fixed set that covers
+it (:data:`neuron_tp.infer.slot_records.DECODE_VARIANTS`). At 1
 and 8 running slots: ms per decode step and per generated token, best of 3 runs of
 ``--steps`` steps after a warm-up. Then the grammar library's own time per token
-(llguidance's ``compute_bitmask``, our ``[vocab]`` row from it, ``consume_token``) on the same
+(llguidance's ``compute_bitmask``, our packed row from it, the ``[vocab]`` row of 0 / ``-inf``
+unpacked on the host, ``consume_token``) on the same
 vocabulary: a synthetic byte-level one of V tokens (the 256 bytes, then lowercase and
 space-led lowercase 2- and 3-grams, digits, punctuation pairs), so that the trie has the size of
 a real tokenizer's.
 
-Usage: ``PJRT_DEVICE=CPU python benchmarks/api_decode.py [--layers 8] [--vocab 32000]
-[--slots 1,8] [--steps 32]``.
+Usage: ``PJRT_DEVICE=CPU python benchmarks/api_decode.py [--hidden 64] [--layers 8]
+[--vocab 32000] [--slots 1,8] [--steps 32]``.
 """
 
 from __future__ import annotations
@@ -95,11 +98,11 @@ def measure(gen, n: int, steps: int, sampling, logprobs: bool, guides=None) -> d
         prompt = [(7 * i + j) % 250 + 1 for j in range(5 + i % 4)]
         if logprobs:
             gen.logprob_slots.add(slot)
-        mask = None
+        allowed = None
         if guides is not None:
             rows[slot] = guides()
-            mask = rows[slot].mask()
-        token = gen.prefill(slot, prompt, 0, sampling(i), prompt=prompt, mask=mask)
+            allowed = rows[slot].bits()
+        token = gen.prefill(slot, prompt, 0, sampling(i), prompt=prompt, allowed=allowed)
         if guides is not None:
             _advance(rows, slot, token, guides, gen)
     e0, t0 = execute_ms(), time.perf_counter()
@@ -121,7 +124,7 @@ def _advance(rows: dict, slot: int, token: int, guides, gen) -> None:
         guide = rows[slot] = guides()
     if guide.done:
         guide = rows[slot] = guides()
-    gen.masks[slot] = guide.mask()
+    gen.masks[slot] = guide.bits()
 
 
 def mask_times(g, grammar: str, tokens: int = 400) -> dict:
@@ -131,12 +134,14 @@ def mask_times(g, grammar: str, tokens: int = 400) -> dict:
 
     from neuron_tp.infer.grammar import Guide
 
-    bitmask, row, accept = [], [], []
+    bitmask, bits, row, accept = [], [], [], []
     guide = Guide(g, grammar)
     for _ in range(tokens):
         t0 = time.perf_counter()
         guide.matcher.compute_bitmask()
         t1 = time.perf_counter()
+        guide.bits()
+        tb = time.perf_counter()
         mask = guide.mask()
         t2 = time.perf_counter()
         allowed = (mask == 0).nonzero().flatten()
@@ -149,18 +154,25 @@ def mask_times(g, grammar: str, tokens: int = 400) -> dict:
         guide.accept(pick)
         t4 = time.perf_counter()
         bitmask.append(t1 - t0)
-        row.append(t2 - t1)
+        bits.append(tb - t1)
+        row.append(t2 - tb)
         accept.append(t4 - t3)
 
     def stats(xs):
         xs = sorted(xs)
         return statistics.median(xs) * 1e6, xs[int(0.9 * len(xs))] * 1e6
 
-    return {"bitmask": stats(bitmask), "row": stats(row), "accept": stats(accept)}
+    return {
+        "bitmask": stats(bitmask),
+        "bits": stats(bits),
+        "row": stats(row),
+        "accept": stats(accept),
+    }
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--slots", default="1,8")
@@ -178,11 +190,11 @@ def main() -> None:
     torch.manual_seed(0)
     cfg = LlamaConfig(
         vocab_size=args.vocab,
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=args.hidden,
+        intermediate_size=2 * args.hidden,
         num_hidden_layers=args.layers,
-        num_attention_heads=4,
-        num_key_value_heads=4,
+        num_attention_heads=max(4, args.hidden // 64),
+        num_key_value_heads=max(4, args.hidden // 64),
         max_position_embeddings=256,
     )
     model = hf.parallelize(copy.deepcopy(LlamaForCausalLM(cfg).eval()), ntp.Mesh(1, 0)).eval()
@@ -212,7 +224,8 @@ def main() -> None:
                 (measure(gen, n, args.steps, sampling, logprobs, guides) for _ in range(3)),
                 key=lambda r: r["step_ms"],
             )
-    print(f"L={args.layers}, vocab {args.vocab}, XLA CPU device, best of 3 x {args.steps} steps")
+    shape = f"hidden {args.hidden}, L={args.layers}, vocab {args.vocab}"
+    print(f"{shape}, XLA CPU device, best of 3 x {args.steps} steps")
     head = "".join(f" {f'{n} slot ms/step':>16} {f'{n} slot ms/token':>17}" for n in sizes)
     print(f"{'path':<28}{head}")
     for name in paths:
@@ -226,6 +239,7 @@ def main() -> None:
     print(f"llguidance per token, vocabulary {args.vocab} (median / p90 us):")
     for what, label in (
         ("bitmask", "compute_bitmask"),
+        ("bits", "Guide.bits (bitmask, packed row)"),
         ("row", "Guide.mask (bitmask + [vocab] row)"),
         ("accept", "consume_token"),
     ):

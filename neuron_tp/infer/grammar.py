@@ -1,8 +1,9 @@
 """Grammar-constrained generation (structured outputs, forced tool calls) with llguidance: a
 request's grammar (a JSON schema, any JSON object) compiled once per request, a matcher per row
-advanced on the host with every accepted token, and the tokens it allows next as an additive
-row (0: allowed, ``-inf``: not) that the slot generator feeds to its graphs as data, with the
-row's ``logit_bias`` (no graph per schema). The matcher allows the end-of-text token only
+advanced on the host with every accepted token, and the tokens it allows next as a packed row
+of bits (llguidance's bitmask, ``vocab / 32`` int32 words) that the slot generator uploads as
+data and its graphs unpack into an additive row (0: allowed, ``-inf``: not) beside the row's
+``logit_bias`` (no graph per schema). The matcher allows the end-of-text token only
 where the grammar may end; a row ends when its grammar is complete.
 
 llguidance is imported lazily (the ``grammar`` extra)."""
@@ -15,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-MASKED = float("-inf")
+from .sampling import WORD_BITS, allowed_words, unpack_allowed
 
 
 def _llguidance():
@@ -84,16 +85,27 @@ class Guide:
         if self.matcher.is_error():
             raise ValueError(f"grammar: {self.matcher.get_error()}")
 
+    def bits(self) -> torch.Tensor:
+        """``[allowed_words(vocab)]`` int32: bit ``j`` of word ``w`` set where the grammar
+        allows token ``32 w + j`` next (an end token only where the grammar may end, even
+        when it is also a text token; ids past the tokenizer's never): llguidance's bitmask
+        as it is, the row the slot generator uploads and unpacks on the device."""
+        n = allowed_words(self.vocab)
+        words = np.zeros(n, dtype=np.int32)
+        packed = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.int32)[:n]
+        words[: len(packed)] = packed
+        if self.vocab % WORD_BITS:  # the last word's bits past the vocabulary
+            words[-1] &= np.int32((1 << (self.vocab % WORD_BITS)) - 1)
+        accepting = self.matcher.is_accepting()
+        for e in self.eos_ids:
+            w, bit = e // WORD_BITS, np.int32(1) << np.int32(e % WORD_BITS)
+            words[w] = words[w] | bit if accepting else words[w] & ~bit
+        return torch.from_numpy(words)
+
     def mask(self) -> torch.Tensor:
         """``[vocab]`` float: 0 where the grammar allows the token next, ``-inf`` elsewhere
-        (an end token only where the grammar may end, even when it is also a text token)."""
-        packed = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
-        bits = np.unpackbits(packed, bitorder="little")[: self.vocab].view(bool)
-        row = np.full(self.vocab, MASKED, dtype=np.float32)  # ids past the tokenizer's: never
-        row[: len(bits)][bits] = 0.0
-        if self.eos_ids:
-            row[self.eos_ids] = 0.0 if self.matcher.is_accepting() else MASKED
-        return torch.from_numpy(row)
+        (:meth:`bits` unpacked)."""
+        return unpack_allowed(self.bits(), self.vocab)
 
     def accept(self, token: int) -> None:
         """Advance by ``token``; ValueError when the grammar does not allow it."""

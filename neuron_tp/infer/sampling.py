@@ -21,7 +21,8 @@ own, ``log_softmax`` of the raw logits, before any of these adjustments (what vL
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -150,6 +151,44 @@ def host_noise(gen: torch.Generator, rows: int, vocab: int) -> torch.Tensor:
     return torch.empty((rows, vocab)).exponential_(generator=gen)
 
 
+class NoiseRows:
+    """The ``[rows, vocab]`` noise of the decode steps' sampled rows, each row drawn from its
+    slot's own generator (ones for the other rows): :meth:`prefetch` draws the next step's rows
+    on a worker thread while the device runs this step, :meth:`take` returns them (drawing
+    here the rows of slots whose generator is new since), so every generator gives the same
+    draws in the same order as without the thread."""
+
+    def __init__(self, rows: int, vocab: int):
+        self.rows, self.vocab = rows, vocab
+        self._pool: ThreadPoolExecutor | None = None
+        self._next: Future | None = None
+
+    def _draw(self, gens: Mapping[int, torch.Generator]):
+        noise = torch.ones(self.rows, self.vocab)
+        for s, gen in gens.items():
+            noise[s] = host_noise(gen, 1, self.vocab)[0]
+        return noise, gens
+
+    def prefetch(self, gens: Mapping[int, torch.Generator]) -> None:
+        """Start drawing the next step's rows of ``gens`` (``{slot: generator}``)."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="noise")
+        self._next = self._pool.submit(self._draw, dict(gens))
+
+    def take(self, gens: Mapping[int, torch.Generator], bucket: int) -> torch.Tensor:
+        """``[bucket, vocab]``: the rows of ``gens`` for this step."""
+        if self._next is None:
+            return self._draw(gens)[0][:bucket]
+        noise, drawn = self._next.result()
+        self._next = None
+        for s in drawn.keys() - gens.keys():
+            noise[s] = 1.0
+        for s, gen in gens.items():
+            if drawn.get(s) is not gen:
+                noise[s] = host_noise(gen, 1, self.vocab)[0]
+        return noise[:bucket]
+
+
 def choose(logits: torch.Tensor, top_k: int, temperature, noise) -> torch.Tensor:
     """Greedy (``noise`` None) or ``argmax(softmax(logits / T) / noise)`` over the top k: a
     draw from that distribution when ``noise ~ Exp(1)``."""
@@ -241,6 +280,27 @@ def choose_adjusted(logits, state_rows, sample, noise, nucleus: bool = True) -> 
         return greedy
     drawn = (filter_rows(adjusted, temperature, top_k, params, nucleus) / noise).argmax(-1)
     return torch.where(sample, drawn, greedy)
+
+
+WORD_BITS = 32  # tokens per int32 word of a packed grammar row (bit j of word w: token 32 w + j)
+
+
+def allowed_words(vocab: int) -> int:
+    """The int32 words of a packed ``[vocab]`` row of allowed tokens."""
+    return -(-vocab // WORD_BITS)
+
+
+def unpack_allowed(words: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``[..., vocab]`` float: 0 where ``words`` (``[..., allowed_words(vocab)]`` int32, bit
+    ``j`` of word ``w`` for token ``32 w + j``) has the token's bit set, ``-inf`` elsewhere:
+    the additive row of a grammar, unpacked where it is used (on the device)."""
+    # bit j is the sign bit after a left shift by 31 - j (a right shift then ``& 1`` comes
+    # out wrong from torch-xla 2.9 on XLA CPU devices)
+    shifts = WORD_BITS - 1 - torch.arange(WORD_BITS, dtype=torch.int32, device=words.device)
+    bits = (words.to(torch.int32)[..., None] << shifts) < 0
+    bits = bits.reshape(*words.shape[:-1], words.shape[-1] * WORD_BITS)[..., :vocab]
+    zero = torch.zeros((), device=words.device)
+    return torch.where(bits, zero, torch.full_like(zero, float("-inf")))
 
 
 def token_logprobs(logits, chosen, k: int = MAX_LOGPROBS):

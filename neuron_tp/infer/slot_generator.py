@@ -11,21 +11,27 @@ sequence with its own position, sampling parameters and host RNG.
   left in the cache is never visible to the next one. Chunk padding and inactive rows write at a
   scratch index (``max_len``) no live query sees.
 - Slot index, start, chunk length, positions, active flags and sampling parameters are data,
-  never shapes: graphs = prefill buckets x {greedy, sampled} + decode buckets x {greedy,
-  sampled} (+ one prefill per bucket with prompt log-probabilities when asked for), whatever
-  the arrival pattern; :meth:`~SlotGenerator.warmup` captures them all.
+  never shapes: graphs = prefill buckets x {greedy, sampled} + decode buckets x the fixed
+  :data:`~.slot_records.DECODE_VARIANTS` (greedy; + log-probabilities; + penalties, bias and
+  grammar rows; sampled; + top_p when asked for: a step runs the cheapest that covers what
+  its active rows use) (+ one prefill per bucket with prompt log-probabilities when asked
+  for), whatever the arrival pattern; :meth:`~SlotGenerator.warmup` captures them all.
 - Sampling per row: temperature, top_k (<= :data:`~.sampling.MAX_TOP_K`), top_p, min_p,
   presence / frequency / repetition penalties, logit bias, seed, all data of the slot's rows
   (:mod:`.sampling`); the token counts the penalties read advance in the decode graph.
   Gumbel-max noise is drawn on the host from each slot's own generator (the draws
   transformers makes for that request alone), so a seeded request reproduces its tokens
-  whatever runs beside it.
-- Log-probabilities: every step also returns the model's log-probability of each row's token
-  and its :data:`~.sampling.MAX_LOGPROBS` most likely tokens (read back only for the slots in
-  :attr:`SlotGenerator.logprob_slots`); a prefill chunk with ``prompt_logprobs`` runs the
-  prefill graph variant that returns them for every prompt position too.
+  whatever runs beside it; the next step's rows are drawn on a worker thread while the device
+  runs this one (:class:`~.sampling.NoiseRows`).
+- Log-probabilities: a step with a row in :attr:`SlotGenerator.logprob_slots` also returns
+  the model's log-probability of each row's token and its :data:`~.sampling.MAX_LOGPROBS`
+  most likely tokens (read back for those slots only); a prefill chunk with
+  ``prompt_logprobs`` runs the prefill graph variant that returns them for every prompt
+  position too.
 - Per token the host uploads nothing for greedy steps (positions and last tokens advance in
-  the decode graph), the noise rows for sampled ones, the active flags after a change; it reads
+  the decode graph), the noise rows for sampled ones, the packed grammar rows (``vocab / 32``
+  int32 words per slot, unpacked in the graph) when a row has one, the active flags after a
+  change; it reads
   back one small tensor of tokens (and the log-probabilities, when a slot asks for them).
 """
 
@@ -41,8 +47,10 @@ from ..errors import UserError
 from .model_step import check_cache, pick_bucket
 from .replay import StepGraphs, StepGraphsOwner
 from .sampling import (
+    NoiseRows,
     Sampling,
     TokenLogprob,
+    allowed_words,
     bias_row,
     check_per_row,
     host_generator,
@@ -50,14 +58,19 @@ from .sampling import (
     seen_row,
 )
 from .slot_records import (
+    DECODE_VARIANTS,
     ChunkMeta,
+    DecodeVariant,
     SlotState,
+    check_chunk,
+    decode_variant,
     default_prefill_buckets,
+    packed_rows,
     read_logprobs,
     seq_split,
     variants_of,
 )
-from .slot_steps import decode_step, prefill_step
+from .slot_steps import bank_bound, decode_step, prefill_step
 
 if TYPE_CHECKING:
     from ..hf.lora_bank import LoraBank
@@ -77,8 +90,8 @@ class SlotGenerator(StepGraphsOwner):
     ``auto`` (sequence when kv heads are replicated); ``prompt_logprobs``: :meth:`warmup`
     also captures the prefill graphs that return every prompt position's log-probabilities
     (one more per prefill bucket); ``top_p``: it also captures the sampled decode graphs that
-    apply top_p (a sort of the vocabulary per row: sampled steps without a top_p row run the
-    graph without it; one more per decode bucket). The model's weights must not change while
+    apply top_p (a bisection over the vocabulary per row: sampled steps without a top_p row run
+    the graph without it; one more per decode bucket). The model's weights must not change while
     the SlotGenerator is used."""
 
     logprobs_supported = True  # decode steps return the log-probabilities of their tokens
@@ -149,6 +162,10 @@ class SlotGenerator(StepGraphsOwner):
         # the prefill's seen and bias rows when zero: two tensors (a capture maps one tensor
         # fed as two arguments to one graph input)
         self._zero_rows = [torch.zeros(1, self.vocab).to(dev) for _ in range(2)]
+        self.words = allowed_words(self.vocab)  # int32 words of a packed grammar row
+        self._every_token = [
+            torch.full((n, self.words), -1, dtype=torch.int32).to(dev) for n in (1, slots)
+        ]  # the packed rows of a prefill and of a decode step without a grammar
         self._lp_out: tuple[torch.Tensor, ...] | None = None  # the last step's logprobs
         self.logprob_slots: set[int] = set()  # slots whose log-probabilities are read back
         self.logprobs: dict[int, TokenLogprob] = {}  # theirs, of the last step
@@ -160,9 +177,10 @@ class SlotGenerator(StepGraphsOwner):
         self._filled: dict[int, int] = {}  # prompt positions written so far, per acquired slot
         self._host_pos: dict[int, int] = {}  # next cache index of each active slot
         self._gens: dict[int, torch.Generator] = {}  # sampled active slots
+        self._noise_rows = NoiseRows(slots, self.vocab)
         self._nucleus: set[int] = set()  # of them, those with top_p < 1
-        self.masks: dict[int, torch.Tensor] = {}  # [vocab] grammar rows of the next token
-        self._bias_host: dict[int, torch.Tensor] = {}  # the logit_bias rows of those slots
+        self._adjusting: set[int] = set()  # slots with a penalty or a logit bias
+        self.masks: dict[int, torch.Tensor] = {}  # packed grammar rows of the next token
 
     # -- requests --------------------------------------------------------------------------
     def check(
@@ -209,7 +227,7 @@ class SlotGenerator(StepGraphsOwner):
         self._nucleus.discard(slot)
         self.logprob_slots.discard(slot)
         self.masks.pop(slot, None)
-        self._bias_host.pop(slot, None)
+        self._adjusting.discard(slot)
 
     def prefill(
         self,
@@ -221,7 +239,7 @@ class SlotGenerator(StepGraphsOwner):
         prompt: Sequence[int] | None = None,
         prompt_logprobs: bool = False,
         next_token: int = 0,
-        mask: torch.Tensor | None = None,
+        allowed: torch.Tensor | None = None,
         adapter: int = -1,
     ) -> int | None:
         """Write one chunk of ``slot``'s prompt at positions ``start..start+len-1``. With
@@ -230,8 +248,9 @@ class SlotGenerator(StepGraphsOwner):
         penalty reads). Without: more chunks follow; returns None. ``prompt_logprobs``: set
         :attr:`prompt_logprobs` to the log-probabilities of the prompt tokens at
         ``start+1..start+len`` (``next_token``: the one after the chunk; a last chunk gives
-        one fewer). ``mask``: a ``[vocab]`` row added to the logits of the first new token (a
-        grammar's, with :attr:`masks` the rows of the next ones). ``adapter``: the slot of
+        one fewer). ``allowed``: the tokens the first new token may be, packed
+        (``[allowed_words(vocab)]`` int32, :meth:`~.grammar.Guide.bits`: a grammar's, with
+        :attr:`masks` the rows of the next ones). ``adapter``: the slot of
         :attr:`lora` holding the request's LoRA adapter (-1: the base model)."""
         n = len(tokens)
         self._check_chunk(slot, n, start)
@@ -250,10 +269,11 @@ class SlotGenerator(StepGraphsOwner):
         if final and s.repetition_penalty != 1 and prompt is None:
             raise ValueError("a repetition penalty needs the whole prompt (prefill's prompt=)")
         args.append(self._row(0, s.repetition_penalty != 1, lambda: seen_row(prompt, self.vocab)))
-        bias = lambda: bias_row(s, self.vocab) + (mask if mask is not None else 0)  # noqa: E731
-        args.append(self._row(1, bool(s.logit_bias) or mask is not None, bias))
-        if final and s.logit_bias:
-            self._bias_host[slot] = bias_row(s, self.vocab)
+        args.append(self._row(1, bool(s.logit_bias), lambda: bias_row(s, self.vocab)))
+        words = self._every_token[0] if allowed is None else allowed[None].to(dev)
+        args.append(words)
+        if final and s.adjusts:
+            self._adjusting.add(slot)
         if sampled:
             gen = host_generator(s)
             self._gens[slot] = gen
@@ -284,13 +304,7 @@ class SlotGenerator(StepGraphsOwner):
     def _check_chunk(self, slot: int, n: int, start: int) -> None:
         if slot not in self.in_use or slot in self.active:
             raise ValueError(f"slot {slot} must be acquired and not decoding to be prefilled")
-        if not 1 <= n <= self.chunk or not 0 <= start <= self._filled[slot]:
-            raise ValueError(
-                f"a chunk of 1..{self.chunk} tokens starting at most at {self._filled[slot]} "
-                f"(the positions slot {slot} holds: no gap), got {n} tokens at {start}"
-            )
-        if start + n > self.max_len:
-            raise ValueError(f"{n} tokens at {start} exceed the {self.max_len} positions")
+        check_chunk(n, start, filled=self._filled[slot], chunk=self.chunk, max_len=self.max_len)
 
     def mark_filled(self, slot: int, tokens: Sequence[int]) -> None:
         """``slot`` (acquired, nothing prefilled) holds its prompt's first ``tokens`` already
@@ -325,21 +339,17 @@ class SlotGenerator(StepGraphsOwner):
             return {}
         bucket = self._decode_bucket()
         sampled = any(s in self._gens for s in self.active)
-        noise = None
-        if sampled:
-            noise = torch.ones(bucket, self.vocab)
-            for s, gen in self._gens.items():
-                noise[s] = host_noise(gen, 1, self.vocab)[0]
-            noise = noise.to(self.device)
+        noise = self._noise_rows.take(self._gens, bucket).to(self.device) if sampled else None
         nucleus = sampled and any(s in self._nucleus for s in self.active)
-        if self.masks:  # the grammar rows, with the logit bias, as data of the same graph
-            bias = torch.zeros(self.slots, self.vocab)
-            for s, row in self._bias_host.items():
-                bias[s] = row
-            for s, row in self.masks.items():
-                bias[s] += row
-            self._state = self._state._replace(bias=bias.to(self.device))
-        self._run_decode(bucket, self._active(), noise, nucleus)
+        adjust = any(s in self._adjusting or s in self.masks for s in self.active)
+        logprobs = any(s in self.logprob_slots for s in self.active)
+        variant = decode_variant(DecodeVariant(sampled, nucleus, adjust, logprobs))
+        words = self._every_token[1]  # the grammar rows, packed, as data of the graph
+        if self.masks and variant.adjust:
+            words = packed_rows(self.masks, self.slots, self.words).to(self.device)
+        self._run_decode(bucket, self._active(), noise, variant, words)
+        if sampled:  # the next step's noise, drawn while the device runs this one
+            self._noise_rows.prefetch(self._gens)
         for s in self.active:
             self._host_pos[s] += 1
         toks = self._state.tokens.cpu().tolist()  # one transfer
@@ -363,11 +373,11 @@ class SlotGenerator(StepGraphsOwner):
         self.warmup_prefill()
         dev, none = self.device, torch.zeros(self.slots, dtype=torch.bool).to(self.device)
         for bucket in self.decode_buckets:
-            for sampled, nucleus in ((False, False), (True, False), (True, True)):
-                if nucleus and not self.top_p_graphs:
+            for v in DECODE_VARIANTS:
+                if v.nucleus and not self.top_p_graphs:
                     continue
-                noise = torch.ones(bucket, self.vocab).to(dev) if sampled else None
-                self._run_decode(bucket, none, noise, nucleus)
+                noise = torch.ones(bucket, self.vocab).to(dev) if v.sampled else None
+                self._run_decode(bucket, none, noise, v, self._every_token[1])
         self._active_dirty = True
 
     def warmup_prefill(self, variants: Sequence[bool] = (False, True)) -> None:
@@ -381,6 +391,7 @@ class SlotGenerator(StepGraphsOwner):
                 meta = ChunkMeta(0, 0, 0, False, 0, sampled)  # no token written
                 floats = torch.tensor([[1.0, *Sampling().row_params()]]).to(dev)
                 args = [ids, meta.tensor().to(dev), floats, *self._zero_rows]
+                args.append(self._every_token[0])
                 args += [torch.ones(1, self.vocab).to(dev)] if sampled else []
                 self._run_prefill(bucket, sampled, prompt_lp, args)
 
@@ -428,35 +439,32 @@ class SlotGenerator(StepGraphsOwner):
         return out[0]
 
     def _run_decode(
-        self, bucket: int, active: torch.Tensor, noise: torch.Tensor | None, nucleus: bool = False
+        self,
+        bucket: int,
+        active: torch.Tensor,
+        noise: torch.Tensor | None,
+        variant: DecodeVariant,
+        words: torch.Tensor,
     ):
-        """Run a decode graph: every active row of ``[0, bucket)`` advances one token
-        (``nucleus``: the graph that applies the rows' top_p)."""
-        sampled = noise is not None
-        key = ("decode", bucket, sampled, "top_p") if nucleus else ("decode", bucket, sampled)
-        args = [active, *self._state, *([noise] if noise is not None else [])]
-        out = self._run_model(key, lambda: decode_step(self, bucket, sampled, nucleus), args)
-        self._state = self._state._replace(tokens=out[0], pos=out[1], counts=out[2])
-        self._lp_out = tuple(out[3:6])
-        self._kv = out[6:]
+        """Run the decode graph ``variant`` (sampled: on ``noise``; adjusting: with the packed
+        grammar rows ``words``): every active row of ``[0, bucket)`` advances one token."""
+        key = ("decode", bucket, *variant)
+        args = [active, *self._state, *([noise] if variant.sampled else [])]
+        args += [words] if variant.adjust else []
+        out = self._run_model(key, lambda: decode_step(self, bucket, variant), args)
+        self._state = self._state._replace(tokens=out[0], pos=out[1])
+        n = 2
+        if variant.adjust:
+            self._state, n = self._state._replace(counts=out[2]), 3
+        self._lp_out = tuple(out[n : n + 3]) if variant.logprobs else None
+        self._kv = out[n + 3 * variant.logprobs :]
 
     def _run_model(self, key: tuple, build, args: list[torch.Tensor]) -> list[torch.Tensor]:
         """A step that runs the model: the LoRA bank's tensors are its first arguments (data:
         loading an adapter changes them, never the graph)."""
         if self.lora is None:
             return self._run(key, build, args)
-        n = len(self.lora.tensors)
-
-        def bound():
-            step = build()
-
-            def run(*all_args):
-                with self.lora.bound(all_args[:n]):
-                    return step(*all_args[n:])
-
-            return run
-
-        return self._run(key, bound, [*self.lora.tensors, *args])
+        return self._run(key, lambda: bank_bound(self.lora, build()), [*self.lora.tensors, *args])
 
     def adapters(self, index: torch.Tensor):
         """In a step: the model's LoRA layers add each row's adapter (``index``: its bank

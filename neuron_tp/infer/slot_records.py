@@ -54,6 +54,59 @@ class ChunkMeta(NamedTuple):
         return cls._make(meta[i : i + 1] for i in range(len(cls._fields)))
 
 
+class DecodeVariant(NamedTuple):
+    """What a decode graph computes beyond the model's step and the argmax: Gumbel-max draws
+    (``sampled``: its noise is an argument), the rows' top_p (``nucleus``: a bisection over
+    the vocabulary), the penalties, logit bias and grammar rows and the token counts they read
+    (``adjust``: the packed grammar rows are an argument), the log-probabilities
+    (``logprobs``)."""
+
+    sampled: bool = False
+    nucleus: bool = False
+    adjust: bool = False
+    logprobs: bool = False
+
+    def covers(self, needs: DecodeVariant) -> bool:
+        return all(have or not need for have, need in zip(self, needs))
+
+
+# The fixed set of decode graphs (per decode bucket), cheapest first: a step runs the first
+# that covers what its rows need; the nucleus one exists only with ``top_p`` graphs.
+DECODE_VARIANTS = (
+    DecodeVariant(),
+    DecodeVariant(logprobs=True),
+    DecodeVariant(adjust=True, logprobs=True),
+    DecodeVariant(sampled=True, adjust=True, logprobs=True),
+    DecodeVariant(sampled=True, nucleus=True, adjust=True, logprobs=True),
+)
+
+
+def decode_variant(needs: DecodeVariant) -> DecodeVariant:
+    """The cheapest of :data:`DECODE_VARIANTS` that computes what ``needs`` asks for."""
+    return next(v for v in DECODE_VARIANTS if v.covers(needs))
+
+
+def check_chunk(n: int, start: int, *, filled: int, chunk: int, max_len: int) -> None:
+    """ValueError unless a prefill chunk of ``n`` tokens at ``start`` fits: at most ``chunk``
+    tokens, no gap after the ``filled`` positions of its slot, within ``max_len``."""
+    if not 1 <= n <= chunk or not 0 <= start <= filled:
+        raise ValueError(
+            f"a chunk of 1..{chunk} tokens starting at most at {filled} "
+            f"(the positions the slot holds: no gap), got {n} tokens at {start}"
+        )
+    if start + n > max_len:
+        raise ValueError(f"{n} tokens at {start} exceed the {max_len} positions")
+
+
+def packed_rows(masks: dict[int, torch.Tensor], slots: int, words: int) -> torch.Tensor:
+    """``[slots, words]`` int32: the packed grammar row of each slot in ``masks``, every token
+    allowed in the others."""
+    out = torch.full((slots, words), -1, dtype=torch.int32)
+    for s, row in masks.items():
+        out[s] = row
+    return out
+
+
 def default_prefill_buckets(chunk: int) -> list[int]:
     """Powers of 2 from 16 up to ``chunk`` (and ``chunk`` itself)."""
     out, b = [], 16

@@ -255,7 +255,7 @@ class SlotRows:
                     if echo
                     else {}
                 ),
-                **({"mask": row.guide.mask()} if last and row.guide is not None else {}),
+                **({"allowed": row.guide.bits()} if last and row.guide is not None else {}),
                 **({"adapter": row.adapter} if row.adapter >= 0 else {}),
             )
         except Exception as e:  # noqa: BLE001 - fails this request only
@@ -301,7 +301,7 @@ class SlotRows:
         elif row.count >= row.max_tokens:
             self._finish(row, "length")
         elif row.guide is not None:
-            self.gen.masks[row.slot] = row.guide.mask()
+            self.gen.masks[row.slot] = row.guide.bits()
 
     def _finish(self, row: Row, reason: str) -> None:
         rest = row.detok.finish()

@@ -10,8 +10,8 @@ from typing import Any, Protocol
 import torch
 
 from .model_step import cache_kwargs, no_aux_outputs
-from .sampling import choose_adjusted, token_logprobs
-from .slot_records import ChunkMeta, SlotState
+from .sampling import choose_adjusted, token_logprobs, unpack_allowed
+from .slot_records import ChunkMeta, DecodeVariant, SlotState
 
 
 class SlotGenerator(Protocol):
@@ -27,6 +27,18 @@ class SlotGenerator(Protocol):
     def adapters(self, index: torch.Tensor): ...
 
 
+def bank_bound(lora, step):
+    """``step`` taking the LoRA bank ``lora``'s tensors as its first arguments (bound to the
+    bank's layers while it runs)."""
+    n = len(lora.tensors)
+
+    def run(*args):
+        with lora.bound(args[:n]):
+            return step(*args[n:])
+
+    return run
+
+
 def prefill_step(gen: SlotGenerator, bucket: int, sampled: bool, prompt_lp: bool = False):
     """The step of one prefill chunk of ``gen`` (bucket ``bucket``; ``sampled``: its rows may
     sample; ``prompt_lp``: it also returns every position's log-probabilities)."""
@@ -34,7 +46,7 @@ def prefill_step(gen: SlotGenerator, bucket: int, sampled: bool, prompt_lp: bool
 
     model, scratch, n_state = gen.model, gen.max_len, len(SlotState._fields)
 
-    def step(ids, meta, floats, seen, bias, *rest):  # noqa: PLR0917
+    def step(ids, meta, floats, seen, bias, words, *rest):  # noqa: PLR0917
         noise, rest = (rest[0], rest[1:]) if sampled else (None, rest)
         temp, params = floats[:, 0], floats[:, 1:]
         state, kv = SlotState(*rest[:n_state]), rest[n_state:]
@@ -58,7 +70,7 @@ def prefill_step(gen: SlotGenerator, bucket: int, sampled: bool, prompt_lp: bool
         logits = out.logits[0] if prompt_lp else None
         row = out.logits[0].index_select(0, last) if prompt_lp else out.logits[:, -1]
         zeros = torch.zeros_like(bias)
-        rows = (temp, m.top_k, params, zeros, seen, bias)
+        rows = (temp, m.top_k, params, zeros, seen, bias + unpack_allowed(words, bias.shape[-1]))
         tok = choose_adjusted(row, rows, m.sampled.bool(), noise)
         lp = token_logprobs(row, tok)
 
@@ -88,16 +100,19 @@ def prefill_step(gen: SlotGenerator, bucket: int, sampled: bool, prompt_lp: bool
     return gen.with_split_attention(step)
 
 
-def decode_step(gen: SlotGenerator, bucket: int, sampled: bool, nucleus: bool = False):
-    """The step that decodes one token for the rows ``[0, bucket)`` of ``gen`` (``nucleus``:
-    it applies the rows' top_p)."""
+def decode_step(gen: SlotGenerator, bucket: int, variant: DecodeVariant):
+    """The step that decodes one token for the rows ``[0, bucket)`` of ``gen``, computing
+    what ``variant`` says (its arguments: the active flags, the state, then the noise when
+    sampled and the packed grammar rows when it adjusts, then the cache)."""
     from .slot_cache import SlotCache
 
     model, scratch, n_state = gen.model, gen.max_len, len(SlotState._fields)
+    v = variant
 
     def step(active, *rest):
-        state = SlotState(*rest[:n_state])
-        noise, kv = (rest[n_state], rest[n_state + 1 :]) if sampled else (None, rest[n_state:])
+        state, rest = SlotState(*rest[:n_state]), rest[n_state:]
+        noise, rest = (rest[0], rest[1:]) if v.sampled else (None, rest)
+        words, kv = (rest[0], rest[1:]) if v.adjust else (None, rest)
         b = slice(0, bucket)
         a, last, pos = active[b], state.tokens[b], state.pos[b]
         qpos = torch.where(a, pos, torch.full_like(pos, scratch))[:, None]
@@ -114,20 +129,23 @@ def decode_step(gen: SlotGenerator, bucket: int, sampled: bool, nucleus: bool = 
                 **no_aux_outputs(model.config),
             )
         logits = out.logits[:, -1]
-        counts = state.counts[b]
-        rows = (state.temperature[b], state.top_k[b], state.params[b], counts)
-        rows += (state.seen[b], state.bias[b])
-        tok = choose_adjusted(logits, rows, state.sample[b], noise, nucleus)
-        tok = torch.where(a, tok, last)
-        counts = counts + torch.zeros_like(counts).scatter(-1, tok[:, None], a.float()[:, None])
-        lp = token_logprobs(logits, tok)
         rest_rows = gen.slots - bucket
-        return [
-            torch.cat([tok, state.tokens[bucket:]]),
-            torch.cat([pos + a.long(), state.pos[bucket:]]),
-            torch.cat([counts, state.counts[bucket:]]),
-            *(torch.cat([t, t.new_zeros((rest_rows, *t.shape[1:]))]) for t in lp),
-            *cache.tensors(),
-        ]
+        whole = lambda t: torch.cat([t, t.new_zeros((rest_rows, *t.shape[1:]))])  # noqa: E731
+        if v.adjust:
+            counts, bias = state.counts[b], state.bias[b]
+            rows = (state.temperature[b], state.top_k[b], state.params[b], counts)
+            rows += (state.seen[b], bias + unpack_allowed(words[b], bias.shape[-1]))
+            tok = choose_adjusted(logits, rows, state.sample[b], noise, v.nucleus)
+        else:
+            tok = logits.argmax(-1)
+        tok = torch.where(a, tok, last)
+        new = [torch.cat([tok, state.tokens[bucket:]])]
+        new.append(torch.cat([pos + a.long(), state.pos[bucket:]]))
+        if v.adjust:
+            counts = counts.scatter_add(-1, tok[:, None], a.float()[:, None])
+            new.append(torch.cat([counts, state.counts[bucket:]]))
+        if v.logprobs:
+            new += [whole(t) for t in token_logprobs(logits, tok)]
+        return [*new, *cache.tensors()]
 
     return gen.with_split_attention(step)

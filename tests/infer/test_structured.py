@@ -449,3 +449,26 @@ def test_a_transformers_tokenizer_with_merged_tokens():
             out.append(rng.choice(allowed))
             guide.accept(out[-1])
         jsonschema.validate(json.loads(tok.decode(out)), WEATHER)
+
+
+def test_packed_rows_unpack_to_the_bits_of_each_token():
+    """``unpack_allowed`` (what the graphs do with the uploaded words) against the bits read
+    one by one in Python, for random words, a vocabulary that ends inside a word, and a
+    guide's :meth:`bits` (its end token allowed only where the grammar may end)."""
+    import torch
+
+    from neuron_tp.infer.grammar import Grammars, json_grammar
+    from neuron_tp.infer.sampling import allowed_words, unpack_allowed
+
+    g = torch.Generator().manual_seed(0)
+    vocab = 70
+    words = torch.randint(-(2**31), 2**31, (3, allowed_words(vocab)), generator=g).int()
+    want = [[(int(row[t // 32]) >> (t % 32)) & 1 for t in range(vocab)] for row in words]
+    got = unpack_allowed(words, vocab)
+    assert got.shape == (3, vocab) and ((got == 0).int().tolist() == want)
+    assert set(got.flatten().tolist()) == {0.0, float("-inf")}
+    guide = Grammars(ByteTokenizer(), 257, [256]).guide(json_grammar(None))
+    bits = guide.bits()
+    assert bits.dtype == torch.int32 and bits.shape == (allowed_words(257),)
+    allowed = (guide.mask() == 0).nonzero().flatten().tolist()
+    assert allowed == [ord("{")]
