@@ -134,6 +134,13 @@ def latent_cache_dims(module: nn.Module) -> tuple[int, int] | None:
     for any other module."""
     if not all(isinstance(getattr(module, a, None), nn.Module) for a in MARKERS):
         return None
+    if isinstance(getattr(module, "indexer", None), nn.Module):
+        raise UserError(
+            f"{type(module).__name__}: a latent attention with a sparse-attention indexer "
+            "(DeepSeek-V3.2, GLM-MoE-DSA) keeps a cache of its own that the slot cache does "
+            "not hold, so generation is refused for it; training and forward passes shard "
+            "it (neuron_tp.hf.mla)"
+        )
     k, v = getattr(module, "kv_lora_rank", None), getattr(module, "qk_rope_head_dim", None)
     if not (isinstance(k, int) and isinstance(v, int) and isinstance(module.layer_idx, int)):
         raise UserError(f"{type(module).__name__}: latent attention without its cache sizes")

@@ -92,3 +92,16 @@ def test_latent_attention_generation_matches_transformers(tmp_path):
         assert r0[f"{family} slots"] == r0[f"{family} slots ref"], family
         assert len({tuple(t) for t in r0[f"{family} ref"]}) == len(PROMPTS), "not telling"
     assert r0["cli"] == r0["cli ref"] and all(r0["cli"]), r0["cli"]
+
+
+def test_generation_refused_with_a_sparse_attention_indexer():
+    """DeepSeek-V3.2's indexer keeps its own cache (its top-k keys), which the slot cache does
+    not hold: the cache layout refuses the model by name before any slot is allocated."""
+    import pytest
+
+    from neuron_tp.errors import UserError
+    from neuron_tp.infer.slot_cache import kv_tensor_shapes
+
+    with pytest.raises(UserError, match="sparse-attention indexer"):
+        kv_tensor_shapes(build_family("deepseek_v32"))
+    assert kv_tensor_shapes(build_family("deepseek_v3"))  # the same MLA without one: allowed
