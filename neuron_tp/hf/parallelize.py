@@ -139,6 +139,7 @@ def _build(
     for name, style in mp.targets.items():
         mod = model.get_submodule(name)
         new: nn.Module
+        own = heads.at(name) if heads else None
         if style.is_column:
             role = column_role(name, style, mp)
             new = column = build_column_linear(
@@ -146,7 +147,7 @@ def _build(
                 name,
                 mesh,
                 **column_args(
-                    mod, name, style, role, heads=heads, mesh=mesh, head_gathered=not parallel_loss
+                    mod, name, style, role, heads=own, mesh=mesh, head_gathered=not parallel_loss
                 ),
             )
             parent = _parent(name)
@@ -172,7 +173,7 @@ def _build(
             built.replacements[block] = new
             continue
         else:
-            new = build_sharded_norm(mod, mesh, heads)
+            new = build_sharded_norm(mod, mesh, own)
         built.replacements[name] = new
     return built
 
@@ -203,7 +204,8 @@ def _install(
     for name in built.attention:
         if heads is None:
             raise ValueError(f"{name}: an attention module of a model without head counts")
-        patch_attention_module(model.get_submodule(name), heads, tp, len(kv_slots(heads, tp)[0]))
+        own = heads.at(name)
+        patch_attention_module(model.get_submodule(name), own, tp, len(kv_slots(own, tp)[0]))
     for name, children in built.input_regions.items():
         install_input_region(
             model.get_submodule(name),
