@@ -25,6 +25,7 @@ from .parallel_loss import wrap_loss
 from .plans import Style
 from .resolve import ModelPlan, column_role
 from .sequence_parallel import apply_sequence_parallel, install_input_region
+from .sparse_activation import install_sharded_topk
 from .validate import column_args, shared_activation_params, validate
 
 
@@ -223,6 +224,7 @@ def _install(
     rows = [m for m in built.replacements.values() if isinstance(m, RowParallelLinear)]
     end = model.get_submodule(s.final_norm) if sequence_parallel and s.final_norm else None
     install_split_dropout(model, mesh.tp, columns, rows, end)
+    install_sharded_topk(model, mesh.tp)
     if sequence_parallel:
         apply_sequence_parallel(model, mesh, s.layers, s.final_norm)
         keep_complete_grads(model)

@@ -49,6 +49,9 @@ def check_sequence_parallel(
             f"{type(model).__name__}: sequence_parallel needs the decoder layers "
             f"{layers_name!r} as a ModuleList, not a {type(layers).__name__}"
         )
+    from .sparse_activation import refuse_stacked_residual
+
+    refuse_stacked_residual(model, layers)
     return layers, model.get_submodule(norm_name)
 
 
