@@ -44,7 +44,7 @@ def install_sharded_topk(model: nn.Module, tp: Group) -> None:
         gate = getattr(mod, "gate_proj", None)
         if not callable(getattr(mod, TOPK, None)) or not getattr(mod, "activation_sparsity", 0):
             continue
-        if getattr(gate, "gather_output", True):
+        if gate is None or getattr(gate, "gather_output", True):
             continue  # not split (or gathered): the features are whole
         features = getattr(mod, "intermediate_size", None)
         if not isinstance(features, int):
