@@ -19,9 +19,8 @@ class ShardedGaussianTopK:
     standard deviation over all ``features`` of the token, from sums all-reduced over tp
     (forward and backward: every rank uses the sums on its own features)."""
 
-    def __init__(self, mlp: nn.Module, tp: Group, features: int):
-        self.sparsity = float(mlp.activation_sparsity)
-        self.tp, self.features = tp, features
+    def __init__(self, sparsity: float, tp: Group, features: int):
+        self.sparsity, self.tp, self.features = sparsity, tp, features
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         target = torch.tensor(self.sparsity, dtype=torch.float32, device=x.device)
@@ -43,13 +42,14 @@ def install_sharded_topk(model: nn.Module, tp: Group) -> None:
     for mod in model.modules():
         gate = getattr(mod, "gate_proj", None)
         if not callable(getattr(mod, TOPK, None)) or not getattr(mod, "activation_sparsity", 0):
-            continue
+            continue  # no sparse gate
         if gate is None or getattr(gate, "gather_output", True):
             continue  # not split (or gathered): the features are whole
         features = getattr(mod, "intermediate_size", None)
         if not isinstance(features, int):
             features = gate.weight.shape[0] * tp.size
-        setattr(mod, TOPK, ShardedGaussianTopK(mod, tp, features))
+        sparsity = float(vars(mod)["activation_sparsity"])
+        setattr(mod, TOPK, ShardedGaussianTopK(sparsity, tp, features))
 
 
 def refuse_stacked_residual(model: nn.Module, layers: nn.ModuleList) -> None:
