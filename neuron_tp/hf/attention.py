@@ -50,10 +50,22 @@ class Heads:
     q: int
     kv: int
     dim: int
+    # (attention module name, its heads) where a layer's differ (per-layer configs: Gemma-4)
+    layers: tuple[tuple[str, Heads], ...] = ()
+
+    def at(self, name: str) -> Heads:
+        """The heads of the attention module ``name`` is (or is inside)."""
+        for att, h in self.layers:
+            if name == att or name.startswith(att + "."):
+                return h
+        return self
 
 
 def model_heads(config) -> Heads | None:
-    """Query/key-value head counts and head size from a transformers config (None if absent)."""
+    """Query/key-value head counts and head size from a transformers config (None if absent;
+    a per-layer count or size takes its first layer's value)."""
+    if getattr(config, "per_layer_attributes", None):  # heterogeneous (Gemma-4)
+        config = config.per_layer_config[0]
     q = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None)
     if not q:
         # A multimodal model's decoder keeps its head counts in its text config (Gemma-3).

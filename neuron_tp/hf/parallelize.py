@@ -27,6 +27,7 @@ from .norms import build_sharded_norm
 from .parallel_loss import wrap_loss
 from .resolve import ModelPlan, column_role
 from .sequence_parallel import apply_sequence_parallel, install_input_region
+from .sparse_activation import install_sharded_topk
 from .styles import Style
 from .validate import column_args, shared_activation_params, validate
 
@@ -142,6 +143,7 @@ def _build(
     for name, style in mp.targets.items():
         mod = model.get_submodule(name)
         new: nn.Module
+        own = heads.at(name) if heads else None
         if style.is_column:
             role = column_role(name, style, mp)
             new = column = build_column_linear(
@@ -149,7 +151,7 @@ def _build(
                 name,
                 mesh,
                 **column_args(
-                    mod, name, style, role, heads=heads, mesh=mesh, head_gathered=not parallel_loss
+                    mod, name, style, role, heads=own, mesh=mesh, head_gathered=not parallel_loss
                 ),
             )
             parent = _parent(name)
@@ -179,7 +181,7 @@ def _build(
             built.replacements[block] = new
             continue
         else:
-            new = build_sharded_norm(mod, mesh, heads)
+            new = build_sharded_norm(mod, mesh, own)
         built.replacements[name] = new
     return built
 
@@ -210,8 +212,9 @@ def _install(
     for name in built.attention:
         if heads is None:
             raise ValueError(f"{name}: an attention module of a model without head counts")
-        patch_attention_module(model.get_submodule(name), heads, tp, len(kv_slots(heads, tp)[0]))
-        install_head_bias_slicing(model.get_submodule(name), heads.q, tp, mesh.tp_rank, name)
+        own = heads.at(name)
+        patch_attention_module(model.get_submodule(name), own, tp, len(kv_slots(own, tp)[0]))
+        install_head_bias_slicing(model.get_submodule(name), own.q, tp, mesh.tp_rank, name)
     if heads is not None:
         shard_head_params(model, mp.head_params, mesh, heads)
     for name in sorted(mp.latent):
@@ -233,6 +236,7 @@ def _install(
     rows = [m for m in built.replacements.values() if isinstance(m, RowParallelLinear)]
     end = model.get_submodule(s.final_norm) if sequence_parallel and s.final_norm else None
     install_split_dropout(model, mesh.tp, columns, rows, end)
+    install_sharded_topk(model, mesh.tp)
     if sequence_parallel:
         apply_sequence_parallel(model, mesh, s.layers, s.final_norm)
         keep_complete_grads(model)

@@ -49,6 +49,9 @@ def check_sequence_parallel(
             f"{type(model).__name__}: sequence_parallel needs the decoder layers "
             f"{layers_name!r} as a ModuleList, not a {type(layers).__name__}"
         )
+    from .sparse_activation import refuse_stacked_residual
+
+    refuse_stacked_residual(model, layers)
     return layers, model.get_submodule(norm_name)
 
 
@@ -86,12 +89,46 @@ class GatherSequence:
         return regions.all_gather_fwd_split_bwd(out, self.tp, dim=1)
 
 
+# A decoder layer's own input beside the hidden states, made by the model for the whole
+# sequence (Gemma-3n / Gemma-4 per-layer inputs): as sequence-sharded as the residual stream.
+LAYER_INPUT = "per_layer_input"
+
+
+class ScatterLayerInput:
+    """Forward pre-hook of a decoder layer taking :data:`LAYER_INPUT` (second positional
+    argument or keyword): keep this rank's chunk of its sequence (backward: all-gather)."""
+
+    input_layout, output_layout = REPLICATED, SHARDED_SEQUENCE
+
+    def __init__(self, tp: Group):
+        self.tp = tp
+
+    def __call__(self, _mod: nn.Module, args, kwargs):
+        if len(args) > 1 and isinstance(args[1], torch.Tensor):
+            x = regions.split_fwd_all_gather_bwd(args[1], self.tp, dim=1)
+            return (args[0], x, *args[2:]), kwargs
+        if isinstance(kwargs.get(LAYER_INPUT), torch.Tensor):
+            x = regions.split_fwd_all_gather_bwd(kwargs[LAYER_INPUT], self.tp, dim=1)
+            return args, {**kwargs, LAYER_INPUT: x}
+        return None
+
+
+def _takes_layer_input(layer: nn.Module) -> bool:
+    import inspect
+
+    names = list(inspect.signature(layer.forward).parameters)
+    return len(names) > 1 and names[1] == LAYER_INPUT
+
+
 def apply_sequence_parallel(
     model: nn.Module, mesh: Mesh, layers_name: str | None, norm_name: str | None
 ) -> nn.ModuleList:
     """Install the scatter/gather hooks and mark the partial-gradient parameters."""
     layers, norm = check_sequence_parallel(model, layers_name, norm_name)
     layers[0].register_forward_pre_hook(ScatterSequence(mesh.tp), with_kwargs=True)
+    for layer in layers:
+        if _takes_layer_input(layer):
+            layer.register_forward_pre_hook(ScatterLayerInput(mesh.tp), with_kwargs=True)
     norm.register_forward_hook(GatherSequence(mesh.tp))
     for mod in (layers, norm):
         for name, _ in mod.named_parameters():

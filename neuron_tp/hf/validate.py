@@ -21,6 +21,7 @@ from .attention import (
 )
 from .grouped_qkv import grouped_qkv_rows
 from .head_params import check_head_params
+from .layer_heads import with_layer_heads
 from .mla import check_latent
 from .modules import check_column_linear, check_row_linear, check_vocab_embedding, linear_view
 from .moe import check_moe
@@ -50,6 +51,7 @@ def validate(
     mp = plan_model(model, plan)
     s = mp.structure
     check_latent(model, mp.latent, mesh)
+    heads = with_layer_heads(model, s.attention, heads)
     if sequence_parallel:
         check_sequence_parallel(model, s.layers, s.final_norm)
     check_split_pairs(
@@ -66,7 +68,13 @@ def validate(
         _refuse_unsharded_mixers(model, mp)
     for name, style in mp.targets.items():
         _check_target(
-            model, name, style, mp, mesh=mesh, heads=heads, sequence_parallel=sequence_parallel
+            model,
+            name,
+            style,
+            mp,
+            mesh=mesh,
+            heads=heads.at(name) if heads else None,
+            sequence_parallel=sequence_parallel,
         )
     return mp, heads
 
@@ -112,14 +120,15 @@ def _refuse_unsplit_head_params(model: nn.Module, mp: ModelPlan, heads: Heads | 
         if st.is_column and _parent(n) in mp.structure.attention
     }
     for att in sorted(split):
+        h = heads.at(att)
         for pname, p in model.get_submodule(att).named_parameters():
             owner = _parent(f"{att}.{pname}")
-            per_head = {n for n in (heads.q, heads.kv) if 1 < n != heads.dim}
+            per_head = {n for n in (h.q, h.kv) if 1 < n != h.dim}
             sharded = owner in mp.targets or f"{att}.{pname}" in mp.head_params
             if not sharded and per_head & set(p.shape):
                 raise ValueError(
-                    f"{att}.{pname}: a per-head parameter {tuple(p.shape)} ({heads.q} heads, "
-                    f"{heads.kv} key/value heads) of "
+                    f"{att}.{pname}: a per-head parameter {tuple(p.shape)} ({h.q} heads, "
+                    f"{h.kv} key/value heads) of "
                     f"{type(model.get_submodule(att)).__name__} that the plan does not shard, "
                     "while it splits the attention's heads over tp; keep this attention "
                     "replicated (pass plan= without its projections)"

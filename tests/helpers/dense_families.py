@@ -84,7 +84,58 @@ OVERRIDES: dict[str, dict] = {
     "xglm": dict(attention_dropout=0.0),
     # its fused qkv of 4 blocks needs 4 query heads per rank (8 at tp 2)
     "codegen": dict(n_head=8, num_attention_heads=8, resid_pdrop=0.1, attn_pdrop=0.1),
+    # mamba heads x head dim = the mixer's width (expand x hidden)
+    "bamba": dict(mamba_d_head=16, attn_layer_indices=[1]),
+    # sliding and global layers, the last two reusing the first two's keys and values, the
+    # first layer's MLP sparse (a top-k by the mean and spread of its features)
+    "gemma3n_text": dict(
+        num_hidden_layers=4,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        num_kv_shared_layers=2,
+        activation_sparsity_pattern=[0.95, 0.0, 0.0, 0.0],
+        hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=V,
+        laurel_rank=8,
+        sliding_window=4,
+    ),
+    "recurrent_gemma": dict(block_types=["recurrent", "attention"], lru_width=32),
+    "falcon_h1": dict(mamba_d_head=16, mamba_d_ssm=64),
+    "zamba2": dict(layers_block_type=["mamba", "hybrid"], n_mamba_heads=4, adapter_rank=8),
+    # routed experts after a dense first layer
+    "dots1": dict(
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        moe_intermediate_size=16,
+        first_k_dense_replace=1,
+    ),
+    "dbrx": dict(
+        attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
+        ffn_config=dict(ffn_hidden_size=64, moe_num_experts=4, moe_top_k=2),
+    ),
 }
+
+# Gemma-4's text config: sliding and global layers of different head dims (8 and 16) and kv
+# heads (2 and 1: replicated at tp 2), the global ones' values their keys, the last two
+# layers reusing the first two's keys and values (one per layer type) with double-wide MLPs,
+# and per-layer inputs.
+GEMMA4_TEXT = dict(
+    num_hidden_layers=4,
+    layer_types=["sliding_attention", "full_attention"] * 2,
+    head_dim=8,
+    global_head_dim=16,
+    num_global_key_value_heads=1,
+    attention_k_eq_v=True,
+    num_kv_shared_layers=2,
+    use_double_wide_mlp=True,
+    hidden_size_per_layer_input=8,
+    vocab_size_per_layer_input=V,
+    sliding_window=4,
+    pad_token_id=0,
+    bos_token_id=2,
+    eos_token_id=1,
+)
+_HETEROGENEOUS = ("gemma4", "gemma4_text", "gemma4_unified", "gemma4_unified_text")
 
 # Families whose tiny config still holds full-size parts the generic sizes do not reach
 # (a byte-level patcher, vision and audio towers): not built, listed with the reason.
@@ -92,7 +143,33 @@ NO_TINY = {
     "blt": "its byte-level patcher allocates 12 GB",
     "phi4_multimodal": "full-size vision and audio towers (870M parameters)",
     "moss_transcribe_diarize": "a full-size audio encoder (307M parameters)",
+    "gemma4_assistant": "a draft model: it reads its target model's keys and values",
+    "gemma4_unified_assistant": "a draft model: it reads its target model's keys and values",
 }
+
+
+def dense_config(model_type: str, **overrides):
+    """The tiny config of ``model_type``: :func:`tiny_config` with the dense sizes, or, for a
+    family whose config holds per-layer fields (Gemma-4), built from :data:`GEMMA4_TEXT`."""
+    if model_type not in _HETEROGENEOUS:
+        own = {**OVERRIDES.get(model_type, {}), **overrides}
+        return tiny_config(model_type, sizes=SIZES, **own)
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads")
+    keys += ("num_key_value_heads", "max_position_embeddings")
+    text = {**{k: SIZES[k] for k in keys}, **GEMMA4_TEXT, "tie_word_embeddings": False}
+    text.update(overrides)
+    cls = CONFIG_MAPPING[model_type]
+    if model_type.endswith("_text"):
+        return cls(**text)
+    return cls(text_config=text, tie_word_embeddings=False)
+
+
+# Families also compared in eval mode with sequence parallelism (each refuses it or is exact):
+# per-layer head sizes and shared keys and values, per-layer inputs, mamba mixers, experts.
+SP_FAMILIES = {"gemma4_text", "gemma4_unified_text", "gemma3n_text", "falcon_h1", "bamba"}
+SP_FAMILIES |= {"dots1", "dbrx", "gemma3_text", "qwen3_5_text"}
 
 
 def drops(model) -> bool:
@@ -125,7 +202,7 @@ def build_dense(model_type: str, seed: int = 0, **overrides):
     every rank or a norm applied to the wrong features)."""
     import transformers as tf
 
-    cfg = tiny_config(model_type, sizes=SIZES, **{**OVERRIDES.get(model_type, {}), **overrides})
+    cfg = dense_config(model_type, **overrides)
     torch.manual_seed(seed)
     try:
         model = tf.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")

@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "helpers"))
 import gloo_dist  # noqa: E402
 from dense_families import (  # noqa: E402
     NO_TINY,
+    SP_FAMILIES,
     V,
     build_dense,
     dense_families,
@@ -121,8 +122,9 @@ def _compare_training(ref, m, tag: str = "", ids: torch.Tensor | None = None) ->
     return bad
 
 
-def _try(ref) -> tuple[str, str]:
-    """``(outcome, detail)``: exact / refused / wrong / fail; ``ref`` is not changed."""
+def _try(ref, sp_too: bool = False) -> tuple[str, str]:
+    """``(outcome, detail)``: exact / refused / wrong / fail; ``ref`` is not changed.
+    ``sp_too``: also in eval mode with sequence parallelism (when the family takes it)."""
     from neuron_tp.hf import parallelize
 
     opts = dict(parallel_loss=True)
@@ -140,6 +142,8 @@ def _try(ref) -> tuple[str, str]:
         return "fail", f"{type(e).__name__} while sharding: {str(e)[:300]}"
     try:
         bad = _compare(copy.deepcopy(ref), probe)
+        if not bad and sp_too:
+            bad = [f"sp {b}" for b in _compare_sp(ref, opts)]
         if not bad and drops(ref):
             bad = _compare_training(copy.deepcopy(ref), parallelize(copy.deepcopy(ref), **opts))
             try:
@@ -151,6 +155,17 @@ def _try(ref) -> tuple[str, str]:
     except Exception as e:  # noqa: BLE001
         return "fail", f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
     return ("wrong", "; ".join(bad[:4])) if bad else ("exact", "")
+
+
+def _compare_sp(ref, opts: dict) -> list[str]:
+    """:func:`_compare` with sequence parallelism (nothing when the family refuses it)."""
+    from neuron_tp.hf import parallelize
+
+    try:
+        sp = parallelize(copy.deepcopy(ref), **opts, sequence_parallel=True)
+    except ValueError:
+        return []
+    return _compare(copy.deepcopy(ref), sp)
 
 
 def _lora_dropout() -> dict[str, str]:
@@ -186,13 +201,13 @@ def _sweep(out_path: str) -> None:
         try:
             ref = build_dense(mt)
             ids = torch.randint(1, V, (2, 8))
-            ref(ids, labels=ids).loss.backward()  # the unsharded model itself runs
-            ref.zero_grad(set_to_none=True)
+            # the unsharded model itself runs (a copy: RecurrentGemma keeps its states)
+            copy.deepcopy(ref)(ids, labels=ids).loss.backward()
             outcome = None
         except Exception as e:  # noqa: BLE001 - the tiny config does not build: not neuron_tp's
             outcome = ("no tiny model", f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
         if outcome is None:
-            outcome = _try(ref)
+            outcome = _try(ref, sp_too=mt in SP_FAMILIES)
         every = [None] * dist.get_world_size()
         dist.all_gather_object(every, outcome)
         results[mt] = max(every, key=lambda o: _RANK[o[0]])
