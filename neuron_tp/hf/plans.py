@@ -130,6 +130,20 @@ def _stablelm(config: Any) -> ArchPlan:
     )
 
 
+def _big_bird(config: Any) -> ArchPlan:
+    """BigBird: BERT's layout with full attention; its block-sparse attention (the default,
+    which transformers swaps for full attention on a short input, replacing the modules in
+    the middle of a forward) is refused."""
+    if getattr(config, "attention_type", "original_full") == "original_full":
+        return _BERT
+    return replace(
+        _BERT,
+        unsupported=f"big_bird: attention_type {config.attention_type!r} (block-sparse "
+        "attention) has no tensor-parallel plan; load the model with "
+        "attention_type='original_full'",
+    )
+
+
 def _persimmon(config: Any) -> ArchPlan:
     """Persimmon: fused qkv interleaved per head (a plain split by heads), q/k LayerNorms over
     one head's features (shared by every head)."""
@@ -311,9 +325,8 @@ ARCH_PLANS: dict[str, ArchPlan | Callable[[Any], ArchPlan]] = {
         ("camembert", "xlm-roberta", "xlm-roberta-xl", "data2vec-text", "bert-generation"),
         replace(_BERT, lm_head="lm_head.decoder"),
     ),
-    **dict.fromkeys(
-        ("ernie", "megatron-bert", "rembert", "roc_bert", "roformer", "big_bird"), _BERT
-    ),
+    **dict.fromkeys(("ernie", "megatron-bert", "rembert", "roc_bert", "roformer"), _BERT),
+    "big_bird": _big_bird,
     "electra": replace(_BERT, lm_head="generator_lm_head"),
     # a LayerNorm inside ``intermediate`` before its projection: the projection prepares its
     # own input (after the norm), so the norm's gradient is whole

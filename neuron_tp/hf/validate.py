@@ -138,18 +138,20 @@ def _refuse_unsplit_head_params(model: nn.Module, mp: ModelPlan, heads: Heads | 
 def _refuse_layer_head_counts(model: nn.Module, mp: ModelPlan, heads: Heads | None) -> None:
     """ValueError when an attention module whose heads the plan splits states head counts of
     its own that differ from the config's (MiMo-V2-Flash's sliding-window layers double the
-    key/value heads): the per-rank counts and the kv head layout are computed from the config."""
+    key/value heads): the per-rank counts and the kv head layout are computed from the config
+    (its layer's, for a config with per-layer fields: :meth:`Heads.at`)."""
     if heads is None:
         return
-    want = {
-        "num_heads": heads.q,
-        "num_attention_heads": heads.q,
-        "num_key_value_heads": heads.kv,
-        "num_key_value_groups": heads.q // heads.kv,
-    }
     split = {_parent(n) for n, st in mp.targets.items() if st.is_column}
     for att in sorted(split & mp.structure.attention):
         mod = model.get_submodule(att)
+        h = heads.at(att)
+        want = {
+            "num_heads": h.q,
+            "num_attention_heads": h.q,
+            "num_key_value_heads": h.kv,
+            "num_key_value_groups": h.q // h.kv,
+        }
         for attr, value in want.items():
             have = getattr(mod, attr, None)
             if isinstance(have, int) and not isinstance(have, bool) and have != value:

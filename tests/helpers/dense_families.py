@@ -80,6 +80,8 @@ OVERRIDES: dict[str, dict] = {
     "mamba2": dict(num_heads=8),
     # project_in / project_out around the decoder; dropout between fc1 and fc2 too
     "opt": dict(word_embed_proj_dim=16, activation_dropout=0.1, attention_dropout=0.1),
+    # full attention (block-sparse attention is refused: tests/hf/test_llm_families.py)
+    "big_bird": dict(attention_type="original_full"),
     # attention dropout on [batch * heads, q, k] is refused (tests/hf/test_llm_families.py)
     "xglm": dict(attention_dropout=0.0),
     # its fused qkv of 4 blocks needs 4 query heads per rank (8 at tp 2)

@@ -54,6 +54,7 @@ REFUSED: dict[str, tuple[str, dict, str]] = {
         "slow_but_exact",
     ),
     "codegen 2 heads per rank": ("codegen", {}, "multiple of 4"),
+    "big_bird block-sparse": ("big_bird", {"attention_type": "block_sparse"}, "block-sparse"),
 }
 
 
