@@ -1,7 +1,7 @@
 """What the static and the slot generator share about one step of the model: the bucket a
 length runs in, the model kwargs that turn off outputs generation never reads, the name the
-model takes its cache under, and the check that every layer's static cache holds the whole
-sequence."""
+model takes its cache under, the attention mask in the form the model's attention takes, and
+the check that every layer's static cache holds the whole sequence."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import functools
 import inspect
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
+
+import torch
 
 if TYPE_CHECKING:
     from torch import nn
@@ -40,6 +42,18 @@ def cache_kwargs(model, cache) -> dict:
     base = getattr(model, "get_base_model", None)
     cls: type[nn.Module] = type(base() if callable(base) else model)
     return {_cache_name(cls.forward): cache}
+
+
+def attention_mask_for(model, allowed: torch.Tensor) -> torch.Tensor:
+    """A boolean ``[batch, 1, queries, keys]`` mask (True: visible) as ``model``'s attention
+    takes it: transformers hands a 4-D mask to the attention function as it is, and eager
+    attention (GPT-OSS's, with its sinks) adds it to the scores, so it gets 0 where visible
+    and the dtype's minimum elsewhere; sdpa and blockwise attention take the boolean."""
+    if getattr(model.config, "_attn_implementation", None) != "eager":
+        return allowed
+    dtype = model.get_input_embeddings().weight.dtype
+    zero = torch.zeros((), dtype=dtype, device=allowed.device)
+    return torch.where(allowed, zero, torch.finfo(dtype).min)
 
 
 @functools.cache

@@ -480,9 +480,11 @@ class SlotGenerator(StepGraphsOwner):
 
     def cache_mask(self, qpos: torch.Tensor) -> torch.Tensor:
         """The attention mask of queries at cache indices ``qpos`` over this rank's cache."""
+        from .model_step import attention_mask_for
         from .slot_cache import visible
 
-        return visible(qpos, self.max_len + 1) if self.split is None else self.split.visible(qpos)
+        seen = visible(qpos, self.max_len + 1) if self.split is None else self.split.visible(qpos)
+        return attention_mask_for(self.model, seen)
 
     def with_split_attention(self, step):
         """``step`` run with the sequence-split attention switched on (when the cache is)."""

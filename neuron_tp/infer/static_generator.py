@@ -27,7 +27,13 @@ if TYPE_CHECKING:
     from transformers import StaticCache
 
 from ..errors import UserError
-from .model_step import cache_kwargs, check_cache, no_aux_outputs, pick_bucket
+from .model_step import (
+    attention_mask_for,
+    cache_kwargs,
+    check_cache,
+    no_aux_outputs,
+    pick_bucket,
+)
 from .replay import StepGraphs, StepGraphsOwner
 from .sampling import GREEDY, Sampling, choose, host_generator, host_noise
 
@@ -197,7 +203,7 @@ class Generator(StepGraphsOwner):
             cache = slots.fresh() if prefill else slots.install(cache_values)
             out = model(
                 input_ids=ids,
-                attention_mask=attention_mask_4d(mask, cache_pos),
+                attention_mask=attention_mask_for(model, attention_mask_4d(mask, cache_pos)),
                 position_ids=pos,
                 cache_position=cache_pos,
                 **cache_kwargs(model, cache),
