@@ -219,10 +219,10 @@ def _xglm(config: Any) -> ArchPlan:
     return _XGLM
 
 
-_XGLM = ArchPlan(
-    layers="layers",
-    embedding="embed_tokens",
-    final_norm="layer_norm",
+_OPT = ArchPlan(  # fc1/fc2 sit in the decoder layer, which prepares no input
+    layers="decoder.layers",
+    embedding="decoder.embed_tokens",
+    final_norm="decoder.final_layer_norm",
     attention="self_attn",
     mlp=None,
     prepares_input=("self_attn",),
@@ -235,6 +235,7 @@ _XGLM = ArchPlan(
         "fc2": Style.ROW,
     },
 )
+_XGLM = replace(_OPT, layers="layers", embedding="embed_tokens", final_norm="layer_norm")
 
 
 # model_type -> its plan, or a function of the config returning it. Architectures not listed
@@ -302,22 +303,7 @@ ARCH_PLANS: dict[str, ArchPlan | Callable[[Any], ArchPlan]] = {
             "mlp.fc_out": Style.ROW,
         },
     ),
-    "opt": ArchPlan(  # fc1/fc2 sit in the decoder layer, which prepares no input
-        layers="decoder.layers",
-        embedding="decoder.embed_tokens",
-        final_norm="decoder.final_layer_norm",
-        attention="self_attn",
-        mlp=None,
-        prepares_input=("self_attn",),
-        layer_styles={
-            "self_attn.q_proj": Style.COLUMN,
-            "self_attn.k_proj": Style.COLUMN,
-            "self_attn.v_proj": Style.COLUMN,
-            "self_attn.out_proj": Style.ROW,
-            "fc1": Style.COLUMN,
-            "fc2": Style.ROW,
-        },
-    ),
+    "opt": _OPT,
     "bert": _BERT,
     "roberta": replace(_BERT, lm_head="lm_head.decoder"),
     # BERT's layer layout under other names of the LM head
