@@ -172,6 +172,7 @@ def patch_attention_module(attn: nn.Module, heads: Heads, tp: int, slots_per_ran
         "n_head": local_q,
         "num_key_value_heads": slots_per_rank,
         "num_kv_heads": slots_per_rank,
+        "kv_heads": slots_per_rank,
         "num_key_value_groups": local_q // slots_per_rank,
         "split_size": local_q * heads.dim,
         "all_head_size": local_q * heads.dim,

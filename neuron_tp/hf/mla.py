@@ -115,9 +115,13 @@ def reads_latent(name: str, modules: frozenset[str]) -> bool:
 
 
 def patch_latent_heads(attn: nn.Module, tp: int) -> None:
-    """Set this rank's head count on a latent attention module (and its own config copy);
-    its key/value groups are unchanged (every head has its own key and value)."""
+    """Set this rank's head count on a latent attention module (and its own config copy),
+    and one head per key/value group: every head expands its own key and value from the
+    latents (a config's ``num_key_value_heads`` below the head count would otherwise repeat
+    them past the query heads wherever attention gets a mask tensor, as generation's)."""
     local = _num_heads(attn) // tp
+    if isinstance(getattr(attn, "num_key_value_groups", None), int):
+        vars(attn)["num_key_value_groups"] = 1
     for name in ("num_heads", "num_attention_heads"):
         if isinstance(getattr(attn, name, None), int):
             setattr(attn, name, local)

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..errors import UserError
+
 if TYPE_CHECKING:
     from torch import nn
 
@@ -71,10 +73,17 @@ def check_cache(config, total: int, what: str) -> None:
     ``total`` positions come from and what to change."""
     from transformers import StaticCache
 
+    try:
+        layers = StaticCache(config=config, max_cache_len=total).layers
+    except KeyError as e:
+        raise UserError(
+            f"layer type {e} has no static cache in transformers: generation with a fixed "
+            f"graph set needs full or sliding attention layers"
+        ) from None
     short = {
         layer.max_cache_len
-        for layer in StaticCache(config=config, max_cache_len=total).layers
-        if layer.max_cache_len < total
+        for layer in layers
+        if getattr(layer, "max_cache_len", total) < total  # a layer with no cache: none
     }
     if short:
         raise ValueError(

@@ -14,25 +14,47 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..errors import UserError
+from ..layers.linear import ColumnParallelLinear
+
+RECURRENT = frozenset({"linear_attention", "linear", "mamba", "conv", "recurrent", "hybrid"})
+"""``layer_types`` whose state is (or holds) a recurrence, not only keys and values (a k_proj
+there is no attention's)."""
 
 
 def kv_shapes(model) -> list[tuple[int, int, torch.dtype]]:
     """``(local kv heads, head dim, dtype)`` of every attention layer, in ``layer_idx`` order,
     read from the (possibly tp-sharded) model: the local ``k_proj`` rows / head dim, or (fused
-    projections, e.g. GPT-2) the module's own per-rank head count."""
+    projections, e.g. GPT-2) the module's own per-rank head count. UserError for a model
+    whose state is not one KV cache per layer, or whose masks slots cannot give."""
+    _refuse_2d_mask_biases(model)
+    text = model.config.get_text_config(decoder=True)
+    kinds = list(getattr(text, "layer_types", None) or [])
     found: dict[int, tuple[int, int, torch.dtype]] = {}
     for module in model.modules():
         idx = getattr(module, "layer_idx", None)
-        if isinstance(idx, int) and (shape := _local_kv(module)) is not None:
+        if not isinstance(idx, int) or (idx < len(kinds) and kinds[idx] in RECURRENT):
+            continue
+        if (shape := _local_kv(module)) is not None:
             found[idx] = shape
-    n = model.config.get_text_config(decoder=True).num_hidden_layers
-    if sorted(found) != list(range(n)):
+    n = text.num_hidden_layers
+    missing = [i for i in range(n) if i not in found]
+    if missing:
+        named = sorted({kinds[i] for i in missing if i < len(kinds)})
+        kind = f" (they are {', '.join(named)} layers, whose state is not only a KV cache)"
         raise UserError(
-            f"{type(model).__name__}: slot generation needs attention modules with a k_proj "
-            f"projection (or num_heads and head_dim) and a layer_idx on each of the {n} "
-            f"layers; found them on layers {sorted(found)}"
+            f"{type(model).__name__}: slot generation keeps a KV cache per layer and needs an "
+            f"attention module (a k_proj, or num_heads and head_dim, and a layer_idx) on each "
+            f"of the {n} layers; layers {missing} have none" + (kind if named else "")
         )
     return [found[i] for i in range(n)]
+
+
+def _refuse_2d_mask_biases(model) -> None:
+    if any(callable(getattr(m, "build_alibi_tensor", None)) for m in model.modules()):
+        raise UserError(
+            f"{type(model).__name__}: its ALiBi biases are built from a 2-D padding mask, and "
+            f"slot generation gives the model a 4-D mask per slot; use neuron-tp generate"
+        )
 
 
 def kv_tensor_shapes(model) -> list[tuple[int, int, torch.dtype]]:
@@ -63,14 +85,35 @@ def _local_kv(module) -> tuple[int, int, torch.dtype] | None:
         return 1, dims[0], next(module.parameters()).dtype
     weight = next((p for p in module.parameters(recurse=True)), None)
     dim = getattr(module, "head_dim", None)
-    k_proj = getattr(getattr(module, "k_proj", None), "weight", None)
+    if getattr(module, "is_kv_shared_layer", False) is True and weight is not None:
+        return 0, dim or 1, weight.dtype  # reads an earlier layer's keys: caches nothing
+    k_linear = getattr(module, "k_proj", None)
+    k_proj = getattr(k_linear, "weight", None)
     if isinstance(k_proj, torch.Tensor):
         if not isinstance(dim, int):
             dim = module.config.hidden_size // module.config.num_attention_heads
-        return k_proj.shape[0] // dim, dim, k_proj.dtype
-    heads = getattr(module, "num_key_value_heads", None) or getattr(module, "num_heads", None)
+        rows = k_proj.shape[0]
+        if isinstance(k_linear, ColumnParallelLinear) and k_linear.gather_output:
+            rows = k_linear.out_features  # every head
+        return rows // dim, dim, k_proj.dtype
+    heads = _first_int(module, "num_key_value_heads", "kv_heads", "num_heads")
+    config = getattr(module, "config", None)  # the module's own copy, with this rank's heads
+    if heads is None and config is not None:
+        heads = _first_int(config, "num_key_value_heads", "num_attention_heads")
+    dim = dim if isinstance(dim, int) else getattr(module, "head_size", None)
     if isinstance(heads, int) and isinstance(dim, int) and weight is not None:
         return heads, dim, weight.dtype
+    return None
+
+
+def _first_int(obj, *names: str) -> int | None:
+    for name in names:
+        try:
+            value = getattr(obj, name, None)
+        except (AttributeError, RuntimeError):  # a heterogeneous config's per-layer attribute
+            value = None
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
     return None
 
 
