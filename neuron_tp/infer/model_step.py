@@ -85,6 +85,8 @@ def check_cache(config, total: int, what: str) -> None:
         for layer in layers
         if getattr(layer, "max_cache_len", total) < total  # a layer with no cache: none
     }
+    if "local" in (getattr(config, "attention_layers", None) or []):  # GPT-Neo's local layers
+        short |= {config.window_size} if config.window_size < total else set()
     if short:
         raise ValueError(
             f"the model's sliding window ({min(short)} positions) is shorter than the "

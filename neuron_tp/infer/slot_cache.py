@@ -31,8 +31,8 @@ def kv_shapes(model) -> list[tuple[int, int, torch.dtype]]:
     kinds = list(getattr(text, "layer_types", None) or [])
     found: dict[int, tuple[int, int, torch.dtype]] = {}
     for module in model.modules():
-        idx = getattr(module, "layer_idx", None)
-        if not isinstance(idx, int) or (idx < len(kinds) and kinds[idx] in RECURRENT):
+        idx = _first_int(module, "layer_idx", "layer_id")
+        if idx is None or (idx < len(kinds) and kinds[idx] in RECURRENT):
             continue
         if (shape := _local_kv(module)) is not None:
             found[idx] = shape
@@ -96,7 +96,9 @@ def _local_kv(module) -> tuple[int, int, torch.dtype] | None:
         if isinstance(k_linear, ColumnParallelLinear) and k_linear.gather_output:
             rows = k_linear.out_features  # every head
         return rows // dim, dim, k_proj.dtype
-    heads = _first_int(module, "num_key_value_heads", "kv_heads", "num_heads")
+    heads = _first_int(
+        module, "num_key_value_heads", "kv_heads", "num_heads", "n_heads", "num_attention_heads"
+    )
     config = getattr(module, "config", None)  # the module's own copy, with this rank's heads
     if heads is None and config is not None:
         heads = _first_int(config, "num_key_value_heads", "num_attention_heads")
