@@ -2,7 +2,9 @@
 exact, at tp 4 on gloo ranks, with and without sequence parallelism, in ONE launch: logits,
 parallel loss, every gradient and the logits after one SGD step equal the unsharded
 transformers model's (and, for a family with dropout, in training mode from the same RNG
-state). MQA with one kv head replicated on every rank (StarCoder), ALiBi slopes of each
+state). Gemma-3/3n/4 (sliding and global layers, KV sharing, per-layer inputs), Qwen-3.5 and
+Falcon-H1 (their recurrent mixers replicated; no sequence parallelism), GPT-J, MiniCPM3's
+latent attention. MQA with one kv head replicated on every rank (StarCoder), ALiBi slopes of each
 rank's heads (BLOOM, MPT), attention sinks split by heads (Granite-SWA), CodeGen's 4-block qkv,
 Gemma-3's text config. The configurations neuron_tp cannot shard exactly are refused before
 anything is changed, with the reason. A sample (BLOOM, StarCoder, Granite-SWA) also runs on 2
@@ -33,6 +35,12 @@ CASES: dict[str, tuple[str, dict]] = {
     "mpt": ("mpt", {}),
     "bloom": ("bloom", {}),
     "gemma3": ("gemma3", {}),
+    "gemma3n": ("gemma3n_text", {}),  # KV-shared layers, per-layer inputs
+    "gemma4": ("gemma4_text", {}),
+    "qwen3_5": ("qwen3_5_text", {}),  # linear-attention (Gated DeltaNet) and full layers
+    "falcon_h1": ("falcon_h1", {}),  # attention and Mamba mixers side by side
+    "gptj": ("gptj", {}),
+    "minicpm3": ("minicpm3", {}),  # multi-head latent attention
     "granite_swa": ("granite_swa", {}),
     "xglm": ("xglm", {}),
     "bitnet": ("bitnet", {}),  # RMSNorms over split features before o_proj / down_proj
@@ -43,7 +51,12 @@ CASES: dict[str, tuple[str, dict]] = {
     ),
 }
 # Sequence parallelism refused (with this reason) for these.
-NO_SP = {"xglm": "sequence_parallel needs column-parallel projections inside an attention"}
+NO_SP = {
+    "xglm": "sequence_parallel needs column-parallel projections inside an attention",
+    "gemma3n": "a stack of residual streams (AltUp",
+    "qwen3_5": "mixes tokens along the sequence",
+    "falcon_h1": "mixes tokens along the sequence",
+}
 # Refused whatever the options: name -> (model_type, overrides, words of the reason).
 REFUSED: dict[str, tuple[str, dict, str]] = {
     "stablelm qk_layernorm": ("stablelm", {"qk_layernorm": True}, "qk_layernorm"),
