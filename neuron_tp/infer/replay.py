@@ -11,7 +11,9 @@ built on, without dynamo's guards and per-call input synchronisation).
 Contract for ``fn(*args) -> list[Tensor]``: its result depends on the tensors in ``args``
 and on tensors that do not change between calls (weights, constants); it may update ``args``
 in place (a KV cache): the updated values come back as results (``fn``'s own when it returns
-the argument, else in ``updated``), never written back into the argument.
+the argument, else in ``updated``), never written back into the argument. A result that is
+an argument left unchanged (e.g. the cache of a layer that reads another layer's) is no
+output of the graph: the replay returns that call's argument there.
 Host values that change between calls must come in as tensors. On an eager device there is
 nothing to capture: ``fn`` is called each time.
 """
@@ -19,11 +21,20 @@ nothing to capture: ``fn`` is called each time.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from ..backend import xla as _xla
+
+
+class _Graph(NamedTuple):
+    hash: Any
+    slots: list  # per graph input: the argument's index, or a bound value in a 1-tuple
+    n_results: int  # fn's results
+    computed: list[int]  # the results the graph computes, in its output order
+    passed: dict[int, int]  # result -> the argument it is, unchanged
+    updated: list[int]  # arguments updated in place and not returned
 
 
 class ReplayedStep:
@@ -33,8 +44,7 @@ class ReplayedStep:
 
     def __init__(self, fn: Callable[..., Sequence[torch.Tensor]]):
         self.fn = fn
-        # (hash, input slots, n outputs, indices of updated args)
-        self._graph: tuple[Any, list, int, list[int]] | None = None
+        self._graph: _Graph | None = None
         self.traces = 0
 
     def __call__(self, *args: torch.Tensor):
@@ -47,24 +57,26 @@ class ReplayedStep:
             graph = self._graph = self._capture(args)
             first = self._first_inputs
             del self._first_inputs
-            res = X._run_cached_graph(graph[0], first)
+            res = X._run_cached_graph(graph.hash, first)
         else:
-            graph_hash, slots, _, _ = self._graph
-            res = X._run_cached_graph(
-                graph_hash, [args[s] if isinstance(s, int) else s[0] for s in slots]
-            )
-        return self._split(res, len(args))
+            graph = self._graph
+            inputs = [args[s] if isinstance(s, int) else s[0] for s in graph.slots]
+            res = X._run_cached_graph(graph.hash, inputs)
+        return self._split(graph, res, args)
 
-    def _split(self, res, n_args: int):
-        assert self._graph is not None
-        _, _, n_out, updated_idx = self._graph
-        outputs = list(res[:n_out])
-        updated: list[torch.Tensor | None] = [None] * n_args
-        for i, t in zip(updated_idx, res[n_out:]):
+    @staticmethod
+    def _split(graph: _Graph, res, args: Sequence[torch.Tensor]):
+        outputs: list[torch.Tensor | None] = [None] * graph.n_results
+        for k, t in zip(graph.computed, res):
+            outputs[k] = t
+        for k, i in graph.passed.items():
+            outputs[k] = args[i]
+        updated: list[torch.Tensor | None] = [None] * len(args)
+        for i, t in zip(graph.updated, res[len(graph.computed) :]):
             updated[i] = t
         return outputs, updated
 
-    def _capture(self, args: Sequence[torch.Tensor]):
+    def _capture(self, args: Sequence[torch.Tensor]) -> _Graph:
         import torch_xla
 
         X = torch_xla._XLAC
@@ -74,9 +86,16 @@ class ReplayedStep:
         outputs = list(self.fn(*args))
         self.traces += 1
         dirty = X._check_tensor_need_materialization(list(args))
+        index = {id(a): i for i, a in enumerate(args)}
+        passed = {
+            k: index[id(t)]
+            for k, t in enumerate(outputs)
+            if id(t) in index and not dirty[index[id(t)]]
+        }
+        computed = [k for k in range(len(outputs)) if k not in passed]
         returned = {id(t) for t in outputs}
-        updated_idx = [i for i, d in enumerate(dirty) if d and id(args[i]) not in returned]
-        roots = outputs + [args[i] for i in updated_idx]
+        updated = [i for i, d in enumerate(dirty) if d and id(args[i]) not in returned]
+        roots = [outputs[k] for k in computed] + [args[i] for i in updated]
         ids, values = X._get_tensors_xla_device_data_node(roots)
         # A slot is the index of the argument fed there at each call, or a bound value
         # (wrapped in a tuple) that stays the same: weights, constants of the trace.
@@ -87,7 +106,7 @@ class ReplayedStep:
         # Drop the traced computation from every live tensor (the arguments updated in place
         # now hold it): nothing of it may run again outside the replay.
         X._clear_pending_irs(str(torch_xla.device()))
-        return graph_hash, slots, len(outputs), updated_idx
+        return _Graph(graph_hash, slots, len(outputs), computed, passed, updated)
 
 
 class StepGraphs:

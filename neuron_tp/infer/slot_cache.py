@@ -86,7 +86,9 @@ def _local_kv(module) -> tuple[int, int, torch.dtype] | None:
     weight = next((p for p in module.parameters(recurse=True)), None)
     dim = getattr(module, "head_dim", None)
     if getattr(module, "is_kv_shared_layer", False) is True and weight is not None:
-        return 0, dim or 1, weight.dtype  # reads an earlier layer's keys: caches nothing
+        # Reads an earlier layer's keys and values, writes none: a one-feature placeholder
+        # (a zero-size tensor is no graph input or output on XLA, so not carried by a step).
+        return 1, 1, weight.dtype
     k_linear = getattr(module, "k_proj", None)
     k_proj = getattr(k_linear, "weight", None)
     if isinstance(k_proj, torch.Tensor):
