@@ -105,7 +105,40 @@ def message_text(index: int, message: Any) -> dict:
             f"{type(content).__name__}",
             "messages",
         )
+    if message.get("tool_calls"):
+        return {**message, "content": content, "tool_calls": _calls(index, message["tool_calls"])}
     return {**message, "content": content}
+
+
+def _calls(index: int, calls: Any) -> list[dict]:
+    """An assistant message's ``tool_calls`` with each ``function.arguments`` as the object
+    its JSON text holds: chat templates render the arguments (``| tojson``) as an object, as
+    the model wrote them; the string OpenAI clients send back would be rendered quoted."""
+    where = f"messages[{index}].tool_calls"
+    if not isinstance(calls, list):
+        raise BadRequest(f"{where} must be a list of {{id, type, function}}", "messages")
+    out = []
+    for j, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise BadRequest(
+                f'{where}[{j}] must be {{"type": "function", "function": {{"name", "arguments"}}}}',
+                "messages",
+            )
+        args = fn.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except ValueError:
+                args = None
+        if not isinstance(args, dict):
+            raise BadRequest(
+                f"{where}[{j}].function.arguments must be a JSON object (as text, as the "
+                f"server sent it), got {fn.get('arguments')!r}",
+                "messages",
+            )
+        out.append({**c, "function": {**fn, "arguments": args}})
+    return out
 
 
 def prepare(engine: Engine, body: dict, chat: bool) -> CompletionRequest:
