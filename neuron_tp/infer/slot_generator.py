@@ -166,7 +166,7 @@ class SlotGenerator(StepGraphsOwner):
         self._every_token = [
             torch.full((n, self.words), -1, dtype=torch.int32).to(dev) for n in (1, slots)
         ]  # the packed rows of a prefill and of a decode step without a grammar
-        self._lp_out: tuple[torch.Tensor, ...] | None = None  # the last step's logprobs
+        self._lp_out: torch.Tensor | None = None  # the last step's packed logprobs
         self.logprob_slots: set[int] = set()  # slots whose log-probabilities are read back
         self.logprobs: dict[int, TokenLogprob] = {}  # theirs, of the last step
         self.prompt_logprobs: list[TokenLogprob] = []  # of the last prompt_logprobs chunk
@@ -431,10 +431,10 @@ class SlotGenerator(StepGraphsOwner):
         key = ("prefill", bucket, sampled, prompt_lp) if prompt_lp else ("prefill", bucket, sampled)
         build = lambda: prefill_step(self, bucket, sampled, prompt_lp)  # noqa: E731
         out = self._run_model(key, build, [*args, *self._state])
-        n, m = len(SlotState._fields), 7 if prompt_lp else 4
-        self._lp_out = tuple(out[1:4])
+        n, m = len(SlotState._fields), 3 if prompt_lp else 2
+        self._lp_out = out[1]
         if prompt_lp:
-            self._prompt_lp = tuple(out[4:7])
+            self._prompt_lp = out[2]
         self._state, self._kv = SlotState(*out[m : m + n]), out[m + n :]
         return out[0]
 
@@ -456,8 +456,8 @@ class SlotGenerator(StepGraphsOwner):
         n = 2
         if variant.adjust:
             self._state, n = self._state._replace(counts=out[2]), 3
-        self._lp_out = tuple(out[n : n + 3]) if variant.logprobs else None
-        self._kv = out[n + 3 * variant.logprobs :]
+        self._lp_out = out[n] if variant.logprobs else None
+        self._kv = out[n + variant.logprobs :]
 
     def _run_model(self, key: tuple, build, args: list[torch.Tensor]) -> list[torch.Tensor]:
         """A step that runs the model: the LoRA bank's tensors are its first arguments (data:

@@ -124,9 +124,12 @@ def variants_of(variants: Sequence[bool], prompt_lp: bool) -> list[tuple[bool, b
 
 
 def read_logprobs(out, tokens: Sequence[int], rows: Sequence[int] | None = None):
-    """The :class:`TokenLogprob` of ``tokens`` from a step's ``(logprob, top logprobs, top
-    ids)`` device tensors, at ``rows`` (None: the first ``len(tokens)``); one transfer each."""
-    lp, top_lp, top_ids = (t.cpu() for t in out)
+    """The :class:`TokenLogprob` of ``tokens`` from a step's packed log-probabilities (a
+    device tensor of :func:`~.sampling.token_logprobs`), at ``rows`` (None: the first
+    ``len(tokens)``); one transfer."""
+    from .sampling import unpack_logprobs
+
+    lp, top_lp, top_ids = unpack_logprobs(out.cpu())
     rows = list(rows) if rows is not None else list(range(len(tokens)))
     lp, top_lp, top_ids = lp[rows].tolist(), top_lp[rows].tolist(), top_ids[rows].tolist()
     return [TokenLogprob(t, lp[i], tuple(zip(top_ids[i], top_lp[i]))) for i, t in enumerate(tokens)]

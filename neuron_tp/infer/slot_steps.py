@@ -94,8 +94,8 @@ def prefill_step(gen: SlotGenerator, bucket: int, sampled: bool, prompt_lp: bool
         prompt = []
         if prompt_lp:
             targets = torch.where(idx < m.length - 1, ids[0].roll(-1), m.next)
-            prompt = list(token_logprobs(logits, targets))
-        return [tok, *lp, *prompt, *new, *cache.tensors()]
+            prompt = [token_logprobs(logits, targets)]
+        return [tok, lp, *prompt, *new, *cache.tensors()]
 
     return gen.with_split_attention(step)
 
@@ -145,7 +145,7 @@ def decode_step(gen: SlotGenerator, bucket: int, variant: DecodeVariant):
             counts = counts.scatter_add(-1, tok[:, None], a.float()[:, None])
             new.append(torch.cat([counts, state.counts[bucket:]]))
         if v.logprobs:
-            new += [whole(t) for t in token_logprobs(logits, tok)]
+            new.append(whole(token_logprobs(logits, tok)))
         return [*new, *cache.tensors()]
 
     return gen.with_split_attention(step)
