@@ -27,7 +27,10 @@ Layouts (the ones refused: :mod:`neuron_tp.job.layout_rules`): under ``--cp`` ea
 the ring sums its own completion tokens and the per-row sums are summed over the ring before
 the loss (:func:`sequence_logps`); under ``--pp`` a micro-batch of pairs crosses the stages as
 ``2k`` rows and the last stage computes the sums, the loss and the metrics
-(:func:`pipeline_step`), the reference always computed ahead through the stages.
+(:func:`pipeline_step`), the reference always computed ahead through the stages; under
+``--tp-mode 2d|3d`` each rank sums the rows of its block of the logits (the grid's
+cross-entropy, reduction none) and the sums are gathered over the grid (:func:`grid_rows`);
+under ``--ep`` (MoE) each rank's pairs are its own, as at dp.
 """
 
 from __future__ import annotations
