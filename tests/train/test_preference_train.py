@@ -10,7 +10,8 @@ parallel, blockwise attention, cp 2 (DPO, ORPO), pp 2 (DPO, LoRA DPO), with eval
 other pairs after every step (TRL's eval_* values); the reference a frozen sharded copy
 (``--reference copy``, TRL's ref_model a copy) resumed after step 2 (the copy the initial
 model again), also under cp 2 and with LoRA (the copy: the base without adapters). The 2D /
-3D grids on 8 ranks: DPO at dp 2 x --tp-mode 2d (q=2) and at --tp-mode 3d (q=2), ORPO at 3d;
+3D grids on 8 ranks: DPO at dp 2 x --tp-mode 2d (q=2; also the reference a frozen copy, with
+evaluations after each step) and at --tp-mode 3d (q=2), ORPO at 3d;
 an MoE model (tiny Mixtral, experts scaled so they decide the logits) with --ep 2: TRL's
 DPOTrainer on the unsharded model (its router loss off). DPO at tp 2 (also SP, also with the
 copy), cp 2, pp 2 and the MoE model at ep 2 on 2 XLA CPU devices: the same values, no compile
@@ -88,18 +89,22 @@ CASES = {
     # an MoE model (tiny Mixtral) with its experts over 2 data-parallel ranks, 2 pairs each
     "dpo-moe-ep": (["--objective", "dpo", *MOE, "--ep", "2"], False, {"objective": "dpo"}),
 }
-# the 2D / 3D grids on 8 ranks (one launch): dp 2 x 2D q=2 (2 pairs a rank), 3D q=2
+# the 2D / 3D grids on 8 ranks (one launch): dp 2 x 2D q=2 (2 pairs a rank; also the
+# reference a frozen copy, evaluations after every step), 3D q=2
+GRID_2D = ["--objective", "dpo", "--tp", "4", "--tp-mode", "2d", "--micro-batch", "2"]
 GRID_CASES = {
-    "dpo-2d": (["--objective", "dpo", "--tp", "4", "--tp-mode", "2d", "--micro-batch", "2"]),
-    "dpo-3d": (["--objective", "dpo", "--tp", "8", "--tp-mode", "3d"]),
-    "orpo-3d": (["--objective", "orpo", "--tp", "8", "--tp-mode", "3d"]),
+    "dpo-2d": GRID_2D,
+    "dpo-copy-2d-eval": [*GRID_2D, "--reference", "copy", *EVAL],
+    "dpo-3d": ["--objective", "dpo", "--tp", "8", "--tp-mode", "3d"],
+    "orpo-3d": ["--objective", "orpo", "--tp", "8", "--tp-mode", "3d"],
 }
 GRID_WORLD = 8
 TRL_RUNS = {"dpo", "dpo-lora", "orpo", "ipo-resume", "dpo-chat", "hinge"}  # zero1 reads "dpo"'s
 TRL_OF = {"dpo-zero1": "dpo", "dpo-dp2-accum": "dpo", "dpo-sp-eval": "dpo", "dpo-cp-eval": "dpo"}
 TRL_OF |= {"orpo-cp": "orpo", "dpo-pp-eval": "dpo", "dpo-lora-pp": "dpo-lora"}
 TRL_OF |= {"dpo-blockwise": "dpo", "dpo-copy-eval-resume": "dpo", "dpo-copy-cp": "dpo"}
-TRL_OF |= {"dpo-lora-copy": "dpo-lora", "dpo-2d": "dpo", "dpo-3d": "dpo", "orpo-3d": "orpo"}
+TRL_OF |= {"dpo-lora-copy": "dpo-lora", "dpo-2d": "dpo", "dpo-copy-2d-eval": "dpo"}
+TRL_OF |= {"dpo-3d": "dpo", "orpo-3d": "orpo"}
 EVAL_KEYS = tuple(f"eval_{k}" for k in ("loss", *ref.KEYS))
 
 
