@@ -215,7 +215,9 @@ def _metadata(
 def _expert_tensors(model, optimizer, mesh: Mesh) -> dict[str, torch.Tensor]:
     """Every expert-parallel parameter and its optimizer state with ALL its experts, gathered
     over ``ep`` (collective: every rank calls it), so the files hold what an ``ep=1`` run
-    saves and resume or consolidate do not depend on the expert-parallel degree."""
+    saves and resume or consolidate do not depend on the expert-parallel degree. Moved to the
+    host on every rank: on an XLA device the gathers run when a tensor is read, and a rank
+    that does not write files must still join them."""
     out: dict[str, torch.Tensor] = {}
     if mesh.ep_size == 1:
         return out
@@ -227,7 +229,7 @@ def _expert_tensors(model, optimizer, mesh: Mesh) -> dict[str, torch.Tensor]:
         for key, v in state.items():
             if isinstance(v, torch.Tensor) and v.shape == p.shape:
                 out[f"optim/{n}/{key}"] = gather_experts(v, m.sharding, mesh)
-    return out
+    return {k: v.cpu().contiguous() for k, v in out.items()}
 
 
 def _saved_shape(p: torch.Tensor, meta, mesh: Mesh) -> list[int]:
@@ -278,7 +280,7 @@ def _write_rank_files(
             tensors.update(buffer_tensors(model))
         if optimizer is not None and not is_zero1(optimizer):
             tensors.update(_optimizer_tensors(model, optimizer))
-        tensors.update({k: v.cpu().contiguous() for k, v in experts.items()})
+        tensors.update(experts)
         info = {"step": int(step), "tp_rank": mesh.tp_rank, "tp": mesh.tp_size}
         if stage is not None:
             info.update(pp_rank=stage, pp=mesh.pp_size)

@@ -137,9 +137,6 @@ def _preference_rules(layout: ParallelLayout, shape: BatchShape) -> list[str]:
     """What ``--objective dpo|orpo`` (per-sequence log-probabilities of pairs) runs with."""
     if shape.objective == "lm":
         return []
-    unsupported = [f"--tp-mode {layout.tp_mode}"] if layout.tp_mode != "1d" else []
-    unsupported += ["--ep > 1"] if layout.ep > 1 else []
-    unsupported += ["--pp > 1 with --cp > 1"] if layout.pp > 1 and layout.cp > 1 else []
     out = []
     if layout.pp > 1 and shape.objective == "dpo" and shape.reference in ("adapters", "copy"):
         out.append(
@@ -147,14 +144,18 @@ def _preference_rules(layout: ParallelLayout, shape: BatchShape) -> list[str]:
             "pipeline stages run one forward per micro-batch, so the reference is computed "
             "ahead through them (--reference precompute, the default under --pp)"
         )
-    if not unsupported:
-        return out
-    return out + [
-        f"--objective {shape.objective} does not support {', '.join(unsupported)}: preference "
-        "training runs with --tp (1d, with or without --sequence-parallel), --cp or --pp, "
-        "data parallelism, --zero1, --bf16, --lora-r, --grad-accum, --attention blockwise "
-        "and --eval-data"
-    ]
+    mixed = ["--cp > 1"] if layout.cp > 1 else []
+    mixed += [f"--tp-mode {layout.tp_mode}"] if layout.tp_mode != "1d" else []
+    if layout.pp > 1 and mixed:
+        out.append(
+            f"--objective {shape.objective} does not support --pp > 1 with "
+            f"{' or '.join(mixed)}: the last stage sums the pairs' log-probabilities from "
+            "--tp-mode 1d logits of whole rows (not a ring's parts or a grid's blocks); "
+            "--cp, --tp-mode 2d / 3d, --ep, --sequence-parallel, data parallelism, --zero1, "
+            "--bf16, --lora-r and --eval-data all run with --pp 1, and --pp with --tp-mode 1d "
+            "at --cp 1"
+        )
+    return out
 
 
 def _model_rules(layout: ParallelLayout, shape: BatchShape, model_config) -> list[str]:

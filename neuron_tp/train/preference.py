@@ -27,7 +27,10 @@ Layouts (the ones refused: :mod:`neuron_tp.job.layout_rules`): under ``--cp`` ea
 the ring sums its own completion tokens and the per-row sums are summed over the ring before
 the loss (:func:`sequence_logps`); under ``--pp`` a micro-batch of pairs crosses the stages as
 ``2k`` rows and the last stage computes the sums, the loss and the metrics
-(:func:`pipeline_step`), the reference always computed ahead through the stages.
+(:func:`pipeline_step`), the reference always computed ahead through the stages; under
+``--tp-mode 2d|3d`` each rank sums the rows of its block of the logits (the grid's
+cross-entropy, reduction none) and the sums are gathered over the grid (:func:`grid_rows`);
+under ``--ep`` (MoE) each rank's pairs are its own, as at dp.
 """
 
 from __future__ import annotations
@@ -41,8 +44,11 @@ import torch.nn.functional as F
 from ..errors import UserError
 from ..hf.context_parallel import split_rows
 from ..hf.packing import IGNORE_INDEX, next_token_targets
+from ..hf.parallelize_nd import logits_layout
 from ..job.pairs import rows_checksum
 from ..layers import parallel_cross_entropy
+from ..layers.activation_layout import split_input
+from ..layers.vocab_nd import cross_entropy_nd
 from ..parallel import comm, regions
 from ..parallel.mesh import Mesh
 from ..pipeline.runner import PipelineRunner
@@ -99,8 +105,14 @@ def check_options(config) -> None:
 
 def token_logps(mesh: Mesh, vocab: int, logits, targets):
     """``log p(target)`` per position (0 where the target is -100) of logits ``[b, s, v]``
-    (vocab-sharded at tp > 1) and ``targets`` ``[b, s]``: the token each position predicts."""
-    if mesh.tp_size > 1:
+    (vocab-sharded at tp > 1) and ``targets`` ``[b, s]``: the token each position predicts.
+    ``--tp-mode 2d|3d``: ``logits`` is this rank's block (batch chunk, vocab chunk) and the
+    result that batch chunk's rows (:func:`grid_rows` gathers them)."""
+    if mesh.tp_mode != "1d":
+        layout = logits_layout(mesh)
+        targets = split_input(targets.to(logits.device), layout, mesh, feature_dim=False)
+        nll = cross_entropy_nd(logits, targets, layout, mesh, reduction="none", vocab_size=vocab)
+    elif mesh.tp_size > 1:
         nll = parallel_cross_entropy(logits, targets, mesh=mesh, vocab_size=vocab, reduction="none")
     else:
         nll = F.cross_entropy(
@@ -113,13 +125,24 @@ def token_logps(mesh: Mesh, vocab: int, logits, targets):
     return -(nll.float() * valid), valid.float()
 
 
+def grid_rows(mesh: Mesh, s: torch.Tensor, n: torch.Tensor):
+    """``--tp-mode 2d|3d``: the per-row ``(sums, counts)`` of every row of the micro-batch
+    from this rank's batch chunk of them (all-gathered over the logits' batch group; backward:
+    this chunk's gradient, the loss being replicated over the grid); 1d: as given."""
+    if mesh.tp_mode == "1d":
+        return s, n
+    group = mesh.group(logits_layout(mesh).batch_group)
+    return regions.all_gather_fwd_split_bwd(s, group, dim=0), comm.all_gather(n, group, 0)
+
+
 def sequence_logps(model, mesh: Mesh, vocab: int, ids, labels, mask):
     """``(sum, count)`` per row: the summed log-probability of the completion tokens (labels
     other than -100, shifted as HF does) and how many there are. At cp > 1 the model runs on
     this rank's part of every row (no attention mask: the padding is at the end and the ring
     is causal), its sums are this part's, summed over the
     ring (backward: identity, so each rank's gradient is that of its own tokens, summed over
-    the replicas by the optimizer)."""
+    the replicas by the optimizer). Under ``--tp-mode 2d|3d`` each rank sums its batch
+    chunk's rows, gathered over the grid (:func:`grid_rows`)."""
     targets = next_token_targets(labels)
     if mesh.cp_size > 1:
         logits = model(input_ids=ids).logits
@@ -127,7 +150,7 @@ def sequence_logps(model, mesh: Mesh, vocab: int, ids, labels, mask):
     else:
         logits = model(input_ids=ids, attention_mask=mask).logits
     logps, valid = token_logps(mesh, vocab, logits, targets)
-    s, n = logps.sum(-1), valid.sum(-1)
+    s, n = grid_rows(mesh, logps.sum(-1), valid.sum(-1))
     if mesh.cp_size > 1:
         s = regions.all_reduce_fwd_identity_bwd(s, mesh.cp)
         n = regions.all_reduce_fwd_identity_bwd(n, mesh.cp)

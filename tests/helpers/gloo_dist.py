@@ -173,12 +173,13 @@ def _run_cases(check: Callable[..., None], cases: Sequence[str], args: tuple, ou
 
 
 @functools.cache
-def shared_mesh(tp: int, cp: int = 1, pp: int = 1):
-    """This rank's ``neuron_tp.init_mesh(tp=tp, cp=cp, pp=pp)``, made on first use: the cases
-    of one :func:`run_case` launch share it (each new mesh would create new process groups)."""
+def shared_mesh(tp: int, cp: int = 1, pp: int = 1, *, tp_mode: str = "1d", ep: int = 1):
+    """This rank's ``neuron_tp.init_mesh(tp=tp, cp=cp, pp=pp, tp_mode=tp_mode, ep=ep)``, made
+    on first use: the cases of one :func:`run_case` launch share it (each new mesh would
+    create new process groups)."""
     import neuron_tp
 
-    return neuron_tp.init_mesh(tp=tp, cp=cp, pp=pp)
+    return neuron_tp.init_mesh(tp=tp, cp=cp, pp=pp, tp_mode=tp_mode, ep=ep)
 
 
 _launches: dict[tuple, dict[str, str] | str] = {}  # one launch per (check, cases, args, world)

@@ -84,16 +84,22 @@ def tiny_model(vocab: int, lora_r: int = 0):
 
 
 def trl_run(pairs: str, tokenizer_dir: str, out: str, objective: str = "dpo", lora_r: int = 0,
-            beta: float = 0.1, loss_type: str = "sigmoid",
-            eval_pairs: str | None = None) -> list[dict]:  # fmt: skip
+            beta: float = 0.1, loss_type: str = "sigmoid", eval_pairs: str | None = None,
+            model_dir: str | None = None) -> list[dict]:  # fmt: skip
     """TRL's per-step loss (as its compute_loss returns it) and metrics; ``eval_pairs``: an
-    evaluation after every step, its ``eval_*`` values in the step's entry."""
+    evaluation after every step, its ``eval_*`` values in the step's entry; ``model_dir``: a
+    saved transformers model to train (default: the tiny-llama preset)."""
     import datasets
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     tok.pad_token = tok.pad_token or tok.eos_token
-    model = tiny_model(len(tok), lora_r)
+    if model_dir is None:
+        model = tiny_model(len(tok), lora_r)
+    else:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
     data = datasets.Dataset.from_list([json.loads(line) for line in open(pairs)])
     common = dict(
         output_dir=out,
@@ -129,7 +135,9 @@ def trl_run(pairs: str, tokenizer_dir: str, out: str, objective: str = "dpo", lo
                     losses.append(float((loss[0] if isinstance(loss, tuple) else loss).detach()))
                 return loss
 
-        cfg = DPOConfig(**common, loss_type=[loss_type], max_length=48)
+        # an MoE model: no router load-balancing loss (TRL adds it by default, neuron-tp not)
+        aux = {} if model_dir is None else {"router_aux_loss_coef": 0.0}
+        cfg = DPOConfig(**common, loss_type=[loss_type], max_length=48, **aux)
         ref = None if lora_r else copy.deepcopy(model)  # LoRA: the base, adapters disabled
         trainer = Recording(
             model=model,

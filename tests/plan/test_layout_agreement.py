@@ -91,8 +91,8 @@ def _train_check(config: TrainConfig, model) -> list[str]:
     "model, objective", [(LLAMA, "lm"), (GPT2, "lm"), (LLAMA, "dpo")], ids=["llama", "gpt2", "dpo"]
 )
 def test_planner_and_train_check_agree_on_every_layout(model, objective):
-    """``objective`` dpo: the layouts preference training runs (fewer: no 2d / 3d, no pp
-    with cp)."""
+    """``objective`` dpo: the layouts preference training runs (fewer: no pp with cp or
+    with 2d / 3d)."""
     counts = {"both run": 0, "both refuse": 0}
     for world, tp, mode, sp, pipe, cp in _grid():
         config = _config(world, tp, mode, sp, pipe, cp, "--objective", objective)

@@ -9,10 +9,13 @@ recomputed), conversational pairs with an implicit prompt; the layouts beyond tp
 parallel, blockwise attention, cp 2 (DPO, ORPO), pp 2 (DPO, LoRA DPO), with evaluations on
 other pairs after every step (TRL's eval_* values); the reference a frozen sharded copy
 (``--reference copy``, TRL's ref_model a copy) resumed after step 2 (the copy the initial
-model again), also under cp 2 and with LoRA (the copy: the base without adapters). DPO at
-tp 2 (also SP, also with the copy), cp 2 and pp 2 on 2 XLA CPU devices: the same values, no
-compile after step 2. Bad rows and unsupported layouts
-are refused before training."""
+model again), also under cp 2 and with LoRA (the copy: the base without adapters). The 2D /
+3D grids on 8 ranks: DPO at dp 2 x --tp-mode 2d (q=2; also the reference a frozen copy, with
+evaluations after each step) and at --tp-mode 3d (q=2), ORPO at 3d;
+an MoE model (tiny Mixtral, experts scaled so they decide the logits) with --ep 2: TRL's
+DPOTrainer on the unsharded model (its router loss off). DPO at tp 2 (also SP, also with the
+copy), cp 2, pp 2 and the MoE model at ep 2 on 2 XLA CPU devices: the same values, no compile
+after step 2. Bad rows and unsupported layouts are refused before training."""
 
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ from tiny_tokenizer import CHAT_TEMPLATE, bpe_tokenizer_dir  # noqa: E402
 EVAL = ["--eval-data", "{base}/eval_pairs.jsonl", "--eval-every", "1"]
 PP = ["--tp", "1", "--pp", "2", "--micro-batch", "2", "--grad-accum", "2"]
 BLOCK = ["--attention-block", "16"]
+MOE = ["--model", "{base}/moe", "--tp", "1", "--micro-batch", "2"]
 # case: (our extra options, conversational pairs, TRL's run)
 CASES = {
     "dpo": (["--objective", "dpo"], False, {"objective": "dpo"}),
@@ -82,27 +86,50 @@ CASES = {
         False,
         {},
     ),
+    # an MoE model (tiny Mixtral) with its experts over 2 data-parallel ranks, 2 pairs each
+    "dpo-moe-ep": (["--objective", "dpo", *MOE, "--ep", "2"], False, {"objective": "dpo"}),
 }
+# the 2D / 3D grids on 8 ranks (one launch): dp 2 x 2D q=2 (2 pairs a rank; also the
+# reference a frozen copy, evaluations after every step), 3D q=2
+GRID_2D = ["--objective", "dpo", "--tp", "4", "--tp-mode", "2d", "--micro-batch", "2"]
+GRID_CASES = {
+    "dpo-2d": GRID_2D,
+    "dpo-copy-2d-eval": [*GRID_2D, "--reference", "copy", *EVAL],
+    "dpo-3d": ["--objective", "dpo", "--tp", "8", "--tp-mode", "3d"],
+    "orpo-3d": ["--objective", "orpo", "--tp", "8", "--tp-mode", "3d"],
+}
+GRID_WORLD = 8
 TRL_RUNS = {"dpo", "dpo-lora", "orpo", "ipo-resume", "dpo-chat", "hinge"}  # zero1 reads "dpo"'s
 TRL_OF = {"dpo-zero1": "dpo", "dpo-dp2-accum": "dpo", "dpo-sp-eval": "dpo", "dpo-cp-eval": "dpo"}
 TRL_OF |= {"orpo-cp": "orpo", "dpo-pp-eval": "dpo", "dpo-lora-pp": "dpo-lora"}
 TRL_OF |= {"dpo-blockwise": "dpo", "dpo-copy-eval-resume": "dpo", "dpo-copy-cp": "dpo"}
-TRL_OF |= {"dpo-lora-copy": "dpo-lora"}
+TRL_OF |= {"dpo-lora-copy": "dpo-lora", "dpo-2d": "dpo", "dpo-copy-2d-eval": "dpo"}
+TRL_OF |= {"dpo-3d": "dpo", "orpo-3d": "orpo"}
 EVAL_KEYS = tuple(f"eval_{k}" for k in ("loss", *ref.KEYS))
 
 
-def _degrees(extra: list[str]) -> tuple[int, int, int]:
-    """(tp, cp, pp) of a case's options (tp 2 unless given)."""
-    got = {"--tp": 2, "--cp": 1, "--pp": 1}
+def _mesh(extra: list[str]):
+    """This rank's shared mesh of a case's options (tp 2 unless given)."""
+    got: dict = {"--tp": 2, "--cp": 1, "--pp": 1, "--ep": 1, "--tp-mode": "1d"}
     for flag in got:
         if flag in extra:
-            got[flag] = int(extra[extra.index(flag) + 1])
-    return got["--tp"], got["--cp"], got["--pp"]
+            value = extra[extra.index(flag) + 1]
+            got[flag] = value if flag == "--tp-mode" else int(value)
+    kw = {k[2:].replace("-", "_"): v for k, v in got.items() if k != "--tp"}
+    return gloo_dist.shared_mesh(got["--tp"], **kw)
 
 
 def _trl_reference(base: str) -> None:
     """Every TRL run, in a fresh process without torch-xla (accelerate would take its device)."""
-    out = {}
+    from transformers import AutoTokenizer
+
+    from moe_archs import build_moe, loud_experts
+
+    vocab = len(AutoTokenizer.from_pretrained(f"{base}/tok"))
+    moe = build_moe("mixtral", vocab_size=vocab, max_position_embeddings=64)
+    loud_experts(moe).save_pretrained(f"{base}/moe")
+    out = {"dpo-moe-ep": ref.trl_run(f"{base}/pairs.jsonl", f"{base}/tok", f"{base}/trl-moe",
+                                     model_dir=f"{base}/moe")}  # fmt: skip
     for case in sorted(TRL_RUNS):
         _, chat, kw = CASES[case]
         pairs = f"{base}/chat_pairs.jsonl" if chat else f"{base}/pairs.jsonl"
@@ -128,16 +155,17 @@ def _copy_state(run) -> dict:
     }
 
 
-def _ours(base: str) -> None:
-    """Rank body: every case at tp=2; rank 0 writes the logs."""
+def _ours(base: str, grid: bool = False) -> None:
+    """Rank body: every case of :data:`CASES` (at tp=2 unless given), or of
+    :data:`GRID_CASES`; rank 0 writes the logs."""
     from neuron_tp.cli.args import train_parser
     from neuron_tp.train.loop import train
 
     logs, notes = {}, {}
-    for case, (extra, chat, _) in CASES.items():
+    cases = {k: (v, False, {}) for k, v in GRID_CASES.items()} if grid else CASES
+    for case, (extra, chat, _) in cases.items():
         extra = [x.format(base=base) for x in extra]
-        tp, cp, pp = _degrees(extra)
-        mesh = gloo_dist.shared_mesh(tp, cp=cp, pp=pp)
+        mesh = _mesh(extra)
         pairs = f"{base}/chat_pairs.jsonl" if chat else f"{base}/pairs.jsonl"
         argv = ["--device", "cpu", "--tp", "2", "--micro-batch", "4", "--data", pairs]
         argv += ["--tokenizer", f"{base}/tok", *ref.ARGS, *extra, "--output-dir", f"{base}/{case}"]
@@ -163,7 +191,7 @@ def _ours(base: str) -> None:
         if states:
             notes[f"{case}/copy"] = states
     if mesh.rank == 0:
-        with open(f"{base}/ours.json", "w") as f:
+        with open(f"{base}/ours{'-grid' if grid else ''}.json", "w") as f:
             json.dump({"logs": logs, "notes": notes}, f)
 
 
@@ -182,8 +210,14 @@ def runs(tmp_path_factory) -> tuple[dict, dict]:
     trl = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert trl.returncode == 0, trl.stderr[-3000:]
     gloo_dist.run(_ours, base, world_size=2)
+    gloo_dist.run(_ours, base, True, world_size=GRID_WORLD, timeout=600)
     with open(f"{base}/trl.json") as f, open(f"{base}/ours.json") as g:
-        return json.load(f), json.load(g) | {"base": base}
+        trl, ours = json.load(f), json.load(g) | {"base": base}
+    with open(f"{base}/ours-grid.json") as g:
+        grid = json.load(g)
+    ours["logs"] |= grid["logs"]
+    ours["notes"] |= grid["notes"]
+    return trl, ours
 
 
 def _compare(ours: list[dict], theirs: list[dict], keys=("loss", *ref.KEYS), tol=2e-5):
@@ -196,7 +230,7 @@ def _compare(ours: list[dict], theirs: list[dict], keys=("loss", *ref.KEYS), tol
     print(f"max |ours - reference| over {len(keys)} values x 3 steps: {worst:.2e}")
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if "bf16" not in c])
+@pytest.mark.parametrize("case", [c for c in [*CASES, *GRID_CASES] if "bf16" not in c])
 def test_matches_trl(runs, case):
     trl, ours = runs
     theirs = trl[TRL_OF.get(case, case)]
@@ -300,9 +334,8 @@ def test_bad_rows_refused(tmp_path):
 @pytest.mark.parametrize(
     "extra, match",
     [
-        (["--tp-mode", "2d", "--tp", "4"], r"does not support --tp-mode 2d"),
+        (["--tp-mode", "2d", "--tp", "4", "--pp", "2"], r"--pp > 1 with --tp-mode 2d: the last"),
         (["--pp", "2", "--cp", "2"], r"does not support --pp > 1 with --cp > 1"),
-        (["--ep", "2"], r"does not support --ep > 1"),
         (["--data-cache", "x"], r"does not support --data-cache"),
         (["--dpo-loss", "ipo", "--label-smoothing", "0.1"], "sigmoid only"),
         (["--reference", "copy", "--pp", "2"], r"--reference copy does not combine with --pp 2"),
@@ -332,7 +365,9 @@ def xla_runs(runs):
     return xla_dist.run_cases(cases.on_two, list(cases.CASES), runs[1]["base"], devices=2)
 
 
-@pytest.mark.parametrize("case", ["dpo", "dpo-sp-eval", "dpo-cp-eval", "dpo-pp-eval", "dpo-copy"])
+@pytest.mark.parametrize(
+    "case", ["dpo", "dpo-sp-eval", "dpo-cp-eval", "dpo-pp-eval", "dpo-copy", "dpo-moe-ep"]
+)
 def test_xla_two_devices(runs, xla_runs, case):
     """DPO on 2 XLA CPU devices (real collectives, one graph per step; --pp: a fixed set per
     stage): tp 2, with --sequence-parallel, --cp 2, --pp 2, evaluations after each step, the
@@ -341,7 +376,8 @@ def test_xla_two_devices(runs, xla_runs, case):
     trl, _ = runs
     out = xla_runs.get(case)
     keys = ("loss", *ref.KEYS) + (EVAL_KEYS if "eval" in case else ())
-    _compare(out[0]["log"][:3], trl["dpo"], keys, tol=1e-4)  # XLA:CPU rounds differently
+    theirs = trl["dpo-moe-ep" if case == "dpo-moe-ep" else "dpo"]
+    _compare(out[0]["log"][:3], theirs, keys, tol=1e-4)  # XLA:CPU rounds differently
     compiles = {e["step"]: e["compiles"] for e in out[0]["per_step"]}
     assert compiles[2] > 0 and compiles[3] == compiles[2], compiles
     assert compiles.get(4, compiles[3]) == compiles[3], compiles

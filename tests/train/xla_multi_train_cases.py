@@ -33,14 +33,21 @@ def args_for(out: str, *extra: str):
 
 
 def run_train(
-    tp: int, out: str, extra: list[str], stop_at: int | None = None, cp: int = 1, pp: int = 1
+    tp: int,
+    out: str,
+    extra: list[str],
+    stop_at: int | None = None,
+    cp: int = 1,
+    pp: int = 1,
+    *,
+    ep: int = 1,
 ) -> dict:
     """One rank of a training run; returns the log (every rank), per-step counters (rank 0),
     and every replicated parameter (to compare across ranks)."""
     import torch_xla.runtime as xr
 
     world = xr.world_size()
-    mesh = ntp.init_mesh(tp=tp, cp=cp, pp=pp)
+    mesh = ntp.init_mesh(tp=tp, cp=cp, pp=pp, ep=ep)
     per_step, barrier, holder = [], _barrier(world), {}
     barrier.wait()
     start = graph_counters()  # earlier runs of this process are not this run's

@@ -16,6 +16,8 @@ CASES = {
     "dpo-cp-eval": (1, 2, 1, ["--cp", "2", *EVAL]),
     "dpo-pp-eval": (1, 1, 2, ["--pp", "2", "--micro-batch", "2", "--grad-accum", "2", *EVAL]),
     "dpo-copy": (2, 1, 1, ["--reference", "copy"]),
+    # a tiny Mixtral, its experts over 2 data-parallel ranks (2 pairs each)
+    "dpo-moe-ep": (1, 1, 1, ["--model", "{base}/moe", "--ep", "2", "--micro-batch", "2"]),
 }
 
 
@@ -24,4 +26,5 @@ def on_two(name: str, base: str) -> dict:
     tp, cp, pp, extra = CASES[name]
     argv = ["--micro-batch", "4", "--data", f"{base}/pairs.jsonl", "--tokenizer", f"{base}/tok"]
     argv += [*ref.ARGS, "--objective", "dpo", *(x.format(base=base) for x in extra)]
-    return cases.run_train(tp, f"{base}/xla-{name}", argv, cp=cp, pp=pp)
+    ep = int(extra[extra.index("--ep") + 1]) if "--ep" in extra else 1
+    return cases.run_train(tp, f"{base}/xla-{name}", argv, cp=cp, pp=pp, ep=ep)
