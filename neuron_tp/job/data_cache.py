@@ -86,6 +86,23 @@ def _read(entry: str) -> tuple[dict[str, torch.Tensor], list[str]]:
     return rows, meta["notes"]
 
 
+def rows_of(
+    cache_dir: str | None,
+    path: str,
+    tokenizer,
+    options: dict,
+    build: Callable[[], tuple[dict[str, torch.Tensor], list[str]]],
+) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """The rows and notes of the data at ``path``: ``build()``'s, through the entry of
+    ``cache_dir`` keyed by the data, the tokenizer and ``options`` (the row shape; they name
+    the kind of rows) when there is one (its note says whether it was written or read)."""
+    if not cache_dir:
+        return build()
+    key = cache_key(path, tokenizer, options)
+    rows, notes, built = cached_rows(cache_dir, key, build)
+    return rows, [*notes, f"data cache: {cache_dir}/{key} ({'written' if built else 'read'})"]
+
+
 def cached_rows(
     cache_dir: str,
     key: str,

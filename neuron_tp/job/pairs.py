@@ -161,10 +161,16 @@ def load_pairs(
     dp_rank: int = 0,
     seed: int = 0,
     shuffle: bool = True,
+    cache: str | None = None,
 ) -> RowData:
     """This dp rank's batches of ``micro_batch`` pairs (:func:`pair_rows`); ``shuffle=False``:
-    file order (evaluation)."""
-    rows, notes = pair_rows(path, tokenizer, seq_len)
+    file order (evaluation); ``cache``: the ``--data-cache`` directory (None: no cache)."""
+    from .data_cache import rows_of
+
+    options = {"rows": "preference pairs", "seq_len": seq_len}
+    rows, notes = rows_of(
+        cache, path, tokenizer, options, lambda: pair_rows(path, tokenizer, seq_len)
+    )
     data = RowData(
         rows,
         seq_len,

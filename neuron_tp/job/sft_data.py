@@ -79,17 +79,12 @@ def load_data(
     ``shuffle=False``: in file order (evaluation data)."""
     options = {"seq_len": seq_len, "loss_on": loss_on, "packing": packing, "overlong": overlong}
 
+    from .data_cache import rows_of
+
     def build():
         return build_rows(path, tokenizer, **options)
 
-    if cache:
-        from .data_cache import cache_key, cached_rows
-
-        key = cache_key(path, tokenizer, options)
-        rows, notes, built = cached_rows(cache, key, build)
-        notes = [*notes, f"data cache: {cache}/{key} ({'written' if built else 'read'})"]
-    else:
-        rows, notes = build()
+    rows, notes = rows_of(cache, path, tokenizer, options, build)
     data = RowData(
         rows,
         seq_len,

@@ -33,6 +33,7 @@ def load_train_rows(
             dp_rank=dp_rank,
             seed=config.seed,
             shuffle=not in_order,
+            cache=None if in_order else config.data_cache,
         )
     return load_data(
         path,

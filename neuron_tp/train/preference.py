@@ -96,11 +96,6 @@ def check_options(config) -> None:
             "--reference adapters needs --lora-r (the base model is the policy with its "
             "adapters disabled); without LoRA use --reference copy or precompute"
         )
-    if config.data_cache is not None:
-        raise UserError(
-            f"{flag} does not support --data-cache: preference pairs are read from --data "
-            "(padded rows, never packed); the layouts it runs: neuron_tp.job.layout_rules"
-        )
 
 
 def token_logps(mesh: Mesh, vocab: int, logits, targets):

@@ -26,6 +26,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import gloo_dist  # noqa: E402
@@ -39,7 +40,11 @@ MOE = ["--model", "{base}/moe", "--tp", "1", "--micro-batch", "2"]
 # case: (our extra options, conversational pairs, TRL's run)
 CASES = {
     "dpo": (["--objective", "dpo"], False, {"objective": "dpo"}),
-    "dpo-zero1": (["--objective", "dpo", "--zero1"], False, {"objective": "dpo"}),
+    "dpo-zero1": (  # the pairs through the tokenized-data cache
+        ["--objective", "dpo", "--zero1", "--data-cache", "{base}/cache"],
+        False,
+        {"objective": "dpo"},
+    ),
     "dpo-lora": (
         ["--objective", "dpo", "--lora-r", "4", "--lora-alpha", "8"],
         False,
@@ -331,12 +336,33 @@ def test_bad_rows_refused(tmp_path):
         encode_pair(json.loads(chat.read_text()), None, "chat.jsonl:1")
 
 
+def test_pairs_data_cache(tmp_path):
+    """--data-cache: the pairs' rows written once, then read (memory-mapped), equal to the rows
+    tokenized directly."""
+    from neuron_tp.job.data import ByteTokenizer
+    from neuron_tp.job.pairs import load_pairs, pair_rows
+
+    data = tmp_path / "pairs.jsonl"
+    data.write_text(
+        "".join(
+            json.dumps({"prompt": f"q{i}", "chosen": "yes" * i, "rejected": "no"}) + "\n"
+            for i in range(1, 4)
+        )
+    )
+    tok, cache = ByteTokenizer(), str(tmp_path / "cache")
+    want, _ = pair_rows(str(data), tok, 16)
+    first = load_pairs(str(data), tok, 16, 1, cache=cache)
+    again = load_pairs(str(data), tok, 16, 1, cache=cache)
+    assert "(written)" in first.notes[-1] and "(read)" in again.notes[-1]
+    for k, v in want.items():
+        assert torch.equal(again.rows[k], v), k
+
+
 @pytest.mark.parametrize(
     "extra, match",
     [
         (["--tp-mode", "2d", "--tp", "4", "--pp", "2"], r"--pp > 1 with --tp-mode 2d: the last"),
         (["--pp", "2", "--cp", "2"], r"does not support --pp > 1 with --cp > 1"),
-        (["--data-cache", "x"], r"does not support --data-cache"),
         (["--dpo-loss", "ipo", "--label-smoothing", "0.1"], "sigmoid only"),
         (["--reference", "copy", "--pp", "2"], r"--reference copy does not combine with --pp 2"),
         (["--reference", "adapters"], r"--reference adapters needs --lora-r"),
