@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 
 import openai
 import pytest
-from test_server import _alive, _children, _client, _serve
+from test_server import _children, _client, _serve, _stop
+from test_structured import _joined
 
 from hermes_model import ANSWER, CALL, WEATHER_TOOL, hermes_dir
 from http_app import free_port
@@ -46,14 +45,7 @@ def served(tmp_path_factory):
     ranks = _children(proc.pid)
     assert len(ranks) == 2
     yield AutoTokenizer.from_pretrained(model), url
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(45)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    for pid in ranks:
-        if _alive(pid):
-            os.kill(pid, signal.SIGKILL)
+    _stop(proc, ranks)
 
 
 def _ask(client, messages=ASK, **kw):
@@ -112,20 +104,6 @@ def test_auto_answer_is_a_tool_call_and_the_next_turn_is_rendered(served):
     bad[1]["tool_calls"][0]["function"] = {"name": "weather", "arguments": "{city: Oslo"}
     with pytest.raises(openai.BadRequestError, match=r"tool_calls\[0\].function.arguments"):
         _ask(client, bad, tools=[WEATHER_TOOL])
-
-
-def _joined(deltas) -> list[dict]:
-    """The calls of streamed ``tool_calls`` deltas joined by index (the first of each with id,
-    type and name; then only argument pieces)."""
-    calls: dict[int, dict] = {}
-    for d in deltas:
-        if d.index not in calls:
-            assert d.id and d.type == "function" and d.function.name, d
-            calls[d.index] = {"id": d.id, "name": d.function.name, "arguments": ""}
-        else:
-            assert d.id is None and d.function.name is None, d
-        calls[d.index]["arguments"] += d.function.arguments or ""
-    return [calls[i] for i in sorted(calls)]
 
 
 def test_streamed_auto_call_at_tp2_adds_up_to_the_whole_answers(served):

@@ -842,6 +842,18 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _stop(proc: subprocess.Popen, ranks: list[int]) -> None:
+    """A fixture's teardown: SIGTERM to the launcher, then kill it and any rank left."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(45)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    for pid in ranks:
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
 def _serve(cmd: list[str], env: dict, log, port: int) -> tuple[subprocess.Popen, str]:
     """Start ``cmd`` (a torchrun ``neuron-tp serve``), its output in ``log``; return it and its
     base url once ``/ready`` answers 200 (fails with the log's tail if it dies or takes 120 s)."""
@@ -1081,14 +1093,7 @@ def moe_tp2(tmp_path_factory):
     proc, url = _serve(cmd, env, log, port)
     ranks = _children(proc.pid)
     yield full, url
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(45)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    for pid in ranks:
-        if _alive(pid):
-            os.kill(pid, signal.SIGKILL)
+    _stop(proc, ranks)
 
 
 def test_moe_directory_tp2_answers_like_transformers_per_request(moe_tp2):
